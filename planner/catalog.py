@@ -1,0 +1,334 @@
+"""Model architectures and their expansion into Megatron-core parameter lists.
+
+An `Architecture` holds the handful of numbers that fix a transformer's parameter shapes (see
+DESIGN §2). `enumerate_params` expands one into the `ParamSpec`s Megatron-core registers, in
+registration order, with full shapes, the TP split dim, the optimizer class and the submatrices
+the matrix optimizer updates independently. Presets and Hugging Face configs both end here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from .spec import ADAMW, MATRIX, OPTIMIZER_CLASSES, QKV_SPLITS, ModelOptions, ParamSpec, PlanError
+
+VOCAB_DIVISOR = 128
+"""Megatron's default `--make-vocab-size-divisible-by`; the vocab is padded to this times TP."""
+
+Shape = tuple[int, ...]
+Submatrices = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The numbers that determine a decoder-only transformer's parameter shapes.
+
+    Dense fields follow DESIGN §2 (h, F, L, nh, ng, d, V). MoE (num_experts > 0): layers with
+    index < `first_dense_layers` or listed in `dense_layers` use the dense MLP of size `ffn`,
+    all others route to `num_experts` experts of size `expert_ffn`, plus one fused shared-expert
+    MLP of total size `shared_expert_ffn` when `num_shared_experts` > 0. MLA (kv_lora > 0):
+    DeepSeek latent attention; `q_lora` = 0 means queries are not compressed. For MLA models
+    `num_kv_groups` equals `num_heads` and `head_dim` is qk_nope + qk_rope (informational).
+    """
+
+    h: int
+    ffn: int
+    num_layers: int
+    num_heads: int
+    num_kv_groups: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    num_experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    num_shared_experts: int = 0
+    shared_expert_ffn: int = 0
+    first_dense_layers: int = 0
+    dense_layers: tuple[int, ...] = ()
+    q_lora: int = 0
+    kv_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+        experts = self.num_experts
+        if experts and not (self.expert_ffn >= 1 and 1 <= self.top_k <= experts):
+            raise PlanError(
+                f"MoE architecture needs expert_ffn >= 1 and 1 <= top_k <= num_experts "
+                f"(got expert_ffn {self.expert_ffn}, top_k {self.top_k}, "
+                f"num_experts {self.num_experts})"
+            )
+        if self.num_shared_experts and self.shared_expert_ffn < 1:
+            raise PlanError("shared experts need shared_expert_ffn >= 1")
+        if self.has_dense_layer and self.ffn < 1:
+            raise PlanError(f"dense MLP layers need ffn >= 1, got {self.ffn}")
+        if self.is_mla and min(self.qk_nope + self.qk_rope, self.v_head) < 1:
+            raise PlanError("MLA attention needs qk_nope + qk_rope >= 1 and v_head >= 1")
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is DeepSeek multi-head latent attention."""
+        return self.kv_lora > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a routed-expert MLP."""
+        return (
+            self.num_experts > 0
+            and layer >= self.first_dense_layers
+            and layer not in self.dense_layers
+        )
+
+    @property
+    def has_dense_layer(self) -> bool:
+        """Whether at least one layer uses the dense MLP (so `ffn` matters)."""
+        return any(not self.is_moe_layer(n) for n in range(self.num_layers))
+
+    @property
+    def has_moe_layer(self) -> bool:
+        """Whether at least one layer routes to experts."""
+        return any(self.is_moe_layer(n) for n in range(self.num_layers))
+
+
+_POSITIVE_FIELDS = ("h", "num_layers", "num_heads", "num_kv_groups", "head_dim", "vocab")
+
+
+def _check_field_types(arch: Architecture) -> None:
+    # Field types are strings here (postponed annotations), hence the string comparison.
+    for field in fields(arch):
+        value = getattr(arch, field.name)
+        if field.type == "bool" and not isinstance(value, bool):
+            raise PlanError(f"architecture field {field.name} must be a boolean, got {value!r}")
+        if field.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise PlanError(f"architecture field {field.name} must be an integer, got {value!r}")
+        minimum = 1 if field.name in _POSITIVE_FIELDS else 0
+        if field.type == "int" and value < minimum:
+            raise PlanError(f"architecture field {field.name} must be >= {minimum}, got {value}")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in arch.dense_layers):
+        raise PlanError(f"architecture dense_layers must be layer indices: {arch.dense_layers!r}")
+
+
+def _qwen3(h: int, ffn: int, layers: int, heads: int, tied: bool) -> Architecture:
+    return Architecture(h, ffn, layers, heads, 8, 128, 151936, tied_embeddings=tied, qk_norm=True)
+
+
+def _qwen3_moe(h: int, ffn: int, layers: int, heads: int, expert_ffn: int) -> Architecture:
+    return Architecture(
+        h, ffn, layers, heads, 4, 128, 151936, qk_norm=True,
+        num_experts=128, top_k=8, expert_ffn=expert_ffn,
+    )
+
+
+def _llama3(h: int, ffn: int, layers: int, heads: int) -> Architecture:
+    return Architecture(h, ffn, layers, heads, 8, 128, 128256)
+
+
+PRESETS: dict[str, Architecture] = {
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, tied=True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, tied=True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, tied=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, tied=False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, tied=False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, tied=False),
+    # ffn is the (unused) dense size from the HF config: every layer is MoE.
+    "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 48, 32, expert_ffn=768),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 12288, 94, 64, expert_ffn=1536),
+    "llama3.1-8b": _llama3(4096, 14336, 32, 32),
+    "llama3.1-70b": _llama3(8192, 28672, 80, 64),
+    "llama3.1-405b": _llama3(16384, 53248, 126, 128),
+    "deepseek-v3": Architecture(
+        7168, 18432, 61, 128, 128, 192, 129280,
+        num_experts=256, top_k=8, expert_ffn=2048,
+        num_shared_experts=1, shared_expert_ffn=2048, first_dense_layers=3,
+        q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128,
+    ),
+    "mixtral-8x7b": Architecture(
+        4096, 14336, 32, 32, 8, 128, 32000, num_experts=8, top_k=2, expert_ffn=14336
+    ),
+}
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """Megatron's padded vocab size: `vocab` rounded up to a multiple of 128·tp."""
+    multiple = VOCAB_DIVISOR * tp
+    return -(-vocab // multiple) * multiple
+
+
+def enumerate_params(
+    name: str, arch: Architecture, tp: int, options: ModelOptions = ModelOptions()
+) -> tuple[ParamSpec, ...]:
+    """Megatron-core parameters of `arch` at TP size `tp`, in registration order.
+
+    Shapes are full (unsharded), with the vocab padded to a multiple of 128·tp. Raises
+    PlanError when `tp` does not divide a dimension that Megatron splits, or on bad options.
+    """
+    _check_tp(name, arch, tp)
+    _check_options(options)
+    return _expand(arch, options, padded_vocab(arch.vocab, tp))
+
+
+def count_params(arch: Architecture) -> int:
+    """Total parameter count of `arch` at tp=1, before vocab padding."""
+    return sum(p.numel for p in _expand(arch, ModelOptions(), arch.vocab))
+
+
+def check_tp_size(name: str, tp: int) -> None:
+    """Raise PlanError unless `tp` is an integer >= 1 (`name` labels the message)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise PlanError(f"{name}: tp must be an integer >= 1, got {tp!r}")
+
+
+def _check_tp(name: str, arch: Architecture, tp: int) -> None:
+    check_tp_size(name, tp)
+    sizes = {"num_heads": arch.num_heads}
+    if not arch.is_mla:
+        sizes["num_kv_groups"] = arch.num_kv_groups
+    if arch.has_dense_layer:
+        sizes["ffn"] = arch.ffn
+    if arch.has_moe_layer:
+        sizes["expert_ffn"] = arch.expert_ffn
+        if arch.num_shared_experts:
+            sizes["shared_expert_ffn"] = arch.shared_expert_ffn
+    for field_name, size in sizes.items():
+        if size % tp:
+            raise PlanError(f"{name}: tp {tp} does not divide {field_name} {size}")
+
+
+def _check_options(options: ModelOptions) -> None:
+    if options.split_qkv not in QKV_SPLITS:
+        raise PlanError(
+            f"unknown split_qkv {options.split_qkv!r}; expected one of {', '.join(QKV_SPLITS)}"
+        )
+    if options.router_optimizer not in OPTIMIZER_CLASSES:
+        raise PlanError(
+            f"unknown router_optimizer {options.router_optimizer!r}; expected one of "
+            f"{', '.join(OPTIMIZER_CLASSES)}"
+        )
+
+
+def _expand(arch: Architecture, options: ModelOptions, vocab_rows: int) -> tuple[ParamSpec, ...]:
+    params = [_adamw("embedding.word_embeddings.weight", (vocab_rows, arch.h), 0)]
+    for layer in range(arch.num_layers):
+        prefix = f"decoder.layers.{layer}."
+        attention = _mla_attention(arch) if arch.is_mla else _attention(arch, options)
+        params += [_prefixed(prefix, p) for p in attention]
+        mlp = _moe_mlp(arch, options) if arch.is_moe_layer(layer) else _dense_mlp(arch, options)
+        params += [_prefixed(prefix, p) for p in mlp]
+    params.append(_adamw("decoder.final_layernorm.weight", (arch.h,), None))
+    if not arch.tied_embeddings:
+        params.append(_adamw("output_layer.weight", (vocab_rows, arch.h), 0))
+    return tuple(params)
+
+
+def _prefixed(prefix: str, param: ParamSpec) -> ParamSpec:
+    return replace(param, name=prefix + param.name)
+
+
+def _adamw(name: str, shape: Shape, tp_dim: int | None) -> ParamSpec:
+    return ParamSpec(name, shape, tp_dim, ADAMW)
+
+
+def _matrix(
+    name: str,
+    shape: tuple[int, int],
+    tp_dim: int | None,
+    submatrices: Submatrices | None = None,
+    expert: bool = False,
+) -> ParamSpec:
+    return ParamSpec(name, shape, tp_dim, MATRIX, submatrices or (shape,), expert=expert)
+
+
+def _qkv_submatrices(arch: Architecture, split: str) -> Submatrices:
+    q_rows = arch.num_heads * arch.head_dim
+    kv_rows = arch.num_kv_groups * arch.head_dim
+    if split == "qkv":
+        return ((q_rows, arch.h), (kv_rows, arch.h), (kv_rows, arch.h))
+    if split == "head":
+        return ((arch.head_dim, arch.h),) * (arch.num_heads + 2 * arch.num_kv_groups)
+    return ((q_rows + 2 * kv_rows, arch.h),)
+
+
+def _attention(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:
+    qkv_rows = (arch.num_heads + 2 * arch.num_kv_groups) * arch.head_dim
+    params = [
+        _matrix("self_attention.linear_proj.weight", (arch.h, arch.num_heads * arch.head_dim), 1),
+        _adamw("self_attention.linear_qkv.layer_norm_weight", (arch.h,), None),
+        _matrix(
+            "self_attention.linear_qkv.weight",
+            (qkv_rows, arch.h),
+            0,
+            _qkv_submatrices(arch, options.split_qkv),
+        ),
+    ]
+    if arch.qkv_bias:
+        params.append(_adamw("self_attention.linear_qkv.bias", (qkv_rows,), 0))
+    if arch.qk_norm:
+        params.append(_adamw("self_attention.q_layernorm.weight", (arch.head_dim,), None))
+        params.append(_adamw("self_attention.k_layernorm.weight", (arch.head_dim,), None))
+    return params
+
+
+def _mla_attention(arch: Architecture) -> list[ParamSpec]:
+    heads = arch.num_heads
+    q_rows = heads * (arch.qk_nope + arch.qk_rope)
+    params = [
+        _adamw("input_layernorm.weight", (arch.h,), None),
+        _matrix("self_attention.linear_proj.weight", (arch.h, heads * arch.v_head), 1),
+    ]
+    if arch.q_lora:
+        params += [
+            _matrix("self_attention.linear_q_down_proj.weight", (arch.q_lora, arch.h), None),
+            _adamw("self_attention.linear_q_up_proj.layer_norm_weight", (arch.q_lora,), None),
+            _matrix("self_attention.linear_q_up_proj.weight", (q_rows, arch.q_lora), 0),
+        ]
+    else:
+        params.append(_matrix("self_attention.linear_q_proj.weight", (q_rows, arch.h), 0))
+    params += [
+        _matrix(
+            "self_attention.linear_kv_down_proj.weight", (arch.kv_lora + arch.qk_rope, arch.h), None
+        ),
+        _adamw("self_attention.linear_kv_up_proj.layer_norm_weight", (arch.kv_lora,), None),
+        _matrix(
+            "self_attention.linear_kv_up_proj.weight",
+            (heads * (arch.qk_nope + arch.v_head), arch.kv_lora),
+            0,
+        ),
+    ]
+    return params
+
+
+def _fc_pair(
+    prefix: str, h: int, ffn: int, options: ModelOptions, suffix: str = "", expert: bool = False
+) -> tuple[ParamSpec, ParamSpec]:
+    """fc1 [2F, h] (gate rows then up rows) and fc2 [h, F] of one gated MLP."""
+    fc1_subs = ((ffn, h), (ffn, h)) if options.split_fc1 else None
+    fc1 = _matrix(f"{prefix}linear_fc1.weight{suffix}", (2 * ffn, h), 0, fc1_subs, expert)
+    fc2 = _matrix(f"{prefix}linear_fc2.weight{suffix}", (h, ffn), 1, expert=expert)
+    return fc1, fc2
+
+
+def _dense_mlp(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:
+    fc1, fc2 = _fc_pair("mlp.", arch.h, arch.ffn, options)
+    return [_adamw("mlp.linear_fc1.layer_norm_weight", (arch.h,), None), fc1, fc2]
+
+
+def _moe_mlp(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:
+    router_shape = (arch.num_experts, arch.h)
+    router_subs = (router_shape,) if options.router_optimizer == MATRIX else ()
+    params = [
+        _adamw("pre_mlp_layernorm.weight", (arch.h,), None),
+        ParamSpec("mlp.router.weight", router_shape, None, options.router_optimizer, router_subs),
+    ]
+    # TEGroupedMLP registers weight0..weightE-1 of fc1, then those of fc2.
+    pairs = [
+        _fc_pair("mlp.experts.", arch.h, arch.expert_ffn, options, str(i), expert=True)
+        for i in range(arch.num_experts)
+    ]
+    params += [fc1 for fc1, _ in pairs] + [fc2 for _, fc2 in pairs]
+    if arch.num_shared_experts:
+        params += _fc_pair("mlp.shared_experts.", arch.h, arch.shared_expert_ffn, options)
+    return params

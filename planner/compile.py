@@ -1,0 +1,180 @@
+"""Turn a solved `Plan` into a `Schedule` (the file format), computing every metric."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from canzona.planner.baselines import BaselineLoads
+from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
+from canzona.planner.layout import BufferLayout, equal_cuts
+from canzona.planner.plan import Plan
+from canzona.planner.spec import MATRIX
+from canzona.schedules.format import (
+    SCHEMA_VERSION,
+    AdamwBucketEntry,
+    BucketEntry,
+    DpMetrics,
+    DpSection,
+    Metrics,
+    ModelSource,
+    OptimizerSettings,
+    ParamEntry,
+    Request,
+    Schedule,
+    StrategyScore,
+    compute_fingerprint,
+)
+
+GRAD_BYTES_PER_ELEMENT = 4  # Megatron keeps main gradients in fp32
+
+
+def canzona_version() -> str:
+    """Installed package version (recorded in every schedule)."""
+    try:
+        return metadata.version("canzona")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _ratio(numerator: float, denominator: float, empty: float) -> float:
+    return numerator / denominator if denominator else empty
+
+
+def _slices(cuts: tuple[int, ...]) -> list[int]:
+    return [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
+
+
+def _request(plan: Plan) -> Request:
+    req, model = plan.request, plan.model
+    opt = req.optimizer
+    return Request(
+        model=ModelSource(name=model.name, source=model.source, sha256=model.source_sha256),
+        tp=req.tp,
+        dp=req.dp,
+        optimizer=OptimizerSettings(
+            name=opt.name,
+            ns_steps=opt.ns_steps,
+            block_size=opt.block_size,
+            precondition_frequency=opt.precondition_frequency,
+            max_precond_dim=opt.max_precond_dim,
+        ),
+        cost=req.cost,
+        alpha=req.alpha,
+        bucket_size=req.bucket_size,
+        split_qkv=req.options.split_qkv,
+        split_fc1=req.options.split_fc1,
+        router_optimizer=req.options.router_optimizer,
+        canzona_version=canzona_version(),
+    )
+
+
+def _param_entries(plan: Plan, layout: BufferLayout) -> list[ParamEntry]:
+    entries = []
+    for bucket in layout.buckets:
+        for entry in bucket.entries:
+            param = plan.model.params[entry.param]
+            split = [list(shape) for shape in param.submatrices] if len(param.submatrices) > 1 else None
+            entries.append(
+                ParamEntry(
+                    name=param.name,
+                    index=entry.param,
+                    shape=list(param.shape),
+                    tp_dim=param.tp_dim,
+                    dtype=param.dtype,
+                    optimizer=param.optimizer,
+                    bucket=bucket.index,
+                    offset=entry.offset,
+                    numel=entry.numel,
+                    owner=plan.owners.get(entry.param) if param.optimizer == MATRIX else None,
+                    cost=plan.costs[entry.param],
+                    submatrices=split,
+                )
+            )
+    return entries
+
+
+def _score(loads: tuple[float, ...] | list[float], total: float, bound: float, padding: float | None) -> StrategyScore:
+    maximum, dp = max(loads, default=0.0), max(len(loads), 1)
+    mean = sum(loads) / dp
+    return StrategyScore(
+        max=maximum,
+        mean=mean,
+        imbalance=_ratio(maximum, mean, 1.0),
+        gap=_ratio(maximum, bound, 1.0) - 1.0,
+        redundancy=_ratio(sum(loads), total, 1.0),
+        padding_overhead=padding,
+    )
+
+
+def _buckets(plan: Plan) -> list[BucketEntry]:
+    dp = plan.request.dp
+    buckets = []
+    for bucket, cuts in zip(plan.matrix_layout.buckets, plan.cuts):
+        slices = _slices(cuts)
+        buckets.append(
+            BucketEntry(
+                index=bucket.index,
+                numel=bucket.numel,
+                cuts=list(cuts),
+                slice_bytes=[GRAD_BYTES_PER_ELEMENT * s for s in slices],
+                padding_overhead=_ratio(dp * max(slices), bucket.numel, 1.0),
+            )
+        )
+    return buckets
+
+
+def _dp_metrics(plan: Plan, buckets: list[BucketEntry]) -> DpMetrics:
+    req = plan.request
+    dp, tp = req.dp, req.tp
+    loads, state = [0.0] * dp, [0.0] * dp
+    for param, owner in plan.owners.items():
+        loads[owner] += plan.costs[param]
+        state[owner] += plan.state_bytes[param]
+    adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
+    adamw_load = [0.0] * dp
+    for bucket in plan.adamw_layout.buckets:
+        # Every TP rank updates its own slice of its own AdamW buffer: the group does tp of them.
+        for rank, elements in enumerate(_slices(equal_cuts(bucket.numel, dp))):
+            adamw_load[rank] += tp * adamw_cost(elements)
+            state[rank] += tp * ADAMW_STATE_BYTES_PER_ELEMENT * elements
+    total = sum(loads)
+    padded = sum(b.numel for b in plan.matrix_layout.buckets)
+    worst_slices = sum(dp * max(_slices(cuts)) for cuts in plan.cuts)
+    canzona = _score(loads, total, plan.lower_bound, _ratio(worst_slices, padded, 1.0))
+    return DpMetrics(
+        method=plan.method,
+        load=loads,
+        max=canzona.max,
+        mean=canzona.mean,
+        imbalance=canzona.imbalance,
+        lower_bound=plan.lower_bound,
+        gap=canzona.gap,
+        slice_bytes=[sum(b.slice_bytes[r] for b in buckets) for r in range(dp)],
+        state_bytes=state,
+        adamw_load=adamw_load,
+        padding_overhead=canzona.padding_overhead or 1.0,
+        max_padding_overhead=max((b.padding_overhead for b in buckets), default=1.0),
+        baselines={b.name: _baseline_score(b, total, plan.lower_bound) for b in plan.baselines},
+    )
+
+
+def _baseline_score(baseline: BaselineLoads, total: float, bound: float) -> StrategyScore:
+    return _score(baseline.loads, total, bound, baseline.padding_overhead)
+
+
+def compile_schedule(plan: Plan) -> Schedule:
+    """The schedule file of a plan (deterministic)."""
+    buckets = _buckets(plan)
+    adamw_buckets = [
+        AdamwBucketEntry(index=b.index, numel=b.numel, cuts=list(equal_cuts(b.numel, plan.request.dp)))
+        for b in plan.adamw_layout.buckets
+    ]
+    fingerprint = compute_fingerprint((p.name, p.shape, p.dtype, p.tp_dim) for p in plan.model.params)
+    return Schedule(
+        schema_version=SCHEMA_VERSION,
+        request=_request(plan),
+        fingerprint=fingerprint,
+        params=_param_entries(plan, plan.matrix_layout) + _param_entries(plan, plan.adamw_layout),
+        dp=DpSection(buckets=buckets, adamw_buckets=adamw_buckets),
+        metrics=Metrics(dp=_dp_metrics(plan, buckets)),
+    )

@@ -1,0 +1,389 @@
+"""α-balanced static DP partitioning (DESIGN §5).
+
+The problem: each bucket of the matrix-optimizer buffer is cut into D contiguous slices, rank r
+taking slice r, with every cut on a parameter boundary; a parameter's owner is the rank whose
+slice holds it. Equivalently, every item (parameter) gets an owner rank and owners never
+decrease along a bucket. Rank r's compute load is the sum of its items' costs over all buckets.
+
+What α means here (measurable, see `slice_caps`): at α = 0 every bucket's largest slice is the
+smallest that parameter boundaries allow (stock ZeRO geometry snapped to boundaries); at α = 1
+slices may take any size; in between, a bucket's largest slice may grow geometrically from that
+minimum towards the whole bucket. Within those caps the partitioner minimises the largest
+compute load, over the whole buffer at once rather than bucket by bucket.
+
+Methods: a single bucket is solved exactly (bisection on the max load with a greedy feasibility
+check). Several buckets: greedy longest-processing-time placement constrained to the ranks the
+bucket order allows, then move/swap local search on the most loaded rank.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from canzona.planner.spec import PlanError
+
+BISECTION_STEPS = 100
+NARROW_INTERVAL = 48
+
+
+@dataclass(frozen=True)
+class DpInstance:
+    """One buffer's partition problem. Per bucket, per item in buffer order: cost, span, name.
+
+    An item's span is the elements from its start to the next item's start (or the bucket
+    end), so a rank's slice of a bucket is the sum of its items' spans.
+    """
+
+    costs: tuple[tuple[float, ...], ...]
+    spans: tuple[tuple[int, ...], ...]
+    names: tuple[tuple[str, ...], ...]
+    num_ranks: int
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise PlanError(f"dp must be >= 1, got {self.num_ranks}")
+
+
+@dataclass(frozen=True)
+class DpAssignment:
+    """The owner rank of every item, per bucket, and how it was found."""
+
+    owners: tuple[tuple[int, ...], ...]
+    method: str
+
+
+def lower_bound(instance: DpInstance) -> float:
+    """max(total / D, largest single item): no partition can have a smaller max load."""
+    costs = [cost for bucket in instance.costs for cost in bucket]
+    if not costs:
+        return 0.0
+    return max(sum(costs) / instance.num_ranks, max(costs))
+
+
+def rank_loads(instance: DpInstance, owners: tuple[tuple[int, ...], ...]) -> list[float]:
+    """Compute load of every rank under `owners`."""
+    loads = [0.0] * instance.num_ranks
+    for costs, bucket_owners in zip(instance.costs, owners):
+        for cost, owner in zip(costs, bucket_owners):
+            loads[owner] += cost
+    return loads
+
+
+def _fit_bucket(
+    costs: tuple[float, ...], spans: tuple[int, ...], cap: int, loads: list[float], rank: int, cost_limit: float
+) -> list[int] | None:
+    """Owners of one bucket's items packed from `rank` upwards on top of `loads`, or None."""
+    owners: list[int] = []
+    span_fill, added = 0, 0.0
+    for cost, span in zip(costs, spans):
+        if cost > cost_limit or span > cap:
+            return None
+        while loads[rank] + added + cost > cost_limit or span_fill + span > cap:
+            rank, span_fill, added = rank + 1, 0, 0.0
+            if rank >= len(loads):
+                return None
+        owners.append(rank)
+        span_fill += span
+        added += cost
+    return owners
+
+
+def _earliest_fit(
+    instance: DpInstance, caps: tuple[int, ...], cost_limit: float
+) -> list[list[int]] | None:
+    """Owners from a pass over the whole buffer, each item on the earliest rank that keeps the
+    rank's load under `cost_limit` and its slice of the bucket under the bucket's cap.
+
+    Ranks rise along the concatenated buffer, so owners never decrease within a bucket; when a
+    bucket no longer fits in the ranks left, the pass wraps to rank 0 at that bucket's start.
+    Without wrapping, packing as early as possible is optimal for feasibility: any feasible
+    contiguous plan can be shifted item by item towards it without breaking a limit.
+    """
+    owners: list[list[int]] = []
+    loads = [0.0] * instance.num_ranks
+    rank = 0
+    for costs, spans, cap in zip(instance.costs, instance.spans, caps):
+        bucket_owners = _fit_bucket(costs, spans, cap, loads, rank, cost_limit)
+        if bucket_owners is None and rank > 0:
+            bucket_owners = _fit_bucket(costs, spans, cap, loads, 0, cost_limit)
+        if bucket_owners is None:
+            return None
+        for owner, cost in zip(bucket_owners, costs):
+            loads[owner] += cost
+        owners.append(bucket_owners)
+        rank = bucket_owners[-1] if bucket_owners else rank
+    return owners
+
+
+def min_max_slice(spans: tuple[int, ...], num_ranks: int) -> int:
+    """Smallest possible largest slice of one bucket (exact, binary search on integers)."""
+    if not spans:
+        return 0
+    bucket = DpInstance((tuple(0.0 for _ in spans),), (spans,), (tuple("" for _ in spans),), num_ranks)
+    low, high = max(max(spans), -(-sum(spans) // num_ranks)), sum(spans)
+    while low < high:
+        middle = (low + high) // 2
+        if _earliest_fit(bucket, (middle,), 0.0) is None:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def slice_caps(instance: DpInstance, alpha: float) -> tuple[int, ...]:
+    """Per bucket, the largest slice α allows: m*^(1-α) · T^α (m* = best possible, T = bucket)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise PlanError(f"alpha must be in [0, 1], got {alpha}")
+    caps = []
+    for spans in instance.spans:
+        total, best = sum(spans), min_max_slice(spans, instance.num_ranks)
+        cap = total if alpha == 1.0 else int(best ** (1.0 - alpha) * total**alpha)
+        caps.append(min(total, max(best, cap)))
+    return tuple(caps)
+
+
+def solve_contiguous(instance: DpInstance, caps: tuple[int, ...]) -> list[list[int]]:
+    """Best plan whose ranks rise along the concatenated buffer (bisection on the max load).
+
+    With one bucket this is the exact optimum of the partition problem.
+    """
+    costs = [cost for bucket in instance.costs for cost in bucket]
+    low, high = max(max(costs), sum(costs) / instance.num_ranks), sum(costs)
+    best = _earliest_fit(instance, caps, high)
+    if best is None:  # caps never go below min_max_slice, so one rank per slice always fits
+        raise PlanError("slice caps leave no feasible partition")
+    for _ in range(BISECTION_STEPS):
+        middle = (low + high) / 2
+        owners = _earliest_fit(instance, caps, middle)
+        if owners is None:
+            low = middle
+        else:
+            best, high = owners, middle
+        if high - low <= 1e-12 * high:
+            break
+    return best
+
+
+class _Search:
+    """Mutable state of the multi-bucket heuristic (owners, loads, caps)."""
+
+    def __init__(self, instance: DpInstance, caps: tuple[int, ...]) -> None:
+        self.instance = instance
+        self.caps = caps
+        self.owners: list[list[int]] = [[-1] * len(costs) for costs in instance.costs]
+        self.loads = [0.0] * instance.num_ranks
+        self.members: list[set[tuple[int, int]]] = [set() for _ in range(instance.num_ranks)]
+
+    def cost(self, item: tuple[int, int]) -> float:
+        return self.instance.costs[item[0]][item[1]]
+
+    def name(self, item: tuple[int, int]) -> str:
+        return self.instance.names[item[0]][item[1]]
+
+    def assign(self, item: tuple[int, int], rank: int) -> None:
+        bucket, index = item
+        previous = self.owners[bucket][index]
+        if previous >= 0:
+            self.loads[previous] -= self.cost(item)
+            self.members[previous].discard(item)
+        self.owners[bucket][index] = rank
+        if rank >= 0:
+            self.loads[rank] += self.cost(item)
+            self.members[rank].add(item)
+
+    def bucket_ok(self, bucket: int) -> bool:
+        """Placed owners never decrease, slices stay under the cap, unplaced items still fit."""
+        spans, cap = self.instance.spans[bucket], self.caps[bucket]
+        rank, fill = 0, 0
+        for span, owner in zip(spans, self.owners[bucket]):
+            if owner < 0:
+                if fill + span > cap:
+                    rank, fill = rank + 1, 0
+            elif owner < rank:
+                return False
+            elif owner > rank:
+                rank, fill = owner, 0
+            fill += span
+            if fill > cap or rank >= self.instance.num_ranks:
+                return False
+        return True
+
+    def interval(self, item: tuple[int, int]) -> tuple[int, int, float]:
+        """Ranks allowed by placed bucket-mates, and a preferred spot inside them."""
+        bucket, index = item
+        owners = self.owners[bucket]
+        low, high, before, after = 0, self.instance.num_ranks - 1, -1, len(owners)
+        for j in range(index - 1, -1, -1):
+            if owners[j] >= 0:
+                low, before = owners[j], j
+                break
+        for j in range(index + 1, len(owners)):
+            if owners[j] >= 0:
+                high, after = owners[j], j
+                break
+        fraction = (index - before) / (after - before)
+        return low, high, low + fraction * (high - low)
+
+
+def _place_greedy(search: _Search) -> None:
+    """Longest-processing-time first: each item on the least loaded rank its bucket allows."""
+    instance = search.instance
+    items = [(b, i) for b, costs in enumerate(instance.costs) for i in range(len(costs))]
+    items.sort(key=lambda item: (-search.cost(item), search.name(item)))
+    by_load = [(0.0, rank) for rank in range(instance.num_ranks)]
+    for item in items:
+        low, high, target = search.interval(item)
+        if high - low < NARROW_INTERVAL:
+            candidates = sorted(
+                range(low, high + 1), key=lambda r: (search.loads[r], abs(r - target), r)
+            )
+        else:
+            candidates = _ranks_by_load(by_load, low, high, target)
+        for rank in candidates:
+            search.assign(item, rank)
+            if search.bucket_ok(item[0]):
+                break
+            search.assign(item, -1)
+        else:  # unreachable: bucket_ok keeps every partial plan completable
+            raise AssertionError(f"no feasible rank for {search.name(item)}")
+        old = (search.loads[rank] - search.cost(item), rank)
+        del by_load[bisect.bisect_left(by_load, old)]
+        bisect.insort(by_load, (search.loads[rank], rank))
+
+
+def _ranks_by_load(
+    by_load: list[tuple[float, int]], low: int, high: int, target: float
+) -> Iterator[int]:
+    """Ranks in [low, high] by load; among those tied on the lowest load, nearest `target` first."""
+    entries = ((load, rank) for load, rank in by_load if low <= rank <= high)
+    first = next(entries, None)
+    if first is None:
+        return
+    lightest = [first[1]]
+    for load, rank in entries:
+        if load != first[0]:
+            yield from sorted(lightest, key=lambda r: (abs(r - target), r))
+            yield rank
+            yield from (r for _, r in entries)
+            return
+        lightest.append(rank)
+    yield from sorted(lightest, key=lambda r: (abs(r - target), r))
+
+
+def _neighbour_interval(search: _Search, item: tuple[int, int]) -> range:
+    """Ranks `item` may move to with every other item of its bucket fixed."""
+    bucket, index = item
+    owners = search.owners[bucket]
+    low = owners[index - 1] if index > 0 else 0
+    high = owners[index + 1] if index + 1 < len(owners) else search.instance.num_ranks - 1
+    return range(low, high + 1)
+
+
+def _would_be_valid(search: _Search, changes: list[tuple[tuple[int, int], int]]) -> bool:
+    """Whether applying `changes` keeps every touched bucket valid (state is left unchanged)."""
+    previous = [(item, search.owners[item[0]][item[1]]) for item, _ in changes]
+    for item, rank in changes:
+        search.assign(item, rank)
+    valid = all(search.bucket_ok(bucket) for bucket in {item[0] for item, _ in changes})
+    for item, rank in reversed(previous):
+        search.assign(item, rank)
+    return valid
+
+
+def _best_move(search: _Search, heavy: int) -> list[tuple[tuple[int, int], int]] | None:
+    """The single-item move off `heavy` that lowers the pair's max load the most."""
+    loads, best, best_key = search.loads, None, None
+    for item in sorted(search.members[heavy], key=lambda it: (-search.cost(it), search.name(it))):
+        cost = search.cost(item)
+        for rank in _neighbour_interval(search, item):
+            new_max = max(loads[heavy] - cost, loads[rank] + cost)
+            key = (new_max, search.name(item), rank)
+            if rank != heavy and new_max < loads[heavy] and (best_key is None or key < best_key):
+                if _would_be_valid(search, [(item, rank)]):
+                    best, best_key = [(item, rank)], key
+    return best
+
+
+def _best_swap(
+    search: _Search, heavy: int, by_cost: list[tuple[float, str, tuple[int, int]]]
+) -> list[tuple[tuple[int, int], int]] | None:
+    """The swap of an item on `heavy` with a cheaper one elsewhere that helps the most."""
+    loads, best, best_key = search.loads, None, None
+    slack = loads[heavy] - min(loads)
+    costs_only = [entry[0] for entry in by_cost]
+    for item in sorted(search.members[heavy], key=lambda it: (-search.cost(it), search.name(it))):
+        cost = search.cost(item)
+        start = bisect.bisect_right(costs_only, cost - slack)
+        stop = bisect.bisect_left(costs_only, cost)
+        for other_cost, other_name, other in by_cost[start:stop]:
+            rank = search.owners[other[0]][other[1]]
+            new_max = max(loads[heavy] - cost + other_cost, loads[rank] + cost - other_cost)
+            key = (new_max, search.name(item), other_name)
+            if rank == heavy or new_max >= loads[heavy] or (best_key is not None and key >= best_key):
+                continue
+            if _would_be_valid(search, [(item, rank), (other, heavy)]):
+                best, best_key = [(item, rank), (other, heavy)], key
+    return best
+
+
+def _improve(search: _Search, max_rounds: int) -> None:
+    """Move/swap local search on the most loaded rank until it cannot be relieved.
+
+    Every accepted step lowers the sum of squared loads, so the search terminates; the round
+    limit only bounds its time deterministically.
+    """
+    instance = search.instance
+    by_cost = sorted(
+        (instance.costs[b][i], instance.names[b][i], (b, i))
+        for b in range(len(instance.costs))
+        for i in range(len(instance.costs[b]))
+    )
+    for _ in range(max_rounds):
+        heavy = max(range(instance.num_ranks), key=lambda r: (search.loads[r], -r))
+        step = _best_move(search, heavy) or _best_swap(search, heavy, by_cost)
+        if step is None:
+            return
+        for item, rank in step:
+            search.assign(item, rank)
+
+
+def _polished(search: _Search) -> tuple[tuple[int, ...], ...]:
+    num_items = sum(len(costs) for costs in search.instance.costs)
+    _improve(search, max_rounds=4 * num_items + 100)
+    return tuple(tuple(owners) for owners in search.owners)
+
+
+def partition(instance: DpInstance, alpha: float) -> DpAssignment:
+    """Owners of every item minimising the largest compute load under α's slice caps.
+
+    Two starts, each polished by local search: the best contiguous plan over the whole buffer
+    (exact for one bucket; near perfect for layer-periodic models), and longest-processing-time
+    placement (good when items are few per rank and uneven). The lower max load wins; ties go
+    to the contiguous plan.
+    """
+    if not any(instance.costs):
+        return DpAssignment(tuple(() for _ in instance.costs), "empty")
+    caps = slice_caps(instance, alpha)
+    contiguous = _Search(instance, caps)
+    for bucket, owners in enumerate(solve_contiguous(instance, caps)):
+        for index, rank in enumerate(owners):
+            contiguous.assign((bucket, index), rank)
+    greedy = _Search(instance, caps)
+    _place_greedy(greedy)
+    candidates = [(_polished(contiguous), "contiguous+local-search"), (_polished(greedy), "lpt+local-search")]
+    owners, method = min(candidates, key=lambda c: (max(rank_loads(instance, c[0])), c[1]))
+    return DpAssignment(owners, method)
+
+
+def owners_to_cuts(owners: tuple[int, ...], offsets: tuple[int, ...], bucket_numel: int, num_ranks: int) -> tuple[int, ...]:
+    """Cut offsets (D + 1 of them) of one bucket from its items' owners."""
+    cuts = [0]
+    index = 0
+    for rank in range(1, num_ranks):
+        while index < len(owners) and owners[index] < rank:
+            index += 1
+        cuts.append(offsets[index] if index < len(owners) else bucket_numel)
+    cuts.append(bucket_numel)
+    return tuple(cuts)

@@ -1,0 +1,171 @@
+"""Parameter-list files: any model the catalog does not know, described name by name.
+
+A file is YAML or JSON holding either a mapping `{name: <model name>, params: [...]}` or a bare
+list of entries. Each entry is `{name, shape, tp_dim}` plus optional `optimizer` ("matrix" or
+"adamw"), `submatrices` (full shapes of independently updated pieces of a matrix), `expert`
+and `dtype`. Entries are listed in registration order (the order of `named_parameters()`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from math import prod
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import model_validator
+
+from .spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError
+
+_ADAMW_NAME_HINTS = ("embed", "output_layer", "lm_head", "norm")
+
+
+class _Entry(BaseModel):
+    """One parameter entry of a file, strictly typed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: StrictStr
+    shape: list[StrictInt]
+    tp_dim: StrictInt | None
+    optimizer: Literal["matrix", "adamw"] | None = None
+    submatrices: list[tuple[StrictInt, StrictInt]] | None = None
+    expert: StrictBool = False
+    dtype: StrictStr = "bf16"
+
+    @model_validator(mode="after")
+    def _check(self) -> _Entry:
+        if not self.name:
+            raise ValueError("name must not be empty")
+        if not self.shape or min(self.shape) < 1:
+            raise ValueError(f"shape {self.shape} must be a non-empty list of positive sizes")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.shape):
+            raise ValueError(f"tp_dim {self.tp_dim} is out of range for shape {self.shape}")
+        if self.resolved_optimizer == MATRIX and len(self.shape) != 2:
+            raise ValueError(f"the matrix optimizer needs a 2-D shape, got {self.shape}")
+        if self.submatrices is not None:
+            self._check_submatrices()
+        return self
+
+    def _check_submatrices(self) -> None:
+        if self.resolved_optimizer != MATRIX:
+            raise ValueError("submatrices are only allowed for matrix-optimizer parameters")
+        if not self.submatrices or min(min(s) for s in self.submatrices) < 1:
+            raise ValueError("submatrices must be a non-empty list of positive [rows, cols]")
+        if sum(m * n for m, n in self.submatrices) != prod(self.shape):
+            raise ValueError(f"submatrices do not add up to the {self.shape} parameter")
+
+    @property
+    def resolved_optimizer(self) -> str:
+        """The explicit optimizer, or the default for this name and shape."""
+        if self.optimizer is not None:
+            return self.optimizer
+        lowered = self.name.lower()
+        if len(self.shape) != 2 or any(hint in lowered for hint in _ADAMW_NAME_HINTS):
+            return ADAMW
+        return MATRIX
+
+    def to_spec(self) -> ParamSpec:
+        """The `ParamSpec` this entry describes."""
+        shape = tuple(self.shape)
+        optimizer = self.resolved_optimizer
+        submatrices: tuple[tuple[int, int], ...] = ()
+        if optimizer == MATRIX:
+            submatrices = tuple(self.submatrices or [shape])  # type: ignore[list-item]
+        return ParamSpec(
+            self.name, shape, self.tp_dim, optimizer, submatrices, self.dtype, self.expert
+        )
+
+
+class _Document(BaseModel):
+    """The mapping form of a file: a model name and its entries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+    params: list[Any]
+
+
+def read_structured_file(path: str | Path) -> tuple[Any, str]:
+    """Parse a JSON (.json) or YAML (.yaml/.yml) file; return its data and its sha256 hex.
+
+    Raises a one-line PlanError when the file cannot be read or parsed.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise PlanError(f"cannot read model file {str(path)!r}: {err.strerror or err}") from err
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise PlanError(f"model file {str(path)!r} must end in .json, .yaml or .yml")
+    try:
+        text = raw.decode("utf-8")
+        data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
+    except UnicodeDecodeError as err:
+        raise PlanError(f"cannot parse {str(path)!r}: not UTF-8 text ({err.reason})") from err
+    except json.JSONDecodeError as err:
+        raise PlanError(
+            f"cannot parse {str(path)!r}: {err.msg} at line {err.lineno} column {err.colno}"
+        ) from err
+    except yaml.YAMLError as err:
+        raise PlanError(f"cannot parse {str(path)!r}: {_yaml_message(err)}") from err
+    return data, hashlib.sha256(raw).hexdigest()
+
+
+def _yaml_message(err: yaml.YAMLError) -> str:
+    problem = getattr(err, "problem", None) or type(err).__name__
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"
+
+
+def params_from_data(data: Any, default_name: str) -> tuple[str, tuple[ParamSpec, ...]]:
+    """The model name and parameters of a parsed parameter-list file.
+
+    `default_name` names a bare list. Raises PlanError naming the entry index and field of
+    the first bad entry.
+    """
+    if isinstance(data, dict):
+        try:
+            document = _Document.model_validate(data)
+        except ValidationError as err:
+            raise PlanError(f"parameter file: {_first_error(err)}") from None
+        name, entries = document.name, document.params
+    elif isinstance(data, list):
+        name, entries = default_name, data
+    else:
+        raise PlanError(
+            "parameter file must hold a list of parameters or a mapping with 'name' and "
+            f"'params', got {type(data).__name__}"
+        )
+    if not entries:
+        raise PlanError(f"parameter file for {name!r} lists no parameters")
+    return name, tuple(_parse_entry(index, raw) for index, raw in enumerate(entries))
+
+
+def _parse_entry(index: int, raw: Any) -> ParamSpec:
+    try:
+        return _Entry.model_validate(raw).to_spec()
+    except ValidationError as err:
+        label = f" ({raw['name']!r})" if isinstance(raw, dict) and "name" in raw else ""
+        raise PlanError(f"parameter entry {index}{label}: {_first_error(err)}") from None
+
+
+def _first_error(err: ValidationError) -> str:
+    """The first pydantic error as 'field F: message', on one line."""
+    first = err.errors()[0]
+    field = ".".join(str(part) for part in first["loc"])
+    message = " ".join(str(first["msg"]).split()).removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif first["type"] == "missing":
+        message = "missing required key"
+    elif first["type"] == "model_type":
+        message = "must be a mapping with keys name, shape, tp_dim"
+    return f"field {field!r}: {message}" if field else message

@@ -1,0 +1,114 @@
+"""Frozen descriptions of a model's parameters: what the planner reads.
+
+A `ModelSpec` is the parameter list of one model in registration order (the order of
+`named_parameters()`), with full (unsharded) shapes. Everything else in the planner is a pure
+function of a `ModelSpec` and a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+MATRIX = "matrix"
+"""Optimizer class of parameters updated by the matrix optimizer (Muon, Shampoo, SOAP)."""
+ADAMW = "adamw"
+"""Optimizer class of parameters updated element-wise by AdamW."""
+OPTIMIZER_CLASSES = (MATRIX, ADAMW)
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+class PlanError(ValueError):
+    """Bad input to the planner: the message is one line, meant for the user."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as Megatron-core registers it.
+
+    `shape` is the full, unsharded shape; `tp_dim` the dim split across tensor-parallel ranks
+    (None: replicated on every TP rank). `submatrices` are the full shapes of the pieces the
+    matrix optimizer updates independently (e.g. Q, K, V of a fused QKV weight); a parameter
+    that is not split has one submatrix equal to its own shape. AdamW parameters have none.
+    `expert` marks MoE expert weights (planned over the expert-data-parallel group).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    optimizer: str
+    submatrices: tuple[tuple[int, int], ...] = ()
+    dtype: str = "bf16"
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the full parameter."""
+        return prod(self.shape)
+
+    def local_numel(self, tp: int) -> int:
+        """Number of elements of this rank's TP shard."""
+        return self.numel if self.tp_dim is None else self.numel // tp
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's parameters in registration order, plus where the description came from.
+
+    `source` is a preset name or a file path; `source_sha256` is set for files so a schedule
+    can tell whether its input changed.
+    """
+
+    name: str
+    params: tuple[ParamSpec, ...]
+    source: str
+    source_sha256: str | None = None
+
+    @property
+    def num_params(self) -> int:
+        """Total element count of the model (before any padding)."""
+        return sum(p.numel for p in self.params)
+
+
+def validate_model(model: ModelSpec, tp: int) -> None:
+    """Raise PlanError unless every parameter is well formed and its TP dim divides by `tp`."""
+    seen: set[str] = set()
+    if not model.params:
+        raise PlanError(f"model {model.name!r} has no parameters")
+    for param in model.params:
+        if param.name in seen:
+            raise PlanError(f"parameter {param.name!r} appears twice")
+        seen.add(param.name)
+        if not param.shape or any(size < 1 for size in param.shape):
+            raise PlanError(f"parameter {param.name!r} has invalid shape {list(param.shape)}")
+        if param.optimizer not in OPTIMIZER_CLASSES:
+            raise PlanError(f"parameter {param.name!r}: unknown optimizer {param.optimizer!r}")
+        if param.optimizer == MATRIX and len(param.shape) != 2:
+            raise PlanError(f"parameter {param.name!r}: the matrix optimizer needs a 2-D shape")
+        if param.tp_dim is not None:
+            if not 0 <= param.tp_dim < len(param.shape):
+                raise PlanError(f"parameter {param.name!r}: tp_dim {param.tp_dim} out of range")
+            if param.shape[param.tp_dim] % tp:
+                raise PlanError(
+                    f"tp {tp} does not divide dim {param.tp_dim} (size "
+                    f"{param.shape[param.tp_dim]}) of {param.name!r}"
+                )
+
+
+QKV_SPLITS = ("none", "qkv", "head")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the catalog turns an architecture into optimizer work.
+
+    `split_qkv`: "qkv" (default, Megatron) orthogonalises Q, K, V separately; "head" splits
+    per attention head; "none" treats the fused matrix as one. `split_fc1` updates the gate and
+    up halves of fc1 separately. `router_optimizer` sends MoE routers to "matrix" (Megatron's
+    choice) or "adamw".
+    """
+
+    split_qkv: str = "qkv"
+    split_fc1: bool = False
+    router_optimizer: str = MATRIX

@@ -1,0 +1,323 @@
+"""The schedule file: a versioned, validated, deterministic YAML document.
+
+Both the planner (which writes it) and the runtime (which executes it) import this module; it
+imports neither. Reading uses libyaml's C loader when present.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+SCHEMA_VERSION = 1
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class ScheduleError(ValueError):
+    """A schedule file that cannot be read or does not validate (one-line message)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    """Which model was planned: a preset name or a file (with its sha256)."""
+
+    name: str
+    source: str
+    sha256: str | None = None
+
+
+class OptimizerSettings(_Strict):
+    """The matrix optimizer and the settings its cost model used."""
+
+    name: str
+    ns_steps: int
+    block_size: int
+    precondition_frequency: int
+    max_precond_dim: int
+
+
+class Request(_Strict):
+    """Everything needed to regenerate the schedule."""
+
+    model: ModelSource
+    tp: int = Field(ge=1)
+    dp: int = Field(ge=1)
+    optimizer: OptimizerSettings
+    cost: str
+    alpha: float = Field(ge=0.0, le=1.0)
+    bucket_size: int = Field(ge=1)
+    split_qkv: str
+    split_fc1: bool
+    router_optimizer: str
+    canzona_version: str
+
+
+class ParamEntry(_Strict):
+    """One parameter, in buffer order. `offset`/`numel` are its local shard in the bucket;
+    `owner` is the DP rank updating it (null for AdamW, which uses the equal split);
+    `index` is its registration position (the order of `named_parameters()`)."""
+
+    name: str
+    index: int
+    shape: list[int]
+    tp_dim: int | None
+    dtype: str
+    optimizer: str
+    bucket: int
+    offset: int
+    numel: int
+    owner: int | None
+    cost: float
+    submatrices: list[list[int]] | None = None
+
+
+class BucketEntry(_Strict):
+    """One bucket of the matrix buffer: padded size, D + 1 cuts, and the slices they make."""
+
+    index: int
+    numel: int
+    cuts: list[int]
+    slice_bytes: list[int]
+    padding_overhead: float
+
+
+class AdamwBucketEntry(_Strict):
+    """One bucket of the AdamW buffer (stock equal split)."""
+
+    index: int
+    numel: int
+    cuts: list[int]
+
+
+class DpSection(_Strict):
+    """The DP partition of both buffers."""
+
+    buckets: list[BucketEntry]
+    adamw_buckets: list[AdamwBucketEntry]
+
+
+class StrategyScore(_Strict):
+    """Headline DP figures of one strategy (canzona or a baseline), in cost units."""
+
+    max: float
+    mean: float
+    imbalance: float
+    gap: float
+    redundancy: float
+    padding_overhead: float | None
+
+
+class DpMetrics(_Strict):
+    """Per-rank compute and memory of the matrix-optimizer partition, and the baselines."""
+
+    method: str
+    load: list[float]
+    max: float
+    mean: float
+    imbalance: float
+    lower_bound: float
+    gap: float
+    slice_bytes: list[int]
+    state_bytes: list[float]
+    adamw_load: list[float]
+    padding_overhead: float
+    max_padding_overhead: float
+    baselines: dict[str, StrategyScore]
+
+
+class Metrics(_Strict):
+    """Everything CI diffs."""
+
+    dp: DpMetrics
+
+
+class Schedule(_Strict):
+    """A whole schedule file."""
+
+    schema_version: int
+    request: Request
+    fingerprint: str
+    params: list[ParamEntry]
+    dp: DpSection
+    metrics: Metrics
+
+
+def compute_fingerprint(params: Iterable[tuple[str, Sequence[int], str, int | None]]) -> str:
+    """sha256 of the ordered (name, full shape, dtype, tp_dim) list: the model's identity."""
+    canonical = json.dumps([[n, list(s), d, t] for n, s, d, t in params], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def registration_order(schedule: Schedule) -> list[ParamEntry]:
+    """The schedule's parameters in registration order."""
+    return sorted(schedule.params, key=lambda entry: entry.index)
+
+
+def schedule_fingerprint(schedule: Schedule) -> str:
+    """Recompute the fingerprint from the file's own parameter list."""
+    return compute_fingerprint(
+        (e.name, e.shape, e.dtype, e.tp_dim) for e in registration_order(schedule)
+    )
+
+
+_ROW_TOKEN = "__canzona_rows_"
+_ROW_LINE = re.compile(r"^( *)- __canzona_rows_(\d+)__$", re.MULTILINE)
+
+
+def _is_flat(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_is_flat(item) and not isinstance(item, dict) for item in value)
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _is_table(node: Any) -> bool:
+    """A non-empty list of mappings whose values are scalars or lists of scalars."""
+    return (
+        isinstance(node, list)
+        and bool(node)
+        and all(isinstance(row, dict) and all(_is_flat(v) for v in row.values()) for row in node)
+    )
+
+
+def _flow(value: Any) -> str:
+    """JSON text of a flat value, with floats spelled as YAML 1.1 reads them (always a dot)."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, float):
+        text = repr(value).lower()
+        return text.replace("e", ".0e") if "." not in text and "e" in text else text
+    if isinstance(value, list):
+        return "[" + ", ".join(_flow(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {_flow(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
+def dump_schedule(schedule: Schedule) -> str:
+    """The YAML text of a schedule (deterministic: same schedule, same bytes).
+
+    Table rows (one parameter, one bucket) are written one per line as JSON objects, which
+    YAML reads as flow mappings: the file diffs line by line and loads fast (`parse_schedule`).
+    """
+    tables: list[list[dict[str, Any]]] = []
+
+    def extract(node: Any) -> Any:
+        if _is_table(node):
+            tables.append(node)
+            return [f"{_ROW_TOKEN}{len(tables) - 1}__"]
+        if isinstance(node, dict):
+            return {key: extract(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [extract(item) for item in node]
+        return node
+
+    skeleton = yaml.dump(
+        extract(schedule.model_dump(mode="json")), Dumper=_Dumper, sort_keys=False, width=1 << 16
+    )
+
+    def rows(match: re.Match[str]) -> str:
+        indent, table = match.group(1), tables[int(match.group(2))]
+        return "\n".join(f"{indent}- {_flow(row)}" for row in table)
+
+    return _ROW_LINE.sub(rows, skeleton)
+
+
+def _load_fast(text: str) -> Any:
+    """Load text written by `dump_schedule`: JSON row lines with `json`, the rest with YAML.
+
+    Raises ValueError where a row line is not JSON (e.g. edited by hand); callers then fall
+    back to a full YAML parse, which reads the same document the same way, only slower.
+    """
+    skeleton: list[str] = []
+    tables: list[list[Any]] = []
+    previous_indent = -1
+    for line in text.split("\n"):
+        stripped = line.lstrip(" ")
+        if not stripped.startswith("- {"):
+            skeleton.append(line)
+            previous_indent = -1
+            continue
+        indent = len(line) - len(stripped)
+        if indent != previous_indent:
+            tables.append([])
+            skeleton.append(f"{' ' * indent}- {_ROW_TOKEN}{len(tables) - 1}__")
+            previous_indent = indent
+        tables[-1].append(json.loads(stripped[2:]))
+
+    def restore(node: Any) -> Any:
+        if isinstance(node, list) and len(node) == 1 and isinstance(node[0], str) and node[0].startswith(_ROW_TOKEN):
+            return tables[int(node[0][len(_ROW_TOKEN) : -2])]
+        if isinstance(node, dict):
+            return {key: restore(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [restore(item) for item in node]
+        return node
+
+    return restore(yaml.load("\n".join(skeleton), Loader=_Loader))
+
+
+def write_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> None:
+    """Write atomically: a temporary file in the same folder, fsync'd, then renamed over."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = dump_schedule(schedule)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def parse_schedule(text: str, origin: str = "<text>") -> Schedule:
+    """Validate YAML text as a schedule; ScheduleError with one line on any problem."""
+    try:
+        try:
+            data = _load_fast(text)
+        except (ValueError, IndexError, yaml.YAMLError):
+            data = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ScheduleError(f"{origin}: not valid YAML{where}") from error
+    if not isinstance(data, dict):
+        raise ScheduleError(f"{origin}: not a schedule file (expected a mapping)")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ScheduleError(f"{origin}: schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
+    try:
+        schedule = Schedule.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ScheduleError(f"{origin}: invalid schedule at {where}: {first['msg']}") from error
+    if schedule_fingerprint(schedule) != schedule.fingerprint:
+        raise ScheduleError(f"{origin}: fingerprint does not match the parameter list (file edited?)")
+    return schedule
+
+
+def read_schedule(path: str | os.PathLike[str]) -> Schedule:
+    """Read and validate a schedule file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ScheduleError(f"cannot read schedule {str(path)!r}: {getattr(error, 'strerror', None) or error}") from error
+    return parse_schedule(text, str(path))
