@@ -1,0 +1,161 @@
+"""The `canzona` command: results on stdout, diagnostics on stderr, one-line errors.
+
+Exit codes: 0 success, 1 internal error, 2 bad input (usage, model, layout, files).
+Set CANZONA_DEBUG=1 to get tracebacks instead of one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from canzona.cli import report
+from canzona.planner.costs import OptimizerConfig
+from canzona.planner.layout import DEFAULT_BUCKET_SIZE
+from canzona.planner.spec import MATRIX, ModelOptions, PlanError
+from canzona.schedules.format import ScheduleError, read_schedule, write_schedule
+
+try:  # typer >= 0.20 vendors click
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover - older typer depends on click
+    from click.exceptions import ClickException
+
+EXIT_INTERNAL = 1
+EXIT_BAD_INPUT = 2
+KNOWN_ERRORS = (PlanError, ScheduleError)
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Plan and inspect canzona schedules for matrix optimizers under DP x TP.",
+)
+
+
+class Optimizer(str, Enum):
+    muon = "muon"
+    shampoo = "shampoo"
+    soap = "soap"
+
+
+class Cost(str, Enum):
+    numel = "numel"
+    flops = "flops"
+
+
+class QkvSplit(str, Enum):
+    none = "none"
+    qkv = "qkv"
+    head = "head"
+
+
+class RouterOptimizer(str, Enum):
+    matrix = "matrix"
+    adamw = "adamw"
+
+
+def default_output(model_name: str, optimizer: str, tp: int, dp: int, alpha: float, cost: str) -> Path:
+    """schedules/<model>/<optimizer>-tp<T>-dp<D>[-alpha<A>][-<cost>].yaml"""
+    stem = f"{optimizer}-tp{tp}-dp{dp}"
+    if alpha != 1.0:
+        stem += f"-alpha{alpha:g}"
+    if cost != "flops":
+        stem += f"-{cost}"
+    return Path("schedules") / model_name / f"{stem}.yaml"
+
+
+@app.command()
+def models(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """List the built-in model presets with their parameter counts."""
+    from canzona.planner.models import count_params, list_presets
+
+    rows = [report.preset_row(name, arch, count_params(arch)) for name, arch in list_presets()]
+    typer.echo(json.dumps(rows, indent=2) if as_json else report.presets_table(rows))
+
+
+@app.command()
+def plan(
+    model: Annotated[str, typer.Option(help="Preset name, HF config.json, or parameter-list YAML/JSON.")],
+    tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 1,
+    dp: Annotated[int, typer.Option(help="Data-parallel size.")] = 1,
+    optimizer: Annotated[Optimizer, typer.Option(help="Matrix optimizer.")] = Optimizer.muon,
+    cost: Annotated[Cost, typer.Option(help="Cost model balanced across ranks.")] = Cost.flops,
+    alpha: Annotated[float, typer.Option(help="1 balances compute, 0 keeps slices equal.")] = 1.0,
+    bucket_size: Annotated[int, typer.Option(help="Bucket size in elements.")] = DEFAULT_BUCKET_SIZE,
+    split_qkv: Annotated[QkvSplit, typer.Option(help="How QKV is orthogonalised.")] = QkvSplit.qkv,
+    split_fc1: Annotated[bool, typer.Option("--split-fc1", help="Update fc1 gate and up halves separately.")] = False,
+    router_optimizer: Annotated[RouterOptimizer, typer.Option(help="Optimizer of MoE routers.")] = RouterOptimizer.matrix,
+    ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
+    block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
+    precondition_frequency: Annotated[int, typer.Option(help="Shampoo/SOAP preconditioner refresh every N steps.")] = 10,
+    max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Schedule file to write.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Solve the DP partition for a model and layout, and write the schedule file."""
+    from canzona.planner.compile import compile_schedule
+    from canzona.planner.models import load_model
+    from canzona.planner.plan import PlanRequest, make_plan
+
+    started = time.perf_counter()
+    options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value)
+    settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
+    request = PlanRequest(model, tp, dp, settings, cost.value, alpha, bucket_size, options)
+    request.validate()
+    spec = load_model(model, tp, options)
+    schedule = compile_schedule(make_plan(spec, request))
+    path = output or default_output(spec.name, optimizer.value, tp, dp, alpha, cost.value)
+    try:
+        write_schedule(schedule, path)
+    except OSError as error:
+        raise PlanError(f"cannot write {str(path)!r}: {error.strerror or error}") from error
+    elapsed = time.perf_counter() - started
+    summary = report.plan_summary(schedule, str(path), elapsed)
+    typer.echo(json.dumps(summary, indent=2) if as_json else report.summary_text(summary))
+
+
+@app.command()
+def show(
+    file: Annotated[Path, typer.Argument(help="Schedule file.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Show a schedule: per-rank loads as bars, imbalance, gap, memory, baselines."""
+    schedule = read_schedule(file)
+    if as_json:
+        data = {"request": schedule.request.model_dump(mode="json"), "metrics": schedule.metrics.model_dump(mode="json")}
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        typer.echo(report.show_text(schedule))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI on `argv`; return the exit code instead of exiting."""
+    debug = os.environ.get("CANZONA_DEBUG") == "1"
+    try:
+        result = app(args=argv, prog_name="canzona", standalone_mode=False)
+    except ClickException as error:
+        typer.echo(f"canzona: error: {error.format_message()}", err=True)
+        return EXIT_BAD_INPUT
+    except KNOWN_ERRORS as error:
+        if debug:
+            raise
+        typer.echo(f"canzona: error: {error}", err=True)
+        return EXIT_BAD_INPUT
+    except Exception as error:  # noqa: BLE001 - the last line of defence against tracebacks
+        if debug:
+            raise
+        typer.echo(f"canzona: internal error: {type(error).__name__}: {error} (CANZONA_DEBUG=1 for details)", err=True)
+        return EXIT_INTERNAL
+    return result if isinstance(result, int) else 0
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

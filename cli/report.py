@@ -1,0 +1,123 @@
+"""Plain-text and JSON renderings of presets and schedules for the terminal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from canzona.planner.catalog import Architecture
+from canzona.schedules.format import Schedule
+
+BAR_WIDTH = 40
+MAX_BAR_ROWS = 64
+GIB = 1 << 30
+
+
+def preset_row(name: str, arch: Architecture, num_params: int) -> dict[str, Any]:
+    """One preset as a flat record."""
+    return {
+        "name": name,
+        "params_b": round(num_params / 1e9, 3),
+        "layers": arch.num_layers,
+        "hidden": arch.h,
+        "heads": arch.num_heads,
+        "kv_groups": arch.num_kv_groups,
+        "experts": arch.num_experts,
+        "vocab": arch.vocab,
+        "tied": arch.tied_embeddings,
+    }
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]]
+    return "\n".join(lines)
+
+
+def presets_table(rows: list[dict[str, Any]]) -> str:
+    """The `canzona models` table."""
+    header = ["model", "params", "layers", "hidden", "heads", "kv", "experts", "vocab", "tied"]
+    body = [
+        [r["name"], f"{r['params_b']:.3f}B", r["layers"], r["hidden"], r["heads"], r["kv_groups"], r["experts"] or "-", r["vocab"], "yes" if r["tied"] else "no"]
+        for r in rows
+    ]
+    return _table(header, body)
+
+
+def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any]:
+    """Headline figures of a freshly written plan."""
+    req, dp = schedule.request, schedule.metrics.dp
+    return {
+        "output": path,
+        "model": req.model.name,
+        "tp": req.tp,
+        "dp": req.dp,
+        "optimizer": req.optimizer.name,
+        "cost": req.cost,
+        "alpha": req.alpha,
+        "num_matrix_params": sum(1 for p in schedule.params if p.owner is not None),
+        "num_buckets": len(schedule.dp.buckets),
+        "method": dp.method,
+        "imbalance": dp.imbalance,
+        "gap": dp.gap,
+        "lower_bound": dp.lower_bound,
+        "padding_overhead": dp.padding_overhead,
+        "baselines": {name: {"imbalance": s.imbalance, "gap": s.gap} for name, s in dp.baselines.items()},
+        "seconds": round(seconds, 3),
+    }
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """Short human summary of `plan_summary`."""
+    lines = [
+        f"wrote {summary['output']}",
+        f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  "
+        f"cost {summary['cost']}  alpha {summary['alpha']:g}",
+        f"{summary['num_matrix_params']} matrix params in {summary['num_buckets']} buckets, "
+        f"method {summary['method']}",
+        f"DP imbalance {summary['imbalance']:.4f}  gap {100 * summary['gap']:.2f}% above the lower bound  "
+        f"padding overhead {summary['padding_overhead']:.2f}x",
+        "baselines, max load / lower bound: "
+        + ", ".join(f"{name} {1 + b['gap']:.3f}" for name, b in summary["baselines"].items()),
+        f"planned in {summary['seconds']:.2f} s",
+    ]
+    return "\n".join(lines)
+
+
+def _bars(values: list[float], reference: float) -> list[str]:
+    """Rows of `rank  bar  value/reference`; ranges of ranks (their max) when there are many."""
+    step = -(-len(values) // MAX_BAR_ROWS)
+    rows = []
+    for start in range(0, len(values), step):
+        chunk = values[start : start + step]
+        label = str(start) if step == 1 else f"{start}-{start + len(chunk) - 1}"
+        top = max(chunk)
+        ratio = top / reference if reference else 0.0
+        filled = round(BAR_WIDTH * min(ratio, 2.0) / 2.0)
+        rows.append(f"{label:>9}  {'#' * filled:<{BAR_WIDTH}}  {ratio:.3f}")
+    return rows
+
+
+def show_text(schedule: Schedule) -> str:
+    """The `canzona show` report."""
+    req, dp = schedule.request, schedule.metrics.dp
+    header = (
+        f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  "
+        f"alpha {req.alpha:g}  method {dp.method}"
+    )
+    ideal = dp.mean
+    lines = [header, "", "compute load per DP rank (1.000 = mean, full bar = 2x mean):"]
+    lines += _bars(dp.load, ideal)
+    lines += [
+        "",
+        f"imbalance {dp.imbalance:.4f}  gap {100 * dp.gap:.2f}% above lower bound {dp.lower_bound:.4g}",
+        f"padding overhead {dp.padding_overhead:.2f}x (worst bucket {dp.max_padding_overhead:.2f}x)",
+        f"gradient slice per rank: max {max(dp.slice_bytes) / GIB:.3f} GiB, "
+        f"min {min(dp.slice_bytes) / GIB:.3f} GiB",
+        f"optimizer state per DP rank (TP group): max {max(dp.state_bytes) / GIB:.2f} GiB, "
+        f"min {min(dp.state_bytes) / GIB:.2f} GiB",
+        "",
+    ]
+    rows = [["canzona", f"{1 + dp.gap:.3f}", f"{dp.imbalance:.3f}", "1.00", f"{dp.padding_overhead:.2f}x"]]
+    rows += [[name, f"{1 + s.gap:.3f}", f"{s.imbalance:.3f}", f"{s.redundancy:.2f}", "-" if s.padding_overhead is None else f"{s.padding_overhead:.2f}x"] for name, s in dp.baselines.items()]
+    lines.append(_table(["strategy", "max/bound", "imbalance", "redundancy", "padding"], rows))
+    return "\n".join(lines)
