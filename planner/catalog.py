@@ -17,6 +17,7 @@ VOCAB_DIVISOR = 128
 
 Shape = tuple[int, ...]
 Submatrices = tuple[tuple[int, int], ...]
+RowBlocks = tuple[tuple[tuple[int, int], ...], ...]
 
 
 @dataclass(frozen=True)
@@ -168,12 +169,12 @@ def enumerate_params(
     """
     _check_tp(name, arch, tp)
     _check_options(options)
-    return _expand(arch, options, padded_vocab(arch.vocab, tp))
+    return _expand(arch, options, tp, padded_vocab(arch.vocab, tp))
 
 
 def count_params(arch: Architecture) -> int:
     """Total parameter count of `arch` at tp=1, before vocab padding."""
-    return sum(p.numel for p in _expand(arch, ModelOptions(), arch.vocab))
+    return sum(p.numel for p in _expand(arch, ModelOptions(), 1, arch.vocab))
 
 
 def check_tp_size(name: str, tp: int) -> None:
@@ -210,13 +211,15 @@ def _check_options(options: ModelOptions) -> None:
         )
 
 
-def _expand(arch: Architecture, options: ModelOptions, vocab_rows: int) -> tuple[ParamSpec, ...]:
+def _expand(
+    arch: Architecture, options: ModelOptions, tp: int, vocab_rows: int
+) -> tuple[ParamSpec, ...]:
     params = [_adamw("embedding.word_embeddings.weight", (vocab_rows, arch.h), 0)]
     for layer in range(arch.num_layers):
         prefix = f"decoder.layers.{layer}."
         attention = _mla_attention(arch) if arch.is_mla else _attention(arch, options)
         params += [_prefixed(prefix, p) for p in attention]
-        mlp = _moe_mlp(arch, options) if arch.is_moe_layer(layer) else _dense_mlp(arch, options)
+        mlp = _moe_mlp(arch, options, tp) if arch.is_moe_layer(layer) else _dense_mlp(arch, options, tp)
         params += [_prefixed(prefix, p) for p in mlp]
     params.append(_adamw("decoder.final_layernorm.weight", (arch.h,), None))
     if not arch.tied_embeddings:
@@ -238,8 +241,11 @@ def _matrix(
     tp_dim: int | None,
     submatrices: Submatrices | None = None,
     expert: bool = False,
+    row_blocks: RowBlocks = (),
 ) -> ParamSpec:
-    return ParamSpec(name, shape, tp_dim, MATRIX, submatrices or (shape,), expert=expert)
+    return ParamSpec(
+        name, shape, tp_dim, MATRIX, submatrices or (shape,), expert=expert, row_blocks=row_blocks
+    )
 
 
 def _qkv_submatrices(arch: Architecture, split: str) -> Submatrices:
@@ -252,6 +258,32 @@ def _qkv_submatrices(arch: Architecture, split: str) -> Submatrices:
     return ((q_rows + 2 * kv_rows, arch.h),)
 
 
+def _qkv_row_blocks(arch: Architecture, split: str) -> RowBlocks:
+    """Megatron groups QKV rows per KV group as [q heads, k, v]; shards split on groups, so
+    the gathered matrix is the canonical one."""
+    d, heads_per_group = arch.head_dim, arch.num_heads // arch.num_kv_groups
+    stride = (heads_per_group + 2) * d
+    starts = [group * stride for group in range(arch.num_kv_groups)]
+    q_heads = tuple(((s + j * d, s + (j + 1) * d),) for s in starts for j in range(heads_per_group))
+    k_rows = tuple((s + heads_per_group * d, s + (heads_per_group + 1) * d) for s in starts)
+    v_rows = tuple((start + d, stop + d) for start, stop in k_rows)
+    if split == "qkv":
+        return (tuple((s, s + heads_per_group * d) for s in starts), k_rows, v_rows)
+    if split == "head":
+        return q_heads + tuple((r,) for r in k_rows) + tuple((r,) for r in v_rows)
+    return ()
+
+
+def _fc1_row_blocks(ffn: int, tp: int, split: bool) -> RowBlocks:
+    """Each TP shard of fc1 holds [gate shard; up shard]: gathered rows interleave them."""
+    shard = ffn // tp
+    gate = tuple((2 * i * shard, (2 * i + 1) * shard) for i in range(tp))
+    up = tuple(((2 * i + 1) * shard, (2 * i + 2) * shard) for i in range(tp))
+    if split:
+        return (gate, up)
+    return () if tp == 1 else (gate + up,)
+
+
 def _attention(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:
     qkv_rows = (arch.num_heads + 2 * arch.num_kv_groups) * arch.head_dim
     params = [
@@ -262,6 +294,7 @@ def _attention(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:
             (qkv_rows, arch.h),
             0,
             _qkv_submatrices(arch, options.split_qkv),
+            row_blocks=_qkv_row_blocks(arch, options.split_qkv),
         ),
     ]
     if arch.qkv_bias:
@@ -302,21 +335,22 @@ def _mla_attention(arch: Architecture) -> list[ParamSpec]:
 
 
 def _fc_pair(
-    prefix: str, h: int, ffn: int, options: ModelOptions, suffix: str = "", expert: bool = False
+    prefix: str, h: int, ffn: int, options: ModelOptions, tp: int, suffix: str = "", expert: bool = False
 ) -> tuple[ParamSpec, ParamSpec]:
     """fc1 [2F, h] (gate rows then up rows) and fc2 [h, F] of one gated MLP."""
     fc1_subs = ((ffn, h), (ffn, h)) if options.split_fc1 else None
-    fc1 = _matrix(f"{prefix}linear_fc1.weight{suffix}", (2 * ffn, h), 0, fc1_subs, expert)
+    blocks = _fc1_row_blocks(ffn, tp, options.split_fc1)
+    fc1 = _matrix(f"{prefix}linear_fc1.weight{suffix}", (2 * ffn, h), 0, fc1_subs, expert, blocks)
     fc2 = _matrix(f"{prefix}linear_fc2.weight{suffix}", (h, ffn), 1, expert=expert)
     return fc1, fc2
 
 
-def _dense_mlp(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:
-    fc1, fc2 = _fc_pair("mlp.", arch.h, arch.ffn, options)
+def _dense_mlp(arch: Architecture, options: ModelOptions, tp: int) -> list[ParamSpec]:
+    fc1, fc2 = _fc_pair("mlp.", arch.h, arch.ffn, options, tp)
     return [_adamw("mlp.linear_fc1.layer_norm_weight", (arch.h,), None), fc1, fc2]
 
 
-def _moe_mlp(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:
+def _moe_mlp(arch: Architecture, options: ModelOptions, tp: int) -> list[ParamSpec]:
     router_shape = (arch.num_experts, arch.h)
     router_subs = (router_shape,) if options.router_optimizer == MATRIX else ()
     params = [
@@ -325,10 +359,10 @@ def _moe_mlp(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:
     ]
     # TEGroupedMLP registers weight0..weightE-1 of fc1, then those of fc2.
     pairs = [
-        _fc_pair("mlp.experts.", arch.h, arch.expert_ffn, options, str(i), expert=True)
+        _fc_pair("mlp.experts.", arch.h, arch.expert_ffn, options, tp, str(i), expert=True)
         for i in range(arch.num_experts)
     ]
     params += [fc1 for fc1, _ in pairs] + [fc2 for _, fc2 in pairs]
     if arch.num_shared_experts:
-        params += _fc_pair("mlp.shared_experts.", arch.h, arch.shared_expert_ffn, options)
+        params += _fc_pair("mlp.shared_experts.", arch.h, arch.shared_expert_ffn, options, tp)
     return params

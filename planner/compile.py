@@ -73,7 +73,7 @@ def _param_entries(plan: Plan, layout: BufferLayout) -> list[ParamEntry]:
     for bucket in layout.buckets:
         for entry in bucket.entries:
             param = plan.model.params[entry.param]
-            split = [list(shape) for shape in param.submatrices] if len(param.submatrices) > 1 else None
+            blocks = [[list(r) for r in block] for block in param.row_blocks] or None
             entries.append(
                 ParamEntry(
                     name=param.name,
@@ -87,7 +87,7 @@ def _param_entries(plan: Plan, layout: BufferLayout) -> list[ParamEntry]:
                     numel=entry.numel,
                     owner=plan.owners.get(entry.param) if param.optimizer == MATRIX else None,
                     cost=plan.costs[entry.param],
-                    submatrices=split,
+                    row_blocks=blocks,
                 )
             )
     return entries

@@ -57,8 +57,13 @@ class _Entry(BaseModel):
             raise ValueError("submatrices are only allowed for matrix-optimizer parameters")
         if not self.submatrices or min(min(s) for s in self.submatrices) < 1:
             raise ValueError("submatrices must be a non-empty list of positive [rows, cols]")
-        if sum(m * n for m, n in self.submatrices) != prod(self.shape):
-            raise ValueError(f"submatrices do not add up to the {self.shape} parameter")
+        if any(cols != self.shape[1] for _, cols in self.submatrices) or sum(
+            rows for rows, _ in self.submatrices
+        ) != self.shape[0]:
+            raise ValueError(
+                f"submatrices must be consecutive row blocks of the {self.shape} parameter "
+                "(same column count, rows adding up)"
+            )
 
     @property
     def resolved_optimizer(self) -> str:
@@ -75,10 +80,16 @@ class _Entry(BaseModel):
         shape = tuple(self.shape)
         optimizer = self.resolved_optimizer
         submatrices: tuple[tuple[int, int], ...] = ()
+        row_blocks: list[tuple[tuple[int, int], ...]] = []
         if optimizer == MATRIX:
             submatrices = tuple(self.submatrices or [shape])  # type: ignore[list-item]
+        if len(submatrices) > 1:
+            start = 0
+            for rows, _ in submatrices:
+                row_blocks.append(((start, start + rows),))
+                start += rows
         return ParamSpec(
-            self.name, shape, self.tp_dim, optimizer, submatrices, self.dtype, self.expert
+            self.name, shape, self.tp_dim, optimizer, submatrices, self.dtype, self.expert, tuple(row_blocks)
         )
 
 

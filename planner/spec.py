@@ -32,6 +32,12 @@ class ParamSpec:
     matrix optimizer updates independently (e.g. Q, K, V of a fused QKV weight); a parameter
     that is not split has one submatrix equal to its own shape. AdamW parameters have none.
     `expert` marks MoE expert weights (planned over the expert-data-parallel group).
+
+    `row_blocks` says where each submatrix's rows lie in the *gathered* matrix (the TP shards
+    concatenated along `tp_dim` in TP-rank order): per submatrix, (start, stop) row ranges whose
+    concatenation is that submatrix. Empty means one submatrix, the gathered matrix as it is.
+    Fused fc1 is why this exists: each TP shard holds [gate shard; up shard], so the gathered
+    rows interleave gate and up.
     """
 
     name: str
@@ -41,6 +47,7 @@ class ParamSpec:
     submatrices: tuple[tuple[int, int], ...] = ()
     dtype: str = "bf16"
     expert: bool = False
+    row_blocks: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -86,6 +93,8 @@ def validate_model(model: ModelSpec, tp: int) -> None:
             raise PlanError(f"parameter {param.name!r}: unknown optimizer {param.optimizer!r}")
         if param.optimizer == MATRIX and len(param.shape) != 2:
             raise PlanError(f"parameter {param.name!r}: the matrix optimizer needs a 2-D shape")
+        if param.row_blocks:
+            _validate_row_blocks(param)
         if param.tp_dim is not None:
             if not 0 <= param.tp_dim < len(param.shape):
                 raise PlanError(f"parameter {param.name!r}: tp_dim {param.tp_dim} out of range")
@@ -112,3 +121,20 @@ class ModelOptions:
     split_qkv: str = "qkv"
     split_fc1: bool = False
     router_optimizer: str = MATRIX
+
+
+def _validate_row_blocks(param: ParamSpec) -> None:
+    """Row blocks must match the submatrices and cover every row exactly once."""
+    if len(param.row_blocks) != len(param.submatrices):
+        raise PlanError(f"parameter {param.name!r}: {len(param.row_blocks)} row blocks for {len(param.submatrices)} submatrices")
+    ranges: list[tuple[int, int]] = []
+    for block, (num_rows, num_cols) in zip(param.row_blocks, param.submatrices):
+        if num_cols != param.shape[1] or sum(stop - start for start, stop in block) != num_rows:
+            raise PlanError(f"parameter {param.name!r}: row blocks do not match submatrix [{num_rows}, {num_cols}]")
+        ranges += block
+    ranges.sort()
+    chained = all(start < stop for start, stop in ranges) and all(
+        ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)
+    )
+    if not chained or ranges[0][0] != 0 or ranges[-1][1] != param.shape[0]:
+        raise PlanError(f"parameter {param.name!r}: row blocks do not cover every row exactly once")

@@ -69,7 +69,10 @@ class Request(_Strict):
 class ParamEntry(_Strict):
     """One parameter, in buffer order. `offset`/`numel` are its local shard in the bucket;
     `owner` is the DP rank updating it (null for AdamW, which uses the equal split);
-    `index` is its registration position (the order of `named_parameters()`)."""
+    `index` is its registration position (the order of `named_parameters()`).
+    `row_blocks` (matrix optimizer only; null = the whole matrix): per submatrix the optimizer
+    updates separately, the [start, stop) row ranges of the gathered matrix (TP shards
+    concatenated along `tp_dim` in TP-rank order) whose concatenation is that submatrix."""
 
     name: str
     index: int
@@ -82,7 +85,7 @@ class ParamEntry(_Strict):
     numel: int
     owner: int | None
     cost: float
-    submatrices: list[list[int]] | None = None
+    row_blocks: list[list[list[int]]] | None = None
 
 
 class BucketEntry(_Strict):

@@ -13,7 +13,7 @@ from canzona.planner.catalog import (
     enumerate_params,
     padded_vocab,
 )
-from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ParamSpec, PlanError
+from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
 
 # DESIGN §2 "Computed totals", in billions of parameters.
 EXPECTED_TOTALS_B = {
@@ -291,3 +291,30 @@ def test_invalid_architecture_raises(kwargs: dict[str, object], fragment: str) -
     with pytest.raises(PlanError, match=fragment) as err:
         Architecture(**{**base, **kwargs})  # type: ignore[arg-type]
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("split_qkv", ["none", "qkv", "head"])
+@pytest.mark.parametrize("split_fc1", [False, True])
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_row_blocks_partition_the_gathered_rows(split_qkv: str, split_fc1: bool, tp: int) -> None:
+    options = ModelOptions(split_qkv=split_qkv, split_fc1=split_fc1)
+    params = {p.name: p for p in enumerate_params("qwen3-32b", PRESETS["qwen3-32b"], tp, options)}
+    qkv = params["decoder.layers.0.self_attention.linear_qkv.weight"]
+    fc1 = params["decoder.layers.0.mlp.linear_fc1.weight"]
+    for param in (qkv, fc1):
+        validate_model(ModelSpec("m", (param,), "m"), tp)  # covers every row once, matches shapes
+    if split_qkv == "qkv":
+        # Q of KV group 0 is the first 8 heads (64 heads / 8 groups) of 128 rows; K follows.
+        assert qkv.row_blocks[0][0] == (0, 8 * 128)
+        assert qkv.row_blocks[1][0] == (8 * 128, 9 * 128)
+        assert qkv.row_blocks[2][0] == (9 * 128, 10 * 128)
+    if split_qkv == "none":
+        assert qkv.row_blocks == ()
+    ffn_shard = 25600 // tp
+    if split_fc1:
+        # TP rank i's shard holds [gate_i; up_i]: gate blocks sit at even shard positions.
+        assert fc1.row_blocks[0] == tuple((2 * i * ffn_shard, (2 * i + 1) * ffn_shard) for i in range(tp))
+    elif tp > 1:
+        assert fc1.row_blocks[0][:2] == ((0, ffn_shard), (2 * ffn_shard, 3 * ffn_shard))
+    else:
+        assert fc1.row_blocks == ()

@@ -303,7 +303,7 @@ BAD_ENTRIES = [
     ({"name": "w", "shape": [4, 0], "tp_dim": 0}, "positive sizes"),
     ({"name": "w", "shape": [], "tp_dim": None}, "non-empty"),
     ({"name": "w", "shape": [4, 4, 4], "tp_dim": 0, "optimizer": "matrix"}, "2-D shape"),
-    ({"name": "w", "shape": [4, 4], "tp_dim": 0, "submatrices": [[4, 3]]}, "do not add up"),
+    ({"name": "w", "shape": [4, 4], "tp_dim": 0, "submatrices": [[4, 3]]}, "consecutive row blocks"),
     ({"name": "w.norm", "shape": [4, 4], "tp_dim": 0, "submatrices": [[4, 4]]},
      "only allowed for matrix"),
     ({"name": "w", "shape": [4, 4], "tp_dim": 0, "dtype": "int8"}, "dtype 'int8'"),
