@@ -19,7 +19,8 @@ import typer
 from canzona.cli import report
 from canzona.planner.costs import OptimizerConfig
 from canzona.planner.layout import DEFAULT_BUCKET_SIZE
-from canzona.planner.spec import MATRIX, ModelOptions, PlanError
+from canzona.planner.spec import ModelOptions, PlanError
+from canzona.planner.tp import DEFAULT_GROUP_MB
 from canzona.schedules.format import ScheduleError, read_schedule, write_schedule
 
 try:  # typer >= 0.20 vendors click
@@ -54,6 +55,13 @@ class QkvSplit(str, Enum):
     none = "none"
     qkv = "qkv"
     head = "head"
+
+
+class TpMode(str, Enum):
+    rollback = "rollback"
+    fixed = "fixed"
+    sorted = "sorted"
+    heap = "heap"
 
 
 class RouterOptimizer(str, Enum):
@@ -96,6 +104,8 @@ def plan(
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
     precondition_frequency: Annotated[int, typer.Option(help="Shampoo/SOAP preconditioner refresh every N steps.")] = 10,
     max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
+    mode: Annotated[TpMode, typer.Option(help="TP micro-group scheduler.")] = TpMode.rollback,
+    group_mb: Annotated[float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")] = DEFAULT_GROUP_MB,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Schedule file to write.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
@@ -107,7 +117,9 @@ def plan(
     started = time.perf_counter()
     options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value)
     settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
-    request = PlanRequest(model, tp, dp, settings, cost.value, alpha, bucket_size, options)
+    request = PlanRequest(
+        model, tp, dp, settings, cost.value, alpha, bucket_size, options, mode.value, int(group_mb * (1 << 20))
+    )
     request.validate()
     spec = load_model(model, tp, options)
     schedule = compile_schedule(make_plan(spec, request))
@@ -125,10 +137,16 @@ def plan(
 def show(
     file: Annotated[Path, typer.Argument(help="Schedule file.")],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    rank: Annotated[Optional[int], typer.Option(help="Show one device (global rank = dp_rank * tp + tp_rank).")] = None,
 ) -> None:
-    """Show a schedule: per-rank loads as bars, imbalance, gap, memory, baselines."""
+    """Show a schedule: per-rank loads as bars, imbalance, gap, memory, baselines, TP modes."""
     schedule = read_schedule(file)
-    if as_json:
+    if rank is not None:
+        world = schedule.request.tp * schedule.request.dp
+        if not 0 <= rank < world:
+            raise ScheduleError(f"rank {rank} is outside the world of {world} devices")
+        typer.echo(report.rank_text(schedule, rank))
+    elif as_json:
         data = {"request": schedule.request.model_dump(mode="json"), "metrics": schedule.metrics.model_dump(mode="json")}
         typer.echo(json.dumps(data, indent=2))
     else:

@@ -62,6 +62,10 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
         "lower_bound": dp.lower_bound,
         "padding_overhead": dp.padding_overhead,
         "baselines": {name: {"imbalance": s.imbalance, "gap": s.gap} for name, s in dp.baselines.items()},
+        "tp_mode": schedule.metrics.tp.mode,
+        "num_groups": schedule.metrics.tp.num_groups,
+        "tp_efficiency": schedule.metrics.tp.efficiency,
+        "device_imbalance": schedule.metrics.tp.device_imbalance,
         "seconds": round(seconds, 3),
     }
 
@@ -78,6 +82,8 @@ def summary_text(summary: dict[str, Any]) -> str:
         f"padding overhead {summary['padding_overhead']:.2f}x",
         "baselines, max load / lower bound: "
         + ", ".join(f"{name} {1 + b['gap']:.3f}" for name, b in summary["baselines"].items()),
+        f"TP {summary['tp_mode']}: {summary['num_groups']} micro-groups, efficiency "
+        f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}",
         f"planned in {summary['seconds']:.2f} s",
     ]
     return "\n".join(lines)
@@ -120,4 +126,54 @@ def show_text(schedule: Schedule) -> str:
     rows = [["canzona", f"{1 + dp.gap:.3f}", f"{dp.imbalance:.3f}", "1.00", f"{dp.padding_overhead:.2f}x"]]
     rows += [[name, f"{1 + s.gap:.3f}", f"{s.imbalance:.3f}", f"{s.redundancy:.2f}", "-" if s.padding_overhead is None else f"{s.padding_overhead:.2f}x"] for name, s in dp.baselines.items()]
     lines.append(_table(["strategy", "max/bound", "imbalance", "redundancy", "padding"], rows))
+    return "\n".join(lines + [""] + _tp_lines(schedule))
+
+
+def _tp_lines(schedule: Schedule) -> list[str]:
+    tp, devices = schedule.metrics.tp, schedule.metrics.device
+    lines = [
+        f"TP micro-groups ({tp.mode}, capacity {schedule.tp.group_bytes / (1 << 20):.0f} MiB per host): "
+        f"critical path {tp.critical_time:.4g} vs lower bound {tp.critical_lower_bound:.4g}",
+    ]
+    rows = [
+        [mode, str(s.num_groups), f"{s.efficiency:.3f}", f"{s.critical_time / tp.critical_lower_bound if tp.critical_lower_bound else 1:.3f}", f"{s.device_imbalance:.3f}", f"{s.max_saturation:.2f}"]
+        for mode, s in tp.modes.items()
+    ]
+    lines.append(_table(["mode", "groups", "efficiency", "critical/bound", "device imbalance", "max saturation"], rows))
+    lines += ["", "compute load per device (1.000 = mean):"]
+    loads = [d.load for d in devices]
+    lines += _bars(loads, sum(loads) / len(loads))
+    lines.append(
+        f"per device: state max {max(d.state_bytes for d in devices) / GIB:.2f} GiB, "
+        f"sent max {max(d.bytes_sent for d in devices) / GIB:.2f} GiB, "
+        f"received max {max(d.bytes_received for d in devices) / GIB:.2f} GiB per step"
+    )
+    return lines
+
+
+def rank_text(schedule: Schedule, rank: int) -> str:
+    """One device's part of the schedule: owned slices, hosted groups and tasks, bytes."""
+    req = schedule.request
+    dp_rank, tp_rank = divmod(rank, req.tp)
+    device = schedule.metrics.device[rank]
+    owned = [p for p in schedule.params if p.owner == dp_rank]
+    lines = [
+        f"device {rank} = dp rank {dp_rank}, tp rank {tp_rank} of {req.model.name} tp {req.tp} x dp {req.dp}",
+        f"compute load {device.load:.4g}  state {device.state_bytes / GIB:.3f} GiB  "
+        f"sent {device.bytes_sent / GIB:.3f} GiB  received {device.bytes_received / GIB:.3f} GiB per step",
+        "",
+        f"owns {len(owned)} matrices; slices of the matrix buffer:",
+    ]
+    for bucket in schedule.dp.buckets:
+        start, stop = bucket.cuts[dp_rank], bucket.cuts[dp_rank + 1]
+        if stop > start:
+            lines.append(f"  bucket {bucket.index}: [{start}, {stop})  {stop - start} elements")
+    lines += ["", "micro-groups (tasks hosted here marked *):"]
+    for group in schedule.tp.ranks[dp_rank].groups:
+        mine = [name for name, host in zip(group.params, group.hosts) if host == tp_rank]
+        lines.append(
+            f"  group {group.index}: {len(group.params)} tasks, makespan {group.makespan:.4g}, "
+            f"saturation {group.saturation:.2f}, hosts {len(mine)} here"
+        )
+        lines += [f"    * {name}" for name in mine]
     return "\n".join(lines)

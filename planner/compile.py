@@ -7,12 +7,15 @@ from importlib import metadata
 from canzona.planner.baselines import BaselineLoads
 from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
 from canzona.planner.layout import BufferLayout, equal_cuts
-from canzona.planner.plan import Plan
+from canzona.planner.devices import device_figures, tp_score
+from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, Plan
 from canzona.planner.spec import MATRIX
+from canzona.planner.tp import MODES, group_stats
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,
     BucketEntry,
+    DeviceMetrics,
     DpMetrics,
     DpSection,
     Metrics,
@@ -22,10 +25,13 @@ from canzona.schedules.format import (
     Request,
     Schedule,
     StrategyScore,
+    TpGroup,
+    TpMetrics,
+    TpModeScore,
+    TpRankPlan,
+    TpSection,
     compute_fingerprint,
 )
-
-GRAD_BYTES_PER_ELEMENT = 4  # Megatron keeps main gradients in fp32
 
 
 def canzona_version() -> str:
@@ -64,6 +70,8 @@ def _request(plan: Plan) -> Request:
         split_qkv=req.options.split_qkv,
         split_fc1=req.options.split_fc1,
         router_optimizer=req.options.router_optimizer,
+        tp_mode=req.tp_mode,
+        group_bytes=req.group_bytes,
         canzona_version=canzona_version(),
     )
 
@@ -162,6 +170,48 @@ def _baseline_score(baseline: BaselineLoads, total: float, bound: float) -> Stra
     return _score(baseline.loads, total, bound, baseline.padding_overhead)
 
 
+def _tp_section(plan: Plan) -> TpSection:
+    req = plan.request
+    ranks = []
+    for dp_rank, groups in enumerate(plan.chosen_groups):
+        tasks = plan.tasks[dp_rank]
+        entries = []
+        for index, group in enumerate(groups):
+            stats = group_stats(tasks, group, req.tp, req.group_bytes)
+            entries.append(
+                TpGroup(
+                    index=index,
+                    params=[tasks[t].name for t in group.tasks],
+                    hosts=list(group.hosts),
+                    host_loads=list(stats.host_loads),
+                    host_bytes=list(stats.host_bytes),
+                    makespan=stats.makespan,
+                    saturation=stats.saturation,
+                )
+            )
+        ranks.append(TpRankPlan(dp_rank=dp_rank, groups=entries))
+    return TpSection(mode=req.tp_mode, group_bytes=req.group_bytes, ranks=ranks)
+
+
+def _tp_metrics(plan: Plan) -> TpMetrics:
+    scores = {mode: tp_score(plan, plan.groups[mode]) for mode in MODES}
+    chosen = scores[plan.request.tp_mode]
+    return TpMetrics(
+        mode=plan.request.tp_mode,
+        num_groups=chosen.num_groups,
+        critical_time=chosen.critical_time,
+        critical_lower_bound=max(
+            (max(sum(t.cost for t in tasks) / plan.request.tp, max(t.cost for t in tasks)) for tasks in plan.tasks if tasks),
+            default=0.0,
+        ),
+        efficiency=chosen.efficiency,
+        worst_device_load=chosen.worst_device_load,
+        device_imbalance=chosen.device_imbalance,
+        max_saturation=chosen.max_saturation,
+        modes={mode: TpModeScore(**vars(score)) for mode, score in scores.items()},
+    )
+
+
 def compile_schedule(plan: Plan) -> Schedule:
     """The schedule file of a plan (deterministic)."""
     buckets = _buckets(plan)
@@ -176,5 +226,10 @@ def compile_schedule(plan: Plan) -> Schedule:
         fingerprint=fingerprint,
         params=_param_entries(plan, plan.matrix_layout) + _param_entries(plan, plan.adamw_layout),
         dp=DpSection(buckets=buckets, adamw_buckets=adamw_buckets),
-        metrics=Metrics(dp=_dp_metrics(plan, buckets)),
+        tp=_tp_section(plan),
+        metrics=Metrics(
+            dp=_dp_metrics(plan, buckets),
+            tp=_tp_metrics(plan),
+            device=[DeviceMetrics(**vars(figure)) for figure in device_figures(plan, plan.chosen_groups)],
+        ),
     )

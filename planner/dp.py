@@ -19,6 +19,7 @@ bucket order allows, then move/swap local search on the most loaded rank.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from canzona.planner.spec import PlanError
 
 BISECTION_STEPS = 100
 NARROW_INTERVAL = 48
+SWAP_ITEMS_PER_COST = 2
+SWAP_WINDOW = 64
 
 
 @dataclass(frozen=True)
@@ -150,10 +153,12 @@ def solve_contiguous(instance: DpInstance, caps: tuple[int, ...]) -> list[list[i
     With one bucket this is the exact optimum of the partition problem.
     """
     costs = [cost for bucket in instance.costs for cost in bucket]
-    low, high = max(max(costs), sum(costs) / instance.num_ranks), sum(costs)
-    best = _earliest_fit(instance, caps, high)
+    # No cost limit first: summing in another order could put sum(costs) a bit under the
+    # plan's own total and reject it.
+    best = _earliest_fit(instance, caps, math.inf)
     if best is None:  # caps never go below min_max_slice, so one rank per slice always fits
         raise PlanError("slice caps leave no feasible partition")
+    low, high = max(max(costs), sum(costs) / instance.num_ranks), max(rank_loads(instance, best))
     for _ in range(BISECTION_STEPS):
         middle = (low + high) / 2
         owners = _earliest_fit(instance, caps, middle)
@@ -233,6 +238,7 @@ def _place_greedy(search: _Search) -> None:
     items = [(b, i) for b, costs in enumerate(instance.costs) for i in range(len(costs))]
     items.sort(key=lambda item: (-search.cost(item), search.name(item)))
     by_load = [(0.0, rank) for rank in range(instance.num_ranks)]
+    key_of = list(by_load)
     for item in items:
         low, high, target = search.interval(item)
         if high - low < NARROW_INTERVAL:
@@ -248,9 +254,11 @@ def _place_greedy(search: _Search) -> None:
             search.assign(item, -1)
         else:  # unreachable: bucket_ok keeps every partial plan completable
             raise AssertionError(f"no feasible rank for {search.name(item)}")
-        old = (search.loads[rank] - search.cost(item), rank)
-        del by_load[bisect.bisect_left(by_load, old)]
-        bisect.insort(by_load, (search.loads[rank], rank))
+        # Remove the rank's entry by the exact key it was filed under: recomputing it by
+        # subtraction can differ in the last bit for non-integral costs.
+        del by_load[bisect.bisect_left(by_load, key_of[rank])]
+        key_of[rank] = (search.loads[rank], rank)
+        bisect.insort(by_load, key_of[rank])
 
 
 def _ranks_by_load(
@@ -292,40 +300,55 @@ def _would_be_valid(search: _Search, changes: list[tuple[tuple[int, int], int]])
     return valid
 
 
-def _best_move(search: _Search, heavy: int) -> list[tuple[tuple[int, int], int]] | None:
+Change = list[tuple[tuple[int, int], int]]
+
+
+def _first_valid(search: _Search, candidates: list[tuple[tuple[float, str, str | int], Change]]) -> Change | None:
+    """The best-scoring candidate that keeps its buckets valid (validity is the costly check)."""
+    for _, change in sorted(candidates, key=lambda candidate: candidate[0]):
+        if _would_be_valid(search, change):
+            return change
+    return None
+
+
+def _best_move(search: _Search, heavy: int) -> Change | None:
     """The single-item move off `heavy` that lowers the pair's max load the most."""
-    loads, best, best_key = search.loads, None, None
-    for item in sorted(search.members[heavy], key=lambda it: (-search.cost(it), search.name(it))):
+    loads = search.loads
+    candidates: list[tuple[tuple[float, str, str | int], Change]] = []
+    for item in search.members[heavy]:
         cost = search.cost(item)
         for rank in _neighbour_interval(search, item):
             new_max = max(loads[heavy] - cost, loads[rank] + cost)
-            key = (new_max, search.name(item), rank)
-            if rank != heavy and new_max < loads[heavy] and (best_key is None or key < best_key):
-                if _would_be_valid(search, [(item, rank)]):
-                    best, best_key = [(item, rank)], key
-    return best
+            if rank != heavy and new_max < loads[heavy]:
+                candidates.append(((new_max, search.name(item), rank), [(item, rank)]))
+    return _first_valid(search, candidates)
 
 
 def _best_swap(
-    search: _Search, heavy: int, by_cost: list[tuple[float, str, tuple[int, int]]]
-) -> list[tuple[tuple[int, int], int]] | None:
+    search: _Search, heavy: int, by_cost: list[tuple[float, str, tuple[int, int]]], costs_only: list[float]
+) -> Change | None:
     """The swap of an item on `heavy` with a cheaper one elsewhere that helps the most."""
-    loads, best, best_key = search.loads, None, None
+    loads = search.loads
     slack = loads[heavy] - min(loads)
-    costs_only = [entry[0] for entry in by_cost]
+    candidates: list[tuple[tuple[float, str, str | int], Change]] = []
+    tried_per_cost: dict[float, int] = {}
     for item in sorted(search.members[heavy], key=lambda it: (-search.cost(it), search.name(it))):
-        cost = search.cost(item)
+        cost, name = search.cost(item), search.name(item)
+        # Items of equal cost are interchangeable but for validity: a few of each suffice.
+        tried_per_cost[cost] = tried_per_cost.get(cost, 0) + 1
+        if tried_per_cost[cost] > SWAP_ITEMS_PER_COST:
+            continue
         start = bisect.bisect_right(costs_only, cost - slack)
         stop = bisect.bisect_left(costs_only, cost)
-        for other_cost, other_name, other in by_cost[start:stop]:
+        # The ideal partner moves half the slack; look at a window of partners around it.
+        centre = bisect.bisect_left(costs_only, cost - slack / 2)
+        window = by_cost[max(start, centre - SWAP_WINDOW) : min(stop, centre + SWAP_WINDOW)]
+        for other_cost, other_name, other in window:
             rank = search.owners[other[0]][other[1]]
             new_max = max(loads[heavy] - cost + other_cost, loads[rank] + cost - other_cost)
-            key = (new_max, search.name(item), other_name)
-            if rank == heavy or new_max >= loads[heavy] or (best_key is not None and key >= best_key):
-                continue
-            if _would_be_valid(search, [(item, rank), (other, heavy)]):
-                best, best_key = [(item, rank), (other, heavy)], key
-    return best
+            if rank != heavy and new_max < loads[heavy]:
+                candidates.append(((new_max, name, other_name), [(item, rank), (other, heavy)]))
+    return _first_valid(search, candidates)
 
 
 def _improve(search: _Search, max_rounds: int) -> None:
@@ -340,9 +363,10 @@ def _improve(search: _Search, max_rounds: int) -> None:
         for b in range(len(instance.costs))
         for i in range(len(instance.costs[b]))
     )
+    costs_only = [entry[0] for entry in by_cost]
     for _ in range(max_rounds):
         heavy = max(range(instance.num_ranks), key=lambda r: (search.loads[r], -r))
-        step = _best_move(search, heavy) or _best_swap(search, heavy, by_cost)
+        step = _best_move(search, heavy) or _best_swap(search, heavy, by_cost, costs_only)
         if step is None:
             return
         for item, rank in step:

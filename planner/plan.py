@@ -12,6 +12,9 @@ from canzona.planner.costs import OptimizerConfig, make_cost_model, param_cost, 
 from canzona.planner.dp import DpInstance, lower_bound, owners_to_cuts, partition
 from canzona.planner.layout import DEFAULT_BUCKET_SIZE, BufferLayout, build_buffer
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
+from canzona.planner.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
+
+GRAD_BYTES_PER_ELEMENT = 4  # Megatron keeps main gradients in fp32
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class PlanRequest:
     alpha: float = 1.0
     bucket_size: int = DEFAULT_BUCKET_SIZE
     options: ModelOptions = field(default_factory=ModelOptions)
+    tp_mode: str = "rollback"
+    group_bytes: int = DEFAULT_GROUP_MB << 20
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have."""
@@ -37,6 +42,10 @@ class PlanRequest:
             raise PlanError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.bucket_size < 1:
             raise PlanError(f"bucket size must be >= 1, got {self.bucket_size}")
+        if self.tp_mode not in MODES:
+            raise PlanError(f"unknown TP mode {self.tp_mode!r}; choose one of {', '.join(MODES)}")
+        if self.group_bytes < 1:
+            raise PlanError(f"group capacity must be >= 1 byte, got {self.group_bytes}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,13 @@ class Plan:
     method: str
     lower_bound: float
     baselines: tuple[BaselineLoads, ...]
+    tasks: tuple[tuple[Task, ...], ...]
+    groups: dict[str, tuple[tuple[MicroGroup, ...], ...]]
+
+    @property
+    def chosen_groups(self) -> tuple[tuple[MicroGroup, ...], ...]:
+        """Micro-groups of every DP rank under the requested mode."""
+        return self.groups[self.request.tp_mode]
 
 
 def dp_instance(layout: BufferLayout, model: ModelSpec, costs: tuple[float, ...], dp: int) -> DpInstance:
@@ -88,6 +104,11 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
     )
     cost_by_param = {entry.param: costs[entry.param] for b in matrix.buckets for entry in b.entries}
     names = {index: param.name for index, param in enumerate(model.params)}
+    tasks = rank_tasks(model, matrix, owners, costs, request.dp)
+    groups = {
+        mode: tuple(schedule_tasks(rank, request.tp, request.group_bytes, mode) for rank in tasks)
+        for mode in MODES
+    }
     return Plan(
         request=request,
         model=model,
@@ -100,4 +121,19 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
         method=assignment.method,
         lower_bound=lower_bound(instance),
         baselines=all_baselines(matrix, cost_by_param, names, request.dp),
+        tasks=tasks,
+        groups=groups,
     )
+
+
+def rank_tasks(
+    model: ModelSpec, layout: BufferLayout, owners: dict[int, int], costs: tuple[float, ...], dp: int
+) -> tuple[tuple[Task, ...], ...]:
+    """Per DP rank, the matrices it owns as TP tasks, in buffer order."""
+    tasks: list[list[Task]] = [[] for _ in range(dp)]
+    for bucket in layout.buckets:
+        for entry in bucket.entries:
+            param = model.params[entry.param]
+            size = GRAD_BYTES_PER_ELEMENT * param.numel
+            tasks[owners[entry.param]].append(Task(param.name, costs[entry.param], size, param.tp_dim is None))
+    return tuple(tuple(rank) for rank in tasks)

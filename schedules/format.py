@@ -63,6 +63,8 @@ class Request(_Strict):
     split_qkv: str
     split_fc1: bool
     router_optimizer: str
+    tp_mode: str
+    group_bytes: int = Field(ge=1)
     canzona_version: str
 
 
@@ -113,6 +115,34 @@ class DpSection(_Strict):
     adamw_buckets: list[AdamwBucketEntry]
 
 
+class TpGroup(_Strict):
+    """One micro-group of a DP rank, in execution order. `params[i]` is updated on TP rank
+    `hosts[i]`; per TP rank: summed task cost and bytes of gathered full fp32 gradients."""
+
+    index: int
+    params: list[str]
+    hosts: list[int]
+    host_loads: list[float]
+    host_bytes: list[int]
+    makespan: float
+    saturation: float
+
+
+class TpRankPlan(_Strict):
+    """The micro-groups of the matrices one DP rank owns (shared by its TP ranks)."""
+
+    dp_rank: int
+    groups: list[TpGroup]
+
+
+class TpSection(_Strict):
+    """TP micro-group schedule: the mode that built it and the per-host byte capacity."""
+
+    mode: str
+    group_bytes: int
+    ranks: list[TpRankPlan]
+
+
 class StrategyScore(_Strict):
     """Headline DP figures of one strategy (canzona or a baseline), in cost units."""
 
@@ -142,10 +172,52 @@ class DpMetrics(_Strict):
     baselines: dict[str, StrategyScore]
 
 
+class TpModeScore(_Strict):
+    """Headline TP figures of one micro-group mode on the same DP partition."""
+
+    num_groups: int
+    critical_time: float
+    efficiency: float
+    worst_device_load: float
+    device_imbalance: float
+    max_saturation: float
+
+
+class TpMetrics(_Strict):
+    """efficiency = sum of task costs / (P · sum over groups of makespan), over all DP ranks;
+    critical_time = the largest sum of group makespans of one DP rank (cost units), and
+    critical_lower_bound = max over DP ranks of max(its cost / P, its largest task)."""
+
+    mode: str
+    num_groups: int
+    critical_time: float
+    critical_lower_bound: float
+    efficiency: float
+    worst_device_load: float
+    device_imbalance: float
+    max_saturation: float
+    modes: dict[str, TpModeScore]
+
+
+class DeviceMetrics(_Strict):
+    """One device (global rank = dp_rank · tp + tp_rank): its optimizer compute, state bytes,
+    and bytes it sends / receives per step in the TP all-to-alls."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    load: float
+    state_bytes: float
+    bytes_sent: int
+    bytes_received: int
+
+
 class Metrics(_Strict):
     """Everything CI diffs."""
 
     dp: DpMetrics
+    tp: TpMetrics
+    device: list[DeviceMetrics]
 
 
 class Schedule(_Strict):
@@ -156,6 +228,7 @@ class Schedule(_Strict):
     fingerprint: str
     params: list[ParamEntry]
     dp: DpSection
+    tp: TpSection
     metrics: Metrics
 
 
@@ -178,6 +251,7 @@ def schedule_fingerprint(schedule: Schedule) -> str:
 
 
 _ROW_TOKEN = "__canzona_rows_"
+_YAML_UNSAFE = re.compile("[^\x09\x0a\x0d\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 _ROW_LINE = re.compile(r"^( *)- __canzona_rows_(\d+)__$", re.MULTILINE)
 
 
@@ -198,6 +272,11 @@ def _is_table(node: Any) -> bool:
 
 def _flow(value: Any) -> str:
     """JSON text of a flat value, with floats spelled as YAML 1.1 reads them (always a dot)."""
+    if isinstance(value, str):
+        # Not ensure_ascii: JSON would spell non-BMP characters as surrogate pairs, which YAML
+        # reads differently. Raw UTF-8 reads the same in both, except characters YAML refuses
+        # or reads as line breaks: those get \u escapes, which both read alike.
+        return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, float):
@@ -206,7 +285,7 @@ def _flow(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_flow(item) for item in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)}: {_flow(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_flow(k)}: {_flow(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)
 
 
@@ -250,6 +329,8 @@ def _load_fast(text: str) -> Any:
     previous_indent = -1
     for line in text.split("\n"):
         stripped = line.lstrip(" ")
+        if previous_indent >= 0 and (not stripped or stripped.startswith("#")):
+            continue  # blank lines and comments inside a table change nothing
         if not stripped.startswith("- {"):
             skeleton.append(line)
             previous_indent = -1

@@ -1,0 +1,140 @@
+"""Per-device figures of a plan: compute load, optimizer state, bytes moved per step.
+
+Global rank = dp_rank · tp + tp_rank. A device's compute is the matrices it hosts plus its
+AdamW slice; its traffic is the DP reduce-scatter (fp32 gradients) and all-gather
+(parameters) of both buffers plus the TP micro-group all-to-alls (fp32 gradients in, fp32
+updates out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
+from canzona.planner.layout import BufferLayout, equal_cuts
+from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, Plan
+from canzona.planner.spec import DTYPE_BYTES
+from canzona.planner.tp import MicroGroup, group_stats
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """One device's per-step figures."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    load: float
+    state_bytes: float
+    bytes_sent: int
+    bytes_received: int
+
+
+@dataclass(frozen=True)
+class TpScore:
+    """Headline figures of one micro-group mode."""
+
+    num_groups: int
+    critical_time: float
+    efficiency: float
+    worst_device_load: float
+    device_imbalance: float
+    max_saturation: float
+
+
+def _slices(cuts: tuple[int, ...]) -> list[int]:
+    return [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
+
+
+def _dp_traffic(plan: Plan, layout: BufferLayout, cuts_of: list[tuple[int, ...]]) -> list[tuple[int, int]]:
+    """(sent, received) bytes of one buffer's reduce-scatter + all-gather, per DP rank."""
+    dp = plan.request.dp
+    traffic = [(0, 0)] * dp
+    for bucket, cuts in zip(layout.buckets, cuts_of):
+        param_bytes = DTYPE_BYTES[plan.model.params[bucket.entries[0].param].dtype]
+        slices = _slices(cuts)
+        for rank, own in enumerate(slices):
+            others, copies = bucket.numel - own, (dp - 1) * own
+            sent = GRAD_BYTES_PER_ELEMENT * others + param_bytes * copies
+            received = GRAD_BYTES_PER_ELEMENT * copies + param_bytes * others
+            traffic[rank] = (traffic[rank][0] + sent, traffic[rank][1] + received)
+    return traffic
+
+
+def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(sent, received) bytes of the micro-group all-to-alls, per (dp_rank, tp_rank)."""
+    tp = plan.request.tp
+    traffic = {(r, t): (0, 0) for r in range(plan.request.dp) for t in range(tp)}
+    for dp_rank, rank_groups in enumerate(groups):
+        tasks = plan.tasks[dp_rank]
+        for group in rank_groups:
+            for index, host in zip(group.tasks, group.hosts):
+                task = tasks[index]
+                for tp_rank in range(tp):
+                    if tp_rank == host:
+                        peers = tp - 1
+                        moved = (task.size * peers, 0) if task.replicated else (task.size * peers // tp,) * 2
+                    else:
+                        moved = (0, task.size) if task.replicated else (task.size // tp,) * 2
+                    sent, received = traffic[(dp_rank, tp_rank)]
+                    traffic[(dp_rank, tp_rank)] = (sent + moved[0], received + moved[1])
+    return traffic
+
+
+def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> list[DeviceFigures]:
+    """Every device's figures under the given micro-groups."""
+    req = plan.request
+    index_of = {param.name: index for index, param in enumerate(plan.model.params)}
+    adamw_cuts = [equal_cuts(bucket.numel, req.dp) for bucket in plan.adamw_layout.buckets]
+    adamw_elements = [sum(_slices(cuts)[r] for cuts in adamw_cuts) for r in range(req.dp)]
+    adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
+    matrix_traffic = _dp_traffic(plan, plan.matrix_layout, list(plan.cuts))
+    adamw_traffic = _dp_traffic(plan, plan.adamw_layout, adamw_cuts)
+    tp_traffic = _tp_traffic(plan, groups)
+    figures = []
+    for dp_rank in range(req.dp):
+        hosted_cost, hosted_state = [0.0] * req.tp, [0.0] * req.tp
+        for group in groups[dp_rank]:
+            for index, host in zip(group.tasks, group.hosts):
+                task = plan.tasks[dp_rank][index]
+                hosted_cost[host] += task.cost
+                hosted_state[host] += plan.state_bytes[index_of[task.name]]
+        for tp_rank in range(req.tp):
+            tp_sent, tp_received = tp_traffic[(dp_rank, tp_rank)]
+            figures.append(
+                DeviceFigures(
+                    rank=dp_rank * req.tp + tp_rank,
+                    dp_rank=dp_rank,
+                    tp_rank=tp_rank,
+                    load=hosted_cost[tp_rank] + adamw_cost(adamw_elements[dp_rank]),
+                    state_bytes=hosted_state[tp_rank] + ADAMW_STATE_BYTES_PER_ELEMENT * adamw_elements[dp_rank],
+                    bytes_sent=matrix_traffic[dp_rank][0] + adamw_traffic[dp_rank][0] + tp_sent,
+                    bytes_received=matrix_traffic[dp_rank][1] + adamw_traffic[dp_rank][1] + tp_received,
+                )
+            )
+    return figures
+
+
+def tp_score(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> TpScore:
+    """Efficiency, critical time, device balance and saturation of one mode's groups."""
+    tp, capacity = plan.request.tp, plan.request.group_bytes
+    total_cost, makespans, saturation, critical = 0.0, 0.0, 0.0, 0.0
+    for dp_rank, rank_groups in enumerate(groups):
+        rank_time = 0.0
+        for group in rank_groups:
+            stats = group_stats(plan.tasks[dp_rank], group, tp, capacity)
+            total_cost += sum(stats.host_loads)
+            rank_time += stats.makespan
+            saturation = max(saturation, stats.saturation)
+        makespans += rank_time
+        critical = max(critical, rank_time)
+    loads = [figure.load for figure in device_figures(plan, groups)]
+    mean = sum(loads) / len(loads)
+    return TpScore(
+        num_groups=sum(len(rank_groups) for rank_groups in groups),
+        critical_time=critical,
+        efficiency=total_cost / (tp * makespans) if makespans else 1.0,
+        worst_device_load=max(loads),
+        device_imbalance=max(loads) / mean if mean else 1.0,
+        max_saturation=saturation,
+    )
