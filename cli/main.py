@@ -69,9 +69,9 @@ class RouterOptimizer(str, Enum):
     adamw = "adamw"
 
 
-def default_output(model_name: str, optimizer: str, tp: int, dp: int, alpha: float, cost: str) -> Path:
-    """schedules/<model>/<optimizer>-tp<T>-dp<D>[-alpha<A>][-<cost>].yaml"""
-    stem = f"{optimizer}-tp{tp}-dp{dp}"
+def default_output(model_name: str, optimizer: str, tp: int, dp: int, alpha: float, cost: str, ep: int = 1) -> Path:
+    """schedules/<model>/<optimizer>-tp<T>-dp<D>[-ep<E>][-alpha<A>][-<cost>].yaml"""
+    stem = f"{optimizer}-tp{tp}-dp{dp}" + (f"-ep{ep}" if ep > 1 else "")
     if alpha != 1.0:
         stem += f"-alpha{alpha:g}"
     if cost != "flops":
@@ -106,6 +106,7 @@ def plan(
     max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
     mode: Annotated[TpMode, typer.Option(help="TP micro-group scheduler.")] = TpMode.rollback,
     group_mb: Annotated[float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")] = DEFAULT_GROUP_MB,
+    ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Schedule file to write.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
@@ -118,12 +119,12 @@ def plan(
     options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value)
     settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
     request = PlanRequest(
-        model, tp, dp, settings, cost.value, alpha, bucket_size, options, mode.value, int(group_mb * (1 << 20))
+        model, tp, dp, settings, cost.value, alpha, bucket_size, options, mode.value, int(group_mb * (1 << 20)), ep
     )
     request.validate()
     spec = load_model(model, tp, options)
     schedule = compile_schedule(make_plan(spec, request))
-    path = output or default_output(spec.name, optimizer.value, tp, dp, alpha, cost.value)
+    path = output or default_output(spec.name, optimizer.value, tp, dp, alpha, cost.value, ep)
     try:
         write_schedule(schedule, path)
     except OSError as error:

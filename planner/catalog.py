@@ -240,11 +240,13 @@ def _matrix(
     shape: tuple[int, int],
     tp_dim: int | None,
     submatrices: Submatrices | None = None,
-    expert: bool = False,
+    expert: tuple[int, int] | None = None,
     row_blocks: RowBlocks = (),
 ) -> ParamSpec:
+    index, count = expert if expert is not None else (None, 0)
     return ParamSpec(
-        name, shape, tp_dim, MATRIX, submatrices or (shape,), expert=expert, row_blocks=row_blocks
+        name, shape, tp_dim, MATRIX, submatrices or (shape,), expert_index=index, num_experts=count,
+        row_blocks=row_blocks,
     )
 
 
@@ -335,7 +337,8 @@ def _mla_attention(arch: Architecture) -> list[ParamSpec]:
 
 
 def _fc_pair(
-    prefix: str, h: int, ffn: int, options: ModelOptions, tp: int, suffix: str = "", expert: bool = False
+    prefix: str, h: int, ffn: int, options: ModelOptions, tp: int, suffix: str = "",
+    expert: tuple[int, int] | None = None,
 ) -> tuple[ParamSpec, ParamSpec]:
     """fc1 [2F, h] (gate rows then up rows) and fc2 [h, F] of one gated MLP."""
     fc1_subs = ((ffn, h), (ffn, h)) if options.split_fc1 else None
@@ -359,7 +362,7 @@ def _moe_mlp(arch: Architecture, options: ModelOptions, tp: int) -> list[ParamSp
     ]
     # TEGroupedMLP registers weight0..weightE-1 of fc1, then those of fc2.
     pairs = [
-        _fc_pair("mlp.experts.", arch.h, arch.expert_ffn, options, tp, str(i), expert=True)
+        _fc_pair("mlp.experts.", arch.h, arch.expert_ffn, options, tp, str(i), (i, arch.num_experts))
         for i in range(arch.num_experts)
     ]
     params += [fc1 for fc1, _ in pairs] + [fc2 for _, fc2 in pairs]

@@ -6,9 +6,9 @@ from importlib import metadata
 
 from canzona.planner.baselines import BaselineLoads
 from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
-from canzona.planner.layout import BufferLayout, equal_cuts
+from canzona.planner.layout import equal_cuts
 from canzona.planner.devices import device_figures, tp_score
-from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, Plan
+from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, BufferPlan, Plan
 from canzona.planner.spec import MATRIX
 from canzona.planner.tp import MODES, group_stats
 from canzona.schedules.format import (
@@ -72,32 +72,53 @@ def _request(plan: Plan) -> Request:
         router_optimizer=req.options.router_optimizer,
         tp_mode=req.tp_mode,
         group_bytes=req.group_bytes,
+        ep=req.ep,
         canzona_version=canzona_version(),
     )
 
 
-def _param_entries(plan: Plan, layout: BufferLayout) -> list[ParamEntry]:
-    entries = []
-    for bucket in layout.buckets:
-        for entry in bucket.entries:
-            param = plan.model.params[entry.param]
-            blocks = [[list(r) for r in block] for block in param.row_blocks] or None
-            entries.append(
-                ParamEntry(
-                    name=param.name,
-                    index=entry.param,
-                    shape=list(param.shape),
-                    tp_dim=param.tp_dim,
-                    dtype=param.dtype,
-                    optimizer=param.optimizer,
-                    bucket=bucket.index,
-                    offset=entry.offset,
-                    numel=entry.numel,
-                    owner=plan.owners.get(entry.param) if param.optimizer == MATRIX else None,
-                    cost=plan.costs[entry.param],
-                    row_blocks=blocks,
-                )
-            )
+def _entry(plan: Plan, param_index: int, bucket: int, offset: int, numel: int, ep_rank: int | None) -> ParamEntry:
+    param = plan.model.params[param_index]
+    return ParamEntry(
+        name=param.name,
+        index=param_index,
+        shape=list(param.shape),
+        tp_dim=param.tp_dim,
+        dtype=param.dtype,
+        optimizer=param.optimizer,
+        bucket=bucket,
+        offset=offset,
+        numel=numel,
+        owner=plan.owners.get(param_index) if param.optimizer == MATRIX else None,
+        cost=plan.costs[param_index],
+        row_blocks=[[list(r) for r in block] for block in param.row_blocks] or None,
+        ep_rank=ep_rank,
+    )
+
+
+def _param_entries(plan: Plan) -> list[ParamEntry]:
+    """Dense matrix buffer, then the expert buffer of each EP rank, then AdamW; buffer order."""
+    entries = [
+        _entry(plan, e.param, bucket.index, e.offset, e.numel, None)
+        for layout in (plan.dense.layout,)
+        for bucket in layout.buckets
+        for e in bucket.entries
+    ]
+    if plan.expert is not None:
+        by_slot: dict[tuple[int, int], int] = {}
+        for param, slot in plan.expert_slot.items():
+            ep_rank = plan.ep_rank(param)
+            if ep_rank is not None:
+                by_slot[(slot, ep_rank)] = param
+        for ep_rank in range(plan.request.ep):
+            for bucket in plan.expert.layout.buckets:
+                for e in bucket.entries:
+                    entries.append(_entry(plan, by_slot[(e.param, ep_rank)], bucket.index, e.offset, e.numel, ep_rank))
+    entries += [
+        _entry(plan, e.param, bucket.index, e.offset, e.numel, None)
+        for bucket in plan.adamw_layout.buckets
+        for e in bucket.entries
+    ]
     return entries
 
 
@@ -114,10 +135,9 @@ def _score(loads: tuple[float, ...] | list[float], total: float, bound: float, p
     )
 
 
-def _buckets(plan: Plan) -> list[BucketEntry]:
-    dp = plan.request.dp
+def _buckets(buffer: BufferPlan) -> list[BucketEntry]:
     buckets = []
-    for bucket, cuts in zip(plan.matrix_layout.buckets, plan.cuts):
+    for bucket, cuts in zip(buffer.layout.buckets, buffer.cuts):
         slices = _slices(cuts)
         buckets.append(
             BucketEntry(
@@ -125,19 +145,17 @@ def _buckets(plan: Plan) -> list[BucketEntry]:
                 numel=bucket.numel,
                 cuts=list(cuts),
                 slice_bytes=[GRAD_BYTES_PER_ELEMENT * s for s in slices],
-                padding_overhead=_ratio(dp * max(slices), bucket.numel, 1.0),
+                padding_overhead=_ratio(buffer.num_ranks * max(slices), bucket.numel, 1.0),
             )
         )
     return buckets
 
 
-def _dp_metrics(plan: Plan, buckets: list[BucketEntry]) -> DpMetrics:
+def _dp_metrics(plan: Plan, dense: list[BucketEntry], expert: list[BucketEntry]) -> DpMetrics:
     req = plan.request
-    dp, tp = req.dp, req.tp
-    loads, state = [0.0] * dp, [0.0] * dp
-    for param, owner in plan.owners.items():
-        loads[owner] += plan.costs[param]
-        state[owner] += plan.state_bytes[param]
+    dp, tp, ep = req.dp, req.tp, req.ep
+    index_of = {param.name: index for index, param in enumerate(plan.model.params)}
+    state = [sum(plan.state_bytes[index_of[t.name]] for t in tasks) for tasks in plan.tasks]
     adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
     adamw_load = [0.0] * dp
     for bucket in plan.adamw_layout.buckets:
@@ -145,23 +163,28 @@ def _dp_metrics(plan: Plan, buckets: list[BucketEntry]) -> DpMetrics:
         for rank, elements in enumerate(_slices(equal_cuts(bucket.numel, dp))):
             adamw_load[rank] += tp * adamw_cost(elements)
             state[rank] += tp * ADAMW_STATE_BYTES_PER_ELEMENT * elements
+    loads = list(plan.loads)
     total = sum(loads)
-    padded = sum(b.numel for b in plan.matrix_layout.buckets)
-    worst_slices = sum(dp * max(_slices(cuts)) for cuts in plan.cuts)
-    canzona = _score(loads, total, plan.lower_bound, _ratio(worst_slices, padded, 1.0))
+    buffers = [b for b in (plan.dense, plan.expert) if b is not None]
+    padded = sum(bucket.numel for b in buffers for bucket in b.layout.buckets)
+    worst = sum(b.num_ranks * max(_slices(cuts)) for b in buffers for cuts in b.cuts)
+    canzona = _score(loads, total, plan.lower_bound, _ratio(worst, padded, 1.0))
+    slice_bytes = [
+        sum(b.slice_bytes[r] for b in dense) + sum(b.slice_bytes[r // ep] for b in expert) for r in range(dp)
+    ]
     return DpMetrics(
-        method=plan.method,
+        method=plan.dense.method,
         load=loads,
         max=canzona.max,
         mean=canzona.mean,
         imbalance=canzona.imbalance,
         lower_bound=plan.lower_bound,
         gap=canzona.gap,
-        slice_bytes=[sum(b.slice_bytes[r] for b in buckets) for r in range(dp)],
+        slice_bytes=slice_bytes,
         state_bytes=state,
         adamw_load=adamw_load,
         padding_overhead=canzona.padding_overhead or 1.0,
-        max_padding_overhead=max((b.padding_overhead for b in buckets), default=1.0),
+        max_padding_overhead=max((b.padding_overhead for b in dense + expert), default=1.0),
         baselines={b.name: _baseline_score(b, total, plan.lower_bound) for b in plan.baselines},
     )
 
@@ -214,7 +237,8 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
 
 def compile_schedule(plan: Plan) -> Schedule:
     """The schedule file of a plan (deterministic)."""
-    buckets = _buckets(plan)
+    buckets = _buckets(plan.dense)
+    expert_buckets = _buckets(plan.expert) if plan.expert is not None else []
     adamw_buckets = [
         AdamwBucketEntry(index=b.index, numel=b.numel, cuts=list(equal_cuts(b.numel, plan.request.dp)))
         for b in plan.adamw_layout.buckets
@@ -224,11 +248,11 @@ def compile_schedule(plan: Plan) -> Schedule:
         schema_version=SCHEMA_VERSION,
         request=_request(plan),
         fingerprint=fingerprint,
-        params=_param_entries(plan, plan.matrix_layout) + _param_entries(plan, plan.adamw_layout),
-        dp=DpSection(buckets=buckets, adamw_buckets=adamw_buckets),
+        params=_param_entries(plan),
+        dp=DpSection(buckets=buckets, expert_buckets=expert_buckets, adamw_buckets=adamw_buckets),
         tp=_tp_section(plan),
         metrics=Metrics(
-            dp=_dp_metrics(plan, buckets),
+            dp=_dp_metrics(plan, buckets, expert_buckets),
             tp=_tp_metrics(plan),
             device=[DeviceMetrics(**vars(figure)) for figure in device_figures(plan, plan.chosen_groups)],
         ),

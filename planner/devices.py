@@ -46,9 +46,12 @@ def _slices(cuts: tuple[int, ...]) -> list[int]:
     return [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
 
 
-def _dp_traffic(plan: Plan, layout: BufferLayout, cuts_of: list[tuple[int, ...]]) -> list[tuple[int, int]]:
-    """(sent, received) bytes of one buffer's reduce-scatter + all-gather, per DP rank."""
-    dp = plan.request.dp
+def _dp_traffic(
+    plan: Plan, layout: BufferLayout, cuts_of: list[tuple[int, ...]], group: int
+) -> list[tuple[int, int]]:
+    """(sent, received) bytes of one buffer's reduce-scatter + all-gather over a data-parallel
+    group of `group` ranks, per rank of that group."""
+    dp = group
     traffic = [(0, 0)] * dp
     for bucket, cuts in zip(layout.buckets, cuts_of):
         param_bytes = DTYPE_BYTES[plan.model.params[bucket.entries[0].param].dtype]
@@ -88,8 +91,14 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
     adamw_cuts = [equal_cuts(bucket.numel, req.dp) for bucket in plan.adamw_layout.buckets]
     adamw_elements = [sum(_slices(cuts)[r] for cuts in adamw_cuts) for r in range(req.dp)]
     adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
-    matrix_traffic = _dp_traffic(plan, plan.matrix_layout, list(plan.cuts))
-    adamw_traffic = _dp_traffic(plan, plan.adamw_layout, adamw_cuts)
+    matrix_traffic = _dp_traffic(plan, plan.dense.layout, list(plan.dense.cuts), req.dp)
+    if plan.expert is not None:
+        expert = _dp_traffic(plan, plan.expert.layout, list(plan.expert.cuts), plan.expert.num_ranks)
+        matrix_traffic = [
+            (sent + expert[r // req.ep][0], received + expert[r // req.ep][1])
+            for r, (sent, received) in enumerate(matrix_traffic)
+        ]
+    adamw_traffic = _dp_traffic(plan, plan.adamw_layout, adamw_cuts, req.dp)
     tp_traffic = _tp_traffic(plan, groups)
     figures = []
     for dp_rank in range(req.dp):

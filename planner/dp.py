@@ -36,17 +36,26 @@ class DpInstance:
     """One buffer's partition problem. Per bucket, per item in buffer order: cost, span, name.
 
     An item's span is the elements from its start to the next item's start (or the bucket
-    end), so a rank's slice of a bucket is the sum of its items' spans.
+    end), so a rank's slice of a bucket is the sum of its items' spans. `base_loads` is load
+    each rank carries already (e.g. its experts when expert parallelism plans them apart);
+    empty means none.
     """
 
     costs: tuple[tuple[float, ...], ...]
     spans: tuple[tuple[int, ...], ...]
     names: tuple[tuple[str, ...], ...]
     num_ranks: int
+    base_loads: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:
             raise PlanError(f"dp must be >= 1, got {self.num_ranks}")
+        if self.base_loads and len(self.base_loads) != self.num_ranks:
+            raise PlanError(f"{len(self.base_loads)} base loads for {self.num_ranks} ranks")
+
+    def initial_loads(self) -> list[float]:
+        """Per-rank load before any item is placed."""
+        return list(self.base_loads) if self.base_loads else [0.0] * self.num_ranks
 
 
 @dataclass(frozen=True)
@@ -58,16 +67,17 @@ class DpAssignment:
 
 
 def lower_bound(instance: DpInstance) -> float:
-    """max(total / D, largest single item): no partition can have a smaller max load."""
+    """max(total / D, largest item + least base load, largest base load): no partition can
+    have a smaller max load (without base loads: max(total / D, largest single item))."""
     costs = [cost for bucket in instance.costs for cost in bucket]
-    if not costs:
-        return 0.0
-    return max(sum(costs) / instance.num_ranks, max(costs))
+    base = instance.initial_loads()
+    total = sum(costs) + sum(base)
+    return max(total / instance.num_ranks, max(costs, default=0.0) + min(base), max(base))
 
 
 def rank_loads(instance: DpInstance, owners: tuple[tuple[int, ...], ...]) -> list[float]:
-    """Compute load of every rank under `owners`."""
-    loads = [0.0] * instance.num_ranks
+    """Compute load of every rank under `owners` (base loads included)."""
+    loads = instance.initial_loads()
     for costs, bucket_owners in zip(instance.costs, owners):
         for cost, owner in zip(costs, bucket_owners):
             loads[owner] += cost
@@ -105,7 +115,7 @@ def _earliest_fit(
     contiguous plan can be shifted item by item towards it without breaking a limit.
     """
     owners: list[list[int]] = []
-    loads = [0.0] * instance.num_ranks
+    loads = instance.initial_loads()
     rank = 0
     for costs, spans, cap in zip(instance.costs, instance.spans, caps):
         bucket_owners = _fit_bucket(costs, spans, cap, loads, rank, cost_limit)
@@ -152,13 +162,12 @@ def solve_contiguous(instance: DpInstance, caps: tuple[int, ...]) -> list[list[i
 
     With one bucket this is the exact optimum of the partition problem.
     """
-    costs = [cost for bucket in instance.costs for cost in bucket]
     # No cost limit first: summing in another order could put sum(costs) a bit under the
     # plan's own total and reject it.
     best = _earliest_fit(instance, caps, math.inf)
     if best is None:  # caps never go below min_max_slice, so one rank per slice always fits
         raise PlanError("slice caps leave no feasible partition")
-    low, high = max(max(costs), sum(costs) / instance.num_ranks), max(rank_loads(instance, best))
+    low, high = lower_bound(instance), max(rank_loads(instance, best))
     for _ in range(BISECTION_STEPS):
         middle = (low + high) / 2
         owners = _earliest_fit(instance, caps, middle)
@@ -178,7 +187,7 @@ class _Search:
         self.instance = instance
         self.caps = caps
         self.owners: list[list[int]] = [[-1] * len(costs) for costs in instance.costs]
-        self.loads = [0.0] * instance.num_ranks
+        self.loads = instance.initial_loads()
         self.members: list[set[tuple[int, int]]] = [set() for _ in range(instance.num_ranks)]
 
     def cost(self, item: tuple[int, int]) -> float:
@@ -237,8 +246,8 @@ def _place_greedy(search: _Search) -> None:
     instance = search.instance
     items = [(b, i) for b, costs in enumerate(instance.costs) for i in range(len(costs))]
     items.sort(key=lambda item: (-search.cost(item), search.name(item)))
-    by_load = [(0.0, rank) for rank in range(instance.num_ranks)]
-    key_of = list(by_load)
+    by_load = sorted((load, rank) for rank, load in enumerate(search.loads))
+    key_of = [(load, rank) for rank, load in enumerate(search.loads)]
     for item in items:
         low, high, target = search.interval(item)
         if high - low < NARROW_INTERVAL:

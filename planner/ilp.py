@@ -108,6 +108,9 @@ def _solve(model: Any, time_limit: float, seed: int) -> tuple[Any, str, float]:
     # single-worker search alone rarely improves a good hint on a large instance.
     solver.parameters.interleave_search = True
     solver.parameters.subsolvers.append("default_lp")
+    # This presolve step costs more deterministic time than a short budget has on these
+    # models (every load row overlaps its neighbours) and found nothing useful in trials.
+    solver.parameters.find_big_linear_overlap = False
     # Only a safety net: hitting it makes the answer depend on machine speed.
     solver.parameters.max_time_in_seconds = WALL_FACTOR * time_limit + WALL_SLACK
     solver.parameters.log_search_progress = False
@@ -214,19 +217,25 @@ class _OrderEncoding:
         return low + sum(int(solver.BooleanValue(var)) for var in self.vars[bucket][index])
 
 
-def _dp_model(
-    instance: DpInstance, caps: tuple[int, ...], owners: Owners, windows: list[list[tuple[int, int]]]
-) -> tuple[Any, _OrderEncoding]:
-    """The CP-SAT model: minimise the largest rank load, hint = `owners`, never above it."""
-    cp_model = _cp_model()
-    model = cp_model.CpModel()
-    encoding = _OrderEncoding(model, windows, owners)
-    encoding.monotone(model)
-    flat, _ = _scaled([cost for row in instance.costs for cost in row])
+def _dp_scaled(instance: DpInstance) -> tuple[list[list[int]], list[int], float]:
+    """Integer item costs per bucket, integer base loads per rank, and one unit's float value."""
+    base = instance.initial_loads()
+    flat, unit = _scaled([cost for row in instance.costs for cost in row] + base)
     costs, start = [], 0
     for row in instance.costs:
         costs.append(flat[start : start + len(row)])
         start += len(row)
+    return costs, flat[start:], unit
+
+
+def _dp_model(
+    instance: DpInstance, caps: tuple[int, ...], owners: Owners, windows: list[list[tuple[int, int]]]
+) -> tuple[Any, _OrderEncoding]:
+    """The CP-SAT model: minimise the largest rank load, hint = `owners`, never above it."""
+    model = _cp_model().CpModel()
+    encoding = _OrderEncoding(model, windows, owners)
+    encoding.monotone(model)
+    costs, base, _ = _dp_scaled(instance)
     ranks = instance.num_ranks
     loads: list[list[tuple[Any, int]]] = [[] for _ in range(ranks)]
     for bucket, row in enumerate(windows):
@@ -237,20 +246,20 @@ def _dp_model(
                 loads[rank].append((is_owner, costs[bucket][index]))
                 slices[rank].append((is_owner, instance.spans[bucket][index]))
         for rank_slice in slices:
-            if rank_slice and sum(span for _, span in rank_slice) > caps[bucket]:
+            # Skipped when every item that could land on the rank fits anyway.
+            if sum(span for _, span in rank_slice) > caps[bucket]:
                 model.Add(sum(span * term for term, span in rank_slice) <= caps[bucket])
-    hint_loads = [0] * ranks
+    hint_loads = list(base)
     for bucket, row in enumerate(owners):
         for index, owner in enumerate(row):
             hint_loads[owner] += costs[bucket][index]
-    total = sum(flat)
-    floor = max(max(flat, default=0), -(-total // ranks))
-    makespan = model.NewIntVar(min(floor, max(hint_loads)), max(hint_loads), "max_load")
-    model.AddHint(makespan, max(hint_loads))
-    for terms in loads:
-        if terms:
-            model.Add(sum(cost * term for term, cost in terms) <= makespan)
-    model.Minimize(makespan)
+    largest = max((cost for row in costs for cost in row), default=0)
+    floor = max(max(base), largest + min(base), -(-(sum(map(sum, costs)) + sum(base)) // ranks))
+    max_load = model.NewIntVar(min(floor, max(hint_loads)), max(hint_loads), "max_load")
+    model.AddHint(max_load, max(hint_loads))
+    for rank, terms in enumerate(loads):
+        model.Add(base[rank] + sum(cost * term for term, cost in terms) <= max_load)
+    model.Minimize(max_load)
     return model, encoding
 
 
@@ -264,18 +273,19 @@ def refine_dp(
     satisfy them (PlanError otherwise); it is the solver's full hint and upper bound.
 
     Model size: with at most FULL_MODEL_PAIRS (item, rank) pairs every item may go to every
-    rank, and the report's bound and OPTIMAL status are global. Above that each item is
-    restricted to a window of ranks around its hint owner (FULL_MODEL_PAIRS in all, at least
-    ±1 rank): the search is then local, so OPTIMAL is reported as FEASIBLE and the bound is
-    `lower_bound(instance)`. A window model with more than MAX_MODEL_PAIRS pairs is not built:
-    the hint comes back with status UNKNOWN. A hint already at `lower_bound` is returned as
-    OPTIMAL without solving.
+    rank, OPTIMAL is a proof, and the bound is the larger of CP-SAT's and `lower_bound`.
+    Above that each item is restricted to a window of ranks around its hint owner
+    (FULL_MODEL_PAIRS in all, at least ±1 rank): the search is then local, so OPTIMAL is
+    reported as FEASIBLE and the bound is `lower_bound(instance)`. A window model with more
+    than MAX_MODEL_PAIRS pairs is not built: the hint comes back with status UNKNOWN. A hint
+    already at `lower_bound` comes back as OPTIMAL without solving. Base loads count.
 
     Deterministic for fixed inputs (single worker, `seed`, deterministic time `time_limit`)
     unless the wall-clock safety net (10·time_limit + 5 s) is hit.
     """
+    _cp_model()  # fail early and alike on every instance when OR-Tools is missing
     _check_limits(time_limit, seed)
-    _check_costs([cost for row in instance.costs for cost in row])
+    _check_costs([cost for row in instance.costs for cost in row] + instance.initial_loads())
     problem = _dp_problem(instance, caps, owners)
     if problem is not None:
         raise PlanError(f"refine_dp: the greedy hint is invalid: {problem}")
@@ -290,12 +300,12 @@ def refine_dp(
     full = all(window == (0, instance.num_ranks - 1) for row in windows for window in row)
     model, encoding = _dp_model(instance, caps, owners, windows)
     solver, status, seconds = _solve(model, time_limit, seed)
-    items = sum(len(row) for row in owners)
-    _, unit = _scaled([cost for row in instance.costs for cost in row])
-    bound = _float_bound(solver, status, unit, items) if full else floor
+    # A rank's load sums at most every item and its base load, each rounded.
+    rounded = sum(len(row) for row in owners) + 1
+    bound = max(floor, _float_bound(solver, status, _dp_scaled(instance)[2], rounded)) if full else floor
     if not full and status == "OPTIMAL":
         status = "FEASIBLE"
-    bound = min(max(bound, 0.0), hint_max)
+    bound = min(bound, hint_max)
     if _solved(status):
         found = tuple(
             tuple(encoding.owner(solver, b, i) for i in range(len(row))) for b, row in enumerate(owners)
@@ -370,6 +380,7 @@ def refine_hosts(
     `refine_dp`; a model with more than MAX_MODEL_PAIRS (task, host) pairs is not built and
     the hint comes back with status UNKNOWN.
     """
+    _cp_model()
     _check_limits(time_limit, seed)
     _check_hosts(costs, sizes, hosts, num_hosts)
     hosts = tuple(hosts)
@@ -383,7 +394,7 @@ def refine_hosts(
     scaled, unit = _scaled(list(costs))
     model, on = _hosts_model(scaled, sizes, hosts, num_hosts, limit)
     solver, status, seconds = _solve(model, time_limit, seed)
-    bound = min(_float_bound(solver, status, unit, len(costs)), hint_max)
+    bound = min(max(floor, _float_bound(solver, status, unit, len(costs))), hint_max)
     if _solved(status):
         found = tuple(next(h for h, var in enumerate(row) if solver.BooleanValue(var)) for row in on)
         found_max = max(_host_loads(costs, found, num_hosts))

@@ -8,6 +8,7 @@ Sizes are local: a TP-sharded parameter occupies its shard's element count.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import lcm
 
@@ -63,8 +64,16 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def build_buffer(model: ModelSpec, kind: str, tp: int, dp: int, bucket_size: int) -> BufferLayout:
-    """Lay out the parameters of optimizer class `kind` in Megatron's bucketed buffer."""
+def build_buffer(
+    model: ModelSpec,
+    kind: str,
+    tp: int,
+    dp: int,
+    bucket_size: int,
+    include: Callable[[int], bool] | None = None,
+) -> BufferLayout:
+    """Lay out the parameters of optimizer class `kind` (those `include(index)` accepts, if
+    given) in Megatron's bucketed buffer, for a data-parallel group of `dp` ranks."""
     if bucket_size < 1:
         raise PlanError(f"bucket size must be >= 1, got {bucket_size}")
     end_alignment = lcm(dp, BUCKET_END_ALIGNMENT)
@@ -73,7 +82,7 @@ def build_buffer(model: ModelSpec, kind: str, tp: int, dp: int, bucket_size: int
     fill = 0
     for index in reversed(range(len(model.params))):
         param = model.params[index]
-        if param.optimizer != kind:
+        if param.optimizer != kind or (include is not None and not include(index)):
             continue
         offset = _round_up(fill, PARAM_ALIGNMENT)
         numel = param.local_numel(tp)

@@ -2,7 +2,7 @@
 
 A file is YAML or JSON holding either a mapping `{name: <model name>, params: [...]}` or a bare
 list of entries. Each entry is `{name, shape, tp_dim}` plus optional `optimizer` ("matrix" or
-"adamw"), `submatrices` (full shapes of independently updated pieces of a matrix), `expert`
+"adamw"), `submatrices` (consecutive row blocks updated separately), `expert` ([index, count])
 and `dtype`. Entries are listed in registration order (the order of `named_parameters()`).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 from pydantic import model_validator
 
 from .spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError
@@ -33,7 +33,7 @@ class _Entry(BaseModel):
     tp_dim: StrictInt | None
     optimizer: Literal["matrix", "adamw"] | None = None
     submatrices: list[tuple[StrictInt, StrictInt]] | None = None
-    expert: StrictBool = False
+    expert: tuple[StrictInt, StrictInt] | None = None
     dtype: StrictStr = "bf16"
 
     @model_validator(mode="after")
@@ -50,6 +50,8 @@ class _Entry(BaseModel):
             raise ValueError(f"the matrix optimizer needs a 2-D shape, got {self.shape}")
         if self.submatrices is not None:
             self._check_submatrices()
+        if self.expert is not None and not 0 <= self.expert[0] < self.expert[1]:
+            raise ValueError(f"expert [index, count] {list(self.expert)} needs 0 <= index < count")
         return self
 
     def _check_submatrices(self) -> None:
@@ -89,7 +91,10 @@ class _Entry(BaseModel):
                 row_blocks.append(((start, start + rows),))
                 start += rows
         return ParamSpec(
-            self.name, shape, self.tp_dim, optimizer, submatrices, self.dtype, self.expert, tuple(row_blocks)
+            self.name, shape, self.tp_dim, optimizer, submatrices, self.dtype,
+            expert_index=self.expert[0] if self.expert else None,
+            num_experts=self.expert[1] if self.expert else 0,
+            row_blocks=tuple(row_blocks),
         )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from canzona.planner.baselines import BaselineLoads, all_baselines
 from canzona.planner.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
-from canzona.planner.dp import DpInstance, lower_bound, owners_to_cuts, partition
+from canzona.planner.dp import DpInstance, lower_bound, owners_to_cuts, partition, rank_loads
 from canzona.planner.layout import DEFAULT_BUCKET_SIZE, BufferLayout, build_buffer
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
 from canzona.planner.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
@@ -31,6 +31,7 @@ class PlanRequest:
     options: ModelOptions = field(default_factory=ModelOptions)
     tp_mode: str = "rollback"
     group_bytes: int = DEFAULT_GROUP_MB << 20
+    ep: int = 1
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have."""
@@ -44,24 +45,50 @@ class PlanRequest:
             raise PlanError(f"bucket size must be >= 1, got {self.bucket_size}")
         if self.tp_mode not in MODES:
             raise PlanError(f"unknown TP mode {self.tp_mode!r}; choose one of {', '.join(MODES)}")
+        if self.ep < 1:
+            raise PlanError(f"ep must be >= 1, got {self.ep}")
         if self.group_bytes < 1:
             raise PlanError(f"group capacity must be >= 1 byte, got {self.group_bytes}")
 
 
 @dataclass(frozen=True)
+class BufferPlan:
+    """One partitioned matrix-optimizer buffer: layout, group size, owners, cuts, loads.
+
+    Owners are ranks within the buffer's data-parallel group: DP ranks for the dense buffer,
+    expert-data-parallel ranks for the expert buffer (laid out once, for EP rank 0's local
+    experts; every EP rank's experts sit at the same offsets).
+    """
+
+    layout: BufferLayout
+    num_ranks: int
+    owners: dict[int, int]
+    cuts: tuple[tuple[int, ...], ...]
+    method: str
+    loads: tuple[float, ...]
+    baselines: tuple[BaselineLoads, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
-    """The solved plan. Per-parameter lists are indexed by registration position."""
+    """The solved plan. Per-parameter lists are indexed by registration position.
+
+    `owners` maps every matrix parameter to its owner rank in its group (DP rank; for experts
+    under expert parallelism, expert-DP rank); `expert_slot` maps every expert parameter to
+    the EP-rank-0 expert at the same buffer position (itself when ep = 1 or not an expert).
+    """
 
     request: PlanRequest
     model: ModelSpec
-    matrix_layout: BufferLayout
+    dense: BufferPlan
+    expert: BufferPlan | None
     adamw_layout: BufferLayout
     costs: tuple[float, ...]
     state_bytes: tuple[float, ...]
     owners: dict[int, int]
-    cuts: tuple[tuple[int, ...], ...]
-    method: str
+    expert_slot: dict[int, int]
     lower_bound: float
+    loads: tuple[float, ...]
     baselines: tuple[BaselineLoads, ...]
     tasks: tuple[tuple[Task, ...], ...]
     groups: dict[str, tuple[tuple[MicroGroup, ...], ...]]
@@ -71,69 +98,163 @@ class Plan:
         """Micro-groups of every DP rank under the requested mode."""
         return self.groups[self.request.tp_mode]
 
+    def ep_rank(self, param: int) -> int | None:
+        """EP rank holding an expert parameter under expert parallelism, else None."""
+        spec = self.model.params[param]
+        if self.expert is None or spec.expert_index is None:
+            return None
+        return spec.expert_index // (spec.num_experts // self.request.ep)
 
-def dp_instance(layout: BufferLayout, model: ModelSpec, costs: tuple[float, ...], dp: int) -> DpInstance:
+
+def dp_instance(
+    layout: BufferLayout, model: ModelSpec, costs: tuple[float, ...], dp: int, base_loads: tuple[float, ...] = ()
+) -> DpInstance:
     """The partition problem of one buffer."""
     return DpInstance(
         costs=tuple(tuple(costs[e.param] for e in bucket.entries) for bucket in layout.buckets),
         spans=tuple(bucket.spans() for bucket in layout.buckets),
         names=tuple(tuple(model.params[e.param].name for e in bucket.entries) for bucket in layout.buckets),
         num_ranks=dp,
+        base_loads=base_loads,
     )
 
 
-def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
-    """Solve the DP partition of `model` for `request` and score the baselines."""
-    request.validate()
-    validate_model(model, request.tp)
-    cost_model = make_cost_model(request.cost, request.optimizer)
-    costs = tuple(param_cost(param, cost_model) for param in model.params)
-    state = tuple(param_state_bytes(param, request.optimizer) for param in model.params)
-    matrix = build_buffer(model, MATRIX, request.tp, request.dp, request.bucket_size)
-    adamw = build_buffer(model, ADAMW, request.tp, request.dp, request.bucket_size)
-    instance = dp_instance(matrix, model, costs, request.dp)
-    assignment = partition(instance, request.alpha)
+def plan_buffer(
+    model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, alpha: float,
+    base_loads: tuple[float, ...] = (),
+) -> tuple[BufferPlan, DpInstance]:
+    """Partition one buffer over `num_ranks` and score the baselines on it."""
+    instance = dp_instance(layout, model, costs, num_ranks, base_loads)
+    assignment = partition(instance, alpha)
     owners = {
         entry.param: owner
-        for bucket, bucket_owners in zip(matrix.buckets, assignment.owners)
+        for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
         for entry, owner in zip(bucket.entries, bucket_owners)
     }
     cuts = tuple(
-        owners_to_cuts(bucket_owners, tuple(e.offset for e in bucket.entries), bucket.numel, request.dp)
-        for bucket, bucket_owners in zip(matrix.buckets, assignment.owners)
+        owners_to_cuts(bucket_owners, tuple(e.offset for e in bucket.entries), bucket.numel, num_ranks)
+        for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
     )
-    cost_by_param = {entry.param: costs[entry.param] for b in matrix.buckets for entry in b.entries}
+    cost_by_param = {param: costs[param] for param in owners}
     names = {index: param.name for index, param in enumerate(model.params)}
-    tasks = rank_tasks(model, matrix, owners, costs, request.dp)
-    groups = {
-        mode: tuple(schedule_tasks(rank, request.tp, request.group_bytes, mode) for rank in tasks)
-        for mode in MODES
-    }
+    loads = tuple(l - b for l, b in zip(rank_loads(instance, assignment.owners), instance.initial_loads()))
+    baselines = all_baselines(layout, cost_by_param, names, num_ranks)
+    return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines), instance
+
+
+def _expert_slots(model: ModelSpec, ep: int) -> dict[int, int]:
+    """Expert parameter → the EP-rank-0 expert at the same local slot (same name stem)."""
+    slots: dict[int, int] = {}
+    first: dict[tuple[str, int], int] = {}
+    for index, param in enumerate(model.params):
+        if param.expert_index is None:
+            continue
+        local = param.num_experts // ep
+        stem = param.name.removesuffix(str(param.expert_index))
+        key = (stem, param.expert_index % local)
+        if param.expert_index < local:
+            first[key] = index
+        slots[index] = first.get(key, index)
+    return slots
+
+
+def _combine(dense: tuple[float, ...], expert: tuple[float, ...], ep: int) -> tuple[float, ...]:
+    """Per DP rank: its dense load plus the load of its expert-DP rank (dp_rank // ep)."""
+    return tuple(load + (expert[rank // ep] if expert else 0.0) for rank, load in enumerate(dense))
+
+
+def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
+    """Solve the DP partition (and expert partition) of `model`, schedule TP micro-groups,
+    and score the baselines."""
+    request.validate()
+    validate_model(model, request.tp)
+    validate_expert_parallel(model, request)
+    cost_model = make_cost_model(request.cost, request.optimizer)
+    costs = tuple(param_cost(param, cost_model) for param in model.params)
+    state = tuple(param_state_bytes(param, request.optimizer) for param in model.params)
+    ep, tp, dp = request.ep, request.tp, request.dp
+    slots = _expert_slots(model, ep) if ep > 1 else {}
+    expert: BufferPlan | None = None
+    if ep > 1:
+        layout = build_buffer(model, MATRIX, tp, dp // ep, request.bucket_size, lambda i: slots.get(i) == i)
+        expert, _ = plan_buffer(model, layout, costs, dp // ep, request.alpha)
+    expert_base = _combine((0.0,) * dp, expert.loads if expert else (), ep)
+    dense_layout = build_buffer(model, MATRIX, tp, dp, request.bucket_size, lambda i: i not in slots)
+    dense, instance = plan_buffer(model, dense_layout, costs, dp, request.alpha, expert_base if expert else ())
+    owners = dict(dense.owners)
+    if expert is not None:
+        owners.update({param: expert.owners[slot] for param, slot in slots.items()})
+    tasks = rank_tasks(model, dense, expert, slots, costs, request)
+    groups = {mode: tuple(schedule_tasks(rank, tp, request.group_bytes, mode) for rank in tasks) for mode in MODES}
     return Plan(
         request=request,
         model=model,
-        matrix_layout=matrix,
-        adamw_layout=adamw,
+        dense=dense,
+        expert=expert,
+        adamw_layout=build_buffer(model, ADAMW, tp, dp, request.bucket_size),
         costs=costs,
         state_bytes=state,
         owners=owners,
-        cuts=cuts,
-        method=assignment.method,
+        expert_slot={index: slots.get(index, index) for index in owners},
         lower_bound=lower_bound(instance),
-        baselines=all_baselines(matrix, cost_by_param, names, request.dp),
+        loads=_combine(dense.loads, expert.loads if expert else (), ep),
+        baselines=_combined_baselines(dense, expert, ep),
         tasks=tasks,
         groups=groups,
     )
 
 
+def _combined_baselines(dense: BufferPlan, expert: BufferPlan | None, ep: int) -> tuple[BaselineLoads, ...]:
+    if expert is None:
+        return dense.baselines
+    return tuple(
+        BaselineLoads(d.name, _combine(d.loads, e.loads, ep), d.padding_overhead)
+        for d, e in zip(dense.baselines, expert.baselines)
+    )
+
+
+def validate_expert_parallel(model: ModelSpec, request: PlanRequest) -> None:
+    """Raise PlanError unless `ep` divides the world and every layer's experts."""
+    ep = request.ep
+    if ep == 1:
+        return
+    if request.dp % ep:
+        raise PlanError(f"ep {ep} does not divide dp {request.dp} (the world is tp x dp = {request.tp * request.dp})")
+    counts = {param.num_experts for param in model.params if param.expert_index is not None}
+    if not counts:
+        raise PlanError(f"ep {ep} needs a model with MoE experts; {model.name!r} has none")
+    for count in sorted(counts):
+        if count % ep:
+            raise PlanError(f"ep {ep} does not divide the {count} experts of {model.name!r}")
+
+
 def rank_tasks(
-    model: ModelSpec, layout: BufferLayout, owners: dict[int, int], costs: tuple[float, ...], dp: int
+    model: ModelSpec,
+    dense: BufferPlan,
+    expert: BufferPlan | None,
+    slots: dict[int, int],
+    costs: tuple[float, ...],
+    request: PlanRequest,
 ) -> tuple[tuple[Task, ...], ...]:
-    """Per DP rank, the matrices it owns as TP tasks, in buffer order."""
-    tasks: list[list[Task]] = [[] for _ in range(dp)]
-    for bucket in layout.buckets:
+    """Per DP rank, the matrices it owns as TP tasks, in buffer order (dense, then experts)."""
+    tasks: list[list[Task]] = [[] for _ in range(request.dp)]
+
+    def add(rank: int, param_index: int) -> None:
+        param = model.params[param_index]
+        size = GRAD_BYTES_PER_ELEMENT * param.numel
+        tasks[rank].append(Task(param.name, costs[param_index], size, param.tp_dim is None))
+
+    for bucket in dense.layout.buckets:
         for entry in bucket.entries:
-            param = model.params[entry.param]
-            size = GRAD_BYTES_PER_ELEMENT * param.numel
-            tasks[owners[entry.param]].append(Task(param.name, costs[entry.param], size, param.tp_dim is None))
+            add(dense.owners[entry.param], entry.param)
+    if expert is not None:
+        by_slot: dict[int, list[int]] = {}
+        for param, slot in slots.items():
+            by_slot.setdefault(slot, []).append(param)
+        for bucket in expert.layout.buckets:
+            for entry in bucket.entries:
+                for param in by_slot[entry.param]:
+                    spec = model.params[param]
+                    ep_rank = spec.expert_index // (spec.num_experts // request.ep)
+                    add(expert.owners[entry.param] * request.ep + ep_rank, param)
     return tuple(tuple(rank) for rank in tasks)

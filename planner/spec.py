@@ -31,7 +31,9 @@ class ParamSpec:
     (None: replicated on every TP rank). `submatrices` are the full shapes of the pieces the
     matrix optimizer updates independently (e.g. Q, K, V of a fused QKV weight); a parameter
     that is not split has one submatrix equal to its own shape. AdamW parameters have none.
-    `expert` marks MoE expert weights (planned over the expert-data-parallel group).
+    `expert_index` / `num_experts` mark MoE expert weights: global expert index among the
+    layer's `num_experts` (with expert parallelism they live on EP rank
+    index // (num_experts / ep) and are planned over the expert-data-parallel group).
 
     `row_blocks` says where each submatrix's rows lie in the *gathered* matrix (the TP shards
     concatenated along `tp_dim` in TP-rank order): per submatrix, (start, stop) row ranges whose
@@ -46,8 +48,14 @@ class ParamSpec:
     optimizer: str
     submatrices: tuple[tuple[int, int], ...] = ()
     dtype: str = "bf16"
-    expert: bool = False
+    expert_index: int | None = None
+    num_experts: int = 0
     row_blocks: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    @property
+    def expert(self) -> bool:
+        """Whether this is a MoE expert weight."""
+        return self.expert_index is not None
 
     @property
     def numel(self) -> int:

@@ -65,6 +65,7 @@ class Request(_Strict):
     router_optimizer: str
     tp_mode: str
     group_bytes: int = Field(ge=1)
+    ep: int = Field(default=1, ge=1)
     canzona_version: str
 
 
@@ -74,7 +75,10 @@ class ParamEntry(_Strict):
     `index` is its registration position (the order of `named_parameters()`).
     `row_blocks` (matrix optimizer only; null = the whole matrix): per submatrix the optimizer
     updates separately, the [start, stop) row ranges of the gathered matrix (TP shards
-    concatenated along `tp_dim` in TP-rank order) whose concatenation is that submatrix."""
+    concatenated along `tp_dim` in TP-rank order) whose concatenation is that submatrix.
+    `ep_rank` (expert parallelism only): the EP rank holding this expert; its `bucket`/`offset`
+    refer to `dp.expert_buckets` and `owner` is an expert-data-parallel rank
+    (DP rank = owner · ep + ep_rank)."""
 
     name: str
     index: int
@@ -88,6 +92,7 @@ class ParamEntry(_Strict):
     owner: int | None
     cost: float
     row_blocks: list[list[list[int]]] | None = None
+    ep_rank: int | None = None
 
 
 class BucketEntry(_Strict):
@@ -109,9 +114,11 @@ class AdamwBucketEntry(_Strict):
 
 
 class DpSection(_Strict):
-    """The DP partition of both buffers."""
+    """The DP partition of every buffer: dense matrices (over DP), experts under expert
+    parallelism (over the expert-data-parallel group, dp / ep ranks), AdamW (equal split)."""
 
     buckets: list[BucketEntry]
+    expert_buckets: list[BucketEntry] = []
     adamw_buckets: list[AdamwBucketEntry]
 
 

@@ -255,7 +255,7 @@ ENTRIES = [
     {"name": "layers.0.ln.weight", "shape": [64], "tp_dim": None},
     {"name": "layers.0.mlp.gate.weight", "shape": [4, 64], "tp_dim": None, "optimizer": "adamw"},
     {"name": "layers.0.conv.weight", "shape": [8, 4, 3], "tp_dim": 0},
-    {"name": "layers.0.expert.weight", "shape": [128, 64], "tp_dim": 0, "expert": True,
+    {"name": "layers.0.expert.weight", "shape": [128, 64], "tp_dim": 0, "expert": [3, 8],
      "dtype": "fp32"},
     {"name": "lm_head.weight", "shape": [1000, 64], "tp_dim": 0},
 ]
@@ -282,6 +282,7 @@ def test_param_file_loads(tmp_path: Path, suffix: str, mapping: bool) -> None:
     assert params["layers.0.ln.weight"].submatrices == ()
     expert = params["layers.0.expert.weight"]
     assert (expert.expert, expert.dtype, expert.shape) == (True, "fp32", (128, 64))
+    assert (expert.expert_index, expert.num_experts) == (3, 8)
 
 
 def test_explicit_optimizer_overrides_name_default(tmp_path: Path) -> None:
