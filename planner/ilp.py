@@ -281,7 +281,9 @@ def refine_dp(
     already at `lower_bound` comes back as OPTIMAL without solving. Base loads count.
 
     Deterministic for fixed inputs (single worker, `seed`, deterministic time `time_limit`)
-    unless the wall-clock safety net (10·time_limit + 5 s) is hit.
+    unless the wall-clock safety net (10·time_limit + 5 s) is hit. Wall time is about 1.5-2×
+    `time_limit` on models of a few thousand pairs; near MAX_MODEL_PAIRS, building the model
+    and presolve steps CP-SAT does not count add several seconds.
     """
     _cp_model()  # fail early and alike on every instance when OR-Tools is missing
     _check_limits(time_limit, seed)
@@ -326,14 +328,16 @@ def _host_loads(values: tuple[float, ...] | tuple[int, ...], hosts: tuple[int, .
     return loads
 
 
-def _check_hosts(costs: tuple[float, ...], sizes: tuple[int, ...], hosts: tuple[int, ...], num_hosts: int) -> None:
+def _check_hosts(
+    costs: tuple[float, ...], sizes: tuple[int, ...], hosts: tuple[int, ...], num_hosts: int, capacity: int
+) -> None:
     if num_hosts < 1:
         raise PlanError(f"refine_hosts: need at least one host, got {num_hosts}")
     if not len(costs) == len(sizes) == len(hosts):
         raise PlanError("refine_hosts: costs, sizes and hosts must have one entry per task")
     _check_costs(costs)
-    if any(size < 0 for size in sizes):
-        raise PlanError("refine_hosts: task sizes must be non-negative")
+    if any(not isinstance(size, int) or size < 0 for size in (*sizes, capacity)):
+        raise PlanError("refine_hosts: task sizes and the capacity must be non-negative integers")
     if any(not 0 <= host < num_hosts for host in hosts):
         raise PlanError(f"refine_hosts: the greedy hint is invalid: hosts must be in [0, {num_hosts})")
 
@@ -382,7 +386,7 @@ def refine_hosts(
     """
     _cp_model()
     _check_limits(time_limit, seed)
-    _check_hosts(costs, sizes, hosts, num_hosts)
+    _check_hosts(costs, sizes, hosts, num_hosts, capacity)
     hosts = tuple(hosts)
     hint_max = max(_host_loads(costs, hosts, num_hosts), default=0.0)
     floor = max(max(costs, default=0.0), sum(costs) / num_hosts)

@@ -75,8 +75,54 @@ class _HostFill:
         self.sizes[host] += task.size
 
 
+def _fits(sizes: list[int], host: int, extra: int, capacity: int) -> bool:
+    return sizes[host] + extra <= capacity or (sizes[host] == 0 and extra > capacity)
+
+
+def _relieve(tasks: Sequence[Task], members: list[int], hosts: list[int], num_hosts: int, capacity: int) -> bool:
+    """One move or swap off the busiest host that lowers the pair's larger load; False if none."""
+    loads, sizes = [0.0] * num_hosts, [0] * num_hosts
+    for member, host in zip(members, hosts):
+        loads[host] += tasks[member].cost
+        sizes[host] += tasks[member].size
+    busy = max(range(num_hosts), key=lambda h: (loads[h], -h))
+    best: tuple[float, int, int] | None = None  # (new pair max, position, partner position or -1-host)
+    for i, (member, host) in enumerate(zip(members, hosts)):
+        if host != busy:
+            continue
+        cost, size = tasks[member].cost, tasks[member].size
+        for other in range(num_hosts):
+            if other != busy and loads[other] + cost < loads[busy] and _fits(sizes, other, size, capacity):
+                best = min(best or (loads[busy], 0, 0), (max(loads[busy] - cost, loads[other] + cost), i, -1 - other))
+        for j, (partner, other) in enumerate(zip(members, hosts)):
+            delta, moved = cost - tasks[partner].cost, size - tasks[partner].size
+            if other == busy or delta <= 0 or loads[other] + delta >= loads[busy]:
+                continue
+            if sizes[other] + moved <= capacity and sizes[busy] - moved <= capacity:
+                best = min(best or (loads[busy], 0, 0), (max(loads[busy] - delta, loads[other] + delta), i, j))
+    if best is None or best[0] >= loads[busy]:
+        return False
+    _, i, target = best
+    if target < 0:
+        hosts[i] = -1 - target
+    else:
+        hosts[i], hosts[target] = hosts[target], hosts[i]
+    return True
+
+
+def _polished(tasks: Sequence[Task], members: list[int], hosts: list[int], num_hosts: int, capacity: int) -> MicroGroup:
+    """The group with its hosts rebalanced by local search (each step lowers the sum of
+    squared host loads, so it stops; the bound keeps its time predictable)."""
+    hosts = list(hosts)
+    for _ in range(4 * len(members) + 8):
+        if not _relieve(tasks, members, hosts, num_hosts, capacity):
+            break
+    return MicroGroup(tuple(members), tuple(hosts))
+
+
 def rollback(tasks: Sequence[Task], num_hosts: int, capacity: int) -> tuple[MicroGroup, ...]:
-    """Greedy rollback: extend the candidate group while its LPT placement fits, else seal it.
+    """Greedy rollback: extend the candidate group while its LPT placement fits, else seal it
+    (then polish its hosts by local search).
 
     Tasks come in cost order, so the LPT placement of the group plus the next task is the
     group's placement plus that task on the least loaded host with room.
@@ -88,7 +134,7 @@ def rollback(tasks: Sequence[Task], num_hosts: int, capacity: int) -> tuple[Micr
     for index in _by_cost(tasks):
         host = fill.host_for(tasks[index])
         if host is None:
-            groups.append(MicroGroup(tuple(members), tuple(hosts)))
+            groups.append(_polished(tasks, members, hosts, num_hosts, capacity))
             members, hosts, fill = [], [], _HostFill(num_hosts, capacity)
             host = fill.host_for(tasks[index])
             assert host is not None  # an empty group takes any task
@@ -96,7 +142,7 @@ def rollback(tasks: Sequence[Task], num_hosts: int, capacity: int) -> tuple[Micr
         hosts.append(host)
         fill.add(tasks[index], host)
     if members:
-        groups.append(MicroGroup(tuple(members), tuple(hosts)))
+        groups.append(_polished(tasks, members, hosts, num_hosts, capacity))
     return tuple(groups)
 
 
