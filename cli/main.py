@@ -64,6 +64,11 @@ class TpMode(str, Enum):
     heap = "heap"
 
 
+class Solver(str, Enum):
+    greedy = "greedy"
+    ilp = "ilp"
+
+
 class RouterOptimizer(str, Enum):
     matrix = "matrix"
     adamw = "adamw"
@@ -107,6 +112,9 @@ def plan(
     mode: Annotated[TpMode, typer.Option(help="TP micro-group scheduler.")] = TpMode.rollback,
     group_mb: Annotated[float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")] = DEFAULT_GROUP_MB,
     ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
+    solver: Annotated[Solver, typer.Option(help="greedy, or ilp: refine with CP-SAT (needs ortools).")] = Solver.greedy,
+    time_limit: Annotated[float, typer.Option(help="CP-SAT budget in deterministic seconds.")] = 10.0,
+    seed: Annotated[int, typer.Option(help="CP-SAT random seed.")] = 0,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Schedule file to write.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
@@ -119,7 +127,8 @@ def plan(
     options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value)
     settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
     request = PlanRequest(
-        model, tp, dp, settings, cost.value, alpha, bucket_size, options, mode.value, int(group_mb * (1 << 20)), ep
+        model, tp, dp, settings, cost.value, alpha, bucket_size, options, mode.value, int(group_mb * (1 << 20)), ep,
+        solver.value, time_limit, seed,
     )
     request.validate()
     spec = load_model(model, tp, options)

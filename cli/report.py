@@ -66,6 +66,7 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
         "num_groups": schedule.metrics.tp.num_groups,
         "tp_efficiency": schedule.metrics.tp.efficiency,
         "device_imbalance": schedule.metrics.tp.device_imbalance,
+        "solver": schedule.metrics.solver.model_dump() if schedule.metrics.solver else None,
         "seconds": round(seconds, 3),
     }
 
@@ -86,6 +87,13 @@ def summary_text(summary: dict[str, Any]) -> str:
         f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}",
         f"planned in {summary['seconds']:.2f} s",
     ]
+    solver = summary["solver"]
+    if solver:
+        lines.insert(-1, (
+            f"CP-SAT: DP {solver['dp_status']} (objective {solver['dp_objective']:.4g}, bound "
+            f"{solver['dp_bound']:.4g}, {'accepted' if solver['dp_accepted'] else 'greedy kept'}); "
+            f"TP hosts improved in {solver['tp_groups_improved']} of {solver['tp_groups_refined']} groups"
+        ))
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from canzona.schedules.format import (
     ParamEntry,
     Request,
     Schedule,
+    SolverMetrics,
     StrategyScore,
     TpGroup,
     TpMetrics,
@@ -73,6 +74,9 @@ def _request(plan: Plan) -> Request:
         tp_mode=req.tp_mode,
         group_bytes=req.group_bytes,
         ep=req.ep,
+        solver=req.solver,
+        time_limit=req.time_limit,
+        seed=req.seed,
         canzona_version=canzona_version(),
     )
 
@@ -255,5 +259,6 @@ def compile_schedule(plan: Plan) -> Schedule:
             dp=_dp_metrics(plan, buckets, expert_buckets),
             tp=_tp_metrics(plan),
             device=[DeviceMetrics(**vars(figure)) for figure in device_figures(plan, plan.chosen_groups)],
+            solver=SolverMetrics(**vars(plan.solver)) if plan.solver else None,
         ),
     )

@@ -6,15 +6,40 @@ Pure: no I/O. `compile.py` turns a `Plan` into the schedule file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from canzona.planner.baselines import BaselineLoads, all_baselines
 from canzona.planner.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
-from canzona.planner.dp import DpInstance, lower_bound, owners_to_cuts, partition, rank_loads
+from canzona.planner.dp import (
+    DpAssignment,
+    DpInstance,
+    lower_bound,
+    owners_to_cuts,
+    partition,
+    rank_loads,
+    slice_caps,
+)
 from canzona.planner.layout import DEFAULT_BUCKET_SIZE, BufferLayout, build_buffer
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
 from canzona.planner.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
 
+if TYPE_CHECKING:
+    from canzona.planner.ilp import SolverReport
+
 GRAD_BYTES_PER_ELEMENT = 4  # Megatron keeps main gradients in fp32
+SOLVERS = ("greedy", "ilp")
+
+
+@dataclass(frozen=True)
+class SolverSummary:
+    """What the optional CP-SAT refinement did (deterministic: no wall times)."""
+
+    dp_status: str
+    dp_objective: float
+    dp_bound: float
+    dp_accepted: bool
+    tp_groups_refined: int
+    tp_groups_improved: int
 
 
 @dataclass(frozen=True)
@@ -32,6 +57,9 @@ class PlanRequest:
     tp_mode: str = "rollback"
     group_bytes: int = DEFAULT_GROUP_MB << 20
     ep: int = 1
+    solver: str = "greedy"
+    time_limit: float = 10.0
+    seed: int = 0
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have."""
@@ -45,6 +73,10 @@ class PlanRequest:
             raise PlanError(f"bucket size must be >= 1, got {self.bucket_size}")
         if self.tp_mode not in MODES:
             raise PlanError(f"unknown TP mode {self.tp_mode!r}; choose one of {', '.join(MODES)}")
+        if self.solver not in SOLVERS:
+            raise PlanError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
+        if not self.time_limit > 0:
+            raise PlanError(f"time limit must be > 0 seconds, got {self.time_limit}")
         if self.ep < 1:
             raise PlanError(f"ep must be >= 1, got {self.ep}")
         if self.group_bytes < 1:
@@ -67,6 +99,7 @@ class BufferPlan:
     method: str
     loads: tuple[float, ...]
     baselines: tuple[BaselineLoads, ...]
+    solver: SolverReport | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +125,7 @@ class Plan:
     baselines: tuple[BaselineLoads, ...]
     tasks: tuple[tuple[Task, ...], ...]
     groups: dict[str, tuple[tuple[MicroGroup, ...], ...]]
+    solver: SolverSummary | None = None
 
     @property
     def chosen_groups(self) -> tuple[tuple[MicroGroup, ...], ...]:
@@ -120,12 +154,23 @@ def dp_instance(
 
 
 def plan_buffer(
-    model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, alpha: float,
+    model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, request: PlanRequest,
     base_loads: tuple[float, ...] = (),
 ) -> tuple[BufferPlan, DpInstance]:
-    """Partition one buffer over `num_ranks` and score the baselines on it."""
+    """Partition one buffer over `num_ranks` (refined by CP-SAT if asked) and score the
+    baselines on it."""
     instance = dp_instance(layout, model, costs, num_ranks, base_loads)
-    assignment = partition(instance, alpha)
+    assignment = partition(instance, request.alpha)
+    report = None
+    if request.solver == "ilp" and any(instance.costs):
+        from canzona.planner.ilp import refine_dp
+
+        refined, report = refine_dp(
+            instance, slice_caps(instance, request.alpha), assignment.owners,
+            time_limit=request.time_limit, seed=request.seed,
+        )
+        if report.accepted:
+            assignment = DpAssignment(refined, assignment.method + "+cp-sat")
     owners = {
         entry.param: owner
         for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
@@ -139,7 +184,7 @@ def plan_buffer(
     names = {index: param.name for index, param in enumerate(model.params)}
     loads = tuple(l - b for l, b in zip(rank_loads(instance, assignment.owners), instance.initial_loads()))
     baselines = all_baselines(layout, cost_by_param, names, num_ranks)
-    return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines), instance
+    return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines, report), instance
 
 
 def _expert_slots(model: ModelSpec, ep: int) -> dict[int, int]:
@@ -177,15 +222,20 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
     expert: BufferPlan | None = None
     if ep > 1:
         layout = build_buffer(model, MATRIX, tp, dp // ep, request.bucket_size, lambda i: slots.get(i) == i)
-        expert, _ = plan_buffer(model, layout, costs, dp // ep, request.alpha)
+        expert, _ = plan_buffer(model, layout, costs, dp // ep, request)
     expert_base = _combine((0.0,) * dp, expert.loads if expert else (), ep)
     dense_layout = build_buffer(model, MATRIX, tp, dp, request.bucket_size, lambda i: i not in slots)
-    dense, instance = plan_buffer(model, dense_layout, costs, dp, request.alpha, expert_base if expert else ())
+    dense, instance = plan_buffer(model, dense_layout, costs, dp, request, expert_base if expert else ())
     owners = dict(dense.owners)
     if expert is not None:
         owners.update({param: expert.owners[slot] for param, slot in slots.items()})
     tasks = rank_tasks(model, dense, expert, slots, costs, request)
     groups = {mode: tuple(schedule_tasks(rank, tp, request.group_bytes, mode) for rank in tasks) for mode in MODES}
+    summary = None
+    if request.solver == "ilp":
+        refined, num_refined, num_improved = refine_groups(tasks, groups[request.tp_mode], request)
+        groups[request.tp_mode] = refined
+        summary = _solver_summary(dense, num_refined, num_improved)
     return Plan(
         request=request,
         model=model,
@@ -201,7 +251,45 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
         baselines=_combined_baselines(dense, expert, ep),
         tasks=tasks,
         groups=groups,
+        solver=summary,
     )
+
+
+def _solver_summary(dense: BufferPlan, num_refined: int, num_improved: int) -> SolverSummary:
+    report = dense.solver
+    return SolverSummary(
+        dp_status=report.status if report else "SKIPPED",
+        dp_objective=report.objective if report else 0.0,
+        dp_bound=report.bound if report else 0.0,
+        dp_accepted=report.accepted if report else False,
+        tp_groups_refined=num_refined,
+        tp_groups_improved=num_improved,
+    )
+
+
+def refine_groups(
+    tasks: tuple[tuple[Task, ...], ...], groups: tuple[tuple[MicroGroup, ...], ...], request: PlanRequest
+) -> tuple[tuple[tuple[MicroGroup, ...], ...], int, int]:
+    """CP-SAT host assignment inside every micro-group with 2+ tasks and 2+ hosts; the time
+    limit is shared evenly among them. Returns the groups and how many were refined/improved."""
+    from canzona.planner.ilp import refine_hosts
+
+    todo = [g for rank in groups for g in rank if len(g.tasks) > 1 and request.tp > 1]
+    share = request.time_limit / max(1, len(todo))
+    improved, refined_groups = 0, []
+    for rank_tasks_, rank_groups in zip(tasks, groups):
+        rank_refined = []
+        for group in rank_groups:
+            if len(group.tasks) > 1 and request.tp > 1:
+                hosts, report = refine_hosts(
+                    tuple(rank_tasks_[i].cost for i in group.tasks), tuple(rank_tasks_[i].size for i in group.tasks),
+                    group.hosts, request.tp, request.group_bytes, time_limit=share, seed=request.seed,
+                )
+                improved += report.accepted
+                group = MicroGroup(group.tasks, hosts)
+            rank_refined.append(group)
+        refined_groups.append(tuple(rank_refined))
+    return tuple(refined_groups), len(todo), improved
 
 
 def _combined_baselines(dense: BufferPlan, expert: BufferPlan | None, ep: int) -> tuple[BaselineLoads, ...]:

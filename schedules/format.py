@@ -66,6 +66,9 @@ class Request(_Strict):
     tp_mode: str
     group_bytes: int = Field(ge=1)
     ep: int = Field(default=1, ge=1)
+    solver: str = "greedy"
+    time_limit: float = Field(default=10.0, gt=0)
+    seed: int = 0
     canzona_version: str
 
 
@@ -219,12 +222,26 @@ class DeviceMetrics(_Strict):
     bytes_received: int
 
 
+class SolverMetrics(_Strict):
+    """What the optional CP-SAT refinement did. Its limit is deterministic work (CP-SAT's
+    deterministic time), so the same request and seed give the same file; wall time is
+    reported by the CLI, not recorded."""
+
+    dp_status: str
+    dp_objective: float
+    dp_bound: float
+    dp_accepted: bool
+    tp_groups_refined: int
+    tp_groups_improved: int
+
+
 class Metrics(_Strict):
     """Everything CI diffs."""
 
     dp: DpMetrics
     tp: TpMetrics
     device: list[DeviceMetrics]
+    solver: SolverMetrics | None = None
 
 
 class Schedule(_Strict):

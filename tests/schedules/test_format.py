@@ -288,7 +288,7 @@ def test_reordered_rows_keep_the_fingerprint() -> None:
     [
         lambda d: d.update(extra=1),
         lambda d: d["params"][0].update(colour="red"),
-        lambda d: d["request"].update(seed=3),
+        lambda d: d["request"].update(temperature=3),
         lambda d: d["metrics"]["dp"]["baselines"]["dp-sc"].update(note="x"),
     ],
 )
