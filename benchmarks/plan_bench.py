@@ -22,12 +22,13 @@ ALPHAS = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0]
 BASELINES = ["dp-sc", "zero1-gather", "start-owner", "layer-wise"]
 
 
-def timed_plan(name: str, tp: int, dp: int, alpha: float, repeats: int) -> tuple[Schedule, float]:
+def timed_plan(name: str, tp: int, dp: int, alpha: float, repeats: int, ep: int = 1) -> tuple[Schedule, float]:
     """The schedule and the median wall time of load + plan + compile."""
     times, schedule = [], None
     for _ in range(repeats):
         started = time.perf_counter()
-        schedule = compile_schedule(make_plan(load_model(name, tp), PlanRequest(name, tp, dp, alpha=alpha)))
+        request = PlanRequest(name, tp, dp, alpha=alpha, ep=ep)
+        schedule = compile_schedule(make_plan(load_model(name, tp), request))
         times.append(time.perf_counter() - started)
     assert schedule is not None
     return schedule, statistics.median(times)
@@ -57,18 +58,19 @@ def balance_table(repeats: int) -> None:
 
 def tp_table(repeats: int) -> None:
     """TP micro-group modes on the same DP partition."""
-    print("## TP micro-group modes (efficiency; critical path / lower bound; device imbalance)\n")
-    print("| model | layout | groups (rollback) | rollback | fixed | sorted | heap |")
-    print("|---|---|---|---|---|---|---|")
-    for name, tp, dp in [("qwen3-8b", 2, 4), ("qwen3-32b", 8, 32), ("qwen3-235b-a22b", 4, 16)]:
-        schedule, _ = timed_plan(name, tp, dp, 1.0, 1)
+    print("## TP micro-group modes (efficiency; critical path / lower bound; device imbalance; groups)\n")
+    print("| model | layout | rollback | fixed | sorted | heap |")
+    print("|---|---|---|---|---|---|")
+    layouts = [("qwen3-8b", 2, 4, 1), ("qwen3-32b", 8, 32, 1), ("qwen3-235b-a22b", 4, 16, 8), ("qwen3-30b-a3b", 4, 8, 4)]
+    for name, tp, dp, ep in layouts:
+        schedule, _ = timed_plan(name, tp, dp, 1.0, 1, ep)
         metrics = schedule.metrics.tp
         bound = metrics.critical_lower_bound
         cells = [
-            f"{s.efficiency:.3f}; {s.critical_time / bound:.3f}; {s.device_imbalance:.3f}"
+            f"{s.efficiency:.4f}; {s.critical_time / bound:.4f}; {s.device_imbalance:.4f}; {s.num_groups} groups"
             for s in (metrics.modes[m] for m in ("rollback", "fixed", "sorted", "heap"))
         ]
-        print(f"| {name} | tp{tp} dp{dp} | {metrics.num_groups} | " + " | ".join(cells) + " |")
+        print(f"| {name} | tp{tp} dp{dp} ep{ep} | " + " | ".join(cells) + " |")
     print()
 
 
