@@ -53,18 +53,11 @@ def _slices(cuts: tuple[int, ...]) -> list[int]:
 
 def _request(plan: Plan) -> Request:
     req, model = plan.request, plan.model
-    opt = req.optimizer
     return Request(
         model=ModelSource(name=model.name, source=model.source, sha256=model.source_sha256),
         tp=req.tp,
         dp=req.dp,
-        optimizer=OptimizerSettings(
-            name=opt.name,
-            ns_steps=opt.ns_steps,
-            block_size=opt.block_size,
-            precondition_frequency=opt.precondition_frequency,
-            max_precond_dim=opt.max_precond_dim,
-        ),
+        optimizer=OptimizerSettings(**vars(req.optimizer)),
         cost=req.cost,
         alpha=req.alpha,
         bucket_size=req.bucket_size,
