@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from canzona.cli import report
+from canzona.cli import compare, report
 from canzona.planner.costs import OptimizerConfig
 from canzona.planner.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.spec import ModelOptions, PlanError
@@ -161,6 +161,11 @@ def show(
         typer.echo(json.dumps(data, indent=2))
     else:
         typer.echo(report.show_text(schedule))
+
+
+app.command()(compare.diff)
+app.command()(compare.check)
+app.command()(compare.table)
 
 
 def main(argv: list[str] | None = None) -> int:

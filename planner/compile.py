@@ -8,8 +8,9 @@ from canzona.planner.baselines import BaselineLoads
 from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
 from canzona.planner.layout import equal_cuts
 from canzona.planner.devices import device_figures, tp_score
-from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, BufferPlan, Plan
-from canzona.planner.spec import MATRIX
+from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, BufferPlan, Plan, PlanRequest
+from canzona.planner.costs import OptimizerConfig
+from canzona.planner.spec import MATRIX, ModelOptions
 from canzona.planner.tp import MODES, group_stats
 from canzona.schedules.format import (
     SCHEMA_VERSION,
@@ -254,4 +255,25 @@ def compile_schedule(plan: Plan) -> Schedule:
             device=[DeviceMetrics(**vars(figure)) for figure in device_figures(plan, plan.chosen_groups)],
             solver=SolverMetrics(**vars(plan.solver)) if plan.solver else None,
         ),
+    )
+
+
+def plan_request(request: Request, model_source: str | None = None) -> PlanRequest:
+    """The planner request a schedule records (the inverse of `_request`); `model_source`
+    overrides where the model is read from (e.g. a path resolved next to the file)."""
+    return PlanRequest(
+        model=model_source or request.model.source,
+        tp=request.tp,
+        dp=request.dp,
+        optimizer=OptimizerConfig(**request.optimizer.model_dump()),
+        cost=request.cost,
+        alpha=request.alpha,
+        bucket_size=request.bucket_size,
+        options=ModelOptions(request.split_qkv, request.split_fc1, request.router_optimizer),
+        tp_mode=request.tp_mode,
+        group_bytes=request.group_bytes,
+        ep=request.ep,
+        solver=request.solver,
+        time_limit=request.time_limit,
+        seed=request.seed,
     )

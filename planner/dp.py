@@ -28,6 +28,8 @@ from canzona.planner.spec import PlanError
 BISECTION_STEPS = 100
 NARROW_INTERVAL = 48
 SWAP_ITEMS_PER_COST = 2
+SWEEP_WORK_LIMIT = 2_000_000  # DP steps of one sweep over every bucket; larger instances skip
+# exact bucket re-solves (they are layer-periodic MoE models whose plans are already near the bound)
 SWAP_WINDOW = 64
 
 
@@ -360,6 +362,78 @@ def _best_swap(
     return _first_valid(search, candidates)
 
 
+def _segment_dp(
+    base: list[float], costs: tuple[float, ...], spans: tuple[int, ...], cap: int, limit: float | None
+) -> list[list[float]]:
+    """table[r][i]: best value for items [0, i) on ranks [0, r). With `limit` None the value is
+    the largest load (bottleneck); otherwise the sum of squared loads, loads kept <= limit."""
+    k, inf = len(costs), math.inf
+    cost_prefix, span_prefix = [0.0], [0]
+    for cost, span in zip(costs, spans):
+        cost_prefix.append(cost_prefix[-1] + cost)
+        span_prefix.append(span_prefix[-1] + span)
+    table = [[-inf if limit is None else 0.0] + [inf] * k]
+    for rank, load in enumerate(base):
+        previous, row = table[-1], [inf] * (k + 1)
+        for i in range(k + 1):
+            for j in range(i, -1, -1):
+                if span_prefix[i] - span_prefix[j] > cap:
+                    break
+                total = load + cost_prefix[i] - cost_prefix[j]
+                if limit is None:
+                    value = max(previous[j], total)
+                elif total <= limit:
+                    value = previous[j] + total * total
+                else:
+                    continue
+                row[i] = min(row[i], value)
+        table.append(row)
+    return table
+
+
+def _resolve_bucket(search: _Search, bucket: int) -> bool:
+    """Re-solve one bucket exactly with every other bucket fixed; apply it if it lowers
+    (max load, sum of squared loads). Returns whether it did."""
+    instance = search.instance
+    costs, spans = instance.costs[bucket], instance.spans[bucket]
+    base = list(search.loads)
+    for index, owner in enumerate(search.owners[bucket]):
+        base[owner] -= costs[index]
+    bottleneck = _segment_dp(base, costs, spans, search.caps[bucket], None)[-1][-1]
+    limit = bottleneck * (1 + 1e-12)
+    table = _segment_dp(base, costs, spans, search.caps[bucket], limit)
+    owners = _trace_segments(table, base, costs, spans, search.caps[bucket], limit)
+    before = (max(search.loads), sum(load * load for load in search.loads))
+    previous = list(search.owners[bucket])
+    for index, rank in enumerate(owners):
+        search.assign((bucket, index), rank)
+    after = (max(search.loads), sum(load * load for load in search.loads))
+    if after[0] < before[0] * (1 - 1e-12) or (after[0] <= before[0] and after[1] < before[1] * (1 - 1e-12)):
+        return True
+    for index, rank in enumerate(previous):
+        search.assign((bucket, index), rank)
+    return False
+
+
+def _trace_segments(
+    table: list[list[float]], base: list[float], costs: tuple[float, ...], spans: tuple[int, ...], cap: int, limit: float
+) -> list[int]:
+    """Owners of the bucket's items from the sum-of-squares table, walking back from the end."""
+    owners = [0] * len(costs)
+    i = len(costs)
+    for rank in range(len(base) - 1, -1, -1):
+        for j in range(i + 1):
+            segment_cost, segment_span = sum(costs[j:i]), sum(spans[j:i])
+            total = base[rank] + segment_cost
+            if segment_span <= cap and total <= limit and math.isclose(
+                table[rank][j] + total * total, table[rank + 1][i], rel_tol=1e-12, abs_tol=1e-300
+            ):
+                owners[j:i] = [rank] * (i - j)
+                i = j
+                break
+    return owners
+
+
 def _improve(search: _Search, max_rounds: int) -> None:
     """Move/swap local search on the most loaded rank until it cannot be relieved.
 
@@ -373,13 +447,22 @@ def _improve(search: _Search, max_rounds: int) -> None:
         for i in range(len(instance.costs[b]))
     )
     costs_only = [entry[0] for entry in by_cost]
+    sweep_work = instance.num_ranks * sum(len(costs) ** 2 for costs in instance.costs)
     for _ in range(max_rounds):
         heavy = max(range(instance.num_ranks), key=lambda r: (search.loads[r], -r))
         step = _best_move(search, heavy) or _best_swap(search, heavy, by_cost, costs_only)
-        if step is None:
+        if step is not None:
+            for item, rank in step:
+                search.assign(item, rank)
+            continue
+        if sweep_work > SWEEP_WORK_LIMIT:
             return
-        for item, rank in step:
-            search.assign(item, rank)
+        buckets = sorted({bucket for bucket, _ in search.members[heavy]})
+        if any(_resolve_bucket(search, bucket) for bucket in buckets):
+            continue
+        # Relieving the heavy rank may need room made elsewhere first: sweep every bucket.
+        if not [b for b in range(len(instance.costs)) if _resolve_bucket(search, b)]:
+            return
 
 
 def _polished(search: _Search) -> tuple[tuple[int, ...], ...]:

@@ -1,0 +1,253 @@
+"""`canzona diff` and `canzona check`: the CI side of schedules.
+
+diff: headline metrics of two schedules side by side, with a verdict against thresholds.
+check: regenerate each schedule from its recorded request and say what went stale.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, read_schedule, write_schedule
+
+EXIT_REGRESSION = 1
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A headline figure: how to read it from a schedule, and which direction is worse."""
+
+    name: str
+    read: Callable[[Schedule], float]
+    higher_is_worse: bool
+    threshold: str | None  # which --max-*-increase option bounds it, if any
+    relative: bool  # thresholds on relative (True) or absolute (False) increase
+
+
+def _max_device(schedule: Schedule, field: str) -> float:
+    return max(getattr(device, field) for device in schedule.metrics.device)
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("dp imbalance", lambda s: s.metrics.dp.imbalance, True, "imbalance", False),
+    Metric("dp gap", lambda s: s.metrics.dp.gap, True, "gap", False),
+    Metric("padding overhead", lambda s: s.metrics.dp.padding_overhead, True, None, True),
+    Metric("tp efficiency", lambda s: s.metrics.tp.efficiency, False, None, False),
+    Metric("tp groups", lambda s: float(s.metrics.tp.num_groups), True, None, True),
+    Metric("device imbalance", lambda s: s.metrics.tp.device_imbalance, True, "imbalance", False),
+    Metric("worst device load", lambda s: s.metrics.tp.worst_device_load, True, None, True),
+    Metric("max state GiB/device", lambda s: _max_device(s, "state_bytes") / GIB, True, "memory", True),
+    Metric("max sent GiB/device", lambda s: _max_device(s, "bytes_sent") / GIB, True, None, True),
+    Metric("max received GiB/device", lambda s: _max_device(s, "bytes_received") / GIB, True, None, True),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One metric of a diff."""
+
+    name: str
+    old: float
+    new: float
+    delta: float
+    verdict: str  # "better", "worse", "same", or "REGRESSION"
+
+
+def compare(old: Schedule, new: Schedule, limits: dict[str, float]) -> list[Row]:
+    """Every headline metric with its delta; a bounded metric past its limit is a regression."""
+    rows = []
+    for metric in METRICS:
+        before, after = metric.read(old), metric.read(new)
+        delta = after - before
+        worse = delta > 0 if metric.higher_is_worse else delta < 0
+        change = abs(delta) / abs(before) if metric.relative and before else abs(delta)
+        verdict = "same" if abs(delta) <= 1e-12 * max(abs(before), 1.0) else ("worse" if worse else "better")
+        if verdict == "worse" and metric.threshold is not None and change > limits[metric.threshold] + 1e-12:
+            verdict = "REGRESSION"
+        rows.append(Row(metric.name, before, after, delta, verdict))
+    return rows
+
+
+def _format(value: float) -> str:
+    return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.4e}"
+
+
+def diff_text(old_path: str, new_path: str, rows: list[Row]) -> str:
+    """The side-by-side table."""
+    header = ["metric", Path(old_path).name, Path(new_path).name, "delta", "verdict"]
+    body = [[r.name, _format(r.old), _format(r.new), f"{r.delta:+.4g}", r.verdict] for r in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *body])
+
+
+def diff(
+    old: Annotated[Path, typer.Argument(help="Baseline schedule.")],
+    new: Annotated[Path, typer.Argument(help="Candidate schedule.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    max_imbalance_increase: Annotated[float, typer.Option(help="Allowed absolute increase of DP/device imbalance.")] = 0.0,
+    max_gap_increase: Annotated[float, typer.Option(help="Allowed absolute increase of the DP gap.")] = 0.0,
+    max_memory_increase: Annotated[float, typer.Option(help="Allowed relative increase of max state per device.")] = 0.0,
+    same_model: Annotated[bool, typer.Option("--same-model", help="Fail (exit 2) if the models differ.")] = False,
+) -> None:
+    """Compare two schedules' headline metrics; exit 1 on a regression past the thresholds."""
+    before, after = read_schedule(old), read_schedule(new)
+    if same_model and before.fingerprint != after.fingerprint:
+        raise ScheduleError(
+            f"different models: {before.request.model.name} ({before.fingerprint[:12]}) vs "
+            f"{after.request.model.name} ({after.fingerprint[:12]})"
+        )
+    for name, value in (("imbalance", max_imbalance_increase), ("gap", max_gap_increase), ("memory", max_memory_increase)):
+        if value < 0:
+            raise ScheduleError(f"--max-{name}-increase must be >= 0, got {value}")
+    limits = {"imbalance": max_imbalance_increase, "gap": max_gap_increase, "memory": max_memory_increase}
+    rows = compare(before, after, limits)
+    if as_json:
+        typer.echo(json.dumps([vars(row) for row in rows], indent=2))
+    else:
+        typer.echo(diff_text(str(old), str(new), rows))
+    failed = [row for row in rows if row.verdict == "REGRESSION"]
+    for row in failed:
+        typer.echo(f"canzona: regression: {row.name} {_format(row.old)} -> {_format(row.new)}", err=True)
+    if failed:
+        raise typer.Exit(EXIT_REGRESSION)
+
+
+LIBRARY_README = "README.md"
+SKIPPED_FOLDERS = {"profiles"}  # calibration profiles live next to the schedules
+
+
+def schedule_files(paths: list[Path]) -> list[Path]:
+    """Files named directly, plus every *.yaml below named folders (profiles excluded)."""
+    found: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found += sorted(
+                p for p in path.rglob("*.yaml") if not SKIPPED_FOLDERS & set(p.relative_to(path).parts[:-1])
+            )
+        elif path.exists():
+            found.append(path)
+        else:
+            raise ScheduleError(f"no such schedule or folder: {str(path)!r}")
+    return found
+
+
+def regenerate(path: Path, schedule: Schedule) -> Schedule:
+    """Plan again from the file's recorded request (a model file is looked up as recorded,
+    then next to the schedule)."""
+    from dataclasses import replace
+
+    from canzona.planner.compile import compile_schedule, plan_request
+    from canzona.planner.models import load_model
+    from canzona.planner.plan import make_plan
+
+    recorded = schedule.request.model.source
+    source = recorded
+    if schedule.request.model.sha256 is not None and not Path(recorded).exists():
+        source = str(path.parent / recorded)
+    request = plan_request(schedule.request, source)
+    spec = replace(load_model(source, request.tp, request.options), source=recorded)
+    return compile_schedule(make_plan(spec, request))
+
+
+def staleness(old: Schedule, new: Schedule) -> str | None:
+    """What differs between a checked-in schedule and its regeneration, or None."""
+    if old.fingerprint != new.fingerprint:
+        return "stale fingerprint: the model's parameters changed"
+    if old.request.model.sha256 != new.request.model.sha256:
+        return "the model file changed (sha256)"
+    moved = sum(a.owner != b.owner or a.offset != b.offset or a.bucket != b.bucket for a, b in zip(old.params, new.params))
+    if moved or old.dp != new.dp:
+        return f"different assignment ({moved} parameters moved or re-laid out)"
+    if old.tp != new.tp:
+        return "different micro-groups"
+    if old.metrics != new.metrics:
+        return "different metrics"
+    if old.request.model_copy(update={"canzona_version": ""}) != new.request.model_copy(update={"canzona_version": ""}):
+        return "different request"
+    return None
+
+
+def library_table(files: list[Path], root: Path) -> str:
+    """Markdown table of schedules' headline metrics (what `canzona table` prints)."""
+    lines = [
+        "| schedule | model | layout | optimizer | alpha | DP imbalance | gap | padding | TP efficiency | groups | max state GiB/device |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in files:
+        s = read_schedule(path)
+        r, dp = s.request, s.metrics.dp
+        layout = f"tp{r.tp} dp{r.dp}" + (f" ep{r.ep}" if r.ep > 1 else "")
+        name = path.relative_to(root).with_suffix("").as_posix()
+        lines.append(
+            f"| `{name}` | {r.model.name} | {layout} | {r.optimizer.name} | {r.alpha:g} | {dp.imbalance:.4f} "
+            f"| {100 * dp.gap:.2f}% | {dp.padding_overhead:.2f}x | {s.metrics.tp.efficiency:.3f} "
+            f"| {s.metrics.tp.num_groups} | {_max_device(s, 'state_bytes') / GIB:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+TABLE_BEGIN = "<!-- canzona table: begin (generated by `canzona table schedules --update`) -->"
+TABLE_END = "<!-- canzona table: end -->"
+
+
+def _with_table(readme: str, table: str) -> str:
+    start, stop = readme.find(TABLE_BEGIN), readme.find(TABLE_END)
+    if start < 0 or stop < start:
+        raise ScheduleError(f"the library README has no '{TABLE_BEGIN}' ... '{TABLE_END}' markers")
+    return readme[: start + len(TABLE_BEGIN)] + "\n" + table + readme[stop:]
+
+
+def table(
+    folder: Annotated[Path, typer.Argument(help="Schedule library folder.")] = Path("schedules"),
+    update: Annotated[bool, typer.Option("--update", help=f"Rewrite the table inside FOLDER/{LIBRARY_README}.")] = False,
+) -> None:
+    """Print the library's metrics table (markdown), or update it in the library README."""
+    text = library_table(schedule_files([folder]), folder)
+    if not update:
+        typer.echo(text, nl=False)
+        return
+    readme = folder / LIBRARY_README
+    readme.write_text(_with_table(readme.read_text(encoding="utf-8"), text), encoding="utf-8")
+    typer.echo(f"updated {readme}")
+
+
+def check(
+    paths: Annotated[Optional[list[Path]], typer.Argument(help="Schedules or folders (default: schedules).")] = None,
+    fix: Annotated[bool, typer.Option("--fix", help="Rewrite stale files (atomically).")] = False,
+) -> None:
+    """Regenerate each schedule from its recorded request; exit 1 if any is stale."""
+    roots = paths or [Path("schedules")]
+    stale = 0
+    for path in schedule_files(roots):
+        old = read_schedule(path)
+        new = regenerate(path, old)
+        reason = staleness(old, new)
+        if reason is None:
+            typer.echo(f"fresh  {path}")
+            continue
+        if fix:
+            write_schedule(new, path)
+            typer.echo(f"fixed  {path}: {reason}")
+        else:
+            stale += 1
+            typer.echo(f"STALE  {path}: {reason}")
+    for root in roots:
+        readme = root / LIBRARY_README
+        if root.is_dir() and readme.exists():
+            wanted = _with_table(readme.read_text(encoding="utf-8"), library_table(schedule_files([root]), root))
+            if wanted != readme.read_text(encoding="utf-8"):
+                if fix:
+                    readme.write_text(wanted, encoding="utf-8")
+                    typer.echo(f"fixed  {readme}: metrics table")
+                else:
+                    stale += 1
+                    typer.echo(f"STALE  {readme}: metrics table differs from `canzona table`")
+    if stale:
+        typer.echo(f"canzona: {stale} stale file(s); run `canzona check --fix`", err=True)
+        raise typer.Exit(EXIT_REGRESSION)

@@ -1,0 +1,217 @@
+"""A measured cost model: seconds per matrix shape on a named device (DESIGN §4 `profile`).
+
+`canzona calibrate` times the runtime's real kernels and writes a profile (YAML, validated
+here). `ProfileCost` implements the planner's `CostModel` protocol in **seconds**: a shape the
+profile measured (same optimizer settings) costs exactly its measured median; any other shape
+costs its flops-model FLOPs divided by the achieved FLOP/s of the nearest measured shape
+(distance in log min-side / log max-side: every cost formula is symmetric in rows and cols).
+AdamW slices likewise scale by the achieved elements per second of the nearest measured size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from canzona.planner.costs import OPTIMIZERS, FlopsCost, OptimizerConfig
+from canzona.planner.spec import PlanError
+
+PROFILE_FORMAT = "canzona-profile/1"
+PROFILE_PREFIX = "profile:"
+ROW_OPTIMIZERS = (*OPTIMIZERS, "adamw")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProfileSettings(_Strict):
+    """The optimizer settings the kernels were timed with."""
+
+    ns_steps: int = Field(ge=1)
+    block_size: int = Field(ge=1)
+    precondition_frequency: int = Field(ge=1)
+    max_precond_dim: int = Field(ge=1)
+
+
+class ProfileRow(_Strict):
+    """One timed kernel: a rows x cols matrix update (AdamW: `rows` elements, `cols` = 1).
+
+    `seconds` is the median per-step time; for Shampoo and SOAP it is amortised over the
+    refresh period: `step_seconds` + (`refresh_seconds` - `step_seconds`) / frequency."""
+
+    optimizer: Literal["muon", "shampoo", "soap", "adamw"]
+    rows: int = Field(ge=1)
+    cols: int = Field(ge=1)
+    seconds: float = Field(gt=0)
+    repeats: int = Field(ge=1)
+    step_seconds: float | None = Field(default=None, gt=0)
+    refresh_seconds: float | None = Field(default=None, gt=0)
+
+
+class CommFit(_Strict):
+    """An α–β fit of measured collectives (e.g. gloo all-to-all on this host): seconds per
+    collective step and bytes per second per rank, and what it was measured on."""
+
+    backend: str
+    ranks: int = Field(ge=2)
+    latency: float = Field(ge=0)
+    bandwidth: float = Field(gt=0)
+
+
+class Profile(_Strict):
+    """A calibration profile file."""
+
+    format: Literal["canzona-profile/1"]
+    device: str
+    device_name: str
+    torch: str
+    dtype: str
+    threads: int = Field(ge=1)
+    settings: ProfileSettings
+    rows: list[ProfileRow] = Field(min_length=1)
+    comm: CommFit | None = None
+
+    @model_validator(mode="after")
+    def _has_adamw(self) -> Profile:
+        if not any(row.optimizer == "adamw" for row in self.rows):
+            raise ValueError("a profile needs at least one adamw row")
+        return self
+
+    def optimizers(self) -> list[str]:
+        """Matrix optimizers the profile has rows for, in canonical order."""
+        return [name for name in OPTIMIZERS if any(row.optimizer == name for row in self.rows)]
+
+
+def _side_key(rows: int, cols: int) -> tuple[float, float]:
+    return math.log(min(rows, cols)), math.log(max(rows, cols))
+
+
+def _config(settings: ProfileSettings, name: str) -> OptimizerConfig:
+    return OptimizerConfig(name, settings.ns_steps, settings.block_size, settings.precondition_frequency, settings.max_precond_dim)
+
+
+@dataclass(frozen=True)
+class ProfileCost:
+    """`CostModel` in seconds from a profile, for one optimizer configuration."""
+
+    profile: Profile
+    optimizer: OptimizerConfig
+    name: str = "profile"
+    _cache: dict[tuple[int, int], float] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.optimizer.name not in self.profile.optimizers():
+            have = ", ".join(self.profile.optimizers()) or "none"
+            raise PlanError(f"profile has no {self.optimizer.name} rows (it has: {have})")
+
+    def _rows(self, optimizer: str) -> list[ProfileRow]:
+        return [row for row in self.profile.rows if row.optimizer == optimizer]
+
+    def _same_settings(self) -> bool:
+        return _config(self.profile.settings, self.optimizer.name) == self.optimizer
+
+    def matrix_cost(self, rows: int, cols: int) -> float:
+        """Seconds of one update of a full rows x cols matrix."""
+        key = (min(rows, cols), max(rows, cols))
+        if key not in self._cache:
+            self._cache[key] = self._matrix_seconds(*key)
+        return self._cache[key]
+
+    def _matrix_seconds(self, rows: int, cols: int) -> float:
+        candidates = self._rows(self.optimizer.name)
+        if self._same_settings():
+            for row in candidates:
+                if (min(row.rows, row.cols), max(row.rows, row.cols)) == (rows, cols):
+                    return row.seconds
+        target = _side_key(rows, cols)
+        nearest = min(candidates, key=lambda row: math.dist(_side_key(row.rows, row.cols), target))
+        measured = FlopsCost(_config(self.profile.settings, self.optimizer.name)).matrix_cost(nearest.rows, nearest.cols)
+        wanted = FlopsCost(self.optimizer).matrix_cost(rows, cols)
+        return wanted * nearest.seconds / measured
+
+    def adamw_cost(self, numel: int) -> float:
+        """Seconds of an AdamW update of `numel` elements (0 for an empty slice)."""
+        if numel <= 0:
+            return 0.0
+        nearest = min(self._rows("adamw"), key=lambda row: abs(math.log(row.rows * row.cols) - math.log(numel)))
+        return numel * nearest.seconds / (nearest.rows * nearest.cols)
+
+    def achieved_flops(self) -> float:
+        """Median achieved FLOP/s over this optimizer's rows (flops model / measured seconds)."""
+        rates = sorted(
+            FlopsCost(_config(self.profile.settings, self.optimizer.name)).matrix_cost(row.rows, row.cols) / row.seconds
+            for row in self._rows(self.optimizer.name)
+        )
+        return _median(rates)
+
+    def achieved_adamw_rate(self) -> float:
+        """Median AdamW elements per second over the profile's adamw rows."""
+        return _median(sorted(row.rows * row.cols / row.seconds for row in self._rows("adamw")))
+
+
+def _median(values: list[float]) -> float:
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def parse_profile(text: str, origin: str = "<text>") -> Profile:
+    """Validate YAML text as a profile; PlanError with one line on any problem."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise PlanError(f"{origin}: not valid YAML") from error
+    if not isinstance(data, dict):
+        raise PlanError(f"{origin}: not a profile (expected a mapping)")
+    if data.get("format") != PROFILE_FORMAT:
+        raise PlanError(f"{origin}: format {data.get('format')!r} is not supported (expected {PROFILE_FORMAT!r})")
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "profile"
+        raise PlanError(f"{origin}: invalid profile at {where}: {first['msg']}") from error
+
+
+def read_profile(path: str | os.PathLike[str]) -> Profile:
+    """Read and validate a profile file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise PlanError(f"cannot read profile {str(path)!r}: {getattr(error, 'strerror', None) or error}") from error
+    return parse_profile(text, str(path))
+
+
+def load_profile(path: str | os.PathLike[str], optimizer: OptimizerConfig | None = None) -> ProfileCost:
+    """The cost model (seconds) of the profile at `path` for `optimizer` (default: the
+    profile's first matrix optimizer with its recorded settings)."""
+    profile = read_profile(path)
+    if optimizer is None:
+        names = profile.optimizers()
+        if not names:
+            raise PlanError(f"{path}: profile has no matrix-optimizer rows")
+        optimizer = _config(profile.settings, names[0])
+    return ProfileCost(profile, optimizer)
+
+
+def profile_cost_model(name: str, optimizer: OptimizerConfig) -> ProfileCost:
+    """`make_cost_model` hook: `name` is 'profile:PATH'."""
+    if not name.startswith(PROFILE_PREFIX) or not name[len(PROFILE_PREFIX) :]:
+        raise PlanError(f"a profile cost model is written profile:PATH, got {name!r}")
+    return load_profile(name[len(PROFILE_PREFIX) :], optimizer)
+
+
+def dump_profile(profile: Profile) -> str:
+    """YAML text of a profile (one row per line, stable key order)."""
+    data = profile.model_dump(mode="json", exclude_none=True)
+    rows = data.pop("rows")
+    head = yaml.safe_dump(data, sort_keys=False, width=1 << 16)
+    lines = [head.rstrip("\n"), "rows:"] + [f"  - {json.dumps(row)}" for row in rows]
+    return "\n".join(lines) + "\n"
