@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from canzona.cli import compare, report
+from canzona.cli import compare, render, report
 from canzona.planner.costs import OptimizerConfig
 from canzona.planner.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.spec import ModelOptions, PlanError
@@ -166,6 +166,7 @@ def show(
 app.command()(compare.diff)
 app.command()(compare.check)
 app.command()(compare.table)
+app.command()(render.render)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -154,8 +154,9 @@ class TpSection(_Strict):
 
 
 class StrategyScore(_Strict):
-    """Headline DP figures of one strategy (canzona or a baseline), in cost units."""
+    """DP figures of one baseline strategy, in cost units (`load`: per DP rank)."""
 
+    load: list[float]
     max: float
     mean: float
     imbalance: float
