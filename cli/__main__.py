@@ -1,0 +1,5 @@
+"""`python -m canzona.cli` runs the `canzona` command."""
+
+from canzona.cli.main import run
+
+run()
