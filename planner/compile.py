@@ -124,6 +124,7 @@ def _score(loads: tuple[float, ...] | list[float], total: float, bound: float, p
     maximum, dp = max(loads, default=0.0), max(len(loads), 1)
     mean = sum(loads) / dp
     return StrategyScore(
+        load=list(loads),
         max=maximum,
         mean=mean,
         imbalance=_ratio(maximum, mean, 1.0),
