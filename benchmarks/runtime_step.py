@@ -1,0 +1,180 @@
+"""Runtime benchmark: optimizer step latency of canzona vs DP-SC vs TP-SC on this CPU (gloo).
+
+Run:  python benchmarks/runtime_step.py             (2 and 4 ranks, Muon, a few minutes)
+      python benchmarks/runtime_step.py --quick     (fewer steps)
+      python benchmarks/runtime_step.py --write BENCHMARKS.md
+
+Every strategy runs in the same process group on the same model, schedule and gradients, steps
+interleaved (canzona, TP-SC, DP-SC, canzona, ...) so background load hits them alike; a
+step's latency is the slowest rank's `step()` time (ranks start together after a barrier);
+the table shows medians over the timed steps after warm-up, and ratios baseline / canzona.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from canzona.planner.compile import compile_schedule
+from canzona.planner.costs import OptimizerConfig
+from canzona.planner.models import load_model
+from canzona.planner.plan import PlanRequest, make_plan
+from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer
+from canzona.schedules.format import Schedule
+
+# A small Qwen3-style decoder: large enough that optimizer compute dominates on one core.
+MODEL = {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048, "tie_word_embeddings": False,
+}
+LAYOUTS = [(2, 1), (1, 2), (2, 2), (4, 1)]  # (dp, tp)
+STRATEGIES = {"canzona": CanzonaOptimizer, "tp-sc": TpScOptimizer, "dp-sc": DpScOptimizer}
+TIMEOUT = timedelta(seconds=300)
+HEADING = "## Runtime step latency (CPU)"
+
+
+def make_schedule(config_path: str, dp: int, tp: int, optimizer: str, group_mb: float) -> Schedule:
+    """A canzona schedule for the benchmark model (fp32 parameters, 4 MiB buckets)."""
+    spec = load_model(config_path, tp)
+    spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="fp32") for p in spec.params))
+    request = PlanRequest(config_path, tp, dp, OptimizerConfig(optimizer), bucket_size=1 << 20, group_bytes=int(group_mb * (1 << 20)))
+    return compile_schedule(make_plan(spec, request))
+
+
+def _groups(dp: int, tp: int) -> tuple[Any, Any]:
+    rank, dp_group, tp_group = dist.get_rank(), None, None
+    for t in range(tp):
+        group = dist.new_group([d * tp + t for d in range(dp)], timeout=TIMEOUT)
+        dp_group = group if rank % tp == t else dp_group
+    for d in range(dp):
+        group = dist.new_group([d * tp + t for t in range(tp)], timeout=TIMEOUT)
+        tp_group = group if rank // tp == d else tp_group
+    return dp_group, tp_group
+
+
+def _timed_step(optimizer: Any) -> float:
+    """The slowest rank's time of one step() (ranks start together)."""
+    dist.barrier()
+    started = time.perf_counter()
+    optimizer.step()
+    elapsed = torch.tensor([time.perf_counter() - started])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _make_optimizer(strategy: Any, schedule: Schedule, groups: tuple[Any, Any], seed: int) -> Any:
+    """`strategy` on fresh local parameters with fixed random gradients."""
+    tp = schedule.request.tp
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for entry in sorted(schedule.params, key=lambda e: e.index):
+        shape = list(entry.shape)
+        if entry.tp_dim is not None:
+            shape[entry.tp_dim] //= tp
+        param = torch.nn.Parameter(torch.randn(shape, generator=generator) * 0.02)
+        param.grad = torch.randn(shape, generator=generator)
+        params.append((entry.name, param))
+    return strategy(params, schedule, dp_group=groups[0], tp_group=groups[1])
+
+
+def _rank_main(rank: int, world: int, init_file: str, schedule: Schedule, warmup: int, steps: int, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
+    groups = _groups(schedule.request.dp, schedule.request.tp)
+    optimizers = {name: _make_optimizer(strategy, schedule, groups, rank) for name, strategy in STRATEGIES.items()}
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for index in range(warmup + steps):
+        for name, optimizer in optimizers.items():  # interleaved: background noise hits all alike
+            elapsed = _timed_step(optimizer)
+            if index >= warmup:
+                times[name].append(elapsed)
+    if rank == 0:
+        results.put({name: statistics.median(values) for name, values in times.items()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_layout(schedule: Schedule, warmup: int, steps: int) -> dict[str, float]:
+    """Spawn dp·tp ranks (fork) and return each strategy's median step seconds."""
+    world = schedule.request.dp * schedule.request.tp
+    context = mp.get_context("fork")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "rendezvous")
+        processes = [context.Process(target=_rank_main, args=(r, world, init_file, schedule, warmup, steps, results)) for r in range(world)]
+        for process in processes:
+            process.start()
+        medians = results.get(timeout=1800)
+        for process in processes:
+            process.join()
+    return medians
+
+
+def table(rows: list[tuple[int, int, int, int, dict[str, float]]], optimizer: str, cores: int) -> str:
+    """The markdown table of the run."""
+    lines = [
+        f"Optimizer step latency, {optimizer}, fp32, gloo on {cores} CPU cores, one thread per rank; model: Qwen3-style "
+        f"h {MODEL['hidden_size']}, F {MODEL['intermediate_size']}, L {MODEL['num_hidden_layers']}, vocab {MODEL['vocab_size']}; "
+        "median of the slowest rank's step() (ms). With 4 ranks on 2 cores the ranks share cores, so times "
+        "there count total CPU work. Absolute times move with machine load; the ratios (steps interleaved) are "
+        "the stable part.",
+        "",
+        "| ranks | layout | micro-groups/rank | canzona ms | TP-SC ms | DP-SC ms | DP-SC / canzona | TP-SC / canzona |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for world, dp, tp, groups, medians in rows:
+        c, t, d = (medians[k] * 1e3 for k in ("canzona", "tp-sc", "dp-sc"))
+        lines.append(f"| {world} | DP {dp} x TP {tp} | {groups} | {c:.1f} | {t:.1f} | {d:.1f} | {d / c:.2f}x | {t / c:.2f}x |")
+    return "\n".join(lines)
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace (or append) the runtime section of a BENCHMARKS.md that exists."""
+    content = path.read_text()
+    section = f"{HEADING}\n\nMeasured by `python benchmarks/runtime_step.py`.\n\n{text}\n"
+    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
+    content = pattern.sub(lambda _: section + "\n", content) if pattern.search(content) else content.rstrip("\n") + "\n\n" + section
+    path.write_text(content)
+
+
+def main() -> None:
+    """Run every layout and print (optionally write) the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 warm-up and 3 timed steps")
+    parser.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"])
+    parser.add_argument("--group-mb", type=float, default=1.0, help="micro-group capacity (MiB per host)")
+    parser.add_argument("--write", type=Path, help="update this BENCHMARKS.md (only if it exists)")
+    args = parser.parse_args()
+    warmup, steps = (2, 3) if args.quick else (3, 9)
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "bench_qwen3.json"
+        config.write_text(json.dumps(MODEL))
+        rows = []
+        for dp, tp in LAYOUTS:
+            schedule = make_schedule(str(config), dp, tp, args.optimizer, args.group_mb)
+            groups = max(len(rank.groups) for rank in schedule.tp.ranks)
+            medians = run_layout(schedule, warmup, steps)
+            rows.append((dp * tp, dp, tp, groups, medians))
+            print(f"DP {dp} x TP {tp}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in medians.items()), file=sys.stderr, flush=True)
+    text = table(rows, args.optimizer, os.cpu_count() or 1)
+    print(text)
+    if args.write is not None and args.write.exists():
+        write_section(args.write, text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The baselines canzona is measured against (DESIGN §1), behind the same API and math.
+
+- `TpScOptimizer` (TP-SC): canzona's DP partition (reduce-scatter at the schedule's cuts,
+  all-gather after), but each owned matrix is all-gathered over TP and every TP rank updates
+  the full matrix and keeps its shard: P-fold redundant compute and full-size state.
+- `DpScOptimizer` (DP-SC): all-reduce over DP, every DP rank updates every parameter (each
+  matrix TP-SC style), no DP all-gather: D·P-fold redundant matrix compute.
+
+Both give the same result as `CanzonaOptimizer`, which the tests check.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from canzona.runtime import comm
+from canzona.runtime.layout import owned_tasks
+from canzona.runtime.optimizer import CanzonaOptimizer
+from canzona.runtime.pipeline import replicated_updates
+
+
+class TpScOptimizer(CanzonaOptimizer):
+    """TP-SC: gather every owned matrix on every TP rank and update it there redundantly."""
+
+    strategy = "tp-sc"
+
+    def _setup_matrices(self) -> None:
+        self.tasks = owned_tasks(self.schedule, self._ranks)
+
+    def _update_matrices(self, grads: Tensor, values: Tensor) -> None:
+        replicated_updates(
+            self.tasks, self.tp_rank, self.tp_size, self.tp_group,
+            grad_of=lambda task: self._local(grads, task),
+            update_of=self._host_update,
+            apply=lambda task, shard: self._apply(values, task, shard),
+        )
+
+
+class DpScOptimizer(TpScOptimizer):
+    """DP-SC: all-reduce gradients over DP and update everything on every rank."""
+
+    strategy = "dp-sc"
+
+    def _updated_ranks(self) -> list[int]:
+        return list(range(self.dp_size))
+
+    def _reduce_grads(self) -> Tensor:
+        grads = [None if p.grad is None else p.grad.detach().reshape(-1) for p in self.params]
+        comm.pack(self.layout.pieces, grads, self._send)
+        return comm.all_reduce_mean(self._send.clone(), self.dp_group)
+
+    def _publish(self, values: Tensor) -> None:
+        comm.unpack(self.layout.pieces, values, self._flat_params)

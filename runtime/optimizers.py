@@ -1,0 +1,300 @@
+"""Pure tensor math of the optimizers: Muon, Shampoo, SOAP (per matrix) and AdamW (per vector).
+
+Shared by the distributed runtime (on the hosts) and the single-process reference, so the oracle
+and the runtime evaluate the same formulas; what the reference checks is everything around them
+(packing, reduction, ownership, gather/scatter, row blocks). Everything is computed in fp32.
+
+A matrix rule turns the gradient of one (sub)matrix into an update direction `u`; the caller
+applies it as ``p ← p·(1 − lr·wd) − lr·u`` (decoupled weight decay).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
+UPDATE_SCALES = ("spectral", "shape", "none")
+RowBlock = list[list[int]] | tuple[tuple[int, int], ...]
+State = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    """Every optimizer knob. `None` settings are taken from the schedule's `request.optimizer`
+    (so the runtime executes what the planner costed); AdamW has its own lr, betas and decay."""
+
+    lr: float = 0.02
+    weight_decay: float = 0.0
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int | None = None
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    update_scale: str = "spectral"
+    block_size: int | None = None
+    precondition_frequency: int | None = None
+    max_precond_dim: int | None = None
+    shampoo_beta2: float = 1.0
+    graft_rms: float = 0.2
+    matrix_eps: float = 1e-6
+    soap_betas: tuple[float, float] = (0.95, 0.95)
+    soap_shampoo_beta: float = 0.95
+    soap_eps: float = 1e-8
+    adamw_lr: float = 3e-4
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.0
+
+    def resolved(self, settings: Any) -> Hyperparameters:
+        """Fill the `None` settings from a schedule's `OptimizerSettings` and check the rest."""
+        filled = replace(
+            self,
+            **{
+                name: getattr(settings, name)
+                for name in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim")
+                if getattr(self, name) is None
+            },
+        )
+        filled.check()
+        return filled
+
+    def check(self) -> None:
+        """Raise ValueError on an impossible setting."""
+        if self.update_scale not in UPDATE_SCALES:
+            raise ValueError(f"update_scale must be one of {', '.join(UPDATE_SCALES)}, got {self.update_scale!r}")
+        for name in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> Hyperparameters:
+        """Build from keyword arguments; TypeError naming any unknown one."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown hyperparameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+def newton_schulz(grad: Tensor, steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7) -> Tensor:
+    """Approximately orthogonalise `grad` (the quintic iteration of Muon), in fp32."""
+    a, b, c = coefficients
+    x = grad.float()
+    transposed = x.size(0) > x.size(1)
+    if transposed:
+        x = x.T
+    x = x / (x.norm() + eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T.contiguous() if transposed else x
+
+
+def muon_scale(rows: int, cols: int, mode: str) -> float:
+    """Update scale: `spectral` 0.2·√max(m,n) (matches AdamW's RMS), `shape` √max(1, m/n)."""
+    if mode == "spectral":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if mode == "shape":
+        return math.sqrt(max(1.0, rows / cols))
+    return 1.0
+
+
+def inverse_root(matrix: Tensor, root: int, eps: float) -> Tensor:
+    """matrix^(-1/root) of a symmetric PSD matrix, eigenvalues floored at eps·λ_max."""
+    eigenvalues, vectors = torch.linalg.eigh(matrix)
+    floor = eps * max(float(eigenvalues.max()), 1e-30)
+    powered = eigenvalues.clamp(min=0.0).add(floor).pow(-1.0 / root)
+    return (vectors * powered) @ vectors.T
+
+
+class MatrixRule(Protocol):
+    """One matrix optimizer: fresh state for a rows×cols matrix, and one step of it."""
+
+    def init_state(self, rows: int, cols: int) -> State:
+        """The state of a new rows×cols matrix."""
+        ...
+
+    def update(self, state: State, grad: Tensor, step: int) -> Tensor:
+        """The update direction of `grad` (fp32, same shape); `step` counts from 1."""
+        ...
+
+
+@dataclass(frozen=True)
+class Muon:
+    """Momentum (optionally Nesterov), Newton–Schulz orthogonalisation, shape-dependent scale."""
+
+    hp: Hyperparameters
+
+    def init_state(self, rows: int, cols: int) -> State:
+        """A zero momentum buffer."""
+        return {"momentum": torch.zeros(rows, cols)}
+
+    def update(self, state: State, grad: Tensor, step: int) -> Tensor:
+        """Moonlight/Megatron form: buf ← μ·buf + g; orthogonalise g + μ·buf (Nesterov) or buf."""
+        buf = state["momentum"]
+        buf.mul_(self.hp.momentum).add_(grad)
+        direction = grad.add(buf, alpha=self.hp.momentum) if self.hp.nesterov else buf
+        assert self.hp.ns_steps is not None
+        ortho = newton_schulz(direction, self.hp.ns_steps, self.hp.ns_coefficients)
+        return ortho.mul_(muon_scale(grad.size(0), grad.size(1), self.hp.update_scale))
+
+
+def _spans(size: int, block: int) -> list[tuple[int, int]]:
+    return [(start, min(start + block, size)) for start in range(0, size, block)]
+
+
+@dataclass(frozen=True)
+class Shampoo:
+    """Blocked Shampoo: per block of at most B×B, L += G·Gᵀ and R += Gᵀ·G (EMA when β2 < 1),
+    roots L^-1/4, R^-1/4 refreshed every `precondition_frequency` steps (from step 1), direction
+    L^-1/4·G·R^-1/4 grafted to RMS `graft_rms`, then momentum (Nesterov optional)."""
+
+    hp: Hyperparameters
+
+    def init_state(self, rows: int, cols: int) -> State:
+        """Zero statistics and identity roots per block, and a momentum buffer."""
+        assert self.hp.block_size is not None
+        blocks = []
+        for r0, r1 in _spans(rows, self.hp.block_size):
+            for c0, c1 in _spans(cols, self.hp.block_size):
+                m, n = r1 - r0, c1 - c0
+                blocks.append({"L": torch.zeros(m, m), "R": torch.zeros(n, n), "L_root": torch.eye(m), "R_root": torch.eye(n)})
+        return {"blocks": blocks, "momentum": torch.zeros(rows, cols)}
+
+    def update(self, state: State, grad: Tensor, step: int) -> Tensor:
+        """One Shampoo step on `grad`."""
+        hp = self.hp
+        assert hp.block_size is not None and hp.precondition_frequency is not None
+        refresh = (step - 1) % hp.precondition_frequency == 0
+        direction = torch.empty_like(grad)
+        spans = [(r, c) for r in _spans(grad.size(0), hp.block_size) for c in _spans(grad.size(1), hp.block_size)]
+        for block, ((r0, r1), (c0, c1)) in zip(state["blocks"], spans):
+            g = grad[r0:r1, c0:c1]
+            block["L"].mul_(hp.shampoo_beta2).add_(g @ g.T)
+            block["R"].mul_(hp.shampoo_beta2).add_(g.T @ g)
+            if refresh:
+                block["L_root"] = inverse_root(block["L"], 4, hp.matrix_eps)
+                block["R_root"] = inverse_root(block["R"], 4, hp.matrix_eps)
+            pre = block["L_root"] @ g @ block["R_root"]
+            rms = pre.square().mean().sqrt()
+            direction[r0:r1, c0:c1] = pre * (hp.graft_rms / (float(rms) + 1e-30))
+        buf = state["momentum"]
+        buf.mul_(hp.momentum).add_(direction)
+        return direction.add(buf, alpha=hp.momentum) if hp.nesterov else buf.clone()
+
+
+@dataclass(frozen=True)
+class Soap:
+    """SOAP: Adam in the eigenbasis of Shampoo's L and R (sides above `max_precond_dim` keep
+    the identity). L, R are EMAs (β = `soap_shampoo_beta`) updated before use; the eigenbasis
+    is recomputed (eigh) on step 1 and every `precondition_frequency` steps. The first moment
+    lives in the original space and is projected each step; the second in the eigenbasis."""
+
+    hp: Hyperparameters
+
+    def init_state(self, rows: int, cols: int) -> State:
+        """Zero moments and statistics; no basis until the first step."""
+        limit = self.hp.max_precond_dim
+        assert limit is not None
+        return {
+            "exp_avg": torch.zeros(rows, cols),
+            "exp_avg_sq": torch.zeros(rows, cols),
+            "L": torch.zeros(rows, rows) if rows <= limit else None,
+            "R": torch.zeros(cols, cols) if cols <= limit else None,
+            "QL": None,
+            "QR": None,
+        }
+
+    def update(self, state: State, grad: Tensor, step: int) -> Tensor:
+        """One SOAP step on `grad`."""
+        hp = self.hp
+        beta1, beta2 = hp.soap_betas
+        assert hp.precondition_frequency is not None
+        for stat, basis, product in (("L", "QL", lambda: grad @ grad.T), ("R", "QR", lambda: grad.T @ grad)):
+            if state[stat] is None:
+                continue
+            state[stat].mul_(hp.soap_shampoo_beta).add_(product(), alpha=1 - hp.soap_shampoo_beta)
+            if step == 1 or (step - 1) % hp.precondition_frequency == 0:
+                state[basis] = torch.linalg.eigh(state[stat])[1]
+        state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+        projected = _project(grad, state["QL"], state["QR"])
+        state["exp_avg_sq"].mul_(beta2).addcmul_(projected, projected, value=1 - beta2)
+        mean = _project(state["exp_avg"], state["QL"], state["QR"]) / (1 - beta1**step)
+        denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(hp.soap_eps)
+        return _project_back(mean / denom, state["QL"], state["QR"])
+
+
+def _project(x: Tensor, left: Tensor | None, right: Tensor | None) -> Tensor:
+    if left is not None:
+        x = left.T @ x
+    if right is not None:
+        x = x @ right
+    return x
+
+
+def _project_back(x: Tensor, left: Tensor | None, right: Tensor | None) -> Tensor:
+    if left is not None:
+        x = left @ x
+    if right is not None:
+        x = x @ right.T
+    return x
+
+
+def make_rule(name: str, hp: Hyperparameters) -> MatrixRule:
+    """The matrix rule called `name` (muon, shampoo, soap)."""
+    rules: dict[str, type] = {"muon": Muon, "shampoo": Shampoo, "soap": Soap}
+    if name not in rules:
+        raise ValueError(f"unknown matrix optimizer {name!r}; expected one of {', '.join(MATRIX_OPTIMIZERS)}")
+    return rules[name](hp)  # type: ignore[no-any-return]
+
+
+def submatrix_shapes(shape: tuple[int, int], row_blocks: list[RowBlock] | None) -> list[tuple[int, int]]:
+    """Shapes of the submatrices a matrix with `row_blocks` is updated as."""
+    if not row_blocks:
+        return [shape]
+    return [(sum(stop - start for start, stop in block), shape[1]) for block in row_blocks]
+
+
+def init_matrix_state(rule: MatrixRule, shape: tuple[int, int], row_blocks: list[RowBlock] | None) -> list[State]:
+    """Fresh state of every submatrix of one matrix."""
+    return [rule.init_state(rows, cols) for rows, cols in submatrix_shapes(shape, row_blocks)]
+
+
+def matrix_update(rule: MatrixRule, states: list[State], grad: Tensor, row_blocks: list[RowBlock] | None, step: int) -> Tensor:
+    """The update of a whole matrix: each submatrix (its rows gathered from `row_blocks`, in
+    order) is updated on its own and the result written back to the same rows."""
+    grad = grad.float()
+    if not row_blocks:
+        return rule.update(states[0], grad, step)
+    out = torch.empty_like(grad)
+    for state, block in zip(states, row_blocks):
+        sub = torch.cat([grad[start:stop] for start, stop in block]) if len(block) > 1 else grad[block[0][0] : block[0][1]].contiguous()
+        update = rule.update(state, sub, step)
+        row = 0
+        for start, stop in block:
+            out[start:stop] = update[row : row + stop - start]
+            row += stop - start
+    return out
+
+
+def apply_update(param: Tensor, update: Tensor, lr: float, weight_decay: float) -> None:
+    """p ← p·(1 − lr·wd) − lr·u, in place (param is fp32)."""
+    if weight_decay:
+        param.mul_(1 - lr * weight_decay)
+    param.add_(update, alpha=-lr)
+
+
+def adamw_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, hp: Hyperparameters) -> None:
+    """One AdamW step on fp32 vectors, in place (torch.optim.AdamW's formula)."""
+    beta1, beta2 = hp.adamw_betas
+    if hp.adamw_weight_decay:
+        param.mul_(1 - hp.adamw_lr * hp.adamw_weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(hp.adamw_eps)
+    param.addcdiv_(exp_avg, denom, value=-hp.adamw_lr / (1 - beta1**step))

@@ -1,0 +1,129 @@
+"""The TP micro-group pipeline (DESIGN §6): per group, one fused all-to-all gathers every shard to
+its host, each host updates the full matrices it hosts, one fused all-to-all sends the update
+shards back, every rank applies its own. Group g+1's gather is in flight while g computes,
+and group g's scatter while g+1 computes.
+
+Callbacks keep this module free of optimizer details:
+`grad_of(task)` is this rank's reduced local gradient shard (local shape, fp32),
+`update_of(task, full_grad)` the host's full update (full shape), and
+`apply(task, shard)` applies this rank's shard of the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.runtime.comm import InFlight, all_gather_equal, start_all_to_all
+from canzona.runtime.layout import Task
+
+GradOf = Callable[[Task], Tensor]
+UpdateOf = Callable[[Task, Tensor], Tensor]
+Apply = Callable[[Task, Tensor], None]
+
+
+def _flat(tensors: list[Tensor]) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def _shard(update: Tensor, task: Task, rank: int, size: int) -> Tensor:
+    """TP rank `rank`'s part of a full update (the whole update for a replicated matrix)."""
+    return update if task.tp_dim is None else update.chunk(size, dim=task.tp_dim)[rank]
+
+
+def assemble(task: Task, shards: Sequence[Tensor]) -> Tensor:
+    """The gathered matrix: the TP shards (local shape) concatenated along the TP dim."""
+    return shards[0] if task.tp_dim is None else torch.cat(list(shards), dim=task.tp_dim)
+
+
+class MicroGroupPipeline:
+    """Executes one DP rank's micro-groups on one of its TP ranks."""
+
+    def __init__(self, groups: Sequence[tuple[Task, ...]], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup) -> None:
+        self.groups = list(groups)
+        self.rank = tp_rank
+        self.size = tp_size
+        self.group = tp_group
+
+    def _hosted(self, tasks: tuple[Task, ...], host: int, sharded_only: bool = False) -> list[Task]:
+        return [t for t in tasks if t.host == host and not (sharded_only and t.tp_dim is None)]
+
+    def _start_gather(self, tasks: tuple[Task, ...], grad_of: GradOf) -> InFlight:
+        per_host = [self._hosted(tasks, host, sharded_only=True) for host in range(self.size)]
+        send = _flat([grad_of(t) for host_tasks in per_host for t in host_tasks])
+        if send.numel() == 0:  # only replicated matrices: every TP rank knows, nobody sends
+            return InFlight(send, None)
+        mine = sum(t.numel for t in per_host[self.rank])
+        return start_all_to_all(send, [sum(t.numel for t in h) for h in per_host], [mine] * self.size, self.group)
+
+    def _full_grads(self, tasks: tuple[Task, ...], received: Tensor, grad_of: GradOf) -> dict[int, Tensor]:
+        """Rebuild the full gradient of every task this rank hosts from the gathered shards."""
+        sharded = self._hosted(tasks, self.rank, sharded_only=True)
+        chunk = sum(t.numel for t in sharded)
+        full, offset = {}, 0
+        for task in sharded:
+            shards = [received[s * chunk + offset : s * chunk + offset + task.numel].view(task.local_shape) for s in range(self.size)]
+            full[task.param] = assemble(task, shards)
+            offset += task.numel
+        for task in self._hosted(tasks, self.rank):
+            if task.tp_dim is None:
+                full[task.param] = grad_of(task)
+        return full
+
+    def _start_scatter(self, tasks: tuple[Task, ...], updates: dict[int, Tensor]) -> InFlight:
+        hosted = self._hosted(tasks, self.rank)
+        send = _flat([_shard(updates[t.param], t, peer, self.size) for peer in range(self.size) for t in hosted])
+        per_host = [sum(t.numel for t in self._hosted(tasks, host)) for host in range(self.size)]
+        mine = sum(t.numel for t in hosted)
+        return start_all_to_all(send, [mine] * self.size, per_host, self.group)
+
+    def _apply(self, tasks: tuple[Task, ...], received: Tensor, apply: Apply) -> None:
+        offset = 0
+        for host in range(self.size):
+            for task in self._hosted(tasks, host):
+                apply(task, received[offset : offset + task.numel].view(task.local_shape))
+                offset += task.numel
+
+    def run(self, grad_of: GradOf, update_of: UpdateOf, apply: Apply) -> None:
+        """Run every micro-group: gather(g+1) overlaps compute(g), scatter(g) overlaps compute(g+1)."""
+        if self.size == 1:  # every task is hosted here: nothing to gather or scatter
+            for task in (t for tasks in self.groups for t in tasks):
+                apply(task, update_of(task, grad_of(task)))
+            return
+        if not self.groups:
+            return
+        gather = self._start_gather(self.groups[0], grad_of)
+        scatter: tuple[tuple[Task, ...], InFlight] | None = None
+        for index, tasks in enumerate(self.groups):
+            received = gather.wait()
+            if index + 1 < len(self.groups):
+                gather = self._start_gather(self.groups[index + 1], grad_of)
+            full = self._full_grads(tasks, received, grad_of)
+            updates = {t.param: update_of(t, full[t.param]) for t in self._hosted(tasks, self.rank)}
+            if scatter is not None:
+                self._apply(scatter[0], scatter[1].wait(), apply)
+            scatter = (tasks, self._start_scatter(tasks, updates))
+        assert scatter is not None
+        self._apply(scatter[0], scatter[1].wait(), apply)
+
+
+def replicated_updates(tasks: Sequence[Task], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup,
+                       grad_of: GradOf, update_of: UpdateOf, apply: Apply) -> None:
+    """TP-SC: one fused all-gather of every sharded task's gradient; every TP rank updates every
+    full matrix and applies its own shard (P-fold redundant compute and state)."""
+    sharded = [t for t in tasks if t.tp_dim is not None]
+    gathered = all_gather_equal(_flat([grad_of(t) for t in sharded]), tp_group) if sharded else []
+    offsets, offset = {}, 0
+    for task in sharded:
+        offsets[task.param] = offset
+        offset += task.numel
+    for task in tasks:
+        if task.tp_dim is None:
+            full = grad_of(task)
+        else:
+            start = offsets[task.param]
+            full = assemble(task, [g[start : start + task.numel].view(task.local_shape) for g in gathered])
+        apply(task, _shard(update_of(task, full), task, tp_rank, tp_size))

@@ -1,0 +1,248 @@
+"""Loading a schedule and checking it: on its own, against the live model, and across ranks.
+
+`load_schedule` adds the runtime's structural checks to the file format's validation (every
+invariant the executor relies on, so a bad file fails at load, not in a collective). `agree`
+exchanges every rank's verdict with two collectives that every rank reaches, so a mismatch on
+one rank raises the same clear error on all of them instead of hanging.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
+from canzona.schedules.library import resolve_schedule
+from canzona.runtime.optimizers import MATRIX_OPTIMIZERS
+
+MATRIX, ADAMW = "matrix", "adamw"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_LISTED = 4
+
+
+class ScheduleMismatchError(RuntimeError):
+    """The schedule does not fit this run (model, world layout, or ranks disagree)."""
+
+
+def load_schedule(path: str | os.PathLike[str]) -> Schedule:
+    """Read a schedule file, or a library schedule by name (e.g. "qwen3-32b/muon-tp8-dp32"),
+    and check every invariant the runtime relies on (ScheduleError)."""
+    schedule = read_schedule(resolve_schedule(path))
+    check_schedule(schedule, str(path))
+    return schedule
+
+
+def local_shape(entry: ParamEntry, tp: int) -> tuple[int, ...]:
+    """The shape of one TP rank's shard of `entry`."""
+    shape = list(entry.shape)
+    if entry.tp_dim is not None:
+        shape[entry.tp_dim] //= tp
+    return tuple(shape)
+
+
+def check_schedule(schedule: Schedule, origin: str = "<schedule>") -> None:
+    """Raise ScheduleError (one line) unless the schedule is executable as the runtime reads it."""
+    problem = _structure_problem(schedule)
+    if problem:
+        raise ScheduleError(f"{origin}: {problem}")
+
+
+def _structure_problem(schedule: Schedule) -> str | None:
+    req = schedule.request
+    if req.ep > 1:
+        return f"expert parallelism (ep {req.ep}) is planned but not yet executed by this runtime"
+    if req.optimizer.name not in MATRIX_OPTIMIZERS:
+        return f"unknown matrix optimizer {req.optimizer.name!r}"
+    names = [e.name for e in schedule.params]
+    if len(set(names)) != len(names):
+        return "a parameter name appears twice"
+    if sorted(e.index for e in schedule.params) != list(range(len(names))):
+        return "parameter indices are not 0..N-1"
+    for kind, buckets in ((MATRIX, schedule.dp.buckets), (ADAMW, schedule.dp.adamw_buckets)):
+        problem = _buckets_problem(kind, [(b.numel, b.cuts) for b in buckets], req.dp)
+        problem = problem or _params_problem(schedule, kind, [(b.numel, b.cuts) for b in buckets])
+        if problem:
+            return problem
+    return _tp_problem(schedule)
+
+
+def _buckets_problem(kind: str, buckets: list[tuple[int, list[int]]], dp: int) -> str | None:
+    for index, (numel, cuts) in enumerate(buckets):
+        if len(cuts) != dp + 1 or cuts[0] != 0 or cuts[-1] != numel:
+            return f"{kind} bucket {index}: cuts must be {dp + 1} offsets from 0 to {numel}"
+        if any(cuts[r] > cuts[r + 1] for r in range(dp)):
+            return f"{kind} bucket {index}: cuts are not increasing"
+    return None
+
+
+def _params_problem(schedule: Schedule, kind: str, buckets: list[tuple[int, list[int]]]) -> str | None:
+    tp, dp = schedule.request.tp, schedule.request.dp
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for e in (e for e in schedule.params if e.optimizer == kind):
+        if not 0 <= e.bucket < len(buckets):
+            return f"{e.name}: bucket {e.bucket} does not exist"
+        if e.tp_dim is not None and (not 0 <= e.tp_dim < len(e.shape) or e.shape[e.tp_dim] % tp):
+            return f"{e.name}: tp_dim {e.tp_dim} cannot be split {tp} ways for shape {e.shape}"
+        if e.numel != prod(local_shape(e, tp)) or e.offset < 0 or e.offset + e.numel > buckets[e.bucket][0]:
+            return f"{e.name}: offset/numel do not fit its shard in bucket {e.bucket}"
+        spans.setdefault(e.bucket, []).append((e.offset, e.offset + e.numel))
+        problem = _matrix_entry_problem(e, buckets[e.bucket][1], dp) if kind == MATRIX else None
+        if kind == ADAMW and e.owner is not None:
+            problem = f"{e.name}: AdamW parameters have no owner"
+        if problem:
+            return problem
+    for bucket, ranges in spans.items():
+        ranges.sort()
+        if any(ranges[i][1] > ranges[i + 1][0] for i in range(len(ranges) - 1)):
+            return f"{kind} bucket {bucket}: parameters overlap"
+    return None
+
+
+def _matrix_entry_problem(e: ParamEntry, cuts: list[int], dp: int) -> str | None:
+    if len(e.shape) != 2:
+        return f"{e.name}: the matrix optimizer needs a 2-D shape, got {e.shape}"
+    if e.owner is None or not 0 <= e.owner < dp:
+        return f"{e.name}: owner {e.owner} is not a DP rank"
+    if not (cuts[e.owner] <= e.offset and e.offset + e.numel <= cuts[e.owner + 1]):
+        return f"{e.name}: its shard is not inside its owner's slice"
+    if e.row_blocks:
+        rows = sorted(tuple(r) for block in e.row_blocks for r in block)
+        chained = all(len(r) == 2 and r[0] < r[1] for r in rows) and all(rows[i][1] == rows[i + 1][0] for i in range(len(rows) - 1))
+        if not chained or rows[0][0] != 0 or rows[-1][1] != e.shape[0]:
+            return f"{e.name}: row blocks do not cover its {e.shape[0]} rows exactly once"
+    return None
+
+
+def _tp_problem(schedule: Schedule) -> str | None:
+    tp, dp = schedule.request.tp, schedule.request.dp
+    if [plan.dp_rank for plan in schedule.tp.ranks] != list(range(dp)):
+        return f"the tp section must list DP ranks 0..{dp - 1} in order"
+    owned: dict[int, set[str]] = {r: set() for r in range(dp)}
+    for e in schedule.params:
+        if e.optimizer == MATRIX and e.owner is not None:
+            owned[e.owner].add(e.name)
+    for plan in schedule.tp.ranks:
+        listed: list[str] = []
+        for group in plan.groups:
+            if len(group.params) != len(group.hosts) or any(not 0 <= h < tp for h in group.hosts):
+                return f"tp section, DP rank {plan.dp_rank} group {group.index}: hosts must be TP ranks, one per parameter"
+            listed += group.params
+        if len(listed) != len(set(listed)) or set(listed) != owned[plan.dp_rank]:
+            return f"tp section, DP rank {plan.dp_rank}: groups must list exactly the matrices it owns, once each"
+    return None
+
+
+def plan_digest(schedule: Schedule) -> str:
+    """sha256 of the whole schedule: two ranks executing different plans would deadlock."""
+    return hashlib.sha256(schedule.model_dump_json().encode()).hexdigest()
+
+
+def model_problems(schedule: Schedule, named: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """Where the live parameters (names, order, local shapes, dtypes, TP dims) differ from the
+    schedule; empty when they match."""
+    tp = schedule.request.tp
+    expected = sorted(schedule.params, key=lambda e: e.index)
+    problems = []
+    if len(expected) != len(named):
+        problems.append(f"the schedule lists {len(expected)} parameters, the model has {len(named)}")
+    for position, (entry, (name, tensor)) in enumerate(zip(expected, named)):
+        if entry.name != name:
+            problems.append(f"parameter #{position} is {name!r} in the model but {entry.name!r} in the schedule")
+            break
+        problems += _tensor_problems(entry, tensor, tp)
+    return problems
+
+
+def _tensor_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
+    problems = []
+    shape = local_shape(entry, tp)
+    if tuple(tensor.shape) != shape:
+        problems.append(f"{entry.name}: local shape {list(tensor.shape)}, schedule expects {list(shape)} (full {entry.shape}, tp_dim {entry.tp_dim}, tp {tp})")
+    if DTYPES.get(entry.dtype) != tensor.dtype:
+        problems.append(f"{entry.name}: dtype {tensor.dtype}, schedule says {entry.dtype}")
+    if getattr(tensor, "tensor_model_parallel", False) and tp > 1 and getattr(tensor, "partition_dim", entry.tp_dim) != entry.tp_dim:
+        problems.append(f"{entry.name}: split along dim {getattr(tensor, 'partition_dim')}, schedule says tp_dim {entry.tp_dim}")
+    if not tensor.is_contiguous():
+        problems.append(f"{entry.name}: the runtime needs contiguous parameters")
+    return problems
+
+
+def layout_problem(schedule: Schedule, dp_size: int, tp_size: int) -> str | None:
+    """A message when the process groups do not have the schedule's DP × TP sizes."""
+    req = schedule.request
+    if (req.dp, req.tp) != (dp_size, tp_size):
+        return f"the schedule is for DP {req.dp} x TP {req.tp}, but the process groups are DP {dp_size} x TP {tp_size}"
+    return None
+
+
+def summary(schedule: Schedule) -> str:
+    """A short description of the plan, for error messages."""
+    req = schedule.request
+    return f"model {req.model.name}, DP {req.dp} x TP {req.tp}, {req.optimizer.name}, alpha {req.alpha:g}, buckets {req.bucket_size}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one rank concluded before the first collective of the step."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    problem: str | None
+    fingerprint: str | None
+    digest: str | None
+    summary: str
+
+
+def agree(verdict: Verdict, dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> None:
+    """Exchange verdicts over the TP then the DP group (every rank reaches both collectives)
+    and raise the same ScheduleMismatchError on every rank if any rank found a problem, the
+    ranks hold different schedules, or the groups are not a DP × TP grid."""
+    tp_verdicts: list[Verdict | None] = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(tp_verdicts, verdict, group=tp_group)
+    grid: list[list[Verdict] | None] = [None] * dist.get_world_size(dp_group)
+    dist.all_gather_object(grid, tp_verdicts, group=dp_group)
+    message = disagreement(grid)  # type: ignore[arg-type]
+    if message:
+        raise ScheduleMismatchError(message)
+
+
+def _ranks(verdicts: list[Verdict]) -> str:
+    ranks = sorted(v.rank for v in verdicts)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _by(verdicts: list[Verdict], key: str) -> dict[str | None, list[Verdict]]:
+    groups: dict[str | None, list[Verdict]] = {}
+    for v in verdicts:
+        groups.setdefault(getattr(v, key), []).append(v)
+    return groups
+
+
+def disagreement(grid: list[list[Verdict]]) -> str | None:
+    """The error every rank raises for this grid of verdicts ([dp peer][tp peer]), or None."""
+    flat = [v for row in grid for v in row]
+    failed = _by([v for v in flat if v.problem], "problem")
+    if failed:
+        listed = list(failed.items())[:MAX_LISTED]
+        parts = [f"{_ranks(vs)}: {problem}" for problem, vs in listed]
+        return "canzona: the schedule does not fit this run; " + "; ".join(parts)
+    fingerprints = _by(flat, "fingerprint")
+    if len(fingerprints) > 1:
+        parts = [f"{(fp or '?')[:12]} on {_ranks(vs)}" for fp, vs in fingerprints.items()]
+        return "canzona: ranks were given schedules for different models (fingerprint " + "; ".join(parts) + ")"
+    digests = _by(flat, "digest")
+    if len(digests) > 1:
+        parts = [f"{vs[0].summary} [{(d or '?')[:12]}] on {_ranks(vs)}" for d, vs in digests.items()]
+        return "canzona: ranks were given different schedules: " + "; ".join(parts)
+    for d, row in enumerate(grid):
+        if any(v.dp_rank != d or v.tp_rank != t for t, v in enumerate(row)):
+            return "canzona: the DP and TP process groups do not form a DP x TP grid"
+    return None

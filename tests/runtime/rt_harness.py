@@ -1,0 +1,128 @@
+"""Multi-process test harness: run a function on N gloo ranks (fork start) and collect every rank's
+result or error; make small schedules with the planner."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import queue as queue_module
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from canzona.schedules.format import Schedule
+
+DATA = Path(__file__).parent / "data"
+GROUP_TIMEOUT = timedelta(seconds=30)
+
+
+def make_groups(dp: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's DP and TP groups for global rank = dp_rank · tp + tp_rank (every rank
+    creates every group, in the same order, as new_group requires)."""
+    rank = dist.get_rank()
+    dp_group = tp_group = None
+    for t in range(tp):
+        group = dist.new_group([d * tp + t for d in range(dp)], timeout=GROUP_TIMEOUT)
+        if rank % tp == t:
+            dp_group = group
+    for d in range(dp):
+        group = dist.new_group([d * tp + t for t in range(tp)], timeout=GROUP_TIMEOUT)
+        if rank // tp == d:
+            tp_group = group
+    assert dp_group is not None and tp_group is not None
+    return dp_group, tp_group
+
+
+def _to_bytes(value: Any) -> bytes:
+    """Results travel as torch.save bytes: torch's queue pickling would share tensors through
+    file descriptors that die with the (immediately exiting) worker."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(fn: Callable[..., Any], rank: int, world: int, init_file: str, results: Any, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+        outcome: tuple[str, Any] = ("ok", _to_bytes(fn(rank, world, *args)))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent
+        outcome = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+    results.put((rank, *outcome))
+    results.close()
+    results.join_thread()
+    # Skip destroy_process_group: a rank that failed early must not wait for the others.
+    os._exit(0)
+
+
+def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0) -> dict[int, tuple[str, Any]]:
+    """Run `fn(rank, world, *args)` on `world` forked gloo ranks; {rank: (status, payload)}."""
+    context = mp.get_context("fork")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "rendezvous")
+        processes = [context.Process(target=_worker, args=(fn, r, world, init_file, results, args)) for r in range(world)]
+        for process in processes:
+            process.start()
+        outcomes: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outcomes) < world and time.monotonic() < deadline:
+                try:
+                    rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                except queue_module.Empty:
+                    break
+                outcomes[rank] = (status, _from_bytes(payload) if status == "ok" else payload)
+        finally:
+            for process in processes:
+                process.join(timeout=5)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    for rank in range(world):
+        outcomes.setdefault(rank, ("timeout", f"rank {rank} gave no result within {timeout:.0f} s"))
+    return outcomes
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0) -> list[Any]:
+    """Like `run_ranks_raw`, but fail the test with every failing rank's message."""
+    outcomes = run_ranks_raw(fn, world, *args, timeout=timeout)
+    failures = [f"--- rank {rank} ({status}) ---\n{payload}" for rank, (status, payload) in sorted(outcomes.items()) if status != "ok"]
+    if failures:
+        pytest.fail("\n".join(failures), pytrace=False)
+    return [outcomes[rank][1] for rank in range(world)]
+
+
+def make_schedule(model: str | Path, tp: int, dp: int, *, optimizer: str = "muon", alpha: float = 1.0,
+                  bucket_size: int = 4000, group_bytes: int = 4096, dtype: str = "fp32",
+                  split_fc1: bool = False, **settings: Any) -> Schedule:
+    """A planner-made schedule for `model` (a file), with small buckets and micro-groups,
+    its parameters' dtype set to `dtype`."""
+    from canzona.planner.compile import compile_schedule
+    from canzona.planner.costs import OptimizerConfig
+    from canzona.planner.models import load_model
+    from canzona.planner.plan import PlanRequest, make_plan
+    from canzona.planner.spec import ModelOptions
+
+    options = ModelOptions(split_fc1=split_fc1)
+    spec = load_model(str(model), tp, options)
+    spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype=dtype) for p in spec.params))
+    request = PlanRequest(
+        model=str(model), tp=tp, dp=dp, optimizer=OptimizerConfig(optimizer, **settings), alpha=alpha,
+        bucket_size=bucket_size, options=options, group_bytes=group_bytes,
+    )
+    return compile_schedule(make_plan(spec, request))

@@ -1,0 +1,117 @@
+"""The rest of the public API on real ranks: the uneven collectives, a DeviceMesh instead of
+groups, and checkpointing the optimizer state mid-run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from canzona.runtime import CanzonaOptimizer
+from canzona.runtime.comm import all_gather_uneven, reduce_scatter_mean
+from canzona.schedules.format import Schedule
+
+from rt_harness import DATA, make_groups, make_schedule, run_ranks
+from rt_oracle import compare, full_grad, full_params, ordered, reference_run, shard
+
+MODEL = DATA / "tiny_moe.json"
+
+
+def _collectives(rank: int, world: int, sizes: list[int]) -> tuple[list[float], list[float]]:
+    send = torch.arange(sum(sizes), dtype=torch.float32) * (rank + 1)
+    mean = reduce_scatter_mean(send, sizes, rank, dist.group.WORLD)
+    gathered = all_gather_uneven(torch.full((sizes[rank],), float(rank)), sizes, dist.group.WORLD)
+    return mean.tolist(), gathered.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_uneven_reduce_scatter_and_all_gather() -> None:
+    sizes = [3, 0, 5, 1]
+    results = run_ranks(_collectives, 4, sizes)
+    factor = sum(r + 1 for r in range(4)) / 4
+    start = 0
+    for rank, (mean, gathered) in enumerate(results):
+        assert mean == [factor * i for i in range(start, start + sizes[rank])]
+        assert gathered == [float(r) for r in range(4) for _ in range(sizes[r])]
+        start += sizes[rank]
+
+
+def _train(optimizer: CanzonaOptimizer, schedule: Schedule, params: list[tuple[str, Any]], steps: range, dp_rank: int, tp_rank: int) -> None:
+    tp = schedule.request.tp
+    for step in steps:
+        for entry, (_, param) in zip(ordered(schedule), params):
+            param.grad = shard(full_grad(entry, step, dp_rank), entry, tp_rank, tp)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _local_params(schedule: Schedule, tp_rank: int) -> list[tuple[str, torch.nn.Parameter]]:
+    full = full_params(schedule)
+    return [(e.name, torch.nn.Parameter(shard(full[e.name], e, tp_rank, schedule.request.tp))) for e in ordered(schedule)]
+
+
+def _mesh_worker(rank: int, world: int, schedule: Schedule, steps: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = divmod(rank, 2)
+    params = _local_params(schedule, tp_rank)
+    optimizer = CanzonaOptimizer(params, schedule, mesh=mesh)
+    assert (optimizer.dp_rank, optimizer.tp_rank) == (dp_rank, tp_rank)
+    _train(optimizer, schedule, params, range(steps), dp_rank, tp_rank)
+    return {name: p.detach().clone() for name, p in params}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_device_mesh() -> None:
+    schedule = make_schedule(MODEL, 2, 2)
+    results = run_ranks(_mesh_worker, 4, schedule, 5)
+    compare(schedule, results, reference_run(schedule, 5, {}))
+
+
+def _checkpoint_worker(rank: int, world: int, schedule: Schedule, steps: int) -> dict[str, Any]:
+    dp_group, tp_group = make_groups(2, 2)
+    dp_rank, tp_rank = divmod(rank, 2)
+    params = _local_params(schedule, tp_rank)
+    first = CanzonaOptimizer(params, schedule, dp_group=dp_group, tp_group=tp_group)
+    _train(first, schedule, params, range(3), dp_rank, tp_rank)
+    saved = first.state_dict()
+    assert saved["step"] == 3 and saved["matrix"], "each rank hosts some matrices here"
+    second = CanzonaOptimizer(params, schedule, dp_group=dp_group, tp_group=tp_group)
+    second.load_state_dict(saved)
+    _train(second, schedule, params, range(3, steps), dp_rank, tp_rank)
+    wrong = dict(saved, tp_rank=1 - tp_rank)
+    with pytest.raises(ValueError, match="tp_rank"):
+        second.load_state_dict(wrong)
+    return {name: p.detach().clone() for name, p in params}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_state_dict_resumes_exactly() -> None:
+    schedule = make_schedule(MODEL, 2, 2, optimizer="soap", precondition_frequency=2)
+    results = run_ranks(_checkpoint_worker, 4, schedule, 6)
+    compare(schedule, results, reference_run(schedule, 6, {}))
+
+
+def _single_rank_worker(rank: int, world: int, schedule: Schedule) -> dict[str, Any]:
+    group = dist.group.WORLD
+    params = _local_params(schedule, 0)
+    optimizer = CanzonaOptimizer(params, schedule, dp_group=group, tp_group=group, lr=0.05)
+    _train(optimizer, schedule, params, range(4), 0, 0)
+    optimizer.set_hyperparameters(lr=0.01)
+    assert optimizer.hyperparameters.lr == 0.01 and optimizer.rule.hp.lr == 0.01  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="block_size"):
+        optimizer.set_hyperparameters(block_size=4)
+    return {name: p.detach().clone() for name, p in params}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_single_rank_and_changing_the_learning_rate() -> None:
+    schedule = make_schedule(MODEL, 1, 1, optimizer="shampoo", block_size=16)
+    (result,) = run_ranks(_single_rank_worker, 1, schedule)
+    compare(schedule, [result], reference_run(schedule, 4, {"lr": 0.05}))

@@ -1,0 +1,141 @@
+"""Loading and checking schedules, the DP exchange layout, and verdict agreement (no ranks)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from canzona.runtime import load_schedule
+from canzona.runtime.layout import build_dp_layout, micro_groups
+from canzona.runtime.schedule import Verdict, check_schedule, disagreement, local_shape, model_problems
+from canzona.schedules.format import Schedule, ScheduleError, write_schedule
+
+from rt_harness import DATA, make_schedule
+
+
+@pytest.fixture(scope="module")
+def schedule() -> Schedule:
+    return make_schedule(DATA / "tiny_moe.json", tp=2, dp=2)
+
+
+def _live(schedule: Schedule) -> list[tuple[str, torch.Tensor]]:
+    entries = sorted(schedule.params, key=lambda e: e.index)
+    return [(e.name, torch.zeros(local_shape(e, schedule.request.tp))) for e in entries]
+
+
+def test_load_schedule_reads_a_planner_file(schedule: Schedule, tmp_path: Path) -> None:
+    write_schedule(schedule, tmp_path / "s.yaml")
+    assert load_schedule(tmp_path / "s.yaml") == schedule
+
+
+def test_runtime_import_does_not_load_the_planner() -> None:
+    code = "import sys, canzona.runtime; bad = [m for m in sys.modules if m.split('.')[0] in ('typer', 'ortools') or m.startswith('canzona.planner') or m.startswith('canzona.cli')]; print(bad); sys.exit(bool(bad))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _with_buckets(schedule: Schedule, **changes: object) -> Schedule:
+    buckets = [schedule.dp.buckets[0].model_copy(update=changes)] + schedule.dp.buckets[1:]
+    return schedule.model_copy(update={"dp": schedule.dp.model_copy(update={"buckets": buckets})})
+
+
+def _with_first_group(schedule: Schedule, **changes: object) -> Schedule:
+    rank = schedule.tp.ranks[0]
+    groups = [rank.groups[0].model_copy(update=changes)] + rank.groups[1:]
+    ranks = [rank.model_copy(update={"groups": groups})] + schedule.tp.ranks[1:]
+    return schedule.model_copy(update={"tp": schedule.tp.model_copy(update={"ranks": ranks})})
+
+
+def test_structural_checks(schedule: Schedule) -> None:
+    check_schedule(schedule)
+    numel = schedule.dp.buckets[0].numel
+    with pytest.raises(ScheduleError, match="cuts must be 3 offsets"):
+        check_schedule(_with_buckets(schedule, cuts=[0, numel]))
+    with pytest.raises(ScheduleError, match="not increasing"):
+        check_schedule(_with_buckets(schedule, cuts=[0, numel + 64, numel]))
+    first = schedule.tp.ranks[0].groups[0]
+    with pytest.raises(ScheduleError, match="hosts must be TP ranks"):
+        check_schedule(_with_first_group(schedule, hosts=[5] * len(first.params)))
+    with pytest.raises(ScheduleError, match="exactly the matrices it owns"):
+        check_schedule(_with_first_group(schedule, params=first.params[1:], hosts=first.hosts[1:]))
+
+
+def test_owner_must_hold_its_matrix(schedule: Schedule) -> None:
+    params = [e.model_copy(update={"owner": 1 - e.owner}) if e.optimizer == "matrix" and e.owner is not None else e for e in schedule.params]
+    with pytest.raises(ScheduleError, match="not inside its owner's slice|exactly the matrices"):
+        check_schedule(schedule.model_copy(update={"params": params}))
+
+
+def test_model_problems_name_what_differs(schedule: Schedule) -> None:
+    live = _live(schedule)
+    assert model_problems(schedule, live) == []
+    assert "the model has" in model_problems(schedule, live[:-1])[0]
+    renamed = [("other", live[0][1])] + live[1:]
+    assert "'other' in the model" in model_problems(schedule, renamed)[0]
+    reshaped = live[:1] + [(live[1][0], torch.zeros(3, 3))] + live[2:]
+    assert "local shape [3, 3]" in model_problems(schedule, reshaped)[0]
+    halfs = [(n, t.half()) for n, t in live]
+    assert "dtype torch.float16" in model_problems(schedule, halfs)[0]
+    name, tensor = next((n, t) for n, t in live if n.endswith("linear_proj.weight"))
+    tensor.tensor_model_parallel, tensor.partition_dim = True, 0  # type: ignore[attr-defined]
+    assert any("split along dim 0" in p for p in model_problems(schedule, live))
+
+
+def test_exchange_layout_covers_every_element_once(schedule: Schedule) -> None:
+    layout = build_dp_layout(schedule)
+    assert layout.total == sum(b.numel for b in schedule.dp.buckets) + sum(b.numel for b in schedule.dp.adamw_buckets)
+    covered = torch.zeros(layout.total, dtype=torch.int32)
+    per_param: dict[int, int] = {}
+    for piece in layout.pieces:
+        covered[piece.dst : piece.dst + piece.length] += 1
+        per_param[piece.param] = per_param.get(piece.param, 0) + piece.length
+    assert int(covered.max()) == 1
+    assert all(per_param[e.index] == e.numel for e in schedule.params)
+    for entry in schedule.params:
+        if entry.optimizer == "matrix":
+            (piece,) = [p for p in layout.rank_pieces[entry.owner] if p.param == entry.index]
+            start = layout.starts[entry.owner]
+            assert start <= piece.dst < start + layout.matrix_sizes[entry.owner]
+
+
+def test_micro_groups_follow_the_tp_section(schedule: Schedule) -> None:
+    for plan in schedule.tp.ranks:
+        groups = micro_groups(schedule, plan.dp_rank)
+        assert [[t.host for t in g] for g in groups] == [g.hosts for g in plan.groups]
+    assert sum(len(r.groups) for r in schedule.tp.ranks) > 2  # small capacity: several groups
+
+
+def _verdict(rank: int, problem: str | None = None, fingerprint: str = "f", digest: str = "d", dp: int = 0, tp: int = 0) -> Verdict:
+    return Verdict(rank, dp, tp, problem, fingerprint, digest, f"plan {digest}")
+
+
+def test_disagreement_messages() -> None:
+    grid = [[_verdict(0, tp=0), _verdict(1, tp=1)], [_verdict(2, dp=1), _verdict(3, dp=1, tp=1)]]
+    assert disagreement(grid) is None
+    grid[1][1] = _verdict(3, "model does not match", dp=1, tp=1)
+    assert disagreement(grid) == "canzona: the schedule does not fit this run; rank 3: model does not match"
+    grid[1][1] = _verdict(3, digest="other", dp=1, tp=1)
+    message = disagreement(grid)
+    assert message is not None and "different schedules" in message and "ranks 0, 1, 2" in message and "rank 3" in message
+    grid[1][1] = _verdict(3, fingerprint="g", dp=1, tp=1)
+    assert "different models" in (disagreement(grid) or "")
+    grid[1][1] = _verdict(3, dp=0, tp=1)
+    assert "grid" in (disagreement(grid) or "")
+
+
+def test_load_schedule_by_library_name_and_errors() -> None:
+    from canzona.runtime import load_schedule
+    from canzona.schedules.format import ScheduleError
+    from canzona.schedules.library import library_names
+
+    assert "qwen3-32b/muon-tp8-dp32" in library_names()
+    schedule = load_schedule("qwen3-32b/muon-tp8-dp32")
+    assert (schedule.request.model.name, schedule.request.tp, schedule.request.dp) == ("qwen3-32b", 8, 32)
+    with pytest.raises(ScheduleError, match="no schedule file or library schedule named 'qwen3-32b/nope'"):
+        load_schedule("qwen3-32b/nope")
+    with pytest.raises(ScheduleError, match=r"expert parallelism \(ep 8\) is planned but not yet executed"):
+        load_schedule("qwen3-30b-a3b/muon-tp2-dp16-ep8")
