@@ -140,9 +140,9 @@ def regenerate(path: Path, schedule: Schedule) -> Schedule:
     then next to the schedule)."""
     from dataclasses import replace
 
+    from canzona.planner.auto_alpha import plan_for_request
     from canzona.planner.compile import compile_schedule, plan_request
     from canzona.planner.models import load_model
-    from canzona.planner.plan import make_plan
 
     recorded = schedule.request.model.source
     source = recorded
@@ -150,7 +150,9 @@ def regenerate(path: Path, schedule: Schedule) -> Schedule:
         source = str(path.parent / recorded)
     request = plan_request(schedule.request, source)
     spec = replace(load_model(source, request.tp, request.options), source=recorded)
-    return compile_schedule(make_plan(spec, request))
+    if request.alpha_device is not None:
+        request = replace(request, alpha=1.0)  # the search starts over; the file holds its pick
+    return compile_schedule(*plan_for_request(spec, request))
 
 
 def staleness(old: Schedule, new: Schedule) -> str | None:

@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from canzona.cli import compare, render, report
+from canzona.cli import compare, render, report, simulate_cmd
 from canzona.planner.costs import OptimizerConfig
 from canzona.planner.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.spec import ModelOptions, PlanError
@@ -46,11 +46,6 @@ class Optimizer(str, Enum):
     soap = "soap"
 
 
-class Cost(str, Enum):
-    numel = "numel"
-    flops = "flops"
-
-
 class QkvSplit(str, Enum):
     none = "none"
     qkv = "qkv"
@@ -74,12 +69,23 @@ class RouterOptimizer(str, Enum):
     adamw = "adamw"
 
 
-def default_output(model_name: str, optimizer: str, tp: int, dp: int, alpha: float, cost: str, ep: int = 1) -> Path:
+def _alpha(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise PlanError(f"alpha must be a number in [0, 1] or auto, got {text!r}") from None
+
+
+def default_output(
+    model_name: str, optimizer: str, tp: int, dp: int, alpha: float | str, cost: str, ep: int = 1
+) -> Path:
     """schedules/<model>/<optimizer>-tp<T>-dp<D>[-ep<E>][-alpha<A>][-<cost>].yaml"""
     stem = f"{optimizer}-tp{tp}-dp{dp}" + (f"-ep{ep}" if ep > 1 else "")
     if alpha != 1.0:
-        stem += f"-alpha{alpha:g}"
-    if cost != "flops":
+        stem += f"-alpha{alpha}" if isinstance(alpha, str) else f"-alpha{alpha:g}"
+    if cost.startswith("profile:"):
+        stem += "-profile-" + Path(cost.removeprefix("profile:")).stem
+    elif cost != "flops":
         stem += f"-{cost}"
     return Path("schedules") / model_name / f"{stem}.yaml"
 
@@ -99,8 +105,9 @@ def plan(
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 1,
     dp: Annotated[int, typer.Option(help="Data-parallel size.")] = 1,
     optimizer: Annotated[Optimizer, typer.Option(help="Matrix optimizer.")] = Optimizer.muon,
-    cost: Annotated[Cost, typer.Option(help="Cost model balanced across ranks.")] = Cost.flops,
-    alpha: Annotated[float, typer.Option(help="1 balances compute, 0 keeps slices equal.")] = 1.0,
+    cost: Annotated[str, typer.Option(help="Cost model balanced across ranks: numel, flops, or profile:FILE.")] = "flops",
+    alpha: Annotated[str, typer.Option(help="In [0, 1] (1 balances compute, 0 keeps slices equal), or auto.")] = "1",
+    device: Annotated[str, typer.Option(help="--alpha auto: device model h100, h200, a100, cpu, or a profile.")] = "h100",
     bucket_size: Annotated[int, typer.Option(help="Bucket size in elements.")] = DEFAULT_BUCKET_SIZE,
     split_qkv: Annotated[QkvSplit, typer.Option(help="How QKV is orthogonalised.")] = QkvSplit.qkv,
     split_fc1: Annotated[bool, typer.Option("--split-fc1", help="Update fc1 gate and up halves separately.")] = False,
@@ -119,21 +126,25 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Solve the DP partition for a model and layout, and write the schedule file."""
+    from canzona.planner.auto_alpha import plan_for_request
     from canzona.planner.compile import compile_schedule
     from canzona.planner.models import load_model
-    from canzona.planner.plan import PlanRequest, make_plan
+    from canzona.planner.plan import PlanRequest
 
     started = time.perf_counter()
     options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value)
     settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
+    auto = alpha.strip().lower() == "auto"
     request = PlanRequest(
-        model, tp, dp, settings, cost.value, alpha, bucket_size, options, mode.value, int(group_mb * (1 << 20)), ep,
-        solver.value, time_limit, seed,
+        model, tp, dp, settings, cost, 1.0 if auto else _alpha(alpha), bucket_size, options, mode.value,
+        int(group_mb * (1 << 20)), ep, solver.value, time_limit, seed, device if auto else None,
     )
     request.validate()
     spec = load_model(model, tp, options)
-    schedule = compile_schedule(make_plan(spec, request))
-    path = output or default_output(spec.name, optimizer.value, tp, dp, alpha, cost.value, ep)
+    the_plan, tried = plan_for_request(spec, request)
+    schedule = compile_schedule(the_plan, tried)
+    label = "auto" if auto else the_plan.request.alpha
+    path = output or default_output(spec.name, optimizer.value, tp, dp, label, cost, ep)
     try:
         write_schedule(schedule, path)
     except OSError as error:
@@ -167,6 +178,8 @@ app.command()(compare.diff)
 app.command()(compare.check)
 app.command()(compare.table)
 app.command()(render.render)
+app.command()(simulate_cmd.simulate)
+app.command()(simulate_cmd.calibrate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,8 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
         "tp_efficiency": schedule.metrics.tp.efficiency,
         "device_imbalance": schedule.metrics.tp.device_imbalance,
         "solver": schedule.metrics.solver.model_dump() if schedule.metrics.solver else None,
+        "alpha_search": [t.model_dump() for t in schedule.metrics.alpha_search or []],
+        "alpha_device": req.alpha_device,
         "seconds": round(seconds, 3),
     }
 
@@ -87,6 +89,9 @@ def summary_text(summary: dict[str, Any]) -> str:
         f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}",
         f"planned in {summary['seconds']:.2f} s",
     ]
+    if summary["alpha_search"]:
+        tried = ", ".join(f"{t['alpha']:g}: {1e3 * t['predicted_step_s']:.1f} ms" for t in summary["alpha_search"])
+        lines.insert(2, f"alpha chosen by the simulator on {summary['alpha_device']} (predicted step: {tried})")
     solver = summary["solver"]
     if solver:
         lines.insert(-1, (

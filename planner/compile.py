@@ -15,6 +15,7 @@ from canzona.planner.tp import MODES, group_stats
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,
+    AlphaTrial,
     BucketEntry,
     DeviceMetrics,
     DpMetrics,
@@ -71,6 +72,7 @@ def _request(plan: Plan) -> Request:
         solver=req.solver,
         time_limit=req.time_limit,
         seed=req.seed,
+        alpha_device=req.alpha_device,
         canzona_version=canzona_version(),
     )
 
@@ -234,7 +236,7 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
     )
 
 
-def compile_schedule(plan: Plan) -> Schedule:
+def compile_schedule(plan: Plan, alpha_search: list[tuple[float, float]] | None = None) -> Schedule:
     """The schedule file of a plan (deterministic)."""
     buckets = _buckets(plan.dense)
     expert_buckets = _buckets(plan.expert) if plan.expert is not None else []
@@ -255,6 +257,7 @@ def compile_schedule(plan: Plan) -> Schedule:
             tp=_tp_metrics(plan),
             device=[DeviceMetrics(**vars(figure)) for figure in device_figures(plan, plan.chosen_groups)],
             solver=SolverMetrics(**vars(plan.solver)) if plan.solver else None,
+            alpha_search=[AlphaTrial(alpha=a, predicted_step_s=t) for a, t in alpha_search] if alpha_search else None,
         ),
     )
 
@@ -277,4 +280,5 @@ def plan_request(request: Request, model_source: str | None = None) -> PlanReque
         solver=request.solver,
         time_limit=request.time_limit,
         seed=request.seed,
+        alpha_device=request.alpha_device,
     )

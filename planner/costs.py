@@ -136,12 +136,16 @@ def matrix_state_bytes(rows: int, cols: int, optimizer: OptimizerConfig) -> floa
 
 
 def make_cost_model(name: str, optimizer: OptimizerConfig) -> CostModel:
-    """Build the cost model called `name` for `optimizer`."""
+    """Build the cost model called `name` for `optimizer` (`profile:FILE`: measured seconds)."""
+    if name.startswith("profile:"):
+        from canzona.planner.profile_cost import profile_cost_model
+
+        return profile_cost_model(name, optimizer)
     if name == "numel":
         return NumelCost()
     if name == "flops":
         return FlopsCost(optimizer)
-    raise PlanError(f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)}")
+    raise PlanError(f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)} or profile:FILE")
 
 
 def param_cost(param: ParamSpec, model: CostModel) -> float:

@@ -60,6 +60,7 @@ class PlanRequest:
     solver: str = "greedy"
     time_limit: float = 10.0
     seed: int = 0
+    alpha_device: str | None = None  # set: alpha was chosen by the simulator on this device
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have."""

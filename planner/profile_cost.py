@@ -10,6 +10,7 @@ AdamW slices likewise scale by the achieved elements per second of the nearest m
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -66,6 +67,13 @@ class CommFit(_Strict):
     bandwidth: float = Field(gt=0)
 
 
+class Contention(_Strict):
+    """A kernel run by `processes` processes at once takes `slowdown` times as long as alone."""
+
+    processes: int = Field(ge=2)
+    slowdown: float = Field(ge=1)
+
+
 class Profile(_Strict):
     """A calibration profile file."""
 
@@ -78,12 +86,25 @@ class Profile(_Strict):
     settings: ProfileSettings
     rows: list[ProfileRow] = Field(min_length=1)
     comm: CommFit | None = None
+    contention: list[Contention] = []
 
     @model_validator(mode="after")
     def _has_adamw(self) -> Profile:
         if not any(row.optimizer == "adamw" for row in self.rows):
             raise ValueError("a profile needs at least one adamw row")
         return self
+
+    def slowdown(self, processes: int) -> float:
+        """Measured slowdown of `processes` concurrent ranks: linear between measured counts
+        (1 process: 1), proportional to the count beyond the last one."""
+        points = [(1, 1.0)] + sorted((c.processes, c.slowdown) for c in self.contention)
+        if processes <= 1:
+            return 1.0
+        for (low, low_value), (high, high_value) in zip(points, points[1:]):
+            if processes <= high:
+                return low_value + (high_value - low_value) * (processes - low) / (high - low)
+        last, value = points[-1]
+        return value * processes / last
 
     def optimizers(self) -> list[str]:
         """Matrix optimizers the profile has rows for, in canonical order."""
@@ -201,8 +222,10 @@ def load_profile(path: str | os.PathLike[str], optimizer: OptimizerConfig | None
     return ProfileCost(profile, optimizer)
 
 
+@functools.lru_cache(maxsize=16)
 def profile_cost_model(name: str, optimizer: OptimizerConfig) -> ProfileCost:
-    """`make_cost_model` hook: `name` is 'profile:PATH'."""
+    """`make_cost_model` hook: `name` is 'profile:PATH' (read once per process and settings:
+    planning asks for the cost model several times)."""
     if not name.startswith(PROFILE_PREFIX) or not name[len(PROFILE_PREFIX) :]:
         raise PlanError(f"a profile cost model is written profile:PATH, got {name!r}")
     return load_profile(name[len(PROFILE_PREFIX) :], optimizer)

@@ -69,6 +69,7 @@ class Request(_Strict):
     solver: str = "greedy"
     time_limit: float = Field(default=10.0, gt=0)
     seed: int = 0
+    alpha_device: str | None = None
     canzona_version: str
 
 
@@ -236,13 +237,22 @@ class SolverMetrics(_Strict):
     tp_groups_improved: int
 
 
+class AlphaTrial(_Strict):
+    """One α tried by `--alpha auto` and canzona's predicted step time with it."""
+
+    alpha: float
+    predicted_step_s: float
+
+
 class Metrics(_Strict):
-    """Everything CI diffs."""
+    """Everything CI diffs. `alpha_search` is set when α was chosen by the simulator on
+    `request.alpha_device` (then `request.alpha` is the chosen value)."""
 
     dp: DpMetrics
     tp: TpMetrics
     device: list[DeviceMetrics]
     solver: SolverMetrics | None = None
+    alpha_search: list[AlphaTrial] | None = None
 
 
 class Schedule(_Strict):

@@ -1,0 +1,224 @@
+"""`canzona simulate` and `canzona calibrate` (registered in `canzona.cli.main`).
+
+simulate: predict one optimizer step of a schedule and of every baseline on a hardware model.
+calibrate: time the real kernels with torch on this machine and write a profile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from canzona.planner.hardware import CPU_GPUS_PER_NODE
+from canzona.planner.simulate import Simulation
+
+MS = 1e3
+
+
+class CalibrateDevice(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+def simulation_dict(sim: Simulation) -> dict[str, Any]:
+    """A simulation as plain data (seconds; ratios are step / canzona's step)."""
+    ratios = sim.ratios()
+    return {
+        "model": sim.model, "tp": sim.tp, "dp": sim.dp, "ep": sim.ep, "optimizer": sim.optimizer,
+        "hardware": asdict(sim.hardware), "time_model": sim.time_model, "fused": sim.fused, "rooted": sim.rooted,
+        "strategies": [
+            {**asdict(s), "optimizer_stage": s.optimizer_stage, "ratio": ratios[s.name]} for s in sim.strategies
+        ],
+    }
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [header, *rows])
+
+
+def _pricing(time_model: str) -> str:
+    if time_model == "throughput":
+        return "flops model / achieved FLOP/s"
+    return f"measured {time_model} (unmeasured shapes scaled by the flops model)"
+
+
+def simulation_text(sim: Simulation) -> str:
+    """The `canzona simulate` report."""
+    hw, ratios = sim.hardware, sim.ratios()
+    lines = [
+        f"{sim.model}  tp {sim.tp} x dp {sim.dp}" + (f" (ep {sim.ep})" if sim.ep > 1 else "")
+        + f"  {sim.optimizer}  on {hw.name}",
+        f"compute: {_pricing(sim.time_model)}; {hw.matrix_flops / 1e12:.3g} TFLOP/s matrix, "
+        f"{hw.memory_bandwidth / 1e9:.3g} GB/s memory",
+        f"network: {hw.intra_bandwidth / 1e9:.3g} GB/s intra-node, {hw.inter_bandwidth / 1e9:.3g} GB/s inter-node "
+        f"per direction, " + ("all on one host" if hw.gpus_per_node >= CPU_GPUS_PER_NODE else f"{hw.gpus_per_node} per node")
+        + f", α {hw.latency * 1e6:.3g} µs per step",
+        f"source: {hw.source}",
+        "DP collectives: " + ("one fused exchange per buffer" if sim.fused else "one per bucket")
+        + ("; uneven ones as rooted reduces/broadcasts" if sim.rooted else ""),
+        "",
+    ]
+    header = ["strategy", "step ms", "compute ms", "comm ms", "exposed ms", "DP comm ms", "optimizer ms",
+              "vs canzona", "critical device"]
+    rows = [
+        [s.name, f"{s.step * MS:.3f}", f"{s.compute * MS:.3f}", f"{s.comm * MS:.3f}", f"{s.exposed_comm * MS:.3f}",
+         f"{s.dp_comm * MS:.3f}", f"{s.optimizer_stage * MS:.3f}", f"{ratios[s.name]:.2f}x", str(s.critical_device)]
+        for s in sim.strategies
+    ]
+    lines.append(_table(header, rows))
+    lines += ["", "compute/comm/exposed: the critical device's (exposed = step - compute); optimizer = step "
+              "without DP collectives (Megatron overlaps them with backward/forward)."]
+    return "\n".join(lines)
+
+
+def simulate(
+    file: Annotated[Path, typer.Argument(help="Schedule file.")],
+    device: Annotated[str, typer.Option(help="h100, h200, a100, cpu, or a profile file from `canzona calibrate`.")] = "h100",
+    intra_gbps: Annotated[Optional[float], typer.Option(help="Intra-node bandwidth, GB/s (gigabytes) per direction per device.")] = None,
+    inter_gbps: Annotated[Optional[float], typer.Option(help="Inter-node bandwidth, GB/s (gigabytes) per direction per device.")] = None,
+    gpus_per_node: Annotated[Optional[int], typer.Option(help="Devices per node.")] = None,
+    latency_us: Annotated[Optional[float], typer.Option(help="α: microseconds per collective step.")] = None,
+    fused: Annotated[bool, typer.Option("--fused", help="One DP collective per buffer (as canzona's runtime) instead of one per bucket (Megatron).")] = False,
+    rooted: Annotated[bool, typer.Option("--rooted", help="What-if: uneven DP collectives as rooted reduces/broadcasts.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Predict one optimizer step of the schedule and of every baseline (DESIGN §1, §8)."""
+    from canzona.planner.hardware import resolve_device, shared_host
+    from canzona.planner.simulate import simulate as run_simulation
+    from canzona.planner.spec import PlanError
+    from canzona.schedules.format import read_schedule
+
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise PlanError(f"gpus per node must be >= 1, got {gpus_per_node}")
+    for label, value in (("intra-gbps", intra_gbps), ("inter-gbps", inter_gbps)):
+        if value is not None and not value > 0:
+            raise PlanError(f"--{label} must be > 0, got {value}")
+    if latency_us is not None and latency_us < 0:
+        raise PlanError(f"--latency-us must be >= 0, got {latency_us}")
+    schedule = read_schedule(file)
+    chosen = resolve_device(device, intra_gbps, inter_gbps, gpus_per_node, latency_us)
+    if chosen.profile is not None and chosen.profile.device == "cpu":
+        # Every rank of a CPU run shares this host: the profile's measured contention applies.
+        chosen = shared_host(chosen, schedule.request.tp * schedule.request.dp)
+    opt = schedule.request.optimizer
+    from canzona.planner.costs import OptimizerConfig
+
+    config = OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+    sim = run_simulation(schedule, chosen.hardware, chosen.time_model(config), fused=fused, rooted=rooted)
+    typer.echo(json.dumps(simulation_dict(sim), indent=2) if as_json else simulation_text(sim))
+
+
+def read_shapes(path: Path) -> dict[str, list[tuple[int, int]]]:
+    """A shapes file: a YAML/JSON list of [rows, cols] or {rows, cols, optimizers: [...]}
+    (default every matrix optimizer). Returns optimizer → shapes."""
+    import yaml
+
+    from canzona.planner.costs import OPTIMIZERS
+    from canzona.planner.spec import PlanError
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise PlanError(f"cannot read shapes file {str(path)!r}: {getattr(error, 'strerror', None) or error}") from error
+    if not isinstance(data, list) or not data:
+        raise PlanError(f"{path}: expected a non-empty list of [rows, cols] or {{rows, cols, optimizers}}")
+    plan: dict[str, list[tuple[int, int]]] = {name: [] for name in OPTIMIZERS}
+    for index, item in enumerate(data):
+        if isinstance(item, dict):
+            shape, names = (item.get("rows"), item.get("cols")), item.get("optimizers", list(OPTIMIZERS))
+        else:
+            shape, names = tuple(item) if isinstance(item, list) else (None, None), list(OPTIMIZERS)
+        if len(shape) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape):
+            raise PlanError(f"{path}: entry {index} is not a shape of two positive integers")
+        if not isinstance(names, list) or any(name not in OPTIMIZERS for name in names):
+            raise PlanError(f"{path}: entry {index}: optimizers must be a list from {', '.join(OPTIMIZERS)}")
+        for name in names:
+            plan[name].append((int(shape[0]), int(shape[1])))
+    return {name: shapes for name, shapes in plan.items() if shapes}
+
+
+def model_shapes(model: str) -> list[tuple[int, int]]:
+    """Distinct submatrix shapes of a model's matrix-optimizer parameters (full, unsharded)."""
+    from canzona.planner.models import load_model
+    from canzona.planner.spec import MATRIX
+
+    spec = load_model(model, 1)
+    shapes = [s for p in spec.params if p.optimizer == MATRIX for s in p.submatrices]
+    return list(dict.fromkeys((int(r), int(c)) for r, c in shapes))
+
+
+def grid_shapes(max_side: int) -> list[tuple[int, int]]:
+    """A sampled grid: sides 128 .. max_side (powers of 2), aspect ratios 1, 2 and 4."""
+    sides = [1 << k for k in range(7, 20) if 1 << k <= max_side]
+    return [(a, b) for a in sides for b in sides if a <= b <= 4 * a]
+
+
+def calibrate(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Profile file to write.")],
+    device: Annotated[CalibrateDevice, typer.Option(help="Where to time the kernels.")] = CalibrateDevice.cpu,
+    model: Annotated[Optional[str], typer.Option(help="Time this model's distinct matrix shapes (preset or file).")] = None,
+    shapes: Annotated[Optional[Path], typer.Option(help="YAML/JSON list of [rows, cols] or {rows, cols, optimizers}.")] = None,
+    optimizer: Annotated[Optional[list[str]], typer.Option(help="Matrix optimizer(s) to time (default all three).")] = None,
+    repeats: Annotated[int, typer.Option(help="Timed repeats per kernel (median).")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up calls per kernel.")] = 2,
+    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
+    comm_ranks: Annotated[int, typer.Option(help="Also fit gloo all-to-all among this many local processes (0: no).")] = 0,
+    max_side: Annotated[int, typer.Option(help="Largest side of the default grid.")] = 1024,
+    ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
+    block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
+    precondition_frequency: Annotated[int, typer.Option(help="Shampoo/SOAP refresh every N steps.")] = 10,
+    max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
+) -> None:
+    """Time Newton-Schulz, Shampoo, SOAP and AdamW with torch on this device; write a profile
+    for `plan --cost profile:FILE` and `simulate --device FILE`."""
+    from canzona.planner.costs import OPTIMIZERS
+    from canzona.planner.profile_cost import Profile, dump_profile
+    from canzona.planner.spec import PlanError
+
+    if model is not None and shapes is not None:
+        raise PlanError("give --model or --shapes, not both")
+    if repeats < 1 or warmup < 0:
+        raise PlanError("--repeats must be >= 1 and --warmup >= 0")
+    if threads is not None and threads < 1:
+        raise PlanError(f"--threads must be >= 1, got {threads}")
+    if comm_ranks == 1 or comm_ranks < 0:
+        raise PlanError(f"--comm-ranks must be 0 or >= 2, got {comm_ranks}")
+    names = optimizer or list(OPTIMIZERS)
+    unknown = [name for name in names if name not in OPTIMIZERS]
+    if unknown:
+        raise PlanError(f"unknown optimizer {unknown[0]!r}; choose from {', '.join(OPTIMIZERS)}")
+    if shapes is not None:
+        plan = {name: todo for name, todo in read_shapes(shapes).items() if name in names}
+    else:
+        todo = model_shapes(model) if model is not None else grid_shapes(max_side)
+        plan = {name: todo for name in names}
+    if not plan:
+        raise PlanError("nothing to time: no shape is asked for with the chosen optimizers")
+    profile = _run_calibration(plan, device.value, repeats, warmup, threads, comm_ranks,
+                               (ns_steps, block_size, precondition_frequency, max_precond_dim))
+    validated = Profile.model_validate(profile)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(dump_profile(validated), encoding="utf-8")
+    typer.echo(f"wrote {output}: {len(validated.rows)} rows on {validated.device_name}")
+
+
+def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeats: int, warmup: int,
+                     threads: int | None, comm_ranks: int, settings: tuple[int, int, int, int]) -> dict[str, Any]:
+    from canzona.planner.spec import PlanError
+
+    try:
+        from canzona.runtime.calibrate import Settings
+        from canzona.runtime.calibrate import calibrate as run
+    except ImportError as error:  # torch is an optional dependency of the planner CLI
+        raise PlanError(f"calibrate needs torch (pip install 'canzona[runtime]'): {error}") from error
+    try:
+        return run([], Settings(*settings), device, repeats, warmup, plan, threads=threads, comm_ranks=comm_ranks,
+                   progress=lambda line: typer.echo(line, err=True))
+    except ValueError as error:
+        raise PlanError(str(error)) from error

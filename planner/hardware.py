@@ -1,0 +1,245 @@
+"""Hardware models for the step-time simulator (DESIGN §8): device throughput and network.
+
+A `Hardware` is a frozen description of one device type and its network: achieved FLOP/s of
+the matrix optimizer's work, achieved memory bandwidth (AdamW is memory-bound), the α of the
+α–β collective model, per-device bandwidth inside a node and across nodes, and GPUs per node.
+Every built-in model says where its numbers come from (`source`). A `Device` pairs a hardware
+model with an optional measured profile, which then prices compute instead of throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import canzona.schedules
+from canzona.planner.costs import CostModel, FlopsCost, OptimizerConfig
+from canzona.planner.profile_cost import Profile, ProfileCost, read_profile
+from canzona.planner.spec import PlanError
+
+ADAMW_BYTES_PER_ELEMENT = 28  # fp32 param, grad, m, v read (16) and param, m, v written (12)
+GB = 1e9
+CPU_PROFILE = Path(canzona.schedules.__file__).resolve().parent / "profiles" / "cpu-dev.yaml"
+CPU_GPUS_PER_NODE = 1 << 20  # every rank of a CPU run is on this one host
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device type and its network. Rates are per device; bandwidths per direction
+    (links are full duplex). `latency` is seconds per collective step (one ring step or one
+    pairwise exchange round)."""
+
+    name: str
+    matrix_flops: float
+    memory_bandwidth: float
+    latency: float
+    intra_bandwidth: float
+    inter_bandwidth: float
+    gpus_per_node: int
+    source: str
+
+    def __post_init__(self) -> None:
+        for key in ("matrix_flops", "memory_bandwidth", "intra_bandwidth", "inter_bandwidth"):
+            if not getattr(self, key) > 0:
+                raise PlanError(f"hardware {self.name!r}: {key} must be > 0")
+        if self.latency < 0:
+            raise PlanError(f"hardware {self.name!r}: latency must be >= 0")
+        if self.gpus_per_node < 1:
+            raise PlanError(f"hardware {self.name!r}: gpus per node must be >= 1")
+
+
+@dataclass(frozen=True)
+class ThroughputCost:
+    """`CostModel` in seconds from a hardware model: flops-model FLOPs / achieved FLOP/s for
+    matrices, bytes moved / achieved bandwidth for AdamW."""
+
+    hardware: Hardware
+    optimizer: OptimizerConfig
+    name: str = "throughput"
+
+    def matrix_cost(self, rows: int, cols: int) -> float:
+        """Seconds of one update of a full rows x cols matrix."""
+        return FlopsCost(self.optimizer).matrix_cost(rows, cols) / self.hardware.matrix_flops
+
+    def adamw_cost(self, numel: int) -> float:
+        """Seconds of an AdamW update of `numel` elements."""
+        return ADAMW_BYTES_PER_ELEMENT * numel / self.hardware.memory_bandwidth
+
+
+_NCCL = "NCCL α ≈ 5 µs per ring step (order of magnitude of published NCCL latencies)"
+
+BUILTIN: dict[str, Hardware] = {
+    "h100": Hardware(
+        name="h100",
+        matrix_flops=0.5 * 989e12,
+        memory_bandwidth=0.9 * 3.35e12,
+        latency=5e-6,
+        intra_bandwidth=450 * GB,
+        inter_bandwidth=50 * GB,
+        gpus_per_node=8,
+        source=(
+            "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 tensor core, of which 50% is assumed "
+            "achieved by Newton-Schulz GEMMs (bf16 inputs, fp32 accumulate, sides of 1k-25k); "
+            "HBM3 3.35 TB/s at 90%; NVLink 4 900 GB/s bidirectional = 450 GB/s per direction; "
+            f"InfiniBand NDR 400 Gb/s per GPU = 50 GB/s; 8 GPUs per node; {_NCCL}"
+        ),
+    ),
+    "h200": Hardware(
+        name="h200",
+        matrix_flops=0.5 * 989e12,
+        memory_bandwidth=0.9 * 4.8e12,
+        latency=5e-6,
+        intra_bandwidth=450 * GB,
+        inter_bandwidth=50 * GB,
+        gpus_per_node=8,
+        source=(
+            "NVIDIA H200 SXM datasheet: same tensor cores as H100 (989 TFLOP/s dense BF16, 50% "
+            "assumed achieved), HBM3e 4.8 TB/s at 90%; NVLink 4 450 GB/s per direction; "
+            f"InfiniBand NDR 400 Gb/s per GPU = 50 GB/s; 8 GPUs per node; {_NCCL}"
+        ),
+    ),
+    "a100": Hardware(
+        name="a100",
+        matrix_flops=0.5 * 312e12,
+        memory_bandwidth=0.9 * 2.039e12,
+        latency=5e-6,
+        intra_bandwidth=300 * GB,
+        inter_bandwidth=25 * GB,
+        gpus_per_node=8,
+        source=(
+            "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense BF16 (50% assumed achieved), "
+            "HBM2e 2.04 TB/s at 90%; NVLink 3 600 GB/s bidirectional = 300 GB/s per direction; "
+            f"InfiniBand HDR 200 Gb/s per GPU = 25 GB/s; 8 GPUs per node; {_NCCL}"
+        ),
+    ),
+}
+DEVICE_NAMES = (*BUILTIN, "cpu")
+
+
+@dataclass(frozen=True)
+class ScaledCost:
+    """Another seconds cost model, every time multiplied by `factor` (ranks sharing cores)."""
+
+    base: CostModel
+    factor: float
+    name: str = "scaled"
+
+    def matrix_cost(self, rows: int, cols: int) -> float:
+        """The base model's seconds times the factor."""
+        return self.base.matrix_cost(rows, cols) * self.factor
+
+    def adamw_cost(self, numel: int) -> float:
+        """The base model's seconds times the factor."""
+        return self.base.adamw_cost(numel) * self.factor
+
+
+@dataclass(frozen=True)
+class Device:
+    """A hardware model, and the measured profile that prices compute when there is one.
+    `slowdown` multiplies compute times (the profile's rows were timed on an idle core)."""
+
+    hardware: Hardware
+    profile: Profile | None = None
+    slowdown: float = 1.0
+
+    def time_model(self, optimizer: OptimizerConfig) -> CostModel:
+        """The seconds cost model for `optimizer` on this device."""
+        model: CostModel = ThroughputCost(self.hardware, optimizer)
+        if self.profile is not None and optimizer.name in self.profile.optimizers():
+            model = ProfileCost(self.profile, optimizer)
+            if self.slowdown != 1.0:
+                model = ScaledCost(model, self.slowdown, f"profile x {self.slowdown:.2f}")
+        return model
+
+
+def shared_host(device: Device, ranks: int) -> Device:
+    """`device` for `ranks` processes sharing one host: compute (and loopback bandwidth, which
+    is memory copies) slowed by the profile's measured contention at that many processes."""
+    factor = device.profile.slowdown(ranks) if device.profile is not None else 1.0
+    if factor == 1.0:
+        return device
+    hw = device.hardware
+    scaled = replace(
+        hw, matrix_flops=hw.matrix_flops / factor, memory_bandwidth=hw.memory_bandwidth / factor,
+        source=f"{hw.source}; {ranks} ranks sharing the host: compute x {factor:.2f} slower (measured)",
+    )
+    return Device(scaled, device.profile, device.slowdown * factor)
+
+
+def hardware_from_profile(profile: Profile, name: str, source: str, compute_share: float = 1.0) -> Hardware:
+    """A hardware model summarising a profile: median achieved FLOP/s of its first matrix
+    optimizer, AdamW bandwidth, and its collective fit (or 1 GB/s, 50 µs without one). Every
+    rank of a CPU run is on one host. `compute_share` scales compute (ranks sharing cores)."""
+    names = profile.optimizers()
+    if not names:
+        raise PlanError(f"profile {name!r} has no matrix-optimizer rows")
+    settings = profile.settings
+    cost = ProfileCost(profile, OptimizerConfig(names[0], settings.ns_steps, settings.block_size,
+                                                settings.precondition_frequency, settings.max_precond_dim))
+    comm = profile.comm
+    return Hardware(
+        name=name,
+        matrix_flops=cost.achieved_flops() * compute_share,
+        memory_bandwidth=cost.achieved_adamw_rate() * ADAMW_BYTES_PER_ELEMENT * compute_share,
+        latency=comm.latency if comm else 50e-6,
+        intra_bandwidth=comm.bandwidth if comm else 1 * GB,
+        inter_bandwidth=comm.bandwidth if comm else 1 * GB,
+        gpus_per_node=CPU_GPUS_PER_NODE,
+        source=source,
+    )
+
+
+def profile_device(path: str | Path, name: str | None = None) -> Device:
+    """A device from a profile file: compute from its rows, network from its fit."""
+    profile = read_profile(path)
+    label = name or Path(path).stem
+    source = (
+        f"measured by `canzona calibrate` on {profile.device_name} ({profile.device}, torch {profile.torch}, "
+        f"{profile.threads} threads): {path}"
+        + (f"; {profile.comm.backend} collectives fitted on {profile.comm.ranks} ranks" if profile.comm else "")
+    )
+    return Device(hardware_from_profile(profile, label, source), profile)
+
+
+def resolve_device(
+    spec: str,
+    intra_gbps: float | None = None,
+    inter_gbps: float | None = None,
+    gpus_per_node: int | None = None,
+    latency_us: float | None = None,
+) -> Device:
+    """A built-in device (h100, h200, a100, cpu) or a profile file, with optional network
+    overrides (GB/s per direction per device, microseconds per collective step)."""
+    key = spec.strip().lower()
+    if key in BUILTIN:
+        device = Device(BUILTIN[key])
+    elif key == "cpu":
+        device = profile_device(CPU_PROFILE, "cpu")
+    elif Path(spec).suffix.lower() in (".yaml", ".yml") or Path(spec).exists():
+        device = profile_device(spec)
+    else:
+        raise PlanError(f"unknown device {spec!r}; choose one of {', '.join(DEVICE_NAMES)} or give a profile file")
+    return Device(override_network(device.hardware, intra_gbps, inter_gbps, gpus_per_node, latency_us), device.profile)
+
+
+def override_network(
+    hardware: Hardware,
+    intra_gbps: float | None = None,
+    inter_gbps: float | None = None,
+    gpus_per_node: int | None = None,
+    latency_us: float | None = None,
+) -> Hardware:
+    """`hardware` with the given network figures replaced (None keeps the model's)."""
+    changes: dict[str, float | int] = {}
+    if intra_gbps is not None:
+        changes["intra_bandwidth"] = intra_gbps * GB
+    if inter_gbps is not None:
+        changes["inter_bandwidth"] = inter_gbps * GB
+    if gpus_per_node is not None:
+        changes["gpus_per_node"] = gpus_per_node
+    if latency_us is not None:
+        changes["latency"] = latency_us * 1e-6
+    if not changes:
+        return hardware
+    note = ", ".join(f"{key}={value:g}" for key, value in changes.items())
+    return replace(hardware, source=f"{hardware.source}; overridden: {note}", **changes)

@@ -1,0 +1,228 @@
+"""The baselines of DESIGN §1, priced on the same schedule and hardware model as canzona.
+
+Every baseline handles TP the synchronous way (TP-SC): a DP rank's matrices are all-gathered
+over its TP group in one fused all-gather (fp32 gradient shards; replicated matrices need
+none) and every TP rank updates every one of them. What differs is the DP side:
+
+- `tp-sc`: canzona's DP cuts and owners; only the TP side is synchronous.
+- `dp-sc`: all-reduce of every bucket; every DP rank updates every matrix (its EP rank's
+  experts) and the whole AdamW buffer; nothing to gather afterwards.
+- `zero1-gather`: equal reduce-scatter; a rank fetches the rest of every matrix touching its
+  slice (one point-to-point round per bucket) and updates them all; equal all-gather.
+- `start-owner`: equal reduce-scatter; the rank where a matrix starts fetches its spill-over,
+  updates it and returns the spilled part (param dtype); equal all-gather.
+- `layer-wise`: all-reduce of every matrix bucket; whole matrices to ranks by LPT on predicted
+  seconds; each updated matrix broadcast from its owner; AdamW keeps equal slices.
+
+A point-to-point round costs one α: every pair talks at once and only neighbours do.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+
+from canzona.planner.simulate import (
+    GRAD_BYTES,
+    Buffer,
+    Exchange,
+    Instance,
+    Local,
+    Matrix,
+    StrategyTime,
+    adamw_sync,
+    all_gather,
+    all_reduce,
+    broadcast,
+    combine,
+    dp_sync,
+    phase_seconds,
+    schedule_sync,
+)
+
+Work = tuple[float, int]  # (update seconds, sharded fp32 bytes to all-gather over TP)
+Owners = Callable[[Buffer, int], list[list[Matrix]]]
+
+
+def _work(matrices: Sequence[Matrix]) -> Work:
+    return sum(m.seconds for m in matrices), sum(m.shard_bytes for m in matrices if not m.replicated)
+
+
+def _equal_cuts(numel: int, n: int) -> tuple[int, ...]:
+    return tuple(rank * numel // n for rank in range(n + 1))
+
+
+def _slice_of(cuts: tuple[int, ...], offset: int) -> int:
+    return min(max(bisect_right(cuts, offset) - 1, 0), len(cuts) - 2)
+
+
+def by_schedule(buffer: Buffer, n: int) -> list[list[Matrix]]:
+    """Owners as the schedule says."""
+    ranks: list[list[Matrix]] = [[] for _ in range(n)]
+    for bucket in buffer.entries:
+        for matrix in bucket:
+            ranks[matrix.owner].append(matrix)
+    return ranks
+
+
+def by_touch(buffer: Buffer, n: int) -> list[list[Matrix]]:
+    """Every matrix touching a rank's equal slice (zero1-gather)."""
+    ranks: list[list[Matrix]] = [[] for _ in range(n)]
+    for numel, bucket in zip(buffer.numel, buffer.entries):
+        cuts = _equal_cuts(numel, n)
+        for m in bucket:
+            for rank in range(_slice_of(cuts, m.offset), _slice_of(cuts, m.offset + max(m.numel, 1) - 1) + 1):
+                ranks[rank].append(m)
+    return ranks
+
+
+def by_start(buffer: Buffer, n: int) -> list[list[Matrix]]:
+    """Every matrix to the rank whose equal slice holds its start (start-owner)."""
+    ranks: list[list[Matrix]] = [[] for _ in range(n)]
+    for numel, bucket in zip(buffer.numel, buffer.entries):
+        cuts = _equal_cuts(numel, n)
+        for m in bucket:
+            ranks[_slice_of(cuts, m.offset)].append(m)
+    return ranks
+
+
+def by_lpt(buffer: Buffer, n: int) -> list[list[Matrix]]:
+    """Whole matrices by LPT on predicted seconds, ignoring buffer order (layer-wise)."""
+    ranks: list[list[Matrix]] = [[] for _ in range(n)]
+    heap = [(0.0, rank) for rank in range(n)]
+    for m in sorted((m for bucket in buffer.entries for m in bucket), key=lambda m: (-m.seconds, m.name)):
+        load, rank = heapq.heappop(heap)
+        ranks[rank].append(m)
+        heapq.heappush(heap, (load + m.seconds, rank))
+    return ranks
+
+
+def spill(buffer: Buffer, n: int, everyone: bool, back: bool = False, elem_bytes: int = GRAD_BYTES) -> list[Exchange]:
+    """Point-to-point rounds moving the parts of matrices that cross equal slices: to every
+    rank touching them (`everyone`, zero1-gather) or to the start rank only (start-owner);
+    `back` returns the updated spilled parts from the start rank to the slice holders."""
+    out = []
+    for numel, bucket in zip(buffer.numel, buffer.entries):
+        cuts = _equal_cuts(numel, n)
+        sent, received = [0.0] * n, [0.0] * n
+        for m in bucket:
+            first, last = _slice_of(cuts, m.offset), _slice_of(cuts, m.offset + max(m.numel, 1) - 1)
+            for rank in range(first, last + 1):
+                part = (min(m.offset + m.numel, cuts[rank + 1]) - max(m.offset, cuts[rank])) * elem_bytes
+                if everyone:
+                    received[rank] += m.numel * elem_bytes - part
+                    sent[rank] += part * (last - first)
+                elif rank == first:
+                    received[rank] += m.numel * elem_bytes - part
+                else:
+                    sent[rank] += part
+        if any(sent):
+            out.append(Exchange("p2p", buffer.link, tuple(received if back else sent), tuple(sent if back else received)))
+    return out
+
+
+def sc_locals(inst: Instance, dense: Sequence[Work], experts: Sequence[Sequence[Work]], adamw: Callable[[int], int]) -> list[Local]:
+    """Every DP rank's local stage under TP-SC: one fused TP all-gather, every matrix on every
+    TP rank, then AdamW."""
+    locals_ = []
+    for rank in range(inst.dp):
+        seconds, shard = dense[rank]
+        if experts:
+            extra = experts[rank % inst.ep][rank // inst.ep]
+            seconds, shard = seconds + extra[0], shard + extra[1]
+        gather = all_gather(inst.tp_link, [shard] * inst.tp, 1).seconds()
+        compute = seconds + inst.time_model.adamw_cost(adamw(rank))
+        locals_.append(Local(gather + compute, (compute,) * inst.tp, gather))
+    return locals_
+
+
+def _per_buffer(inst: Instance, owners: Owners) -> tuple[list[Work], list[list[Work]]]:
+    dense = [_work(ms) for ms in owners(inst.dense, inst.dp)]
+    experts = [[_work(ms) for ms in owners(buffer, inst.dp // inst.ep)] for buffer in inst.experts]
+    return dense, experts
+
+
+def _buffers(inst: Instance) -> list[Buffer]:
+    return [inst.dense] + ([inst.experts[0]] if inst.experts else [])
+
+
+def _equal_sync(inst: Instance, gather: bool) -> list[Exchange]:
+    out = []
+    for buffer in _buffers(inst):
+        cuts = [_equal_cuts(numel, buffer.link.size) for numel in buffer.numel]
+        out += dp_sync(inst, cuts, buffer, gather)
+    return out + adamw_sync(inst, gather)
+
+
+def tp_sc(inst: Instance) -> StrategyTime:
+    """canzona's DP partition with a synchronous (duplicated) TP update."""
+    dense, experts = _per_buffer(inst, by_schedule)
+    locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
+    before = phase_seconds(schedule_sync(inst, gather=False), inst.fused)
+    after = phase_seconds(schedule_sync(inst, gather=True), inst.fused)
+    return combine("tp-sc", "canzona's DP cuts; every TP rank all-gathers each owned matrix (one fused "
+                   "all-gather) and updates it redundantly", inst.tp, before, locals_, after)
+
+
+def dp_sc(inst: Instance) -> StrategyTime:
+    """Plain data parallelism: all-reduce, everything updated everywhere."""
+    def everything(buffer: Buffer, n: int) -> list[Work]:
+        return [_work([m for bucket in buffer.entries for m in bucket])] * n
+
+    dense = everything(inst.dense, inst.dp)
+    experts = [everything(buffer, inst.dp // inst.ep) for buffer in inst.experts]
+    total_adamw = sum(inst.adamw_numel)
+    locals_ = sc_locals(inst, dense, experts, lambda rank: total_adamw)
+    exchanges = [all_reduce(b.link, numel, GRAD_BYTES) for b in _buffers(inst) for numel in b.numel]
+    exchanges += [all_reduce(inst.dp_link, numel, GRAD_BYTES) for numel in inst.adamw_numel]
+    return combine("dp-sc", "all-reduce of every bucket; every DP rank updates every matrix (TP-SC under "
+                   "TP) and the whole AdamW buffer; no all-gather", inst.tp,
+                   phase_seconds(exchanges, inst.fused), locals_, 0.0)
+
+
+def zero1_gather(inst: Instance) -> StrategyTime:
+    """Equal slices; every matrix touching a slice is fetched whole and updated there."""
+    dense, experts = _per_buffer(inst, by_touch)
+    locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
+    fetch = [ex for b in _buffers(inst) for ex in spill(b, b.link.size, everyone=True)]
+    before = phase_seconds(_equal_sync(inst, gather=False) + fetch, inst.fused)
+    after = phase_seconds(_equal_sync(inst, gather=True), inst.fused)
+    return combine("zero1-gather", "equal reduce-scatter; each rank fetches the rest of every matrix "
+                   "touching its slice and updates them all (TP-SC under TP); equal all-gather",
+                   inst.tp, before, locals_, after)
+
+
+def start_owner(inst: Instance) -> StrategyTime:
+    """Equal slices; a matrix is updated by the rank where it starts."""
+    dense, experts = _per_buffer(inst, by_start)
+    locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
+    fetch = [ex for b in _buffers(inst) for ex in spill(b, b.link.size, everyone=False)]
+    back = [ex for b in _buffers(inst) for ex in spill(b, b.link.size, everyone=False, back=True,
+                                                          elem_bytes=inst.gather_bytes(b.param_bytes[0] if b.param_bytes else 2))]
+    before = phase_seconds(_equal_sync(inst, gather=False) + fetch, inst.fused)
+    after = phase_seconds(back + _equal_sync(inst, gather=True), inst.fused)
+    return combine("start-owner", "equal reduce-scatter; the rank where a matrix starts fetches its "
+                   "spill-over, updates it (TP-SC under TP) and returns the spilled part; equal all-gather",
+                   inst.tp, before, locals_, after)
+
+
+def layer_wise(inst: Instance) -> StrategyTime:
+    """Whole matrices balanced by LPT; all-reduce, then a broadcast per matrix."""
+    dense, experts = _per_buffer(inst, by_lpt)
+    locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
+    before = [all_reduce(b.link, numel, GRAD_BYTES) for b in _buffers(inst) for numel in b.numel]
+    before += adamw_sync(inst, gather=False)
+    after = [broadcast(b.link, m.numel * inst.gather_bytes(m.param_bytes))
+             for b in _buffers(inst) for bucket in b.entries for m in bucket]
+    after += adamw_sync(inst, gather=True)
+    return combine("layer-wise", "all-reduce of every matrix bucket; whole matrices to ranks by LPT on "
+                   "predicted seconds (TP-SC under TP); each updated matrix broadcast from its owner; "
+                   "AdamW on equal slices", inst.tp, phase_seconds(before, inst.fused), locals_,
+                   phase_seconds(after, inst.fused))
+
+
+def baseline_times(inst: Instance) -> tuple[StrategyTime, ...]:
+    """Every baseline, in a fixed order."""
+    return (tp_sc(inst), dp_sc(inst), zero1_gather(inst), start_owner(inst), layer_wise(inst))
+
