@@ -36,6 +36,12 @@ PAPER_MODELS = ["qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
 PAPER_LAYOUTS = [(8, 32), (4, 64)]
 BASELINES = ["canzona-no-overlap", "tp-sc", "dp-sc", "zero1-gather", "start-owner", "layer-wise"]
 SCALE = [("qwen3-235b-a22b", 4, dp, 8) for dp in (64, 256, 1024)] + [("deepseek-v3", 4, dp, 8) for dp in (64, 256, 1024)]
+# Every preset at 1024 devices: dense ones tp 8 x dp 128, MoE ones (tp <= 4) tp 4 x dp 256 with ep 8.
+DENSE = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
+         "llama3.1-8b", "llama3.1-70b", "llama3.1-405b"]
+PRESET_SCALE = [(name, 8, 128, 1) for name in DENSE] + [
+    ("mixtral-8x7b", 8, 128, 8), ("qwen3-30b-a3b", 4, 256, 8), ("qwen3-235b-a22b", 4, 256, 8), ("deepseek-v3", 4, 256, 8)
+]
 WHOLE_BUFFER = 1 << 40  # one bucket per buffer (Megatron without overlap_grad_reduce)
 
 
@@ -97,13 +103,13 @@ def scale_one(name: str, tp: int, dp: int, ep: int) -> dict[str, float]:
     return times
 
 
-def scale_table() -> None:
+def scale_table(layouts: list[tuple[str, int, int, int]] = SCALE) -> None:
     """Each preset in a fresh process, so its peak memory is its own."""
     print("### Planning scale (plan = load + plan + compile; peak = max RSS of the process)\n")
     header = ["preset", "layout", "plan s", "write s", "read s", "simulate s", "total s", "peak MiB", "file MB"]
     print(_row(header))
     print("|" + "---|" * len(header))
-    for name, tp, dp, ep in SCALE:
+    for name, tp, dp, ep in layouts:
         output = subprocess.run([sys.executable, __file__, "--one", name, str(tp), str(dp), str(ep)],
                                 check=True, capture_output=True, text=True).stdout
         t = json.loads(output)
@@ -165,6 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--paper", action="store_true")
     parser.add_argument("--scale", action="store_true")
+    parser.add_argument("--presets", action="store_true", help="scale table for every preset at 1024 devices")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="--cpu: runs of the runtime benchmark (median)")
     parser.add_argument("--quick", action="store_true", help="--cpu: fewer timed steps")
@@ -175,13 +182,15 @@ def main() -> None:
         name, tp, dp, ep = args.one
         print(json.dumps(scale_one(name, int(tp), int(dp), int(ep))))
         return
-    everything = not (args.paper or args.scale or args.cpu)
+    everything = not (args.paper or args.scale or args.cpu or args.presets)
     if args.paper or everything:
         paper_table(40_000_000, auto=True)
         paper_table(WHOLE_BUFFER, auto=True)
         paper_table(40_000_000, auto=True, rooted=True)
     if args.scale or everything:
         scale_table()
+    if args.presets or everything:
+        scale_table(PRESET_SCALE)
     if args.cpu:
         cpu_table(args.repeats, args.quick, args.optimizer)
 
