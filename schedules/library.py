@@ -7,7 +7,6 @@ import os
 from importlib.resources import files
 from pathlib import Path
 
-from canzona.schedules.format import ScheduleError
 
 
 def library_root() -> Path:
@@ -24,11 +23,12 @@ def library_names() -> list[str]:
 
 
 def resolve_schedule(name_or_path: str | os.PathLike[str]) -> Path:
-    """A path that exists as given, else the library schedule of that name."""
+    """A path that exists as given, else the library schedule of that name, else the path
+    as given (so reading it reports the missing file)."""
     path = Path(name_or_path)
     if path.exists():
         return path
     candidate = library_root() / f"{str(name_or_path).removesuffix('.yaml')}.yaml"
     if candidate.is_file() and "profiles" not in candidate.parts:
         return candidate
-    raise ScheduleError(f"no schedule file or library schedule named {str(name_or_path)!r}")
+    return path

@@ -135,7 +135,7 @@ def test_load_schedule_by_library_name_and_errors() -> None:
     assert "qwen3-32b/muon-tp8-dp32" in library_names()
     schedule = load_schedule("qwen3-32b/muon-tp8-dp32")
     assert (schedule.request.model.name, schedule.request.tp, schedule.request.dp) == ("qwen3-32b", 8, 32)
-    with pytest.raises(ScheduleError, match="no schedule file or library schedule named 'qwen3-32b/nope'"):
+    with pytest.raises(ScheduleError, match="cannot read schedule 'qwen3-32b/nope'"):
         load_schedule("qwen3-32b/nope")
     with pytest.raises(ScheduleError, match=r"expert parallelism \(ep 8\) is planned but not yet executed"):
         load_schedule("qwen3-30b-a3b/muon-tp2-dp16-ep8")
