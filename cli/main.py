@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from canzona.cli import compare, render, report, simulate_cmd
+from canzona.cli import compare, render, report, reshard_cmd, simulate_cmd
 from canzona.planner.costs import OptimizerConfig
 from canzona.planner.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.spec import ModelOptions, PlanError
@@ -180,6 +180,7 @@ app.command()(compare.table)
 app.command()(render.render)
 app.command()(simulate_cmd.simulate)
 app.command()(simulate_cmd.calibrate)
+app.command("reshard-check")(reshard_cmd.reshard_check)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,10 @@ class TpScOptimizer(CanzonaOptimizer):
 
     def _setup_matrices(self) -> None:
         self.tasks = owned_tasks(self.schedule, self._ranks)
+        self._hosted = [t.param for t in self.tasks]
+
+    def _writes_matrix(self) -> bool:
+        return self.tp_rank == 0
 
     def _update_matrices(self, grads: Tensor, values: Tensor) -> None:
         replicated_updates(
@@ -33,6 +37,7 @@ class TpScOptimizer(CanzonaOptimizer):
             grad_of=lambda task: self._local(grads, task),
             update_of=self._host_update,
             apply=lambda task, shard: self._apply(values, task, shard),
+            timeout=self.timeout,
         )
 
 
@@ -44,10 +49,14 @@ class DpScOptimizer(TpScOptimizer):
     def _updated_ranks(self) -> list[int]:
         return list(range(self.dp_size))
 
+    def _writes_matrix(self) -> bool:
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    def _writes_adamw(self, replicated: bool) -> bool:
+        return self.dp_rank == 0 and super()._writes_adamw(replicated)
+
     def _reduce_grads(self) -> Tensor:
-        grads = [None if p.grad is None else p.grad.detach().reshape(-1) for p in self.params]
-        comm.pack(self.layout.pieces, grads, self._send)
-        return comm.all_reduce_mean(self._send.clone(), self.dp_group)
+        return comm.all_reduce_mean(self._send.clone(), self.dp_group, self.timeout)
 
     def _publish(self, values: Tensor) -> None:
         comm.unpack(self.layout.pieces, values, self._flat_params)

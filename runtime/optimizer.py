@@ -3,24 +3,35 @@
 One step: pack gradients into the exchange buffer; uneven reduce-scatter over DP (mean); the
 TP micro-group pipeline for the matrices this DP rank owns; AdamW on this rank's equal slices;
 uneven all-gather of the updated parameter values over DP, written back in place.
+
+A step is a transaction: updates and new state are computed into scratch, every rank agrees
+that nobody failed (a safe point before the first collective and one before applying), and
+only then are parameters and state replaced. A failure anywhere raises `StepFailedError` on
+every rank and changes nothing; a collective that fails or times out raises `CollectiveError`.
 """
 
 from __future__ import annotations
 
-import copy
 import os
-from collections.abc import Iterable
-from dataclasses import asdict
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from canzona.schedules.format import Schedule, ScheduleError
-from canzona.runtime import comm
-from canzona.runtime.layout import Task, build_dp_layout, micro_groups
-from canzona.runtime.optimizers import Hyperparameters, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
+from canzona.schedules.reshard import StateLayout, incompatibilities, state_layout
+from canzona.runtime import comm, state as logical
+from canzona.runtime.faults import CollectiveError, as_timedelta, settle
+from canzona.runtime.layout import Task, build_dp_layout, matrix_tasks, micro_groups
+from canzona.runtime.optimizers import Hyperparameters, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
 from canzona.runtime.pipeline import MicroGroupPipeline
 from canzona.runtime.schedule import (
     Verdict,
@@ -32,7 +43,8 @@ from canzona.runtime.schedule import (
     summary,
 )
 
-STATE_FORMAT = "canzona-runtime/1"
+STATE_FORMAT = "canzona-logical/1"
+StepHook = Callable[["CanzonaOptimizer"], None]
 
 
 def resolve_groups(dp_group: Any, tp_group: Any, mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
@@ -47,22 +59,46 @@ def resolve_groups(dp_group: Any, tp_group: Any, mesh: Any) -> tuple[dist.Proces
     return dp_group, tp_group
 
 
+def _problem(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+@dataclass
+class _Pending:
+    """What one step has computed but not applied."""
+
+    step: int
+    problem: str | None = None
+    matrix: dict[int, list[State]] = field(default_factory=dict)
+    adamw: dict[str, Tensor] | None = None
+
+    def fail(self, problem: str) -> None:
+        """Record the first problem of the step."""
+        self.problem = self.problem or problem
+
+
 class CanzonaOptimizer:
     """Canzona's optimizer step for the live, TP-sharded local parameters of this rank.
 
     `named_parameters` are named as in the schedule, in registration order; `schedule` is a
     `Schedule` or a path. Gradients are this rank's own (not reduced over DP). Construction
     checks the schedule against the model, the groups and the other ranks, and raises
-    `ScheduleMismatchError` on every rank if anything differs. Hyperparameters: see
-    `canzona.runtime.optimizers.Hyperparameters` (matrix optimizer and settings default to the
-    schedule's)."""
+    `ScheduleMismatchError` on every rank if anything differs. `timeout` (seconds or a
+    timedelta) bounds every collective of a step (None: the process groups' own timeout);
+    `check_finite` makes a non-finite local gradient fail the step on every rank.
+    Hyperparameters: see `canzona.runtime.optimizers.Hyperparameters` (matrix optimizer and
+    settings default to the schedule's)."""
 
     strategy = "canzona"
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], schedule: Schedule | str | os.PathLike[str], *,
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 mesh: Any = None, **hyperparameters: Any) -> None:
+                 mesh: Any = None, timeout: float | timedelta | None = None, check_finite: bool = False,
+                 **hyperparameters: Any) -> None:
         named = list(named_parameters)
+        self.timeout = as_timedelta(timeout)
+        self.check_finite = check_finite
         self.dp_group, self.tp_group = resolve_groups(dp_group, tp_group, mesh)
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
@@ -79,6 +115,9 @@ class CanzonaOptimizer:
         self.digest: str = verdict.digest
         self.params = [tensor for _, tensor in named]
         self.names = [name for name, _ in named]
+        self._hooks: OrderedDict[int, StepHook] = OrderedDict()  # RemovableHandle needs a weak reference
+        self._broken: str | None = None
+        self._pending: _Pending | None = None
         self._setup()
 
     def _prepare(self, named: list[tuple[str, Tensor]], schedule: Schedule | str | os.PathLike[str],
@@ -103,9 +142,10 @@ class CanzonaOptimizer:
         self.layout = build_dp_layout(self.schedule)
         self.rule = make_rule(self.schedule.request.optimizer.name, self.hp)
         self.step_count = 0
-        self.matrix_state: dict[int, list[dict[str, Any]]] = {}
+        self.matrix_state: dict[int, list[State]] = {}
         self._send = torch.zeros(self.layout.total)
         self._flat_params = [p.detach().view(-1) for p in self.params]
+        self._tp_dims = [e.tp_dim for e in sorted(self.schedule.params, key=lambda e: e.index)]
         self._ranks = self._updated_ranks()
         self._base = self.layout.starts[self._ranks[0]]
         self._size = sum(self.layout.sizes[r] for r in self._ranks)
@@ -116,13 +156,29 @@ class CanzonaOptimizer:
         adamw = sum(self.layout.sizes[r] - self.layout.matrix_sizes[r] for r in self._ranks)
         self.adamw_state = {"exp_avg": torch.zeros(adamw), "exp_avg_sq": torch.zeros(adamw)}
         self._setup_matrices()
+        hosted = set(self._hosted)
+        self._tasks: dict[int, Task] = {t.param: t for t in matrix_tasks(self.schedule).values() if t.param in hosted}
 
     def _updated_ranks(self) -> list[int]:
         """DP ranks whose slices this rank updates (canzona: its own)."""
         return [self.dp_rank]
 
     def _setup_matrices(self) -> None:
-        self.pipeline = MicroGroupPipeline(micro_groups(self.schedule, self.dp_rank), self.tp_rank, self.tp_size, self.tp_group)
+        groups = micro_groups(self.schedule, self.dp_rank)
+        self.pipeline = MicroGroupPipeline(groups, self.tp_rank, self.tp_size, self.tp_group, self.timeout)
+        self._hosted = [t.param for tasks in groups for t in tasks if t.host == self.tp_rank]
+
+    def _writes_matrix(self) -> bool:
+        """Whether this rank saves the matrix state it holds (one copy of each replica)."""
+        return True
+
+    def _writes_adamw(self, replicated: bool) -> bool:
+        """Whether this rank saves its AdamW state of a parameter (`replicated` over TP)."""
+        return not replicated or self.tp_rank == 0
+
+    @cached_property
+    def _adamw_runs(self) -> list[logical.AdamwRun]:
+        return logical.adamw_runs(self)
 
     @property
     def hyperparameters(self) -> Hyperparameters:
@@ -139,6 +195,13 @@ class CanzonaOptimizer:
         hp.check()
         self.hp, self.rule = hp, make_rule(self.schedule.request.optimizer.name, hp)
 
+    def register_step_pre_hook(self, hook: StepHook) -> RemovableHandle:
+        """Run `hook(optimizer)` at the start of every step, before any collective; if it raises
+        on any rank, the step fails on every rank (e.g. a custom gradient check)."""
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every parameter."""
         for param in self.params:
@@ -147,25 +210,70 @@ class CanzonaOptimizer:
             elif param.grad is not None:
                 param.grad.zero_()
 
+    @contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """Remember a failed collective: the groups cannot be trusted afterwards."""
+        if self._broken:
+            raise CollectiveError(f"canzona: an earlier collective failed ({self._broken}); restart from the last checkpoint")
+        try:
+            yield
+        except CollectiveError as error:
+            self._broken = str(error)
+            raise
+
+    def _settle(self, problem: str | None, step: int, before_collectives: bool) -> None:
+        where = "before its first collective" if before_collectives else "before applying its update"
+        failure = f"step {step} failed {where}, nothing was applied on any rank"
+        settle(problem, (self.tp_group, self.dp_group), self.timeout, f"the safe point of step {step} {where}", failure)
+
     @torch.no_grad()
     def step(self) -> None:
-        """One optimizer step of every parameter (collective: every rank must call it)."""
-        self.step_count += 1
-        grads = self._reduce_grads()
-        values = torch.zeros(self._size)
-        for rank in self._ranks:
-            comm.pack(self.layout.rank_pieces[rank], self._flat_params, values, self._base)
-        self._update_matrices(grads, values)
-        self._update_adamw(grads, values)
-        self._publish(values)
+        """One optimizer step of every parameter (collective: every rank must call it).
 
-    def _reduce_grads(self) -> Tensor:
+        Raises `StepFailedError` on every rank if any rank failed (nothing applied anywhere),
+        `CollectiveError` if a collective failed or timed out."""
+        pending = _Pending(self.step_count + 1)
+        with self._collectives():
+            self._settle(self._before_step(), pending.step, before_collectives=True)
+            grads = self._reduce_grads()
+            values = torch.zeros(self._size)
+            for rank in self._ranks:
+                comm.pack(self.layout.rank_pieces[rank], self._flat_params, values, self._base)
+            self._pending = pending
+            try:
+                self._update_matrices(grads, values)
+            finally:
+                self._pending = None
+            self._update_adamw(grads, values, pending)
+            self._settle(pending.problem, pending.step, before_collectives=False)
+            self._publish(values)
+        self.matrix_state.update(pending.matrix)
+        if pending.adamw is not None:
+            self.adamw_state = pending.adamw
+        self.step_count = pending.step
+
+    def _before_step(self) -> str | None:
+        """Local work before the first collective: hooks, packing, the finiteness check."""
+        try:
+            for hook in list(self._hooks.values()):
+                hook(self)
+            self._pack_grads()
+            if self.check_finite and not bool(torch.isfinite(self._send).all()):
+                bad = [n for n, p in zip(self.names, self.params) if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+                return f"non-finite gradient in {', '.join(bad[:3]) or 'the gradient buffer'}"
+        except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
+            return _problem(error)
+        return None
+
+    def _pack_grads(self) -> None:
         grads = [None if p.grad is None else p.grad.detach().reshape(-1) for p in self.params]
         comm.pack(self.layout.pieces, grads, self._send)
-        return comm.reduce_scatter_mean(self._send, self.layout.sizes, self.dp_rank, self.dp_group)
+
+    def _reduce_grads(self) -> Tensor:
+        return comm.reduce_scatter_mean(self._send, self.layout.sizes, self.dp_rank, self.dp_group, self.timeout)
 
     def _publish(self, values: Tensor) -> None:
-        gathered = comm.all_gather_uneven(values, self.layout.sizes, self.dp_group)
+        gathered = comm.all_gather_uneven(values, self.layout.sizes, self.dp_group, self.timeout)
         comm.unpack(self.layout.pieces, gathered, self._flat_params)
 
     def _local(self, buffer: Tensor, task: Task) -> Tensor:
@@ -173,9 +281,20 @@ class CanzonaOptimizer:
         return buffer[start : start + task.numel].view(task.local_shape)
 
     def _host_update(self, task: Task, full_grad: Tensor) -> Tensor:
-        if task.param not in self.matrix_state:
-            self.matrix_state[task.param] = init_matrix_state(self.rule, task.shape, task.row_blocks)
-        return matrix_update(self.rule, self.matrix_state[task.param], full_grad, task.row_blocks, self.step_count)
+        """The update of a hosted matrix, computed on a copy of its state; a failure is
+        recorded (and a zero update keeps the collectives going) for the next safe point."""
+        pending = self._pending
+        assert pending is not None
+        if pending.problem is None:
+            try:
+                current = self.matrix_state.get(task.param)
+                states = logical.clone_states(current) if current else init_matrix_state(self.rule, task.shape, task.row_blocks)
+                update = matrix_update(self.rule, states, full_grad, task.row_blocks, pending.step)
+                pending.matrix[task.param] = states
+                return update
+            except Exception as error:  # noqa: BLE001
+                pending.fail(f"updating {self.names[task.param]}: {_problem(error)}")
+        return torch.zeros(task.shape)
 
     def _apply(self, values: Tensor, task: Task, shard: Tensor) -> None:
         apply_update(self._local(values, task), shard, self.hp.lr, self.hp.weight_decay)
@@ -187,37 +306,53 @@ class CanzonaOptimizer:
             apply=lambda task, shard: self._apply(values, task, shard),
         )
 
-    def _update_adamw(self, grads: Tensor, values: Tensor) -> None:
-        offset = 0
-        for rank in self._ranks:
-            start, stop = (s - self._base for s in self.layout.adamw_region(rank))
-            length = stop - start
-            adamw_(values[start:stop], grads[start:stop], self.adamw_state["exp_avg"][offset : offset + length],
-                   self.adamw_state["exp_avg_sq"][offset : offset + length], self.step_count, self.hp)
-            offset += length
+    def _update_adamw(self, grads: Tensor, values: Tensor, pending: _Pending) -> None:
+        try:
+            moments = {key: value.clone() for key, value in self.adamw_state.items()}
+            offset = 0
+            for rank in self._ranks:
+                start, stop = (s - self._base for s in self.layout.adamw_region(rank))
+                length = stop - start
+                adamw_(values[start:stop], grads[start:stop], moments["exp_avg"][offset : offset + length],
+                       moments["exp_avg_sq"][offset : offset + length], pending.step, self.hp)
+                offset += length
+            pending.adamw = moments
+        except Exception as error:  # noqa: BLE001
+            pending.fail(f"AdamW: {_problem(error)}")
+
+    def state_layout(self) -> StateLayout:
+        """What decides the logical state's keys and shapes (model, optimizer, shapes)."""
+        return state_layout(self.schedule, block_size=self.hp.block_size, max_precond_dim=self.hp.max_precond_dim)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state (its hosted matrices and AdamW slices), with the plan it
-        belongs to; load it into an optimizer built from the same schedule at the same rank."""
+        """This rank's optimizer state in logical form (`canzona.runtime.state`): full-shape,
+        schedule-independent tensors (the chunks this rank holds), the step, the model's state
+        layout and the schedule fingerprint. Any optimizer of the same model can load a set of
+        these that covers what it holds (`load_state_dict`), whatever its schedule."""
         return {
             "format": STATE_FORMAT,
             "strategy": self.strategy,
+            "layout": self.state_layout().to_json(),
+            "fingerprint": self.schedule.fingerprint,
             "digest": self.digest,
-            "dp_rank": self.dp_rank,
-            "tp_rank": self.tp_rank,
+            "schedule": summary(self.schedule),
             "step": self.step_count,
             "hyperparameters": asdict(self.hp),
-            "matrix": {self.names[index]: copy.deepcopy(state) for index, state in self.matrix_state.items()},
-            "adamw": {key: value.clone() for key, value in self.adamw_state.items()},
+            "tensors": logical.export_state(self, writers_only=False, clone=True),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()` of the same strategy, schedule and rank (ValueError otherwise)."""
-        expected = {"format": STATE_FORMAT, "strategy": self.strategy, "digest": self.digest, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank}
-        for key, value in expected.items():
-            if state.get(key) != value:
-                raise ValueError(f"optimizer state does not belong here: {key} is {state.get(key)!r}, expected {value!r}")
-        positions = {name: index for index, name in enumerate(self.names)}
-        self.step_count = int(state["step"])
-        self.matrix_state = {positions[name]: copy.deepcopy(value) for name, value in state["matrix"].items()}
-        self.adamw_state = {key: value.clone() for key, value in state["adamw"].items()}
+        """Restore logical state (one `state_dict()`, or several merged with
+        `canzona.runtime.checkpoint.merge_state_dicts`) saved under any schedule of the same
+        model. ValueError, with nothing changed, if it is another model's or lacks what this
+        rank holds."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a canzona optimizer state (format {found!r}, expected {STATE_FORMAT!r})")
+        problems = incompatibilities(StateLayout.from_json(state["layout"]), self.state_layout())
+        if problems:
+            raise ValueError("the optimizer state does not fit this model: " + "; ".join(problems))
+        tensors = state["tensors"]
+        dest = logical.plan_import(self, {key: tuple(value.size) for key, value in tensors.items()})
+        logical.fill_from(dest, tensors)
+        logical.install(self, dest, int(state["step"]))

@@ -220,7 +220,9 @@ class Soap:
                 continue
             state[stat].mul_(hp.soap_shampoo_beta).add_(product(), alpha=1 - hp.soap_shampoo_beta)
             if step == 1 or (step - 1) % hp.precondition_frequency == 0:
-                state[basis] = torch.linalg.eigh(state[stat])[1]
+                # contiguous: eigh returns column-major vectors, and the matmul kernels (so the
+                # rounding) depend on the layout; a checkpoint restores row-major tensors.
+                state[basis] = torch.linalg.eigh(state[stat])[1].contiguous()
         state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
         projected = _project(grad, state["QL"], state["QR"])
         state["exp_avg_sq"].mul_(beta2).addcmul_(projected, projected, value=1 - beta2)

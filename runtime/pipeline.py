@@ -12,6 +12,7 @@ Callbacks keep this module free of optimizer details:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,13 @@ def assemble(task: Task, shards: Sequence[Tensor]) -> Tensor:
 class MicroGroupPipeline:
     """Executes one DP rank's micro-groups on one of its TP ranks."""
 
-    def __init__(self, groups: Sequence[tuple[Task, ...]], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup) -> None:
+    def __init__(self, groups: Sequence[tuple[Task, ...]], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup,
+                 timeout: timedelta | None = None) -> None:
         self.groups = list(groups)
         self.rank = tp_rank
         self.size = tp_size
         self.group = tp_group
+        self.timeout = timeout
 
     def _hosted(self, tasks: tuple[Task, ...], host: int, sharded_only: bool = False) -> list[Task]:
         return [t for t in tasks if t.host == host and not (sharded_only and t.tp_dim is None)]
@@ -57,7 +60,8 @@ class MicroGroupPipeline:
         if send.numel() == 0:  # only replicated matrices: every TP rank knows, nobody sends
             return InFlight(send, None)
         mine = sum(t.numel for t in per_host[self.rank])
-        return start_all_to_all(send, [sum(t.numel for t in h) for h in per_host], [mine] * self.size, self.group)
+        return start_all_to_all(send, [sum(t.numel for t in h) for h in per_host], [mine] * self.size, self.group,
+                                self.timeout, "the TP micro-group gather")
 
     def _full_grads(self, tasks: tuple[Task, ...], received: Tensor, grad_of: GradOf) -> dict[int, Tensor]:
         """Rebuild the full gradient of every task this rank hosts from the gathered shards."""
@@ -78,7 +82,7 @@ class MicroGroupPipeline:
         send = _flat([_shard(updates[t.param], t, peer, self.size) for peer in range(self.size) for t in hosted])
         per_host = [sum(t.numel for t in self._hosted(tasks, host)) for host in range(self.size)]
         mine = sum(t.numel for t in hosted)
-        return start_all_to_all(send, [mine] * self.size, per_host, self.group)
+        return start_all_to_all(send, [mine] * self.size, per_host, self.group, self.timeout, "the TP micro-group scatter")
 
     def _apply(self, tasks: tuple[Task, ...], received: Tensor, apply: Apply) -> None:
         offset = 0
@@ -111,11 +115,11 @@ class MicroGroupPipeline:
 
 
 def replicated_updates(tasks: Sequence[Task], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup,
-                       grad_of: GradOf, update_of: UpdateOf, apply: Apply) -> None:
+                       grad_of: GradOf, update_of: UpdateOf, apply: Apply, timeout: timedelta | None = None) -> None:
     """TP-SC: one fused all-gather of every sharded task's gradient; every TP rank updates every
     full matrix and applies its own shard (P-fold redundant compute and state)."""
     sharded = [t for t in tasks if t.tp_dim is not None]
-    gathered = all_gather_equal(_flat([grad_of(t) for t in sharded]), tp_group) if sharded else []
+    gathered = all_gather_equal(_flat([grad_of(t) for t in sharded]), tp_group, timeout) if sharded else []
     offsets, offset = {}, 0
     for task in sharded:
         offsets[task.param] = offset

@@ -70,7 +70,8 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, init_file: str, resul
 
 
 def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0) -> dict[int, tuple[str, Any]]:
-    """Run `fn(rank, world, *args)` on `world` forked gloo ranks; {rank: (status, payload)}."""
+    """Run `fn(rank, world, *args)` on `world` forked gloo ranks; {rank: (status, payload)},
+    status "ok", "error", "died" (exited without a result) or "timeout"."""
     context = mp.get_context("fork")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
@@ -79,14 +80,19 @@ def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float
         for process in processes:
             process.start()
         outcomes: dict[int, tuple[str, Any]] = {}
+        exited: dict[int, int | None] = {}
         deadline = time.monotonic() + timeout
         try:
             while len(outcomes) < world and time.monotonic() < deadline:
                 try:
-                    rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                    rank, status, payload = results.get(timeout=min(0.5, max(0.1, deadline - time.monotonic())))
                 except queue_module.Empty:
-                    break
+                    # A rank that died without reporting (e.g. killed on purpose) never will.
+                    if all(not processes[r].is_alive() for r in range(world) if r not in outcomes):
+                        deadline = min(deadline, time.monotonic() + 1.0)  # drain what is still in the pipe
+                    continue
                 outcomes[rank] = (status, _from_bytes(payload) if status == "ok" else payload)
+            exited = {r: p.exitcode for r, p in enumerate(processes) if not p.is_alive()}
         finally:
             for process in processes:
                 process.join(timeout=5)
@@ -94,6 +100,8 @@ def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float
                     process.kill()
                     process.join()
     for rank in range(world):
+        if exited.get(rank, 0) != 0:
+            outcomes.setdefault(rank, ("died", f"rank {rank} exited with code {exited[rank]} without a result"))
         outcomes.setdefault(rank, ("timeout", f"rank {rank} gave no result within {timeout:.0f} s"))
     return outcomes
 

@@ -1,0 +1,316 @@
+"""Checkpoints of the logical optimizer state through torch.distributed.checkpoint (DCP).
+
+A checkpoint is a folder shared by all ranks:
+
+    CHECKPOINT.json      the commit record: which data folder, step, state layout, file checksums
+    data-<step>-<id>/    DCP files (`.metadata`, `__<rank>_<n>.distcp`), never modified once written
+
+Saving: each rank writes only the logical chunks it holds (one copy of each replica) into a new
+data folder; the ranks checksum the files; then one rank atomically replaces CHECKPOINT.json
+(temporary file, fsync, rename) and removes older data folders. A crash before that rename
+leaves the previous checkpoint as it was. Loading: every rank checks the record (model, state
+layout), verifies its share of the checksums, and reads the chunks it holds under its own
+schedule: DCP reads them from whichever ranks wrote them (resharding). Every failure, on any
+rank, raises the same `CheckpointError` on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from canzona.runtime import state as logical
+from canzona.runtime.faults import CheckpointError, describe, gather_objects
+from canzona.runtime.optimizer import STATE_FORMAT, CanzonaOptimizer
+from canzona.runtime.state import LogicalTensor
+from canzona.schedules.reshard import StateLayout, incompatibilities
+
+MANIFEST = "CHECKPOINT.json"
+CHECKPOINT_FORMAT = "canzona-checkpoint/1"
+DATA_PREFIX = "data-"
+DCP_METADATA = ".metadata"
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP save planner for `LogicalTensor` values: one shard write item per chunk."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        """One write item per chunk of every `LogicalTensor` in the state dict."""
+        self._chunks: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        items = []
+        for key, tensor in self.state_dict.items():
+            for offsets, data in tensor.chunks:
+                self._chunks[(key, offsets)] = data
+                chunk = ChunkStorageMetadata(torch.Size(offsets), data.size())
+                items.append(WriteItem(
+                    index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(data), torch.Size(tensor.size)),
+                ))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """The chunk a write item names."""
+        assert index.offset is not None
+        return self._chunks[(index.fqn, tuple(index.offset))]
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP load planner for `LogicalTensor` destinations: reads every stored chunk that
+    overlaps a destination chunk (regions the checkpoint lacks, e.g. new padded rows, stay)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        """Keep the destinations as they are (the default planner would flatten them)."""
+        self.state_dict = self.original_state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        """Read items for every stored chunk that overlaps a destination chunk."""
+        assert self.metadata is not None
+        items = []
+        for key, tensor in self.state_dict.items():
+            stored = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(stored, TensorStorageMetadata):
+                raise ValueError(f"the checkpoint has no tensor {key!r}")
+            chunks = [ChunkStorageMetadata(torch.Size(offsets), data.size()) for offsets, data in tensor.chunks]
+            items += create_read_items_for_chunk_list(key, stored, chunks)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """The destination chunk a read item names."""
+        assert index.index is not None
+        return self.state_dict[index.fqn].chunks[index.index][1]
+
+
+def _grid_rank(opt: CanzonaOptimizer) -> int:
+    return opt.dp_rank * opt.tp_size + opt.tp_rank
+
+
+def _exchange(opt: CanzonaOptimizer, problem: str | None, payload: Any, what: str) -> list[Any]:
+    """Every rank's payload (grid order); CheckpointError on every rank if any had a problem."""
+    reports = gather_objects((dist.get_rank(), problem, payload), (opt.tp_group, opt.dp_group), what)
+    failed = [(rank, p) for rank, p, _ in reports if p]
+    if failed:
+        raise CheckpointError(f"canzona: {what} failed; " + describe(failed))
+    return [payload for _, _, payload in reports]
+
+
+def _one_line(error: BaseException) -> str:
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: exception}
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}" if not isinstance(error, CheckpointError) else lines[0]
+
+
+def _attempt(call: Any, *args: Any) -> tuple[Any, str | None]:
+    """(result, None), or (None, the error as one line)."""
+    try:
+        return call(*args), None
+    except Exception as error:  # noqa: BLE001 - becomes this rank's verdict
+        return None, _one_line(error)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _body_digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _fsync_folder(folder: Path) -> None:
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def _commit(root: Path, manifest: dict[str, Any]) -> None:
+    """Atomically make `manifest` the checkpoint record at `root` (temporary file, fsync, rename)."""
+    body = dict(manifest, sha256=_body_digest(manifest))
+    handle, temporary = tempfile.mkstemp(prefix=f".{MANIFEST}.", dir=root)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(body, stream, indent=1, sort_keys=True)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, root / MANIFEST)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    _fsync_folder(root)
+
+
+def _remove_stale(root: Path, keep: str) -> None:
+    """Best effort: data folders of older or unfinished saves."""
+    for folder in root.glob(f"{DATA_PREFIX}*"):
+        if folder.name != keep and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _check_group(opt: CanzonaOptimizer, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    group = group if group is not None else dist.group.WORLD
+    assert group is not None, "torch.distributed is not initialised"
+    if dist.get_world_size(group) != opt.dp_size * opt.tp_size:
+        raise ValueError(f"the checkpoint process group has {dist.get_world_size(group)} ranks, the optimizer runs on DP {opt.dp_size} x TP {opt.tp_size}")
+    return group
+
+
+def _my_files(opt: CanzonaOptimizer, files: Sequence[str]) -> list[str]:
+    world = opt.dp_size * opt.tp_size
+    return [name for i, name in enumerate(files) if i % world == _grid_rank(opt)]
+
+
+def _prepare_folder(root: Path, step: int) -> str:
+    root.mkdir(parents=True, exist_ok=True)
+    return f"{DATA_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
+
+
+def _manifest(opt: CanzonaOptimizer, folder: str, files: dict[str, str]) -> dict[str, Any]:
+    return {
+        "format": CHECKPOINT_FORMAT, "state_format": STATE_FORMAT, "data": folder, "step": opt.step_count,
+        "strategy": opt.strategy, "layout": opt.state_layout().to_json(), "fingerprint": opt.schedule.fingerprint,
+        "digest": opt.digest, "world": opt.dp_size * opt.tp_size, "hyperparameters": asdict(opt.hp), "files": files,
+    }
+
+
+def _write(opt: CanzonaOptimizer, folder: Path, group: dist.ProcessGroup) -> dict[str, str]:
+    """Write this rank's chunks with DCP; the checksums of this rank's share of the files."""
+    chunks = logical.export_state(opt, writers_only=True, clone=False)
+    writer = dcp.FileSystemWriter(folder, sync_files=True)
+    metadata = dcp.save(chunks, storage_writer=writer, planner=_SavePlanner(), process_group=group)
+    names = sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
+    return {name: _sha256(folder / name) for name in _my_files(opt, names)}
+
+
+def save_checkpoint(opt: CanzonaOptimizer, path: str | os.PathLike[str], *, process_group: dist.ProcessGroup | None = None) -> Path:
+    """Save `opt`'s logical state to the folder `path` (collective; every rank passes the same
+    path on a shared file system). Atomic: until it returns, `path` holds the previous
+    checkpoint. Returns the data folder written. CheckpointError on every rank on failure."""
+    root, group = Path(path), _check_group(opt, process_group)
+    leader = _grid_rank(opt) == 0
+    folder, problem = _attempt(_prepare_folder, root, opt.step_count) if leader else (None, None)
+    folder = _exchange(opt, problem, folder, f"saving checkpoint {str(root)!r} (preparing the folder)")[0]
+    sums, problem = _attempt(_write, opt, root / folder, group)
+    shares = _exchange(opt, problem, sums, f"saving checkpoint {str(root)!r} (writing the state)")
+    files = {name: digest for share in shares for name, digest in share.items()}
+    problem = None
+    if leader:
+        _, problem = _attempt(_commit, root, _manifest(opt, folder, files))
+        if problem is None:
+            _remove_stale(root, folder)
+    _exchange(opt, problem, None, f"saving checkpoint {str(root)!r} (committing)")
+    return root / folder
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The commit record of the checkpoint at `path`; CheckpointError if there is none or it is
+    damaged."""
+    record = Path(path) / MANIFEST
+    try:
+        text = record.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"no committed checkpoint at {str(path)!r} ({MANIFEST} is missing)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"cannot read {str(record)!r}: {error}") from error
+    try:
+        body = json.loads(text)
+        digest = body.pop("sha256")
+    except (ValueError, AttributeError, KeyError, TypeError):
+        raise CheckpointError(f"{str(record)!r} is corrupt (not a checkpoint record)") from None
+    if digest != _body_digest(body):
+        raise CheckpointError(f"{str(record)!r} is corrupt (checksum mismatch)")
+    if body.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{str(record)!r} has format {body.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
+    return body
+
+
+def _check_record(opt: CanzonaOptimizer, root: Path) -> dict[str, Any]:
+    manifest = read_manifest(root)
+    try:
+        problems = incompatibilities(StateLayout.from_json(manifest["layout"]), opt.state_layout())
+    except ValueError as error:
+        raise CheckpointError(f"{str(root / MANIFEST)!r}: {error}") from error
+    if problems:
+        raise CheckpointError("the checkpoint does not fit this optimizer: " + "; ".join(problems))
+    return manifest
+
+
+def _verify(opt: CanzonaOptimizer, folder: Path, files: dict[str, str]) -> None:
+    for name in _my_files(opt, sorted(files)):
+        if not (folder / name).is_file():
+            raise CheckpointError(f"checkpoint file {str(folder / name)!r} is missing")
+        if _sha256(folder / name) != files[name]:
+            raise CheckpointError(f"checkpoint file {str(folder / name)!r} is corrupt (sha256 mismatch: truncated or modified)")
+
+
+def _plan(opt: CanzonaOptimizer, folder: Path) -> logical.Destination:
+    stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    available = {key: tuple(md.size) for key, md in stored.items() if isinstance(md, TensorStorageMetadata)}
+    return logical.plan_import(opt, available)
+
+
+def load_checkpoint(opt: CanzonaOptimizer, path: str | os.PathLike[str], *, verify: bool = True,
+                    process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Load the checkpoint at `path` into `opt` (collective), whatever schedule of the same model
+    saved it: every rank reads the state it holds under `opt`'s schedule. `verify` checks the
+    files' checksums first (each rank reads a share). Returns the commit record. On any
+    problem every rank raises CheckpointError and `opt` is unchanged."""
+    root, group = Path(path), _check_group(opt, process_group)
+    what = f"loading checkpoint {str(root)!r}"
+    manifest, problem = _attempt(_check_record, opt, root)
+    if manifest is not None and verify:
+        _, problem = _attempt(_verify, opt, root / manifest["data"], manifest["files"])
+    _exchange(opt, problem, None, what)
+    assert manifest is not None
+    folder = root / manifest["data"]
+    dest, problem = _attempt(_plan, opt, folder)
+    _exchange(opt, problem, None, what)
+    reader = dcp.FileSystemReader(folder)
+    _, problem = _attempt(lambda: dcp.load(dest.tensors, storage_reader=reader, planner=_LoadPlanner(), process_group=group))
+    _exchange(opt, problem, None, what)
+    logical.install(opt, dest, int(manifest["step"]))
+    return manifest
+
+
+def merge_state_dicts(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One logical state from several ranks' `state_dict()`s (e.g. gathered to one process):
+    their chunks side by side; any optimizer of the model can load what it needs from it."""
+    if not states:
+        raise ValueError("nothing to merge")
+    merged = dict(states[0], tensors={})
+    for state in states:
+        if state.get("format") != STATE_FORMAT or state["layout"] != states[0]["layout"] or state["step"] != states[0]["step"]:
+            raise ValueError("the state dicts come from different models, formats or steps")
+        for key, tensor in state["tensors"].items():
+            merged["tensors"].setdefault(key, LogicalTensor(tensor.size)).chunks.extend(tensor.chunks)
+    return merged

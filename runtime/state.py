@@ -1,0 +1,211 @@
+"""The optimizer state in logical form: per parameter, in full (unsharded) shape, keyed so that
+it does not depend on the schedule (DP, TP, α, buckets, micro-groups). The layout is documented
+in `canzona.schedules.reshard`; here it meets the runtime's buffers.
+
+Keys: `matrix/<param>/<submatrix>/<field>` (e.g. `matrix/w/0/momentum`, `matrix/w/1/blocks/3/L`)
+and `adamw/<param>/<exp_avg|exp_avg_sq>` (flattened row-major over the full shape). Each rank
+holds some chunks of them (`LogicalTensor`): a hosted matrix's tensors whole, an AdamW
+parameter's runs that fall in its equal slices.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from canzona.runtime.optimizers import State, init_matrix_state
+from canzona.schedules.reshard import ADAMW_FIELDS, full_runs
+
+if TYPE_CHECKING:
+    from canzona.runtime.optimizer import CanzonaOptimizer
+
+Offsets = tuple[int, ...]
+
+
+@dataclass
+class LogicalTensor:
+    """One tensor of the logical state: its full `size`, and the chunks held here as
+    (offsets into the full tensor, data)."""
+
+    size: tuple[int, ...]
+    chunks: list[tuple[Offsets, Tensor]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AdamwRun:
+    """`length` elements of parameter `param`'s AdamW state: at `full` in the logical (flattened
+    full) tensor and at `local` in this rank's AdamW state buffers."""
+
+    param: int
+    full: int
+    local: int
+    length: int
+
+
+@dataclass
+class Destination:
+    """Where an import writes: the tensors to fill, and the state they become."""
+
+    tensors: dict[str, LogicalTensor]
+    matrix: dict[int, list[State]]
+    adamw: dict[str, Tensor]
+
+
+def matrix_key(name: str, path: str) -> str:
+    """The key of one tensor of a matrix's state (`path`: `<submatrix>/<field>`)."""
+    return f"matrix/{name}/{path}"
+
+
+def adamw_key(name: str, field_name: str) -> str:
+    """The key of one AdamW moment of a parameter."""
+    return f"adamw/{name}/{field_name}"
+
+
+def state_leaves(node: Any, prefix: str = "") -> dict[str, Tensor | None]:
+    """Every tensor (or None) of a nested state, by `/`-joined path (lists by index)."""
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)  # type: ignore[assignment]
+    else:
+        return {prefix: node}
+    leaves: dict[str, Tensor | None] = {}
+    for key, value in items:
+        leaves.update(state_leaves(value, f"{prefix}/{key}" if prefix else str(key)))
+    return leaves
+
+
+def set_leaf(node: Any, path: str, value: Tensor) -> None:
+    """Replace the leaf at `path` of a nested state."""
+    *parents, last = path.split("/")
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def adamw_runs(opt: CanzonaOptimizer) -> list[AdamwRun]:
+    """Every run of AdamW state this rank holds (its DP ranks' slices of its TP shards)."""
+    entries = {e.index: e for e in opt.schedule.params}
+    runs, offset = [], 0
+    for rank in opt._ranks:
+        start, stop = opt.layout.adamw_region(rank)
+        for piece in opt.layout.rank_pieces[rank]:
+            if not start <= piece.dst < stop:
+                continue
+            entry, base = entries[piece.param], offset + piece.dst - start
+            for full, local, length in full_runs(tuple(entry.shape), entry.tp_dim, opt.tp_size, opt.tp_rank, piece.src, piece.src + piece.length):
+                runs.append(AdamwRun(piece.param, full, base + local - piece.src, length))
+        offset += stop - start
+    return runs
+
+
+def _matrix_template(opt: CanzonaOptimizer, param: int) -> list[State]:
+    task = opt._tasks[param]
+    return init_matrix_state(opt.rule, task.shape, task.row_blocks)
+
+
+def _adamw_size(opt: CanzonaOptimizer, param: int) -> tuple[int, ...]:
+    return (opt.params[param].numel() * (opt.tp_size if opt._tp_dims[param] is not None else 1),)
+
+
+def export_state(opt: CanzonaOptimizer, writers_only: bool, clone: bool) -> dict[str, LogicalTensor]:
+    """The logical state this rank holds (`writers_only`: one copy of every redundant replica,
+    as a checkpoint saves it). Matrices not yet stepped export their initial state."""
+    out: dict[str, LogicalTensor] = {}
+    if opt._writes_matrix() or not writers_only:
+        for param in opt._hosted:
+            states = opt.matrix_state.get(param) or _matrix_template(opt, param)
+            for path, tensor in state_leaves(states).items():
+                if tensor is not None:
+                    data = tensor.clone() if clone else tensor
+                    out[matrix_key(opt.names[param], path)] = LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), data)])
+    for run in opt._adamw_runs:
+        if writers_only and not opt._writes_adamw(opt._tp_dims[run.param] is None):
+            continue
+        for name in ADAMW_FIELDS:
+            data = opt.adamw_state[name][run.local : run.local + run.length]
+            entry = out.setdefault(adamw_key(opt.names[run.param], name), LogicalTensor(_adamw_size(opt, run.param)))
+            entry.chunks.append(((run.full,), data.clone() if clone else data))
+    return out
+
+
+def plan_import(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]]) -> Destination:
+    """Fresh state buffers for everything this rank holds, and the logical chunks that fill
+    them; ValueError naming what `available` (key -> full size) lacks."""
+    tensors: dict[str, LogicalTensor] = {}
+    matrix: dict[int, list[State]] = {}
+    missing: list[str] = []
+    for param in opt._hosted:
+        states = matrix[param] = _matrix_template(opt, param)
+        for path, tensor in state_leaves(states).items():
+            key = matrix_key(opt.names[param], path)
+            if tensor is None and key in available:  # e.g. SOAP's eigenbases, absent before step 1
+                tensor = torch.empty(available[key])
+                set_leaf(states, path, tensor)
+            if tensor is None:
+                continue
+            if available.get(key) != tuple(tensor.shape):
+                missing.append(key if key not in available else f"{key} (shape {list(available[key])}, expected {list(tensor.shape)})")
+                continue
+            tensors[key] = LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), tensor)])
+    adamw = {name: torch.zeros_like(buffer) for name, buffer in opt.adamw_state.items()}
+    for run in opt._adamw_runs:
+        for name in ADAMW_FIELDS:
+            key = adamw_key(opt.names[run.param], name)
+            if key not in available:
+                missing.append(key)
+                continue
+            entry = tensors.setdefault(key, LogicalTensor(_adamw_size(opt, run.param)))
+            entry.chunks.append(((run.full,), adamw[name][run.local : run.local + run.length]))
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ValueError(f"the saved state lacks {', '.join(sorted(set(missing))[:3])}{more}")
+    return Destination(tensors, matrix, adamw)
+
+
+def _fill_run(key: str, offset: int, target: Tensor, sources: LogicalTensor) -> None:
+    """Copy every source chunk overlapping [offset, offset + len) into `target`; ValueError
+    unless the part the sources' tensor has is covered."""
+    covered = torch.zeros(target.numel(), dtype=torch.bool)
+    for (start,), data in sources.chunks:
+        low, high = max(offset, start), min(offset + target.numel(), start + data.numel())
+        if low < high:
+            target[low - offset : high - offset].copy_(data[low - start : high - start])
+            covered[low - offset : high - offset] = True
+    needed = max(0, min(target.numel(), sources.size[0] - offset))
+    if not bool(covered[:needed].all()):
+        raise ValueError(f"the saved state of {key} does not cover the elements this rank needs (a state_dict of another rank?)")
+
+
+def fill_from(dest: Destination, tensors: Mapping[str, LogicalTensor]) -> None:
+    """Fill `dest` from in-memory logical tensors (any chunking that covers what is needed)."""
+    for key, wanted in dest.tensors.items():
+        source = tensors[key]
+        for offsets, target in wanted.chunks:
+            if len(wanted.size) == 1:
+                _fill_run(key, offsets[0], target, source)
+                continue
+            whole = [data for start, data in source.chunks if not any(start) and tuple(data.shape) == wanted.size]
+            if not whole:
+                raise ValueError(f"the saved state of {key} is not whole (expected one [{', '.join(map(str, wanted.size))}] tensor)")
+            target.copy_(whole[0])
+
+
+def install(opt: CanzonaOptimizer, dest: Destination, step: int) -> None:
+    """Make the imported state the optimizer's own."""
+    opt.matrix_state = dest.matrix
+    opt.adamw_state = dest.adamw
+    opt.step_count = step
+
+
+def clone_states(states: list[State]) -> list[State]:
+    """An independent copy of a matrix's state (a step updates the copy, committed later)."""
+    return copy.deepcopy(states)
