@@ -13,6 +13,7 @@ the table shows medians over the timed steps after warm-up, and ratios baseline 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 import dataclasses
 import json
 import os
@@ -42,7 +43,12 @@ MODEL = {
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048, "tie_word_embeddings": False,
 }
 LAYOUTS = [(2, 1), (1, 2), (2, 2), (4, 1)]  # (dp, tp)
-STRATEGIES = {"canzona": CanzonaOptimizer, "tp-sc": TpScOptimizer, "dp-sc": DpScOptimizer}
+STRATEGIES = {
+    "canzona": CanzonaOptimizer,
+    "canzona-rooted": partial(CanzonaOptimizer, dp_collectives="rooted"),  # reduce/broadcast per slice
+    "tp-sc": TpScOptimizer,
+    "dp-sc": DpScOptimizer,
+}
 TIMEOUT = timedelta(seconds=300)
 HEADING = "## Runtime step latency (CPU)"
 
@@ -133,12 +139,16 @@ def table(rows: list[tuple[int, int, int, int, dict[str, float]]], optimizer: st
         "there count total CPU work. Absolute times move with machine load; the ratios (steps interleaved) are "
         "the stable part.",
         "",
-        "| ranks | layout | micro-groups/rank | canzona ms | TP-SC ms | DP-SC ms | DP-SC / canzona | TP-SC / canzona |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ranks | layout | micro-groups/rank | canzona ms | canzona rooted ms | TP-SC ms | DP-SC ms "
+        "| DP-SC / canzona | TP-SC / canzona | rooted / all_to_all |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for world, dp, tp, groups, medians in rows:
-        c, t, d = (medians[k] * 1e3 for k in ("canzona", "tp-sc", "dp-sc"))
-        lines.append(f"| {world} | DP {dp} x TP {tp} | {groups} | {c:.1f} | {t:.1f} | {d:.1f} | {d / c:.2f}x | {t / c:.2f}x |")
+        c, r, t, d = (medians[k] * 1e3 for k in ("canzona", "canzona-rooted", "tp-sc", "dp-sc"))
+        lines.append(
+            f"| {world} | DP {dp} x TP {tp} | {groups} | {c:.1f} | {r:.1f} | {t:.1f} | {d:.1f} | {d / c:.2f}x "
+            f"| {t / c:.2f}x | {r / c:.2f}x |"
+        )
     return "\n".join(lines)
 
 

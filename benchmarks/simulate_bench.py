@@ -65,7 +65,8 @@ def paper_table(bucket_size: int, auto: bool, rooted: bool = False) -> None:
     """Per model and layout: canzona's predicted optimizer stage and full step, and every
     baseline's ratio to it (optimizer stage / full step)."""
     label = "default 40M-element buckets" if bucket_size != WHOLE_BUFFER else "one bucket per buffer"
-    label += ", uneven collectives as rooted reduces/broadcasts (what-if)" if rooted else ""
+    label += (", canzona's uneven DP collectives as rooted reduces/broadcasts (runtime option dp_collectives=\"rooted\")"
+              if rooted else "")
     print(f"### Qwen3 at 256 GPUs, H100 model, Muon, {label}" + (", alpha auto" if auto else "") + "\n")
     print("Cells: baseline / canzona for the optimizer stage (no DP collectives) and, after the slash, "
           "for the full step (DP reduce-scatter + optimizer + all-gather).\n")

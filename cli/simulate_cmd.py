@@ -61,7 +61,7 @@ def simulation_text(sim: Simulation) -> str:
         + f", α {hw.latency * 1e6:.3g} µs per step",
         f"source: {hw.source}",
         "DP collectives: " + ("one fused exchange per buffer" if sim.fused else "one per bucket")
-        + ("; uneven ones as rooted reduces/broadcasts" if sim.rooted else ""),
+        + ("; canzona's uneven ones as rooted reduces/broadcasts" if sim.rooted else "; canzona's uneven ones as all_to_all"),
         "",
     ]
     header = ["strategy", "step ms", "compute ms", "comm ms", "exposed ms", "DP comm ms", "optimizer ms",
@@ -85,7 +85,7 @@ def simulate(
     gpus_per_node: Annotated[Optional[int], typer.Option(help="Devices per node.")] = None,
     latency_us: Annotated[Optional[float], typer.Option(help="α: microseconds per collective step.")] = None,
     fused: Annotated[bool, typer.Option("--fused", help="One DP collective per buffer (as canzona's runtime) instead of one per bucket (Megatron).")] = False,
-    rooted: Annotated[bool, typer.Option("--rooted", help="What-if: uneven DP collectives as rooted reduces/broadcasts.")] = False,
+    dp_collectives: Annotated[str, typer.Option(help="How the runtime does canzona's uneven DP collectives: all_to_all (its default) or rooted.")] = "all_to_all",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Predict one optimizer step of the schedule and of every baseline (DESIGN §1, §8)."""
@@ -101,6 +101,9 @@ def simulate(
             raise PlanError(f"--{label} must be > 0, got {value}")
     if latency_us is not None and latency_us < 0:
         raise PlanError(f"--latency-us must be >= 0, got {latency_us}")
+    if dp_collectives not in ("rooted", "all_to_all"):
+        raise PlanError(f"--dp-collectives must be rooted or all_to_all, got {dp_collectives!r}")
+    rooted = dp_collectives == "rooted"
     schedule = read_schedule(file)
     chosen = resolve_device(device, intra_gbps, inter_gbps, gpus_per_node, latency_us)
     if chosen.profile is not None and chosen.profile.device == "cpu":

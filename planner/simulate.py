@@ -520,8 +520,9 @@ def simulate(schedule: Schedule, hardware: Hardware, time_model: CostModel | Non
     throughput). `fused`: every bucket of a buffer moves in one collective (as the runtime
     does) instead of one per bucket (Megatron). `publish_bytes`: element size of the
     parameter all-gather (default: the parameters' dtype; the CPU runtime gathers fp32).
-    `rooted`: uneven collectives as one rooted reduce / broadcast per slice (a what-if: the
-    runtime uses all_to_all, whose busiest receiver takes (n − 1) · its slice)."""
+    `rooted`: canzona's uneven collectives as one rooted reduce / broadcast per slice (the
+    runtime's `dp_collectives="rooted"`); default: its `all_to_all`, whose busiest receiver
+    takes (n − 1) · its slice."""
     from canzona.planner.sim_baselines import baseline_times
 
     model = time_model or default_time_model(schedule, hardware)

@@ -64,6 +64,54 @@ def all_gather_uneven(mine: Tensor, sizes: Sequence[int], group: dist.ProcessGro
     return received
 
 
+DP_COLLECTIVES = ("all_to_all", "rooted")
+
+
+def _regions(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    return [(starts[k], starts[k] + sizes[k]) for k in range(len(sizes))]
+
+
+def reduce_scatter_rooted(send: Tensor, sizes: Sequence[int], rank: int, group: dist.ProcessGroup,
+                          timeout: timedelta | None = None) -> Tensor:
+    """Uneven reduce-scatter as one rooted reduce per non-empty region, to its owner.
+
+    With all_to_all the owner of a large region receives world − 1 copies of it over its own
+    link; a (pipelined) rooted reduce moves the region over every link about once, which is
+    what matters when matrix-atomic cuts make regions very uneven."""
+    if len(sizes) == 1:
+        return send.clone()
+    scratch = send.clone()  # reduce overwrites its input on the way
+    works = [
+        dist.reduce(scratch[start:stop], dst=dist.get_global_rank(group, owner), group=group, async_op=True)
+        for owner, (start, stop) in enumerate(_regions(sizes)) if stop > start
+    ]
+    for work in works:
+        wait(work, timeout, "the DP reduce-scatter of gradients (rooted reduces)")
+    start, stop = _regions(sizes)[rank]
+    return scratch[start:stop].div_(len(sizes))
+
+
+def all_gather_rooted(mine: Tensor, sizes: Sequence[int], group: dist.ProcessGroup,
+                      timeout: timedelta | None = None) -> Tensor:
+    """Uneven all-gather as one broadcast per non-empty region, from its owner."""
+    if len(sizes) == 1:
+        return mine
+    rank = dist.get_rank(group)
+    out = torch.empty(sum(sizes), dtype=mine.dtype)
+    regions = _regions(sizes)
+    out[regions[rank][0] : regions[rank][1]].copy_(mine)
+    works = [
+        dist.broadcast(out[start:stop], src=dist.get_global_rank(group, owner), group=group, async_op=True)
+        for owner, (start, stop) in enumerate(regions) if stop > start
+    ]
+    for work in works:
+        wait(work, timeout, "the DP all-gather of updated parameters (broadcasts)")
+    return out
+
+
 def all_reduce_mean(buffer: Tensor, group: dist.ProcessGroup, timeout: timedelta | None = None) -> Tensor:
     """In-place DP mean of `buffer` (the DP-SC baseline)."""
     world = dist.get_world_size(group)

@@ -87,6 +87,11 @@ class CanzonaOptimizer:
     `ScheduleMismatchError` on every rank if anything differs. `timeout` (seconds or a
     timedelta) bounds every collective of a step (None: the process groups' own timeout);
     `check_finite` makes a non-finite local gradient fail the step on every rank.
+    `dp_collectives`: "all_to_all" (default: one fused all_to_all each way, summed in rank
+    order, so results match the single-process reference bit for bit in order; a slice's
+    owner receives n − 1 copies) or "rooted" (one reduce to and one broadcast from each
+    slice's owner: every link carries a slice about once however uneven the cuts are; the
+    backend's summation order differs, which Shampoo/SOAP amplify beyond rtol 1e-5 at DP 4).
     Hyperparameters: see `canzona.runtime.optimizers.Hyperparameters` (matrix optimizer and
     settings default to the schedule's)."""
 
@@ -95,8 +100,11 @@ class CanzonaOptimizer:
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], schedule: Schedule | str | os.PathLike[str], *,
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
                  mesh: Any = None, timeout: float | timedelta | None = None, check_finite: bool = False,
-                 **hyperparameters: Any) -> None:
+                 dp_collectives: str = "all_to_all", **hyperparameters: Any) -> None:
         named = list(named_parameters)
+        if dp_collectives not in comm.DP_COLLECTIVES:
+            raise ValueError(f"dp_collectives must be one of {', '.join(comm.DP_COLLECTIVES)}, got {dp_collectives!r}")
+        self.rooted = dp_collectives == "rooted"
         self.timeout = as_timedelta(timeout)
         self.check_finite = check_finite
         self.dp_group, self.tp_group = resolve_groups(dp_group, tp_group, mesh)
@@ -270,10 +278,12 @@ class CanzonaOptimizer:
         comm.pack(self.layout.pieces, grads, self._send)
 
     def _reduce_grads(self) -> Tensor:
-        return comm.reduce_scatter_mean(self._send, self.layout.sizes, self.dp_rank, self.dp_group, self.timeout)
+        reduce = comm.reduce_scatter_rooted if self.rooted else comm.reduce_scatter_mean
+        return reduce(self._send, self.layout.sizes, self.dp_rank, self.dp_group, self.timeout)
 
     def _publish(self, values: Tensor) -> None:
-        gathered = comm.all_gather_uneven(values, self.layout.sizes, self.dp_group, self.timeout)
+        gather = comm.all_gather_rooted if self.rooted else comm.all_gather_uneven
+        gathered = gather(values, self.layout.sizes, self.dp_group, self.timeout)
         comm.unpack(self.layout.pieces, gathered, self._flat_params)
 
     def _local(self, buffer: Tensor, task: Task) -> Tensor:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from canzona.runtime import CanzonaOptimizer
-from canzona.runtime.comm import all_gather_uneven, reduce_scatter_mean
+from canzona.runtime.comm import all_gather_rooted, all_gather_uneven, reduce_scatter_mean, reduce_scatter_rooted
 from canzona.schedules.format import Schedule
 
 from rt_harness import DATA, make_groups, make_schedule, run_ranks
@@ -20,18 +20,21 @@ from rt_oracle import compare, full_grad, full_params, ordered, reference_run, s
 MODEL = DATA / "tiny_moe.json"
 
 
-def _collectives(rank: int, world: int, sizes: list[int]) -> tuple[list[float], list[float]]:
+def _collectives(rank: int, world: int, sizes: list[int], rooted: bool) -> tuple[list[float], list[float]]:
     send = torch.arange(sum(sizes), dtype=torch.float32) * (rank + 1)
-    mean = reduce_scatter_mean(send, sizes, rank, dist.group.WORLD)
-    gathered = all_gather_uneven(torch.full((sizes[rank],), float(rank)), sizes, dist.group.WORLD)
+    reduce, gather = (reduce_scatter_rooted, all_gather_rooted) if rooted else (reduce_scatter_mean, all_gather_uneven)
+    mean = reduce(send, sizes, rank, dist.group.WORLD)
+    gathered = gather(torch.full((sizes[rank],), float(rank)), sizes, dist.group.WORLD)
+    assert send.tolist() == (torch.arange(sum(sizes), dtype=torch.float32) * (rank + 1)).tolist()  # input kept
     return mean.tolist(), gathered.tolist()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_uneven_reduce_scatter_and_all_gather() -> None:
+@pytest.mark.parametrize("rooted", [False, True])
+def test_uneven_reduce_scatter_and_all_gather(rooted: bool) -> None:
     sizes = [3, 0, 5, 1]
-    results = run_ranks(_collectives, 4, sizes)
+    results = run_ranks(_collectives, 4, sizes, rooted)
     factor = sum(r + 1 for r in range(4)) / 4
     start = 0
     for rank, (mean, gathered) in enumerate(results):

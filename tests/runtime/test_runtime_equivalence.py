@@ -72,3 +72,15 @@ def test_bf16_parameters_round_like_the_reference() -> None:
 def test_alpha_changes_the_cuts() -> None:
     low, high = _schedules(1, 2, "muon")
     assert [b.cuts for b in low.dp.buckets] != [b.cuts for b in high.dp.buckets]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optimizer", ["muon", "soap"])
+@pytest.mark.parametrize("layout", ["tp2xdp2", "dp2"])
+def test_rooted_dp_collectives_match_reference(layout: str, optimizer: str) -> None:
+    schedules = _schedules(*LAYOUTS[layout], optimizer)
+    tp, dp = LAYOUTS[layout]
+    results = run_ranks(train_worker, tp * dp, schedules, STEPS, "canzona", {**HP, "dp_collectives": "rooted"})
+    for index, schedule in enumerate(schedules):
+        compare(schedule, [rank[index] for rank in results], reference_run(schedule, STEPS, HP))
