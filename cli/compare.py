@@ -21,10 +21,11 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class Metric:
-    """A headline figure: how to read it from a schedule, and which direction is worse."""
+    """A headline figure: how to read it from a schedule (None: the file lacks it), and which
+    direction is worse."""
 
     name: str
-    read: Callable[[Schedule], float]
+    read: Callable[[Schedule], float | None]
     higher_is_worse: bool
     threshold: str | None  # which --max-*-increase option bounds it, if any
     relative: bool  # thresholds on relative (True) or absolute (False) increase
@@ -32,6 +33,12 @@ class Metric:
 
 def _max_device(schedule: Schedule, field: str) -> float:
     return max(getattr(device, field) for device in schedule.metrics.device)
+
+
+def _predicted_step(schedule: Schedule) -> float | None:
+    """The simulator's predicted step (s) at the chosen α, for schedules planned with α auto."""
+    trials = schedule.metrics.alpha_search or []
+    return next((t.predicted_step_s for t in trials if t.alpha == schedule.request.alpha), None)
 
 
 METRICS: tuple[Metric, ...] = (
@@ -45,6 +52,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("max state GiB/device", lambda s: _max_device(s, "state_bytes") / GIB, True, "memory", True),
     Metric("max sent GiB/device", lambda s: _max_device(s, "bytes_sent") / GIB, True, None, True),
     Metric("max received GiB/device", lambda s: _max_device(s, "bytes_received") / GIB, True, None, True),
+    Metric("predicted step s", _predicted_step, True, None, True),
 )
 
 
@@ -64,6 +72,8 @@ def compare(old: Schedule, new: Schedule, limits: dict[str, float]) -> list[Row]
     rows = []
     for metric in METRICS:
         before, after = metric.read(old), metric.read(new)
+        if before is None or after is None:
+            continue  # e.g. a predicted step time only one of the files has
         delta = after - before
         worse = delta > 0 if metric.higher_is_worse else delta < 0
         change = abs(delta) / abs(before) if metric.relative and before else abs(delta)

@@ -143,3 +143,20 @@ def test_library_is_fresh_and_shipped() -> None:
     assert (root / "qwen3-32b" / "muon-tp8-dp32.yaml").is_file()
     schedule = read_schedule(root / "qwen3-32b" / "muon-tp8-dp32.yaml")
     assert (schedule.request.tp, schedule.request.dp) == (8, 32)
+
+
+def test_diff_shows_predicted_step_when_both_files_have_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = []
+    for alpha in ("auto", "1"):
+        path = tmp_path / f"{alpha}.yaml"
+        assert main(["plan", "--model", "qwen3-0.6b", "--dp", "4", "--alpha", alpha, "--device", "h100", "-o", str(path)]) == 0
+        paths.append(path)
+    capsys.readouterr()
+    code, out, _ = run(["diff", str(paths[0]), str(paths[0]), "--json"], capsys)
+    rows = {row["name"]: row for row in json.loads(out)}
+    chosen = read_schedule(paths[0])
+    expected = next(t.predicted_step_s for t in chosen.metrics.alpha_search if t.alpha == chosen.request.alpha)
+    assert code == 0 and rows["predicted step s"]["old"] == expected
+    code, out, _ = run(["diff", str(paths[0]), str(paths[1]), "--json", "--max-imbalance-increase", "1",
+                        "--max-gap-increase", "1", "--max-memory-increase", "1"], capsys)
+    assert code == 0 and "predicted step s" not in {row["name"] for row in json.loads(out)}
