@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from .spec import ADAMW, MATRIX, OPTIMIZER_CLASSES, QKV_SPLITS, ModelOptions, ParamSpec, PlanError
+from .spec import (
+    ADAMW,
+    MATRIX,
+    OPTIMIZER_CLASSES,
+    QKV_SPLITS,
+    ModelOptions,
+    ParamSpec,
+    PlanError,
+    fused_row_blocks,
+)
 
 VOCAB_DIVISOR = 128
 """Megatron's default `--make-vocab-size-divisible-by`; the vocab is padded to this times TP."""
@@ -278,12 +287,7 @@ def _qkv_row_blocks(arch: Architecture, split: str) -> RowBlocks:
 
 def _fc1_row_blocks(ffn: int, tp: int, split: bool) -> RowBlocks:
     """Each TP shard of fc1 holds [gate shard; up shard]: gathered rows interleave them."""
-    shard = ffn // tp
-    gate = tuple((2 * i * shard, (2 * i + 1) * shard) for i in range(tp))
-    up = tuple(((2 * i + 1) * shard, (2 * i + 2) * shard) for i in range(tp))
-    if split:
-        return (gate, up)
-    return () if tp == 1 else (gate + up,)
+    return fused_row_blocks(2 * ffn, 2, tp, split)
 
 
 def _attention(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:

@@ -73,7 +73,7 @@ def _load_file(source: str, tp: int, options: ModelOptions) -> ModelSpec:
         name = default_name
         params = enumerate_params(name, architecture_from_hf(data), tp, options)
     else:
-        name, params = params_from_data(data, default_name)
+        name, params = params_from_data(data, default_name, tp)
     return ModelSpec(name=name, params=params, source=source, source_sha256=sha256)
 
 

@@ -2,7 +2,9 @@
 
 A file is YAML or JSON holding either a mapping `{name: <model name>, params: [...]}` or a bare
 list of entries. Each entry is `{name, shape, tp_dim}` plus optional `optimizer` ("matrix" or
-"adamw"), `submatrices` (consecutive row blocks updated separately), `expert` ([index, count])
+"adamw"), `submatrices` (consecutive row blocks updated separately), `fused: N` (each TP shard
+holds N equal row parts, e.g. 2 for fc1's [gate; up]; `split_fused: true` updates the parts
+separately), `expert` ([index, count])
 and `dtype`. Entries are listed in registration order (the order of `named_parameters()`).
 """
 
@@ -15,10 +17,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic import model_validator
 
-from .spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError
+from .spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError, fused_row_blocks
 
 _ADAMW_NAME_HINTS = ("embed", "output_layer", "lm_head", "norm")
 
@@ -34,6 +36,8 @@ class _Entry(BaseModel):
     optimizer: Literal["matrix", "adamw"] | None = None
     submatrices: list[tuple[StrictInt, StrictInt]] | None = None
     expert: tuple[StrictInt, StrictInt] | None = None
+    fused: StrictInt | None = None
+    split_fused: StrictBool = False
     dtype: StrictStr = "bf16"
 
     @model_validator(mode="after")
@@ -50,9 +54,19 @@ class _Entry(BaseModel):
             raise ValueError(f"the matrix optimizer needs a 2-D shape, got {self.shape}")
         if self.submatrices is not None:
             self._check_submatrices()
+        if self.fused is not None or self.split_fused:
+            self._check_fused()
         if self.expert is not None and not 0 <= self.expert[0] < self.expert[1]:
             raise ValueError(f"expert [index, count] {list(self.expert)} needs 0 <= index < count")
         return self
+
+    def _check_fused(self) -> None:
+        if self.fused is None or self.fused < 2:
+            raise ValueError("fused (the number of equal row parts each TP shard holds) must be >= 2")
+        if self.resolved_optimizer != MATRIX or self.tp_dim not in (0, None) or self.submatrices is not None:
+            raise ValueError("fused needs a matrix-optimizer parameter split on dim 0 (or replicated), without submatrices")
+        if self.shape[0] % self.fused:
+            raise ValueError(f"fused {self.fused} does not divide the {self.shape[0]} rows")
 
     def _check_submatrices(self) -> None:
         if self.resolved_optimizer != MATRIX:
@@ -77,15 +91,22 @@ class _Entry(BaseModel):
             return ADAMW
         return MATRIX
 
-    def to_spec(self) -> ParamSpec:
-        """The `ParamSpec` this entry describes."""
+    def to_spec(self, tp: int = 1) -> ParamSpec:
+        """The `ParamSpec` this entry describes at TP size `tp` (fused row blocks depend on it)."""
         shape = tuple(self.shape)
         optimizer = self.resolved_optimizer
         submatrices: tuple[tuple[int, int], ...] = ()
         row_blocks: list[tuple[tuple[int, int], ...]] = []
         if optimizer == MATRIX:
             submatrices = tuple(self.submatrices or [shape])  # type: ignore[list-item]
-        if len(submatrices) > 1:
+        if self.fused is not None:
+            shards = tp if self.tp_dim == 0 else 1
+            if shape[0] % (self.fused * shards):
+                raise ValueError(f"tp {tp} x fused {self.fused} does not divide the {shape[0]} rows")
+            row_blocks = list(fused_row_blocks(shape[0], self.fused, shards, self.split_fused))
+            part = (shape[0] // self.fused, shape[1])
+            submatrices = (part,) * self.fused if self.split_fused else (shape,)  # type: ignore[assignment]
+        elif len(submatrices) > 1:
             start = 0
             for rows, _ in submatrices:
                 row_blocks.append(((start, start + rows),))
@@ -141,8 +162,8 @@ def _yaml_message(err: yaml.YAMLError) -> str:
     return f"{problem}{where}"
 
 
-def params_from_data(data: Any, default_name: str) -> tuple[str, tuple[ParamSpec, ...]]:
-    """The model name and parameters of a parsed parameter-list file.
+def params_from_data(data: Any, default_name: str, tp: int = 1) -> tuple[str, tuple[ParamSpec, ...]]:
+    """The model name and parameters of a parsed parameter-list file, at TP size `tp`.
 
     `default_name` names a bare list. Raises PlanError naming the entry index and field of
     the first bad entry.
@@ -162,15 +183,17 @@ def params_from_data(data: Any, default_name: str) -> tuple[str, tuple[ParamSpec
         )
     if not entries:
         raise PlanError(f"parameter file for {name!r} lists no parameters")
-    return name, tuple(_parse_entry(index, raw) for index, raw in enumerate(entries))
+    return name, tuple(_parse_entry(index, raw, tp) for index, raw in enumerate(entries))
 
 
-def _parse_entry(index: int, raw: Any) -> ParamSpec:
+def _parse_entry(index: int, raw: Any, tp: int) -> ParamSpec:
+    label = f" ({raw['name']!r})" if isinstance(raw, dict) and "name" in raw else ""
     try:
-        return _Entry.model_validate(raw).to_spec()
+        return _Entry.model_validate(raw).to_spec(tp)
     except ValidationError as err:
-        label = f" ({raw['name']!r})" if isinstance(raw, dict) and "name" in raw else ""
         raise PlanError(f"parameter entry {index}{label}: {_first_error(err)}") from None
+    except ValueError as err:  # to_spec's checks that depend on tp
+        raise PlanError(f"parameter entry {index}{label}: {err}") from None
 
 
 def _first_error(err: ValidationError) -> str:

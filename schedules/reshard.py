@@ -26,8 +26,8 @@ preconditioned). One exception: an AdamW parameter whose full shape differs only
 dimension (Megatron pads the vocab to a multiple of 128·TP) is compatible; its common rows are
 copied and the rows only the new layout has start at zero. A matrix without row blocks is
 stored in gathered order (TP shards concatenated), the canonical order for every catalog model
-(its fused fc1 carries row blocks whenever TP > 1); a parameter list cannot record the fusion,
-so `reshard_report` notes fc1 matrices without row blocks when TP changes.
+(its fused fc1 carries row blocks whenever TP > 1); a parameter list records the fusion only
+with `fused: N`, so `reshard_report` notes fc1 matrices without row blocks when TP changes.
 
 **Ranks.** Global rank = dp_rank · tp + tp_rank. A matrix's state lives on its host (owner DP
 rank, host TP rank); an AdamW element on the DP rank whose equal slice holds it, on the TP rank
@@ -226,8 +226,8 @@ def padding_notes(old: StateLayout, new: StateLayout) -> list[str]:
 
 
 def fusion_notes(old: Schedule, new: Schedule) -> list[str]:
-    """When TP changes: fused fc1 matrices planned without row blocks (parameter lists cannot
-    say how rows are fused) keep their state in gathered order, which then changes."""
+    """When TP changes: fc1 matrices planned without row blocks (a parameter list without
+    `fused: 2`) keep their state in gathered order, which then changes if they are fused."""
     if old.request.tp == new.request.tp:
         return []
     names = sorted({
@@ -238,7 +238,7 @@ def fusion_notes(old: Schedule, new: Schedule) -> list[str]:
         return []
     return [f"{_listed(names)}: no row blocks at TP > 1, so the state is kept in gathered order (TP shards "
             "concatenated); if each shard is fused [gate; up] (Megatron's fc1), that order changes with TP: "
-            "plan from a model config that records the fusion (row blocks)"]
+            "declare it with `fused: 2` in the parameter list (or plan from a model config)"]
 
 
 def full_runs(shape: Shape, tp_dim: int | None, tp: int, tp_rank: int, start: int, stop: int) -> list[tuple[int, int, int]]:

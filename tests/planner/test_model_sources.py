@@ -388,3 +388,32 @@ def test_hf_config_file_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(PlanError) as err:
         load_model(path, tp=1)
     assert_one_line_error(err, "BertModel", "supported:")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+@pytest.mark.parametrize("split", [False, True])
+def test_fused_param_file_rows_match_the_catalog_fc1(tmp_path: Path, tp: int, split: bool) -> None:
+    """`fused: 2` in a parameter list lays out fc1 exactly as the catalog does for Qwen3."""
+    from canzona.planner.catalog import PRESETS, enumerate_params
+
+    entry = {"name": "mlp.linear_fc1.weight", "shape": [2 * 25600, 5120], "tp_dim": 0, "fused": 2, "split_fused": split}
+    (param,) = load_model(write(tmp_path / "m.yaml", [entry]), tp=tp).params
+    catalog = {p.name: p for p in enumerate_params("qwen3-32b", PRESETS["qwen3-32b"], tp, ModelOptions(split_fc1=split))}
+    fc1 = catalog["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert (param.row_blocks, param.submatrices) == (fc1.row_blocks, fc1.submatrices)
+
+
+@pytest.mark.parametrize(
+    ("entry", "tp", "message"),
+    [
+        ({"name": "w", "shape": [8, 4], "tp_dim": 0, "fused": 1}, 1, "must be >= 2"),
+        ({"name": "w", "shape": [9, 4], "tp_dim": 0, "fused": 2}, 1, "does not divide the 9 rows"),
+        ({"name": "w", "shape": [8, 4], "tp_dim": 1, "fused": 2}, 1, "split on dim 0"),
+        ({"name": "w", "shape": [12, 4], "tp_dim": 0, "fused": 2}, 4, "tp 4 x fused 2 does not divide the 12 rows"),
+        ({"name": "w", "shape": [8, 4], "tp_dim": 0, "split_fused": True}, 1, "must be >= 2"),
+    ],
+)
+def test_bad_fused_entries(tmp_path: Path, entry: dict, tp: int, message: str) -> None:
+    with pytest.raises(PlanError, match=message) as error:
+        load_model(write(tmp_path / "m.yaml", [entry]), tp=tp)
+    assert "\n" not in str(error.value) and "parameter entry 0 ('w')" in str(error.value)
