@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_step import MODEL, TIMEOUT, _groups, _make_optimizer, make_schedule  # noqa: E402
+from runtime_step import MODEL, TIMEOUT, _make_optimizer, make_schedule  # noqa: E402
 
-from canzona.runtime import CanzonaOptimizer, load_checkpoint, save_checkpoint  # noqa: E402
+from canzona.runtime import CanzonaOptimizer, load_checkpoint, make_groups, save_checkpoint  # noqa: E402
 from canzona.schedules.format import Schedule  # noqa: E402
 
 HEADING = "## Checkpoint save and load (CPU)"
@@ -51,12 +51,12 @@ def _rank_main(rank: int, world: int, init_file: str, schedules: tuple[Schedule,
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
     first, second = schedules
-    optimizer = _make_optimizer(CanzonaOptimizer, first, _groups(first.request.dp, first.request.tp), rank)
+    optimizer = _make_optimizer(CanzonaOptimizer, first, make_groups(first.request.dp, first.request.tp, TIMEOUT), rank)
     for _ in range(2):
         optimizer.step()
     save = [_timed(lambda: save_checkpoint(optimizer, folder)) for _ in range(REPEATS)]
     same = [_timed(lambda: load_checkpoint(optimizer, folder)) for _ in range(REPEATS)]
-    other = _make_optimizer(CanzonaOptimizer, second, _groups(second.request.dp, second.request.tp), rank)
+    other = _make_optimizer(CanzonaOptimizer, second, make_groups(second.request.dp, second.request.tp, TIMEOUT), rank)
     moved = [_timed(lambda: load_checkpoint(other, folder)) for _ in range(REPEATS)]
     if rank == 0:
         size = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())

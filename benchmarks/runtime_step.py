@@ -34,7 +34,7 @@ from canzona.planner.compile import compile_schedule
 from canzona.planner.costs import OptimizerConfig
 from canzona.planner.models import load_model
 from canzona.planner.plan import PlanRequest, make_plan
-from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer
+from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, make_groups
 from canzona.schedules.format import Schedule
 
 # A small Qwen3-style decoder: large enough that optimizer compute dominates on one core.
@@ -60,16 +60,6 @@ def make_schedule(config_path: str, dp: int, tp: int, optimizer: str, group_mb: 
     request = PlanRequest(config_path, tp, dp, OptimizerConfig(optimizer), bucket_size=1 << 20, group_bytes=int(group_mb * (1 << 20)))
     return compile_schedule(make_plan(spec, request))
 
-
-def _groups(dp: int, tp: int) -> tuple[Any, Any]:
-    rank, dp_group, tp_group = dist.get_rank(), None, None
-    for t in range(tp):
-        group = dist.new_group([d * tp + t for d in range(dp)], timeout=TIMEOUT)
-        dp_group = group if rank % tp == t else dp_group
-    for d in range(dp):
-        group = dist.new_group([d * tp + t for t in range(tp)], timeout=TIMEOUT)
-        tp_group = group if rank // tp == d else tp_group
-    return dp_group, tp_group
 
 
 def _timed_step(optimizer: Any) -> float:
@@ -100,7 +90,7 @@ def _make_optimizer(strategy: Any, schedule: Schedule, groups: tuple[Any, Any], 
 def _rank_main(rank: int, world: int, init_file: str, schedule: Schedule, warmup: int, steps: int, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
-    groups = _groups(schedule.request.dp, schedule.request.tp)
+    groups = make_groups(schedule.request.dp, schedule.request.tp, TIMEOUT)
     optimizers = {name: _make_optimizer(strategy, schedule, groups, rank) for name, strategy in STRATEGIES.items()}
     times: dict[str, list[float]] = {name: [] for name in optimizers}
     for index in range(warmup + steps):

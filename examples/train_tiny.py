@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_qwen3 import TinyConfig, TinyQwen3, init_full_state, shard_state, synthetic_batch  # noqa: E402
 
-from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, load_schedule  # noqa: E402
+from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, load_schedule, make_groups  # noqa: E402
 from canzona.runtime.schedule import DTYPES  # noqa: E402
 
 STRATEGIES = {"canzona": CanzonaOptimizer, "dp-sc": DpScOptimizer, "tp-sc": TpScOptimizer}
@@ -47,18 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_groups(dp: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's DP and TP groups (every rank creates every group, in the same order)."""
-    rank, dp_group, tp_group = dist.get_rank(), None, None
-    for t in range(tp):
-        group = dist.new_group([d * tp + t for d in range(dp)], timeout=TIMEOUT)
-        dp_group = group if rank % tp == t else dp_group
-    for d in range(dp):
-        group = dist.new_group([d * tp + t for t in range(tp)], timeout=TIMEOUT)
-        tp_group = group if rank // tp == d else tp_group
-    assert dp_group is not None and tp_group is not None
-    return dp_group, tp_group
-
 
 def main(argv: list[str] | None = None) -> None:
     """Train and report."""
@@ -67,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=TIMEOUT)
     if dist.get_world_size() != args.dp * args.tp:
         raise SystemExit(f"world size {dist.get_world_size()} is not dp {args.dp} x tp {args.tp}")
-    dp_group, tp_group = make_groups(args.dp, args.tp)
+    dp_group, tp_group = make_groups(args.dp, args.tp, TIMEOUT)
     dp_rank, tp_rank = divmod(dist.get_rank(), args.tp)
     cfg = TinyConfig.from_hf(json.loads(Path(args.config).read_text()))
     dtype = DTYPES[load_schedule(args.schedule).params[0].dtype]

@@ -47,6 +47,24 @@ STATE_FORMAT = "canzona-logical/1"
 StepHook = Callable[["CanzonaOptimizer"], None]
 
 
+def make_groups(dp: int, tp: int, timeout: timedelta | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's DP and TP groups under canzona's layout, global rank = dp_rank · tp +
+    tp_rank. Every rank must call it (new_group needs every rank to create every group, in
+    the same order); `timeout` bounds each group's collectives (None: the default)."""
+    if dp * tp != dist.get_world_size():
+        raise ValueError(f"dp {dp} x tp {tp} does not match the world size {dist.get_world_size()}")
+    rank, options = dist.get_rank(), ({"timeout": timeout} if timeout is not None else {})
+    dp_group = tp_group = None
+    for t in range(tp):
+        group = dist.new_group([d * tp + t for d in range(dp)], **options)
+        dp_group = group if rank % tp == t else dp_group
+    for d in range(dp):
+        group = dist.new_group([d * tp + t for t in range(tp)], **options)
+        tp_group = group if rank // tp == d else tp_group
+    assert dp_group is not None and tp_group is not None
+    return dp_group, tp_group
+
+
 def resolve_groups(dp_group: Any, tp_group: Any, mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """The DP and TP process groups, from explicit groups or a 2-D DeviceMesh (axes dp, tp)."""
     if mesh is not None:

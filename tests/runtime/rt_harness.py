@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from canzona.runtime import make_groups as runtime_make_groups
 from canzona.schedules.format import Schedule
 
 DATA = Path(__file__).parent / "data"
@@ -27,20 +28,9 @@ GROUP_TIMEOUT = timedelta(seconds=30)
 
 
 def make_groups(dp: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's DP and TP groups for global rank = dp_rank · tp + tp_rank (every rank
-    creates every group, in the same order, as new_group requires)."""
-    rank = dist.get_rank()
-    dp_group = tp_group = None
-    for t in range(tp):
-        group = dist.new_group([d * tp + t for d in range(dp)], timeout=GROUP_TIMEOUT)
-        if rank % tp == t:
-            dp_group = group
-    for d in range(dp):
-        group = dist.new_group([d * tp + t for t in range(tp)], timeout=GROUP_TIMEOUT)
-        if rank // tp == d:
-            tp_group = group
-    assert dp_group is not None and tp_group is not None
-    return dp_group, tp_group
+    """This rank's DP and TP groups (global rank = dp_rank · tp + tp_rank), with the tests'
+    timeout so a broken collective fails instead of hanging."""
+    return runtime_make_groups(dp, tp, GROUP_TIMEOUT)
 
 
 def _to_bytes(value: Any) -> bytes:

@@ -122,3 +122,22 @@ def test_single_rank_and_changing_the_learning_rate() -> None:
     schedule = make_schedule(MODEL, 1, 1, optimizer="shampoo", block_size=16)
     (result,) = run_ranks(_single_rank_worker, 1, schedule)
     compare(schedule, [result], reference_run(schedule, 4, {"lr": 0.05}))
+
+
+def _groups_worker(rank: int, world: int) -> tuple[list[int], list[int]]:
+    from canzona.runtime import make_groups
+
+    with pytest.raises(ValueError, match="dp 3 x tp 1 does not match the world size 4"):
+        make_groups(3, 1)
+    dp_group, tp_group = make_groups(2, 2)
+    return dist.get_process_group_ranks(dp_group), dist.get_process_group_ranks(tp_group)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_make_groups_follows_the_rank_layout() -> None:
+    results = run_ranks(_groups_worker, 4)
+    for rank, (dp_ranks, tp_ranks) in enumerate(results):
+        dp_rank, tp_rank = divmod(rank, 2)
+        assert dp_ranks == [d * 2 + tp_rank for d in range(2)]
+        assert tp_ranks == [dp_rank * 2 + t for t in range(2)]
