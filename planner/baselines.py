@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from canzona.planner.layout import BufferLayout, equal_cuts
+from canzona.planner.layout import BufferLayout, equal_cuts, slice_owner
 
 
 @dataclass(frozen=True)
@@ -21,19 +21,13 @@ class BaselineLoads:
     padding_overhead: float | None
 
 
-def _equal_slice_owner(offset: int, cuts: tuple[int, ...]) -> int:
-    """Rank whose equal slice holds `offset`."""
-    slice_numel = cuts[1] - cuts[0]
-    return min(offset // slice_numel, len(cuts) - 2) if slice_numel else 0
-
-
 def start_owner(layout: BufferLayout, costs: dict[int, float], dp: int) -> BaselineLoads:
     """Equal slices; a rank owns every matrix that starts in its slice (atomic, unbalanced)."""
     loads = [0.0] * dp
     for bucket in layout.buckets:
         cuts = equal_cuts(bucket.numel, dp)
         for entry in bucket.entries:
-            loads[_equal_slice_owner(entry.offset, cuts)] += costs[entry.param]
+            loads[slice_owner(cuts, entry.offset)] += costs[entry.param]
     return BaselineLoads("start-owner", tuple(loads), 1.0)
 
 
@@ -43,8 +37,8 @@ def zero1_gather(layout: BufferLayout, costs: dict[int, float], dp: int) -> Base
     for bucket in layout.buckets:
         cuts = equal_cuts(bucket.numel, dp)
         for entry in bucket.entries:
-            first = _equal_slice_owner(entry.offset, cuts)
-            last = _equal_slice_owner(entry.offset + max(entry.numel, 1) - 1, cuts)
+            first = slice_owner(cuts, entry.offset)
+            last = slice_owner(cuts, entry.offset + max(entry.numel, 1) - 1)
             for rank in range(first, last + 1):
                 loads[rank] += costs[entry.param]
     return BaselineLoads("zero1-gather", tuple(loads), 1.0)

@@ -6,7 +6,7 @@ from importlib import metadata
 
 from canzona.planner.baselines import BaselineLoads
 from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
-from canzona.planner.layout import equal_cuts
+from canzona.planner.layout import equal_cuts, slice_sizes
 from canzona.planner.devices import device_figures, tp_score
 from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, BufferPlan, Plan, PlanRequest
 from canzona.planner.costs import OptimizerConfig
@@ -47,10 +47,6 @@ def canzona_version() -> str:
 
 def _ratio(numerator: float, denominator: float, empty: float) -> float:
     return numerator / denominator if denominator else empty
-
-
-def _slices(cuts: tuple[int, ...]) -> list[int]:
-    return [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
 
 
 def _request(plan: Plan) -> Request:
@@ -139,7 +135,7 @@ def _score(loads: tuple[float, ...] | list[float], total: float, bound: float, p
 def _buckets(buffer: BufferPlan) -> list[BucketEntry]:
     buckets = []
     for bucket, cuts in zip(buffer.layout.buckets, buffer.cuts):
-        slices = _slices(cuts)
+        slices = slice_sizes(cuts)
         buckets.append(
             BucketEntry(
                 index=bucket.index,
@@ -161,14 +157,14 @@ def _dp_metrics(plan: Plan, dense: list[BucketEntry], expert: list[BucketEntry])
     adamw_load = [0.0] * dp
     for bucket in plan.adamw_layout.buckets:
         # Every TP rank updates its own slice of its own AdamW buffer: the group does tp of them.
-        for rank, elements in enumerate(_slices(equal_cuts(bucket.numel, dp))):
+        for rank, elements in enumerate(slice_sizes(equal_cuts(bucket.numel, dp))):
             adamw_load[rank] += tp * adamw_cost(elements)
             state[rank] += tp * ADAMW_STATE_BYTES_PER_ELEMENT * elements
     loads = list(plan.loads)
     total = sum(loads)
     buffers = [b for b in (plan.dense, plan.expert) if b is not None]
     padded = sum(bucket.numel for b in buffers for bucket in b.layout.buckets)
-    worst = sum(b.num_ranks * max(_slices(cuts)) for b in buffers for cuts in b.cuts)
+    worst = sum(b.num_ranks * max(slice_sizes(cuts)) for b in buffers for cuts in b.cuts)
     canzona = _score(loads, total, plan.lower_bound, _ratio(worst, padded, 1.0))
     slice_bytes = [
         sum(b.slice_bytes[r] for b in dense) + sum(b.slice_bytes[r // ep] for b in expert) for r in range(dp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
-from canzona.planner.layout import BufferLayout, equal_cuts
+from canzona.planner.layout import BufferLayout, equal_cuts, slice_sizes
 from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, Plan
 from canzona.planner.spec import DTYPE_BYTES
 from canzona.planner.tp import MicroGroup, group_stats
@@ -42,10 +42,6 @@ class TpScore:
     max_saturation: float
 
 
-def _slices(cuts: tuple[int, ...]) -> list[int]:
-    return [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
-
-
 def _dp_traffic(
     plan: Plan, layout: BufferLayout, cuts_of: list[tuple[int, ...]], group: int
 ) -> list[tuple[int, int]]:
@@ -55,7 +51,7 @@ def _dp_traffic(
     traffic = [(0, 0)] * dp
     for bucket, cuts in zip(layout.buckets, cuts_of):
         param_bytes = DTYPE_BYTES[plan.model.params[bucket.entries[0].param].dtype]
-        slices = _slices(cuts)
+        slices = slice_sizes(cuts)
         for rank, own in enumerate(slices):
             others, copies = bucket.numel - own, (dp - 1) * own
             sent = GRAD_BYTES_PER_ELEMENT * others + param_bytes * copies
@@ -89,7 +85,7 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
     req = plan.request
     index_of = {param.name: index for index, param in enumerate(plan.model.params)}
     adamw_cuts = [equal_cuts(bucket.numel, req.dp) for bucket in plan.adamw_layout.buckets]
-    adamw_elements = [sum(_slices(cuts)[r] for cuts in adamw_cuts) for r in range(req.dp)]
+    adamw_elements = [sum(slice_sizes(cuts)[r] for cuts in adamw_cuts) for r in range(req.dp)]
     adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
     matrix_traffic = _dp_traffic(plan, plan.dense.layout, list(plan.dense.cuts), req.dp)
     if plan.expert is not None:

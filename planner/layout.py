@@ -8,6 +8,7 @@ Sizes are local: a TP-sharded parameter occupies its shard's element count.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import lcm
@@ -104,3 +105,13 @@ def build_layouts(model: ModelSpec, tp: int, dp: int, bucket_size: int) -> dict[
 def equal_cuts(bucket_numel: int, dp: int) -> tuple[int, ...]:
     """Stock ZeRO-1 cuts: D equal contiguous slices (bucket size is a multiple of D)."""
     return tuple(rank * bucket_numel // dp for rank in range(dp + 1))
+
+
+def slice_sizes(cuts: tuple[int, ...] | list[int]) -> list[int]:
+    """Elements of each rank's slice, from D + 1 cuts."""
+    return [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
+
+
+def slice_owner(cuts: tuple[int, ...] | list[int], offset: int) -> int:
+    """Rank whose slice [cuts[r], cuts[r + 1]) holds `offset` (the last rank for the end)."""
+    return min(max(bisect.bisect_right(cuts, offset) - 1, 0), len(cuts) - 2)

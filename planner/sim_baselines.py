@@ -20,9 +20,9 @@ A point-to-point round costs one α: every pair talks at once and only neighbour
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
 
+from canzona.planner.layout import equal_cuts, slice_owner
 from canzona.planner.simulate import (
     GRAD_BYTES,
     Buffer,
@@ -49,14 +49,6 @@ def _work(matrices: Sequence[Matrix]) -> Work:
     return sum(m.seconds for m in matrices), sum(m.shard_bytes for m in matrices if not m.replicated)
 
 
-def _equal_cuts(numel: int, n: int) -> tuple[int, ...]:
-    return tuple(rank * numel // n for rank in range(n + 1))
-
-
-def _slice_of(cuts: tuple[int, ...], offset: int) -> int:
-    return min(max(bisect_right(cuts, offset) - 1, 0), len(cuts) - 2)
-
-
 def by_schedule(buffer: Buffer, n: int) -> list[list[Matrix]]:
     """Owners as the schedule says."""
     ranks: list[list[Matrix]] = [[] for _ in range(n)]
@@ -70,9 +62,9 @@ def by_touch(buffer: Buffer, n: int) -> list[list[Matrix]]:
     """Every matrix touching a rank's equal slice (zero1-gather)."""
     ranks: list[list[Matrix]] = [[] for _ in range(n)]
     for numel, bucket in zip(buffer.numel, buffer.entries):
-        cuts = _equal_cuts(numel, n)
+        cuts = equal_cuts(numel, n)
         for m in bucket:
-            for rank in range(_slice_of(cuts, m.offset), _slice_of(cuts, m.offset + max(m.numel, 1) - 1) + 1):
+            for rank in range(slice_owner(cuts, m.offset), slice_owner(cuts, m.offset + max(m.numel, 1) - 1) + 1):
                 ranks[rank].append(m)
     return ranks
 
@@ -81,9 +73,9 @@ def by_start(buffer: Buffer, n: int) -> list[list[Matrix]]:
     """Every matrix to the rank whose equal slice holds its start (start-owner)."""
     ranks: list[list[Matrix]] = [[] for _ in range(n)]
     for numel, bucket in zip(buffer.numel, buffer.entries):
-        cuts = _equal_cuts(numel, n)
+        cuts = equal_cuts(numel, n)
         for m in bucket:
-            ranks[_slice_of(cuts, m.offset)].append(m)
+            ranks[slice_owner(cuts, m.offset)].append(m)
     return ranks
 
 
@@ -104,10 +96,10 @@ def spill(buffer: Buffer, n: int, everyone: bool, back: bool = False, elem_bytes
     `back` returns the updated spilled parts from the start rank to the slice holders."""
     out = []
     for numel, bucket in zip(buffer.numel, buffer.entries):
-        cuts = _equal_cuts(numel, n)
+        cuts = equal_cuts(numel, n)
         sent, received = [0.0] * n, [0.0] * n
         for m in bucket:
-            first, last = _slice_of(cuts, m.offset), _slice_of(cuts, m.offset + max(m.numel, 1) - 1)
+            first, last = slice_owner(cuts, m.offset), slice_owner(cuts, m.offset + max(m.numel, 1) - 1)
             for rank in range(first, last + 1):
                 part = (min(m.offset + m.numel, cuts[rank + 1]) - max(m.offset, cuts[rank])) * elem_bytes
                 if everyone:
@@ -150,7 +142,7 @@ def _buffers(inst: Instance) -> list[Buffer]:
 def _equal_sync(inst: Instance, gather: bool) -> list[Exchange]:
     out = []
     for buffer in _buffers(inst):
-        cuts = [_equal_cuts(numel, buffer.link.size) for numel in buffer.numel]
+        cuts = [equal_cuts(numel, buffer.link.size) for numel in buffer.numel]
         out += dp_sync(inst, cuts, buffer, gather)
     return out + adamw_sync(inst, gather)
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from canzona.planner.costs import CostModel, OptimizerConfig
 from canzona.planner.hardware import Hardware, ThroughputCost
+from canzona.planner.layout import slice_sizes
 from canzona.planner.spec import DTYPE_BYTES
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule
 
@@ -453,7 +454,7 @@ def dp_sync(inst: Instance, cuts_of: Sequence[tuple[int, ...]], buffer: Buffer, 
     """Reduce-scatter (gather=False) or all-gather of one matrix buffer at the given cuts."""
     exchanges = []
     for bucket, cuts in enumerate(cuts_of):
-        slices = [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
+        slices = slice_sizes(cuts)
         elem_bytes = inst.gather_bytes(buffer.param_bytes[bucket]) if gather else GRAD_BYTES
         if inst.rooted and len(set(slices)) > 1:
             exchanges.append(rooted(buffer.link, slices, elem_bytes))
@@ -468,7 +469,7 @@ def adamw_sync(inst: Instance, gather: bool) -> list[Exchange]:
     """Stock equal reduce-scatter or all-gather of the AdamW buffer."""
     out = []
     for cuts in inst.adamw_cuts:
-        slices = [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
+        slices = slice_sizes(cuts)
         out.append(all_gather(inst.dp_link, slices, inst.gather_bytes(inst.adamw_param_bytes)) if gather
                    else reduce_scatter(inst.dp_link, slices, GRAD_BYTES))
     return out
