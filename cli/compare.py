@@ -160,8 +160,6 @@ def regenerate(path: Path, schedule: Schedule) -> Schedule:
         source = str(path.parent / recorded)
     request = plan_request(schedule.request, source)
     spec = replace(load_model(source, request.tp, request.options), source=recorded)
-    if request.alpha_device is not None:
-        request = replace(request, alpha=1.0)  # the search starts over; the file holds its pick
     return compile_schedule(*plan_for_request(spec, request))
 
 
