@@ -13,7 +13,7 @@ import statistics
 import time
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.models import load_model
+from canzona.planner.sources.load import load_model
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.schedules.format import Schedule, dump_schedule, parse_schedule
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.costs import OptimizerConfig
-from canzona.planner.models import load_model
+from canzona.planner.partition.costs import OptimizerConfig
+from canzona.planner.sources.load import load_model
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.spec import ModelOptions
 from canzona.schedules.format import Schedule, ScheduleError

@@ -1,4 +1,4 @@
-"""Megatron ZeRO-1 gradient-buffer geometry (DESIGN §3).
+"""Megatron ZeRO-1 gradient-buffer geometry: alignment, buckets, padding.
 
 Parameters are packed in reverse registration order, each starting at a multiple of 64
 elements; a bucket closes once it holds at least `bucket_size` elements and its end is padded

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
-from canzona.planner.layout import BufferLayout, equal_cuts, slice_sizes
+from canzona.planner.partition.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
+from canzona.planner.partition.layout import BufferLayout, equal_cuts, slice_sizes
 from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, Plan
 from canzona.planner.spec import DTYPE_BYTES
-from canzona.planner.tp import MicroGroup, group_stats
+from canzona.planner.partition.tp import MicroGroup, group_stats
 
 
 @dataclass(frozen=True)
