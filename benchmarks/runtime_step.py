@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import OptimizerConfig
-from canzona.planner.sources.load import load_model
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, make_groups
 from canzona.schedules.format import Schedule
 

@@ -19,8 +19,8 @@ import typer
 from canzona.cli import compare, render, report, reshard_cmd, simulate_cmd
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
-from canzona.planner.spec import ModelOptions, PlanError
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB
+from canzona.planner.spec import ModelOptions, PlanError
 from canzona.schedules.format import ScheduleError, read_schedule, write_schedule
 
 try:  # typer >= 0.20 vendors click

@@ -19,14 +19,13 @@ from canzona.planner.partition.dp import (
     rank_loads,
     slice_caps,
 )
-from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, BufferLayout, build_buffer
-from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
+from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, GRAD_BYTES_PER_ELEMENT, BufferLayout, build_buffer
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
+from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
 
 if TYPE_CHECKING:
     from canzona.planner.partition.ilp import SolverReport
 
-GRAD_BYTES_PER_ELEMENT = 4  # Megatron keeps main gradients in fp32
 SOLVERS = ("greedy", "ilp")
 
 

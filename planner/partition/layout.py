@@ -18,6 +18,7 @@ from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, PlanError
 PARAM_ALIGNMENT = 64
 BUCKET_END_ALIGNMENT = 128
 DEFAULT_BUCKET_SIZE = 40_000_000
+GRAD_BYTES_PER_ELEMENT = 4  # Megatron keeps main gradients in fp32
 
 
 @dataclass(frozen=True)

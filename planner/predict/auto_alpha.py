@@ -14,8 +14,8 @@ from dataclasses import replace
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import CostModel
-from canzona.planner.predict.hardware import Hardware
 from canzona.planner.plan import Plan, PlanRequest, make_plan
+from canzona.planner.predict.hardware import Hardware
 from canzona.planner.predict.simulate import simulate
 from canzona.planner.spec import ModelSpec, PlanError
 

@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from canzona.planner.partition.costs import CostModel, OptimizerConfig
-from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.partition.layout import slice_sizes
+from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.spec import DTYPE_BYTES
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule
 

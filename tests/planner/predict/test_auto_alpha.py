@@ -6,12 +6,11 @@ import math
 
 import pytest
 
-from canzona.planner.predict.auto_alpha import alpha_table, choose_alpha
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import FlopsCost, OptimizerConfig, param_cost
-from canzona.planner.predict.hardware import BUILTIN, ThroughputCost, override_network, profile_device
-from canzona.planner.sources.load import load_model
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.predict.auto_alpha import alpha_table, choose_alpha
+from canzona.planner.predict.hardware import BUILTIN, ThroughputCost, override_network, profile_device
 from canzona.planner.predict.profile_cost import (
     Profile,
     ProfileCost,
@@ -22,6 +21,7 @@ from canzona.planner.predict.profile_cost import (
     read_profile,
 )
 from canzona.planner.predict.simulate import simulate
+from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, ModelSpec, ParamSpec, PlanError
 
 # ---------------------------------------------------------------------------------------------

@@ -15,9 +15,8 @@ from typer.testing import CliRunner
 from canzona.cli.simulate_cmd import simulate as simulate_command
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import OptimizerConfig, muon_flops
-from canzona.planner.predict.hardware import BUILTIN, Hardware, override_network, resolve_device
-from canzona.planner.sources.load import load_model
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.predict.hardware import BUILTIN, Hardware, override_network, resolve_device
 from canzona.planner.predict.simulate import (
     Exchange,
     GroupTimes,
@@ -33,6 +32,7 @@ from canzona.planner.predict.simulate import (
     rooted,
     simulate,
 )
+from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
 from canzona.schedules.format import write_schedule
 
