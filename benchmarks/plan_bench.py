@@ -13,8 +13,8 @@ import statistics
 import time
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.models import load_model
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, dump_schedule, parse_schedule
 
 LAYOUTS = [("qwen3-8b", 2, 4), ("qwen3-32b", 8, 32), ("qwen3-235b-a22b", 4, 64)]

@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.costs import OptimizerConfig
-from canzona.planner.models import load_model
+from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, make_groups
 from canzona.schedules.format import Schedule
 

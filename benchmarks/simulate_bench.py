@@ -23,13 +23,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from canzona.planner.auto_alpha import choose_alpha
 from canzona.planner.compile import compile_schedule
-from canzona.planner.costs import OptimizerConfig
-from canzona.planner.hardware import BUILTIN, resolve_device, shared_host
-from canzona.planner.models import load_model
+from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import PlanRequest, make_plan
-from canzona.planner.simulate import Simulation, simulate
+from canzona.planner.predict.auto_alpha import choose_alpha
+from canzona.planner.predict.hardware import BUILTIN, resolve_device, shared_host
+from canzona.planner.predict.simulate import Simulation, simulate
+from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, read_schedule, write_schedule
 
 PAPER_MODELS = ["qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]

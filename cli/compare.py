@@ -150,9 +150,9 @@ def regenerate(path: Path, schedule: Schedule) -> Schedule:
     then next to the schedule)."""
     from dataclasses import replace
 
-    from canzona.planner.auto_alpha import plan_for_request
+    from canzona.planner.predict.auto_alpha import plan_for_request
     from canzona.planner.compile import compile_schedule, plan_request
-    from canzona.planner.models import load_model
+    from canzona.planner.sources.load import load_model
 
     recorded = schedule.request.model.source
     source = recorded

@@ -17,10 +17,10 @@ from typing import Annotated, Optional
 import typer
 
 from canzona.cli import compare, render, report, reshard_cmd, simulate_cmd
-from canzona.planner.costs import OptimizerConfig
-from canzona.planner.layout import DEFAULT_BUCKET_SIZE
+from canzona.planner.partition.costs import OptimizerConfig
+from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
+from canzona.planner.partition.tp import DEFAULT_GROUP_MB
 from canzona.planner.spec import ModelOptions, PlanError
-from canzona.planner.tp import DEFAULT_GROUP_MB
 from canzona.schedules.format import ScheduleError, read_schedule, write_schedule
 
 try:  # typer >= 0.20 vendors click
@@ -93,7 +93,7 @@ def default_output(
 @app.command()
 def models(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """List the built-in model presets with their parameter counts."""
-    from canzona.planner.models import count_params, list_presets
+    from canzona.planner.sources.load import count_params, list_presets
 
     rows = [report.preset_row(name, arch, count_params(arch)) for name, arch in list_presets()]
     typer.echo(json.dumps(rows, indent=2) if as_json else report.presets_table(rows))
@@ -126,9 +126,9 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Solve the DP partition for a model and layout, and write the schedule file."""
-    from canzona.planner.auto_alpha import plan_for_request
+    from canzona.planner.predict.auto_alpha import plan_for_request
     from canzona.planner.compile import compile_schedule
-    from canzona.planner.models import load_model
+    from canzona.planner.sources.load import load_model
     from canzona.planner.plan import PlanRequest
 
     started = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from canzona.planner.catalog import Architecture
+from canzona.planner.sources.catalog import Architecture
 from canzona.schedules.format import Schedule
 
 BAR_WIDTH = 40

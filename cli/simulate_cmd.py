@@ -14,8 +14,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from canzona.planner.hardware import CPU_GPUS_PER_NODE
-from canzona.planner.simulate import Simulation
+from canzona.planner.predict.hardware import CPU_GPUS_PER_NODE
+from canzona.planner.predict.simulate import Simulation
 
 MS = 1e3
 
@@ -89,8 +89,8 @@ def simulate(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Predict one optimizer step of the schedule and of every baseline (DESIGN §1, §8)."""
-    from canzona.planner.hardware import resolve_device, shared_host
-    from canzona.planner.simulate import simulate as run_simulation
+    from canzona.planner.predict.hardware import resolve_device, shared_host
+    from canzona.planner.predict.simulate import simulate as run_simulation
     from canzona.planner.spec import PlanError
     from canzona.schedules.format import read_schedule
 
@@ -110,7 +110,7 @@ def simulate(
         # Every rank of a CPU run shares this host: the profile's measured contention applies.
         chosen = shared_host(chosen, schedule.request.tp * schedule.request.dp)
     opt = schedule.request.optimizer
-    from canzona.planner.costs import OptimizerConfig
+    from canzona.planner.partition.costs import OptimizerConfig
 
     config = OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
     sim = run_simulation(schedule, chosen.hardware, chosen.time_model(config), fused=fused, rooted=rooted)
@@ -122,7 +122,7 @@ def read_shapes(path: Path) -> dict[str, list[tuple[int, int]]]:
     (default every matrix optimizer). Returns optimizer → shapes."""
     import yaml
 
-    from canzona.planner.costs import OPTIMIZERS
+    from canzona.planner.partition.costs import OPTIMIZERS
     from canzona.planner.spec import PlanError
 
     try:
@@ -148,7 +148,7 @@ def read_shapes(path: Path) -> dict[str, list[tuple[int, int]]]:
 
 def model_shapes(model: str) -> list[tuple[int, int]]:
     """Distinct submatrix shapes of a model's matrix-optimizer parameters (full, unsharded)."""
-    from canzona.planner.models import load_model
+    from canzona.planner.sources.load import load_model
     from canzona.planner.spec import MATRIX
 
     spec = load_model(model, 1)
@@ -180,8 +180,8 @@ def calibrate(
 ) -> None:
     """Time Newton-Schulz, Shampoo, SOAP and AdamW with torch on this device; write a profile
     for `plan --cost profile:FILE` and `simulate --device FILE`."""
-    from canzona.planner.costs import OPTIMIZERS
-    from canzona.planner.profile_cost import Profile, dump_profile
+    from canzona.planner.partition.costs import OPTIMIZERS
+    from canzona.planner.predict.profile_cost import Profile, dump_profile
     from canzona.planner.spec import PlanError
 
     if model is not None and shapes is not None:

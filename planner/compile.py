@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from canzona.planner.baselines import BaselineLoads
-from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
-from canzona.planner.layout import equal_cuts, slice_sizes
-from canzona.planner.devices import device_figures, tp_score
-from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, BufferPlan, Plan, PlanRequest
-from canzona.planner.costs import OptimizerConfig
+from canzona.planner.partition.baselines import BaselineLoads
+from canzona.planner.partition.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
+from canzona.planner.partition.costs import OptimizerConfig
+from canzona.planner.partition.devices import device_figures, tp_score
+from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
+from canzona.planner.partition.tp import MODES, group_stats
+from canzona.planner.plan import BufferPlan, Plan, PlanRequest
 from canzona.planner.spec import MATRIX, ModelOptions
-from canzona.planner.tp import MODES, group_stats
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from canzona.planner.baselines import BaselineLoads, all_baselines
-from canzona.planner.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
-from canzona.planner.dp import (
+from canzona.planner.partition.baselines import BaselineLoads, all_baselines
+from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
+from canzona.planner.partition.dp import (
     DpAssignment,
     DpInstance,
     lower_bound,
@@ -19,14 +19,13 @@ from canzona.planner.dp import (
     rank_loads,
     slice_caps,
 )
-from canzona.planner.layout import DEFAULT_BUCKET_SIZE, BufferLayout, build_buffer
+from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, GRAD_BYTES_PER_ELEMENT, BufferLayout, build_buffer
+from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
-from canzona.planner.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
 
 if TYPE_CHECKING:
-    from canzona.planner.ilp import SolverReport
+    from canzona.planner.partition.ilp import SolverReport
 
-GRAD_BYTES_PER_ELEMENT = 4  # Megatron keeps main gradients in fp32
 SOLVERS = ("greedy", "ilp")
 
 
@@ -164,7 +163,7 @@ def plan_buffer(
     assignment = partition(instance, request.alpha)
     report = None
     if request.solver == "ilp" and any(instance.costs):
-        from canzona.planner.ilp import refine_dp
+        from canzona.planner.partition.ilp import refine_dp
 
         refined, report = refine_dp(
             instance, slice_caps(instance, request.alpha), assignment.owners,
@@ -273,7 +272,7 @@ def refine_groups(
 ) -> tuple[tuple[tuple[MicroGroup, ...], ...], int, int]:
     """CP-SAT host assignment inside every micro-group with 2+ tasks and 2+ hosts; the time
     limit is shared evenly among them. Returns the groups and how many were refined/improved."""
-    from canzona.planner.ilp import refine_hosts
+    from canzona.planner.partition.ilp import refine_hosts
 
     todo = [g for rank in groups for g in rank if len(g.tasks) > 1 and request.tp > 1]
     share = request.time_limit / max(1, len(todo))

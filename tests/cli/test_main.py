@@ -135,7 +135,7 @@ def test_internal_errors_are_one_line_unless_debug(monkeypatch: pytest.MonkeyPat
     def explode(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("canzona.planner.models.load_model", explode)
+    monkeypatch.setattr("canzona.planner.sources.load.load_model", explode)
     code, _, err = run_cli(["plan", "--model", "qwen3-8b"], capsys)
     assert code == 1 and err.count("\n") == 1 and "internal error" in err and "boom" in err
     monkeypatch.setenv("CANZONA_DEBUG", "1")

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.costs import OptimizerConfig, param_state_bytes
-from canzona.planner.dp import min_max_slice
-from canzona.planner.layout import BUCKET_END_ALIGNMENT, PARAM_ALIGNMENT, equal_cuts
-from canzona.planner.models import load_model
+from canzona.planner.partition.costs import OptimizerConfig, param_state_bytes
+from canzona.planner.partition.dp import min_max_slice
+from canzona.planner.partition.layout import BUCKET_END_ALIGNMENT, PARAM_ALIGNMENT, equal_cuts
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
 from canzona.schedules.format import Schedule, dump_schedule, schedule_fingerprint
 

@@ -8,8 +8,8 @@ import pytest
 
 from canzona.cli.main import main
 from canzona.planner.compile import compile_schedule
-from canzona.planner.models import load_model
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
 from canzona.schedules.format import dump_schedule
 
 pytest.importorskip("ortools")

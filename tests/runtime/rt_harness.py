@@ -111,8 +111,8 @@ def make_schedule(model: str | Path, tp: int, dp: int, *, optimizer: str = "muon
     """A planner-made schedule for `model` (a file), with small buckets and micro-groups,
     its parameters' dtype set to `dtype`."""
     from canzona.planner.compile import compile_schedule
-    from canzona.planner.costs import OptimizerConfig
-    from canzona.planner.models import load_model
+    from canzona.planner.partition.costs import OptimizerConfig
+    from canzona.planner.sources.load import load_model
     from canzona.planner.plan import PlanRequest, make_plan
     from canzona.planner.spec import ModelOptions
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.costs import OptimizerConfig
-from canzona.planner.models import load_model
+from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec
 from canzona.schedules import format as fmt
 from canzona.schedules.format import (

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.costs import OptimizerConfig
-from canzona.planner.models import load_model
+from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ModelOptions
 from canzona.schedules.format import Schedule, ScheduleError
-from canzona.schedules.library import resolve_schedule
 from canzona.schedules.format import read_schedule
+from canzona.schedules.library import resolve_schedule
 from canzona.schedules.reshard import (
     ParamState,
     StateLayout,

@@ -1,4 +1,4 @@
-"""Hardware models for the step-time simulator (DESIGN §8): device throughput and network.
+"""Hardware models for the step-time simulator: device throughput and network.
 
 A `Hardware` is a frozen description of one device type and its network: achieved FLOP/s of
 the matrix optimizer's work, achieved memory bandwidth (AdamW is memory-bound), the α of the
@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import canzona.schedules
-from canzona.planner.costs import CostModel, FlopsCost, OptimizerConfig
-from canzona.planner.profile_cost import Profile, ProfileCost, read_profile
+from canzona.planner.partition.costs import CostModel, FlopsCost, OptimizerConfig
+from canzona.planner.predict.profile_cost import Profile, ProfileCost, read_profile
 from canzona.planner.spec import PlanError
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 param, grad, m, v read (16) and param, m, v written (12)

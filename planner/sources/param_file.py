@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic import model_validator
 
-from .spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError, fused_row_blocks
+from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError, fused_row_blocks
 
 _ADAMW_NAME_HINTS = ("embed", "output_layer", "lm_head", "norm")
 

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-from canzona.planner.catalog import PRESETS, enumerate_params
-from canzona.planner.hf_config import SUPPORTED_ARCHITECTURES, architecture_from_hf
-from canzona.planner.models import count_params, list_presets, load_model
+from canzona.planner.sources.catalog import PRESETS, enumerate_params
+from canzona.planner.sources.hf_config import SUPPORTED_ARCHITECTURES, architecture_from_hf
+from canzona.planner.sources.load import count_params, list_presets, load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ParamSpec, PlanError
 
 # Shape-relevant keys of the published config.json files (other keys kept where they could
@@ -394,7 +394,7 @@ def test_hf_config_file_errors_are_one_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("split", [False, True])
 def test_fused_param_file_rows_match_the_catalog_fc1(tmp_path: Path, tp: int, split: bool) -> None:
     """`fused: 2` in a parameter list lays out fc1 exactly as the catalog does for Qwen3."""
-    from canzona.planner.catalog import PRESETS, enumerate_params
+    from canzona.planner.sources.catalog import PRESETS, enumerate_params
 
     entry = {"name": "mlp.linear_fc1.weight", "shape": [2 * 25600, 5120], "tp_dim": 0, "fused": 2, "split_fused": split}
     (param,) = load_model(write(tmp_path / "m.yaml", [entry]), tp=tp).params

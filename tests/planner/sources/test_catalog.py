@@ -1,4 +1,4 @@
-"""Presets and their expansion into Megatron-core parameters (DESIGN §2)."""
+"""Presets and their expansion into Megatron-core parameters."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from canzona.planner.catalog import (
+from canzona.planner.sources.catalog import (
     PRESETS,
     Architecture,
     count_params,
@@ -15,7 +15,7 @@ from canzona.planner.catalog import (
 )
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
 
-# DESIGN §2 "Computed totals", in billions of parameters.
+# Expected parameter totals, in billions.
 EXPECTED_TOTALS_B = {
     "qwen3-0.6b": 0.596,
     "qwen3-1.7b": 1.721,

@@ -1,4 +1,4 @@
-"""Optional CP-SAT refinement of the greedy DP partition and TP host assignment (DESIGN §5, §6).
+"""Optional CP-SAT refinement of the greedy DP partition and TP host assignment.
 
 This is the only module that uses OR-Tools, and it imports it inside the functions that need
 it: the rest of canzona works without it, and `--solver ilp` without it fails with
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from canzona.planner.dp import DpInstance, lower_bound, rank_loads
+from canzona.planner.partition.dp import DpInstance, lower_bound, rank_loads
 from canzona.planner.spec import PlanError
 
 SCALE = 1_000_000

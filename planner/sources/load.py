@@ -10,10 +10,10 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from .catalog import PRESETS, Architecture, check_tp_size, count_params, enumerate_params
-from .hf_config import architecture_from_hf
-from .param_file import params_from_data, read_structured_file
-from .spec import ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
+from canzona.planner.sources.catalog import PRESETS, Architecture, check_tp_size, count_params, enumerate_params
+from canzona.planner.sources.hf_config import architecture_from_hf
+from canzona.planner.sources.param_file import params_from_data, read_structured_file
+from canzona.planner.spec import ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
 
 __all__ = ["count_params", "list_presets", "load_model"]
 

@@ -1,4 +1,4 @@
-"""α-balanced static DP partitioning (DESIGN §5): exactness, α caps, and invariants."""
+"""α-balanced static DP partitioning: exactness, α caps, and invariants."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canzona.planner.dp import (
+from canzona.planner.partition.dp import (
     DpAssignment,
     DpInstance,
     lower_bound,

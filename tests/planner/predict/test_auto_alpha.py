@@ -6,13 +6,12 @@ import math
 
 import pytest
 
-from canzona.planner.auto_alpha import alpha_table, choose_alpha
 from canzona.planner.compile import compile_schedule
-from canzona.planner.costs import FlopsCost, OptimizerConfig, param_cost
-from canzona.planner.hardware import BUILTIN, ThroughputCost, override_network, profile_device
-from canzona.planner.models import load_model
+from canzona.planner.partition.costs import FlopsCost, OptimizerConfig, param_cost
 from canzona.planner.plan import PlanRequest, make_plan
-from canzona.planner.profile_cost import (
+from canzona.planner.predict.auto_alpha import alpha_table, choose_alpha
+from canzona.planner.predict.hardware import BUILTIN, ThroughputCost, override_network, profile_device
+from canzona.planner.predict.profile_cost import (
     Profile,
     ProfileCost,
     dump_profile,
@@ -21,7 +20,8 @@ from canzona.planner.profile_cost import (
     profile_cost_model,
     read_profile,
 )
-from canzona.planner.simulate import simulate
+from canzona.planner.predict.simulate import simulate
+from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, ModelSpec, ParamSpec, PlanError
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def test_profile_errors(tmp_path) -> None:
 
 
 def test_checked_in_cpu_profile_is_valid() -> None:
-    from canzona.planner.hardware import CPU_PROFILE
+    from canzona.planner.predict.hardware import CPU_PROFILE
 
     profile = read_profile(CPU_PROFILE)
     assert isinstance(profile, Profile) and profile.device == "cpu" and profile.comm is not None
@@ -176,7 +176,7 @@ def test_checked_in_cpu_profile_is_valid() -> None:
 
 
 def test_contention_interpolates_and_slows_a_shared_host(tmp_path) -> None:
-    from canzona.planner.hardware import shared_host
+    from canzona.planner.predict.hardware import shared_host
 
     extra = "contention: [{processes: 2, slowdown: 1.0}, {processes: 4, slowdown: 2.0}]\n"
     profile = parse_profile(_profile_text(ROWS, extra))

@@ -1,4 +1,4 @@
-"""A measured cost model: seconds per matrix shape on a named device (DESIGN §4 `profile`).
+"""A measured cost model: seconds per matrix shape on a named device (`--cost profile:`).
 
 `canzona calibrate` times the runtime's real kernels and writes a profile (YAML, validated
 here). `ProfileCost` implements the planner's `CostModel` protocol in **seconds**: a shape the
@@ -21,7 +21,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from canzona.planner.costs import OPTIMIZERS, FlopsCost, OptimizerConfig
+from canzona.planner.partition.costs import OPTIMIZERS, FlopsCost, OptimizerConfig
 from canzona.planner.spec import PlanError
 
 PROFILE_FORMAT = "canzona-profile/1"

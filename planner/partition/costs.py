@@ -1,7 +1,8 @@
 """Cost models: how much optimizer work and state one parameter costs per step.
 
 Costs are in the model's own units (elements for `numel`, floating-point operations for
-`flops`); the partitioner balances whatever units it is given. Formulas follow DESIGN §4.
+`flops`); the partitioner balances whatever units it is given. The per-optimizer FLOP
+formulas are `muon_flops`, `shampoo_flops` and `soap_flops`.
 A parameter split into submatrices (Q/K/V, heads, gate/up) costs the sum of its pieces.
 """
 
@@ -70,7 +71,7 @@ class NumelCost:
 
 @dataclass(frozen=True)
 class FlopsCost:
-    """Floating-point operations of the chosen optimizer (DESIGN §4)."""
+    """Floating-point operations of the chosen optimizer's update."""
 
     optimizer: OptimizerConfig
     name: str = "flops"
@@ -138,7 +139,7 @@ def matrix_state_bytes(rows: int, cols: int, optimizer: OptimizerConfig) -> floa
 def make_cost_model(name: str, optimizer: OptimizerConfig) -> CostModel:
     """Build the cost model called `name` for `optimizer` (`profile:FILE`: measured seconds)."""
     if name.startswith("profile:"):
-        from canzona.planner.profile_cost import profile_cost_model
+        from canzona.planner.predict.profile_cost import profile_cost_model
 
         return profile_cost_model(name, optimizer)
     if name == "numel":

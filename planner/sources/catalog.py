@@ -1,7 +1,7 @@
 """Model architectures and their expansion into Megatron-core parameter lists.
 
-An `Architecture` holds the handful of numbers that fix a transformer's parameter shapes (see
-DESIGN §2). `enumerate_params` expands one into the `ParamSpec`s Megatron-core registers, in
+An `Architecture` holds the handful of numbers that fix a transformer's parameter shapes.
+`enumerate_params` expands one into the `ParamSpec`s Megatron-core registers, in
 registration order, with full shapes, the TP split dim, the optimizer class and the submatrices
 the matrix optimizer updates independently. Presets and Hugging Face configs both end here.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from .spec import (
+from canzona.planner.spec import (
     ADAMW,
     MATRIX,
     OPTIMIZER_CLASSES,
@@ -33,11 +33,12 @@ RowBlocks = tuple[tuple[tuple[int, int], ...], ...]
 class Architecture:
     """The numbers that determine a decoder-only transformer's parameter shapes.
 
-    Dense fields follow DESIGN §2 (h, F, L, nh, ng, d, V). MoE (num_experts > 0): layers with
-    index < `first_dense_layers` or listed in `dense_layers` use the dense MLP of size `ffn`,
-    all others route to `num_experts` experts of size `expert_ffn`, plus one fused shared-expert
-    MLP of total size `shared_expert_ffn` when `num_shared_experts` > 0. MLA (kv_lora > 0):
-    DeepSeek latent attention; `q_lora` = 0 means queries are not compressed. For MLA models
+    Dense fields: hidden size h, ffn, layers, heads, KV groups, head dim, vocab. MoE
+    (num_experts > 0): layers with index < `first_dense_layers` or listed in `dense_layers`
+    use the dense MLP of size `ffn`, all others route to `num_experts` experts of size
+    `expert_ffn`, plus one fused shared-expert MLP of total size `shared_expert_ffn` when
+    `num_shared_experts` > 0. MLA (kv_lora > 0): DeepSeek latent attention; `q_lora` = 0
+    means queries are not compressed. For MLA models
     `num_kv_groups` equals `num_heads` and `head_dim` is qk_nope + qk_rope (informational).
     """
 

@@ -1,4 +1,4 @@
-"""TP micro-group scheduling (DESIGN §6).
+"""TP micro-group scheduling: host TP ranks and micro-groups.
 
 For one DP rank, the matrices it owns become tasks; each task gets a host TP rank (which
 gathers the full gradient, runs the update and keeps the optimizer state) and a micro-group

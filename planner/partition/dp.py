@@ -1,4 +1,4 @@
-"""α-balanced static DP partitioning (DESIGN §5).
+"""α-balanced static DP partitioning: contiguous cuts of every bucket.
 
 The problem: each bucket of the matrix-optimizer buffer is cut into D contiguous slices, rank r
 taking slice r, with every cut on a parameter boundary; a parameter's owner is the rank whose

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.costs import CostModel
-from canzona.planner.hardware import Hardware
+from canzona.planner.partition.costs import CostModel
 from canzona.planner.plan import Plan, PlanRequest, make_plan
-from canzona.planner.simulate import simulate
+from canzona.planner.predict.hardware import Hardware
+from canzona.planner.predict.simulate import simulate
 from canzona.planner.spec import ModelSpec, PlanError
 
 DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -68,7 +68,7 @@ def plan_for_request(model: ModelSpec, request: PlanRequest) -> tuple[Plan, list
     predicts fastest on that device; then also every (α, predicted seconds) tried."""
     if request.alpha_device is None:
         return make_plan(model, request), None
-    from canzona.planner.hardware import resolve_device, shared_host
+    from canzona.planner.predict.hardware import resolve_device, shared_host
 
     device = resolve_device(request.alpha_device)
     if device.profile is not None and device.profile.device == "cpu":

@@ -1,4 +1,4 @@
-"""The strategies canzona is measured against (DESIGN §1), scored on the same instance.
+"""The strategies canzona is measured against, scored on the same instance.
 
 Each returns the per-rank compute load of the matrix-optimizer buffer in cost units, and the
 padding overhead of its collectives (None when it gives up reduce-scatter geometry).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from canzona.planner.layout import BufferLayout, equal_cuts, slice_owner
+from canzona.planner.partition.layout import BufferLayout, equal_cuts, slice_owner
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""Cost models (DESIGN §4): hand-computed values of every formula, and the error paths."""
+"""Cost models: hand-computed values of every formula, and the error paths."""
 
 from __future__ import annotations
 
 import pytest
 
-from canzona.planner.costs import (
+from canzona.planner.partition.costs import (
     FlopsCost,
     NumelCost,
     OptimizerConfig,

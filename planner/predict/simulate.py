@@ -1,4 +1,4 @@
-"""Predict one optimizer step of a schedule, and of every baseline, on a hardware model (§8).
+"""Predict one optimizer step of a schedule, and of every baseline, on a hardware model.
 
 A step runs from unreduced gradients to updated parameters on every device, in three stages:
 DP collectives before (gradient reduce-scatter / all-reduce, spill-over fetches), a local
@@ -23,7 +23,7 @@ grads; the runtime's TP exchanges), parameters in their dtype.
 
 Compute comes from a seconds cost model (`ThroughputCost`: flops model / achieved FLOP/s, or a
 measured `ProfileCost`). The TP micro-group pipeline is simulated event by event, in the order
-`MicroGroupPipeline.run` issues it. Baselines are in `canzona.planner.sim_baselines`.
+`MicroGroupPipeline.run` issues it. Baselines are in `canzona.planner.predict.sim_baselines`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from canzona.planner.costs import CostModel, OptimizerConfig
-from canzona.planner.hardware import Hardware, ThroughputCost
-from canzona.planner.layout import slice_sizes
+from canzona.planner.partition.costs import CostModel, OptimizerConfig
+from canzona.planner.partition.layout import slice_sizes
+from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.spec import DTYPE_BYTES
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule
 
@@ -524,7 +524,7 @@ def simulate(schedule: Schedule, hardware: Hardware, time_model: CostModel | Non
     `rooted`: canzona's uneven collectives as one rooted reduce / broadcast per slice (the
     runtime's `dp_collectives="rooted"`); default: its `all_to_all`, whose busiest receiver
     takes (n − 1) · its slice."""
-    from canzona.planner.sim_baselines import baseline_times
+    from canzona.planner.predict.sim_baselines import baseline_times
 
     model = time_model or default_time_model(schedule, hardware)
     inst = build_instance(schedule, hardware, model, fused, publish_bytes, rooted)

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.models import load_model
+from canzona.planner.partition.tp import MODES, MicroGroup, Task, group_stats, rollback, schedule_tasks
 from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, PlanError
-from canzona.planner.tp import MODES, MicroGroup, Task, group_stats, rollback, schedule_tasks
 from canzona.schedules.format import Schedule
 
 tasks_strategy = st.lists(

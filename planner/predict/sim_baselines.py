@@ -1,4 +1,4 @@
-"""The baselines of DESIGN §1, priced on the same schedule and hardware model as canzona.
+"""The baselines canzona is compared with, priced on the same schedule and hardware model as canzona.
 
 Every baseline handles TP the synchronous way (TP-SC): a DP rank's matrices are all-gathered
 over its TP group in one fused all-gather (fp32 gradient shards; replicated matrices need
@@ -22,8 +22,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from canzona.planner.layout import equal_cuts, slice_owner
-from canzona.planner.simulate import (
+from canzona.planner.partition.layout import equal_cuts, slice_owner
+from canzona.planner.predict.simulate import (
     GRAD_BYTES,
     Buffer,
     Exchange,

@@ -1,4 +1,4 @@
-"""Megatron ZeRO-1 buffer geometry (DESIGN §3)."""
+"""Megatron ZeRO-1 buffer geometry."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canzona.planner.layout import (
+from canzona.planner.partition.layout import (
     BUCKET_END_ALIGNMENT,
     PARAM_ALIGNMENT,
     BufferLayout,
@@ -16,7 +16,7 @@ from canzona.planner.layout import (
     build_layouts,
     equal_cuts,
 )
-from canzona.planner.models import load_model
+from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
 
 

@@ -9,12 +9,15 @@ updates out).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from canzona.planner.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
-from canzona.planner.layout import BufferLayout, equal_cuts, slice_sizes
-from canzona.planner.plan import GRAD_BYTES_PER_ELEMENT, Plan
+from canzona.planner.partition.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
+from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, equal_cuts, slice_sizes
+from canzona.planner.partition.tp import MicroGroup, group_stats
 from canzona.planner.spec import DTYPE_BYTES
-from canzona.planner.tp import MicroGroup, group_stats
+
+if TYPE_CHECKING:  # the figures read a finished plan; partition never imports plan at run time
+    from canzona.planner.plan import Plan
 
 
 @dataclass(frozen=True)

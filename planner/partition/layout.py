@@ -1,4 +1,4 @@
-"""Megatron ZeRO-1 gradient-buffer geometry (DESIGN §3).
+"""Megatron ZeRO-1 gradient-buffer geometry: alignment, buckets, padding.
 
 Parameters are packed in reverse registration order, each starting at a multiple of 64
 elements; a bucket closes once it holds at least `bucket_size` elements and its end is padded
@@ -18,6 +18,7 @@ from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, PlanError
 PARAM_ALIGNMENT = 64
 BUCKET_END_ALIGNMENT = 128
 DEFAULT_BUCKET_SIZE = 40_000_000
+GRAD_BYTES_PER_ELEMENT = 4  # Megatron keeps main gradients in fp32
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The step-time simulator (DESIGN §8): exact α–β arithmetic, the micro-group pipeline,
+"""The step-time simulator: exact α–β arithmetic, the micro-group pipeline,
 hand-computed tiny schedules, invariants on real plans, hardware models, the CLI command."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typer.testing import CliRunner
 
 from canzona.cli.simulate_cmd import simulate as simulate_command
 from canzona.planner.compile import compile_schedule
-from canzona.planner.costs import OptimizerConfig, muon_flops
-from canzona.planner.hardware import BUILTIN, Hardware, override_network, resolve_device
-from canzona.planner.models import load_model
+from canzona.planner.partition.costs import OptimizerConfig, muon_flops
 from canzona.planner.plan import PlanRequest, make_plan
-from canzona.planner.simulate import (
+from canzona.planner.predict.hardware import BUILTIN, Hardware, override_network, resolve_device
+from canzona.planner.predict.simulate import (
     Exchange,
     GroupTimes,
     Link,
@@ -33,6 +32,7 @@ from canzona.planner.simulate import (
     rooted,
     simulate,
 )
+from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
 from canzona.schedules.format import write_schedule
 
@@ -307,7 +307,7 @@ def test_bad_devices_and_hardware() -> None:
 
 
 def test_groups_spanning_nodes_use_the_inter_node_link(qwen8b) -> None:
-    from canzona.planner.simulate import build_instance, default_time_model
+    from canzona.planner.predict.simulate import build_instance, default_time_model
 
     hardware = BUILTIN["h100"]
     inst = build_instance(qwen8b, hardware, default_time_model(qwen8b, hardware))
@@ -359,7 +359,7 @@ def test_simulate_command_bad_input(tmp_path, qwen8b) -> None:
 
 def test_optimizer_config_round_trip(qwen8b) -> None:
     # The default time model prices the schedule's own optimizer settings.
-    from canzona.planner.simulate import default_time_model
+    from canzona.planner.predict.simulate import default_time_model
 
     model = default_time_model(qwen8b, BUILTIN["h100"])
     assert model.optimizer == OptimizerConfig()

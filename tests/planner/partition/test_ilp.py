@@ -1,4 +1,4 @@
-"""Optional CP-SAT refinement (DESIGN §5, §6): exactness, never worse, determinism, no ortools."""
+"""Optional CP-SAT refinement: exactness, never worse, determinism, no ortools."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 pytest.importorskip("ortools")
 
-from canzona.planner import ilp  # noqa: E402
-from canzona.planner.dp import DpInstance, lower_bound, partition, rank_loads, slice_caps  # noqa: E402
-from canzona.planner.ilp import SolverReport, SolverUnavailable, refine_dp, refine_hosts  # noqa: E402
+from canzona.planner.partition import ilp  # noqa: E402
+from canzona.planner.partition.dp import DpInstance, lower_bound, partition, rank_loads, slice_caps  # noqa: E402
+from canzona.planner.partition.ilp import SolverReport, SolverUnavailable, refine_dp, refine_hosts  # noqa: E402
 from canzona.planner.spec import PlanError  # noqa: E402
 
 Owners = tuple[tuple[int, ...], ...]
@@ -354,5 +354,5 @@ def test_solver_unavailable_when_ortools_is_blocked(monkeypatch: pytest.MonkeyPa
 
 
 def test_importing_the_module_does_not_import_ortools() -> None:
-    code = "import sys, canzona.planner.ilp; assert not any(m.startswith('ortools') for m in sys.modules)"
+    code = "import sys, canzona.planner.partition.ilp; assert not any(m.startswith('ortools') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .catalog import Architecture
-from .spec import PlanError
+from canzona.planner.sources.catalog import Architecture
+from canzona.planner.spec import PlanError
 
 _MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",

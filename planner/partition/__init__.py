@@ -1,0 +1,1 @@
+"""Partitioning: per-parameter costs, buffer layout, DP cuts, TP micro-groups, baselines."""

@@ -1,0 +1,1 @@
+"""Prediction: hardware models, measured cost profiles, the step-time simulator, α selection."""
