@@ -96,22 +96,24 @@ def _pairs(index: int, group: dict[str, Any], problems: list[str]) -> list[tuple
 
 
 def _check_names(index: int, pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry],
-                 seen: dict[int, tuple[str, int]], problems: list[str]) -> None:
+                 seen: dict[Any, int], problems: list[str]) -> None:
+    """Unknown names, parameters listed twice (by name or tensor; `seen` maps both to the
+    group), and an order the schedule does not have."""
     unknown = [name for name, _ in pairs if name not in entries]
     if unknown:
         problems.append(f"param group {index}: not in the schedule: {_listed(unknown)}")
+    for name, tensor in pairs:
+        where = seen.get(id(tensor), seen.get(name))
+        if where is not None:
+            groups = f"param groups {where} and {index}" if where != index else f"param group {index} twice"
+            problems.append(f"{name} is in {groups}")
+        seen[id(tensor)] = seen[name] = index
     known = [(name, tensor) for name, tensor in pairs if name in entries]
     for (first, _), (second, _) in zip(known, known[1:]):
-        if entries[first].index >= entries[second].index:
+        if entries[first].index > entries[second].index:
             problems.append(f"param group {index}: {second!r} follows {first!r}, but the schedule registers them "
                             "the other way round (another model?)")
             break
-    for name, tensor in pairs:
-        where = seen.get(id(tensor)) or next(((n, g) for n, g in seen.values() if n == name), None)
-        if where is not None:
-            groups = f"param groups {where[1]} and {index}" if where[1] != index else f"param group {index} twice"
-            problems.append(f"{name} is in {groups}")
-        seen[id(tensor)] = (name, index)
 
 
 def _value(key: str, value: Any) -> Any:
@@ -140,7 +142,14 @@ def group_hyperparameters(group: Mapping[str, Any], defaults: Hyperparameters, r
     except (TypeError, ValueError) as error:
         raise ValueError(str(error)) from None
     hp = replace(defaults, **changes)
-    hp.check()
+    try:
+        hp.check()
+    except ValueError as error:
+        message = str(error)
+        if group["kind"] == ADAMW:  # name the group's keys, not the defaults' fields
+            for key, (_, field_name) in ADAMW_KEYS.items():
+                message = message.replace(field_name, key)
+        raise ValueError(message) from None
     return hp
 
 
@@ -196,7 +205,7 @@ def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], t
     build the homogeneous groups; every problem is returned, nothing raises."""
     result = ResolvedGroups()
     user_groups, result.problems = _user_groups(params)
-    seen: dict[int, tuple[str, int]] = {}
+    seen: dict[Any, int] = {}
     every: list[tuple[str, Tensor]] = []
     for index, group in enumerate(user_groups):
         pairs = _pairs(index, group, result.problems)
