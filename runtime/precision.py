@@ -65,6 +65,35 @@ def allocate(opt: CanzonaOptimizer) -> MainCopies:
     return MainCopies(matrices, adamw, stale=True)
 
 
+def to_canonical(main: Tensor, task: Task) -> Tensor:
+    """A matrix main copy with its rows in canonical order (its submatrices one after the other,
+    as the row blocks list them), so that it does not depend on TP; a copy."""
+    if not task.row_blocks:
+        return main.clone()
+    return torch.cat([main[start:stop] for block in task.row_blocks for start, stop in block])
+
+
+def from_canonical(canonical: Tensor, task: Task, out: Tensor) -> None:
+    """Write a canonical-order main copy back in the gathered (TP) row order."""
+    if not task.row_blocks:
+        out.copy_(canonical)
+        return
+    row = 0
+    for block in task.row_blocks:
+        for start, stop in block:
+            out[start:stop].copy_(canonical[row : row + stop - start])
+            row += stop - start
+
+
+def adamw_from_params(opt: CanzonaOptimizer, target: Tensor) -> None:
+    """Copy the low-precision AdamW elements this rank updates from the parameters into
+    `target` (indexed like the AdamW moments)."""
+    for piece, offset in opt._adamw_pieces:
+        if opt._lowp[piece.param]:
+            flat = opt._param(piece.param).detach().reshape(-1)
+            target[offset : offset + piece.length].copy_(flat[piece.src : piece.src + piece.length])
+
+
 def rebuild(opt: CanzonaOptimizer, mine: bool) -> None:
     """Rebuild the main copies from the parameters (collective over TP: every rank calls it when
     any rank's copies are stale; `mine`: whether this rank's are, else it only sends shards)."""
@@ -75,8 +104,5 @@ def rebuild(opt: CanzonaOptimizer, mine: bool) -> None:
     for param, target in opt.main.matrices.items():
         target.copy_(full[param])
     if opt.main.adamw is not None:
-        for piece, offset in opt._adamw_pieces:
-            if opt._lowp[piece.param]:
-                flat = opt._param(piece.param).detach().reshape(-1)
-                opt.main.adamw[offset : offset + piece.length].copy_(flat[piece.src : piece.src + piece.length])
+        adamw_from_params(opt, opt.main.adamw)
     opt.main.stale = False

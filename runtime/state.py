@@ -4,8 +4,8 @@ in `canzona.schedules.reshard`; here it meets the runtime's buffers.
 
 Keys: `matrix/<param>/<submatrix>/<field>` (e.g. `matrix/w/0/momentum`, `matrix/w/1/blocks/3/L`),
 `adamw/<param>/<exp_avg|exp_avg_sq>` (flattened row-major over the full shape) and, for bf16 /
-fp16 parameters, `main/<param>`: the fp32 main copy (full shape for a matrix, flattened for an
-AdamW parameter). Each rank holds some chunks of them (`LogicalTensor`): a hosted matrix's
+fp16 parameters, `main/<param>`: the fp32 main copy (full shape for a matrix, rows in canonical
+order: its submatrices one after the other; flattened for an AdamW parameter). Each rank holds some chunks of them (`LogicalTensor`): a hosted matrix's
 tensors whole, an AdamW parameter's runs that fall in its equal slices. Tensors are created on
 the optimizer's device.
 """
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from canzona.runtime.groups import group_hyperparameters
 from canzona.runtime.optimizers import State, init_matrix_state
+from canzona.runtime.precision import adamw_from_params, from_canonical, to_canonical
 from canzona.schedules.reshard import ADAMW_FIELDS, full_runs
 
 if TYPE_CHECKING:
@@ -142,7 +143,8 @@ def _export_main(opt: CanzonaOptimizer, writers_only: bool, clone: bool, out: di
         return
     if opt._writes_matrix() or not writers_only:
         for param, tensor in opt.main.matrices.items():
-            out[main_key(opt.names[param])] = LogicalTensor(tuple(tensor.shape), [((0, 0), tensor.clone() if clone else tensor)])
+            canonical = to_canonical(tensor, opt._tasks[param])
+            out[main_key(opt.names[param])] = LogicalTensor(tuple(tensor.shape), [((0, 0), canonical)])
     assert opt.main.adamw is not None or not _main_runs(opt)
     for run in _main_runs(opt):
         if writers_only and not opt._writes_adamw(opt._tp_dims[run.param] is None):
@@ -188,10 +190,13 @@ def _plan_main(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]], 
         if available.get(key) != tuple(current.shape):
             complete = False
             continue
-        target = dest.main_matrices[param] = torch.empty_like(current)
+        target = dest.main_matrices[param] = torch.empty_like(current)  # canonical order until installed
         dest.tensors[key] = LogicalTensor(tuple(current.shape), [((0, 0), target)])
     if opt.main.adamw is not None:
-        dest.main_adamw = opt.main.adamw.clone()
+        # Elements the saved state lacks (vocab padding rows only this layout has) start from
+        # the parameters, as a rebuilt main copy would.
+        dest.main_adamw = torch.empty_like(opt.main.adamw)
+        adamw_from_params(opt, dest.main_adamw)
         for run in _main_runs(opt):
             key = main_key(opt.names[run.param])
             if key not in available:
@@ -274,7 +279,8 @@ def install(opt: CanzonaOptimizer, dest: Destination, step: int, param_steps: Ma
     opt.step_count = step
     opt.param_steps = [int(param_steps.get(name, step)) for name in opt.names]
     if dest.main_complete:
-        opt.main.matrices.update(dest.main_matrices)
+        for param, canonical in dest.main_matrices.items():
+            from_canonical(canonical, opt._tasks[param], opt.main.matrices[param])
         if dest.main_adamw is not None:
             opt.main.adamw = dest.main_adamw
         opt.main.stale = False

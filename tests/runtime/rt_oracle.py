@@ -258,4 +258,17 @@ def assemble_main(schedule: Schedule, results: list[dict[str, Any]]) -> dict[str
                     target[offsets[0] : offsets[0] + data.numel()] = data
                 else:
                     target.copy_(data)
-    return {name: tensor.view(entries[name].shape) for name, tensor in out.items()}
+    return {name: _gathered_rows(tensor.view(entries[name].shape), entries[name]) for name, tensor in out.items()}
+
+
+def _gathered_rows(main: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
+    """A matrix main copy is saved with its rows in canonical (submatrix) order: back to the
+    gathered TP order the parameters use."""
+    if entry.optimizer != "matrix" or not entry.row_blocks:
+        return main
+    out, row = torch.empty_like(main), 0
+    for block in entry.row_blocks:
+        for start, stop in block:
+            out[start:stop] = main[row : row + stop - start]
+            row += stop - start
+    return out
