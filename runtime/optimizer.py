@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -36,40 +36,11 @@ from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolv
 from canzona.runtime.layout import Task, build_dp_layout, matrix_tasks, micro_groups
 from canzona.runtime.optimizers import Hyperparameters, MatrixRule, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
 from canzona.runtime.pipeline import MicroGroupPipeline
+from canzona.runtime.process_groups import resolve_process_groups
 from canzona.runtime.schedule import DTYPES, Verdict, agree, layout_problem, load_schedule, plan_digest, summary
 
 STATE_FORMAT = "canzona-logical/1"
 PreHook = Callable[..., Any]
-
-
-def make_groups(dp: int, tp: int, timeout: timedelta | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's DP and TP groups under canzona's layout, global rank = dp_rank · tp +
-    tp_rank. Every rank must call it (new_group needs every rank to create every group, in
-    the same order); `timeout` bounds each group's collectives (None: the default)."""
-    if dp * tp != dist.get_world_size():
-        raise ValueError(f"dp {dp} x tp {tp} does not match the world size {dist.get_world_size()}")
-    rank, options = dist.get_rank(), ({"timeout": timeout} if timeout is not None else {})
-    dp_group = tp_group = None
-    for t in range(tp):
-        group = dist.new_group([d * tp + t for d in range(dp)], **options)
-        dp_group = group if rank % tp == t else dp_group
-    for d in range(dp):
-        group = dist.new_group([d * tp + t for t in range(tp)], **options)
-        tp_group = group if rank // tp == d else tp_group
-    assert dp_group is not None and tp_group is not None
-    return dp_group, tp_group
-
-
-def resolve_process_groups(dp_group: Any, tp_group: Any, mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """The DP and TP process groups, from explicit groups or a 2-D DeviceMesh (axes dp, tp)."""
-    if mesh is not None:
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh.ndim != 2 or set(names) != {"dp", "tp"}:
-            raise ValueError(f"the device mesh must be 2-D with dims named 'dp' and 'tp', got {names or mesh.ndim}")
-        return mesh.get_group("dp"), mesh.get_group("tp")
-    if dp_group is None or tp_group is None:
-        raise TypeError("CanzonaOptimizer needs dp_group and tp_group (or mesh=DeviceMesh with dims dp, tp)")
-    return dp_group, tp_group
 
 
 def _problem(error: BaseException) -> str:
@@ -82,43 +53,6 @@ def _widest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     bf16 and fp16 alike)."""
     found = set(dtypes)
     return found.pop() if len(found) == 1 else torch.float32
-
-
-UNSUPPORTED_STATE = (
-    "canzona: CanzonaOptimizer's state is sharded by its schedule and kept in logical form; "
-    "torch.distributed.checkpoint.state_dict cannot save or load it: use "
-    "canzona.runtime.save_checkpoint(optimizer, path) / load_checkpoint(optimizer, path)"
-)
-
-
-class LogicalStateDict(dict):  # type: ignore[type-arg]
-    """`state_dict()`'s result: a plain dict, except that asking it for torch.optim's keys
-    ("state", "param_groups" of tensors) explains where this state goes instead."""
-
-    def __missing__(self, key: Any) -> Any:
-        if key == "state":
-            raise NotImplementedError(UNSUPPORTED_STATE)
-        raise KeyError(key)
-
-
-class _StateView(Mapping[Tensor, dict[str, Any]]):
-    """`optimizer.state` for code written against torch.optim: each optimized parameter maps to
-    its step count. The state itself is sharded across ranks (see `state_dict()`)."""
-
-    def __init__(self, opt: CanzonaOptimizer) -> None:
-        self._opt = opt
-
-    def __getitem__(self, param: Tensor) -> dict[str, Any]:
-        index = self._opt._index_of_tensor.get(id(param))
-        if index is None:
-            raise KeyError("not a parameter of this optimizer")
-        return {"step": self._opt.param_steps[index]}
-
-    def __iter__(self) -> Iterator[Tensor]:
-        return (self._opt._param(i) for i in self._opt._managed_indices)
-
-    def __len__(self) -> int:
-        return len(self._opt._managed_indices)
 
 
 @dataclass
@@ -193,7 +127,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self.frozen: list[str] = resolved.frozen
         self._ready = False
         super().__init__(resolved.groups, {"lr": self.hp.lr, "weight_decay": self.hp.weight_decay})
-        self.state = _StateView(self)  # type: ignore[assignment]
+        self.state = logical.StateView(self)  # type: ignore[assignment]
         self._pre_hooks: OrderedDict[int, PreHook] = OrderedDict()  # RemovableHandle needs a weak reference
         self._broken: str | None = None
         self._pending: _Pending | None = None
@@ -601,7 +535,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         schedule fingerprint. Any optimizer of the same model can load a set of these that
         covers what it holds (`load_state_dict`), whatever its schedule. Not torch.optim's
         format: checkpoint through `canzona.runtime.save_checkpoint`."""
-        return LogicalStateDict({
+        return logical.LogicalStateDict({
             "format": STATE_FORMAT,
             "strategy": self.strategy,
             "layout": self.state_layout().to_json(),
@@ -625,7 +559,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"not a canzona optimizer state (format {found!r}, expected {STATE_FORMAT!r}); "
-                             f"{UNSUPPORTED_STATE.removeprefix('canzona: ')}")
+                             f"{logical.UNSUPPORTED_STATE.removeprefix('canzona: ')}")
         problems = incompatibilities(StateLayout.from_json(state["layout"]), self.state_layout())
         if problems:
             raise ValueError("the optimizer state does not fit this model: " + "; ".join(problems))

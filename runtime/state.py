@@ -13,7 +13,7 @@ the optimizer's device.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -317,3 +317,40 @@ def restore_groups(opt: CanzonaOptimizer, saved: list[dict[str, Any]] | None) ->
 def clone_states(states: list[State]) -> list[State]:
     """An independent copy of a matrix's state (a step updates the copy, committed later)."""
     return copy.deepcopy(states)
+
+
+UNSUPPORTED_STATE = (
+    "canzona: CanzonaOptimizer's state is sharded by its schedule and kept in logical form; "
+    "torch.distributed.checkpoint.state_dict cannot save or load it: use "
+    "canzona.runtime.save_checkpoint(optimizer, path) / load_checkpoint(optimizer, path)"
+)
+
+
+class LogicalStateDict(dict):  # type: ignore[type-arg]
+    """`state_dict()`'s result: a plain dict, except that asking it for torch.optim's keys
+    ("state", "param_groups" of tensors) explains where this state goes instead."""
+
+    def __missing__(self, key: Any) -> Any:
+        if key == "state":
+            raise NotImplementedError(UNSUPPORTED_STATE)
+        raise KeyError(key)
+
+
+class StateView(Mapping[Tensor, dict[str, Any]]):
+    """`optimizer.state` for code written against torch.optim: each optimized parameter maps to
+    its step count. The state itself is sharded across ranks (see `state_dict()`)."""
+
+    def __init__(self, opt: CanzonaOptimizer) -> None:
+        self._opt = opt
+
+    def __getitem__(self, param: Tensor) -> dict[str, Any]:
+        index = self._opt._index_of_tensor.get(id(param))
+        if index is None:
+            raise KeyError("not a parameter of this optimizer")
+        return {"step": self._opt.param_steps[index]}
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return (self._opt._param(i) for i in self._opt._managed_indices)
+
+    def __len__(self) -> int:
+        return len(self._opt._managed_indices)

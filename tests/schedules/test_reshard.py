@@ -3,6 +3,7 @@ byte formulas, and the per-rank byte accounting of `reshard_report`."""
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,23 @@ def test_state_byte_formulas() -> None:
     adamw = next(p for p in layout.params if p.name == "embedding.word_embeddings.weight")
     assert layout.state_nbytes(adamw) == 8 * 256 * 32 and layout.nbytes(adamw) == 12 * 256 * 32
     assert StateLayout.from_json(layout.to_json()) == layout
+
+
+def test_main_copies_move_only_between_low_precision_layouts() -> None:
+    import dataclasses
+
+    bf16 = plan(TINY, 2, 2)
+    spec = load_model(str(TINY), 2, ModelOptions())
+    spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="fp32") for p in spec.params))
+    request = PlanRequest(str(TINY), 2, 2, optimizer=OptimizerConfig("muon"), bucket_size=4000, group_bytes=4096)
+    fp32 = compile_schedule(make_plan(spec, request))
+    mains = sum(p.main_bytes for p in state_layout(bf16).params)
+    assert mains == 4 * sum(math.prod(e.shape) for e in bf16.params) and not any(p.main_bytes for p in state_layout(fp32).params)
+    down, up, same = reshard_report(bf16, fp32), reshard_report(fp32, bf16), reshard_report(bf16, bf16)
+    assert down.compatible and up.compatible, "main copies do not decide compatibility"
+    assert down.state_bytes == same.state_bytes == up.state_bytes + mains, "what is written: main copies only from bf16"
+    assert sum(down.loads) == sum(up.loads), "what is read: main copies only when both sides have them"
+    assert sum(same.loads) - sum(up.loads) >= mains  # replicated norms' copies are read by every TP rank
 
 
 def _per_element(param: ParamState) -> int:
