@@ -1,7 +1,9 @@
-"""Runtime benchmark: optimizer step latency of canzona vs DP-SC vs TP-SC on this CPU (gloo).
+"""Runtime benchmark: optimizer step latency of canzona vs DP-SC vs TP-SC on this CPU (gloo),
+with fp32 parameters and with bf16 parameters (fp32 main copies, values gathered in bf16).
 
-Run:  python benchmarks/runtime_step.py             (2 and 4 ranks, Muon, a few minutes)
+Run:  python benchmarks/runtime_step.py             (2 and 4 ranks, Muon, fp32 and bf16, several minutes)
       python benchmarks/runtime_step.py --quick     (fewer steps)
+      python benchmarks/runtime_step.py --dtype bf16
       python benchmarks/runtime_step.py --write BENCHMARKS.md
 
 Every strategy runs in the same process group on the same model, schedule and gradients, steps
@@ -35,6 +37,7 @@ from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, make_groups
+from canzona.runtime.schedule import DTYPES
 from canzona.schedules.format import Schedule
 
 # A small Qwen3-style decoder: large enough that optimizer compute dominates on one core.
@@ -53,10 +56,10 @@ TIMEOUT = timedelta(seconds=300)
 HEADING = "## Runtime step latency (CPU)"
 
 
-def make_schedule(config_path: str, dp: int, tp: int, optimizer: str, group_mb: float) -> Schedule:
-    """A canzona schedule for the benchmark model (fp32 parameters, 4 MiB buckets)."""
+def make_schedule(config_path: str, dp: int, tp: int, optimizer: str, group_mb: float, dtype: str = "fp32") -> Schedule:
+    """A canzona schedule for the benchmark model (`dtype` parameters, 1 Mi-element buckets)."""
     spec = load_model(config_path, tp)
-    spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="fp32") for p in spec.params))
+    spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype=dtype) for p in spec.params))
     request = PlanRequest(config_path, tp, dp, OptimizerConfig(optimizer), bucket_size=1 << 20, group_bytes=int(group_mb * (1 << 20)))
     return compile_schedule(make_plan(spec, request))
 
@@ -81,8 +84,9 @@ def _make_optimizer(strategy: Any, schedule: Schedule, groups: tuple[Any, Any], 
         shape = list(entry.shape)
         if entry.tp_dim is not None:
             shape[entry.tp_dim] //= tp
-        param = torch.nn.Parameter(torch.randn(shape, generator=generator) * 0.02)
-        param.grad = torch.randn(shape, generator=generator)
+        dtype = DTYPES[entry.dtype]
+        param = torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.02).to(dtype))
+        param.grad = torch.randn(shape, generator=generator).to(dtype)
         params.append((entry.name, param))
     return strategy(params, schedule, dp_group=groups[0], tp_group=groups[1])
 
@@ -120,23 +124,23 @@ def run_layout(schedule: Schedule, warmup: int, steps: int) -> dict[str, float]:
     return medians
 
 
-def table(rows: list[tuple[int, int, int, int, dict[str, float]]], optimizer: str, cores: int) -> str:
+def table(rows: list[tuple[str, int, int, int, int, dict[str, float]]], optimizer: str, cores: int) -> str:
     """The markdown table of the run."""
     lines = [
-        f"Optimizer step latency, {optimizer}, fp32, gloo on {cores} CPU cores, one thread per rank; model: Qwen3-style "
+        f"Optimizer step latency, {optimizer}, gloo on {cores} CPU cores, one thread per rank; model: Qwen3-style "
         f"h {MODEL['hidden_size']}, F {MODEL['intermediate_size']}, L {MODEL['num_hidden_layers']}, vocab {MODEL['vocab_size']}; "
         "median of the slowest rank's step() (ms). With 4 ranks on 2 cores the ranks share cores, so times "
         "there count total CPU work. Absolute times move with machine load; the ratios (steps interleaved) are "
         "the stable part.",
         "",
-        "| ranks | layout | micro-groups/rank | canzona ms | canzona rooted ms | TP-SC ms | DP-SC ms "
+        "| params | ranks | layout | micro-groups/rank | canzona ms | canzona rooted ms | TP-SC ms | DP-SC ms "
         "| DP-SC / canzona | TP-SC / canzona | rooted / all_to_all |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for world, dp, tp, groups, medians in rows:
+    for dtype, world, dp, tp, groups, medians in rows:
         c, r, t, d = (medians[k] * 1e3 for k in ("canzona", "canzona-rooted", "tp-sc", "dp-sc"))
         lines.append(
-            f"| {world} | DP {dp} x TP {tp} | {groups} | {c:.1f} | {r:.1f} | {t:.1f} | {d:.1f} | {d / c:.2f}x "
+            f"| {dtype} | {world} | DP {dp} x TP {tp} | {groups} | {c:.1f} | {r:.1f} | {t:.1f} | {d:.1f} | {d / c:.2f}x "
             f"| {t / c:.2f}x | {r / c:.2f}x |"
         )
     return "\n".join(lines)
@@ -157,6 +161,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 warm-up and 3 timed steps")
     parser.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"])
     parser.add_argument("--group-mb", type=float, default=1.0, help="micro-group capacity (MiB per host)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "both"], default="both", help="parameter dtype")
     parser.add_argument("--write", type=Path, help="update this BENCHMARKS.md (only if it exists)")
     args = parser.parse_args()
     warmup, steps = (2, 3) if args.quick else (3, 9)
@@ -164,12 +169,14 @@ def main() -> None:
         config = Path(folder) / "bench_qwen3.json"
         config.write_text(json.dumps(MODEL))
         rows = []
-        for dp, tp in LAYOUTS:
-            schedule = make_schedule(str(config), dp, tp, args.optimizer, args.group_mb)
-            groups = max(len(rank.groups) for rank in schedule.tp.ranks)
-            medians = run_layout(schedule, warmup, steps)
-            rows.append((dp * tp, dp, tp, groups, medians))
-            print(f"DP {dp} x TP {tp}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in medians.items()), file=sys.stderr, flush=True)
+        for dtype in (["fp32", "bf16"] if args.dtype == "both" else [args.dtype]):
+            for dp, tp in LAYOUTS:
+                schedule = make_schedule(str(config), dp, tp, args.optimizer, args.group_mb, dtype)
+                groups = max(len(rank.groups) for rank in schedule.tp.ranks)
+                medians = run_layout(schedule, warmup, steps)
+                rows.append((dtype, dp * tp, dp, tp, groups, medians))
+                print(f"{dtype} DP {dp} x TP {tp}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in medians.items()),
+                      file=sys.stderr, flush=True)
     text = table(rows, args.optimizer, os.cpu_count() or 1)
     print(text)
     if args.write is not None and args.write.exists():

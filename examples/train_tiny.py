@@ -1,11 +1,14 @@
-"""Train the tiny Qwen3-style model under DP x TP with canzona, on synthetic data.
+"""Train the tiny Qwen3-style model under DP x TP with canzona, on synthetic data, the way a
+training script uses any torch.optim optimizer: bf16 parameters (the schedule's dtype; the
+optimizer keeps fp32 main copies), no weight decay for 1-D parameters and embeddings, linear
+warm-up then cosine decay of every group's learning rate, global gradient-norm clipping.
 
     canzona plan --model examples/tiny_qwen3.yaml --tp 2 --dp 2 --bucket-size 20000 \\
         --group-mb 0.03 -o /tmp/tiny.yaml
     torchrun --nproc-per-node 4 examples/train_tiny.py --tp 2 --dp 2 --schedule /tmp/tiny.yaml
 
-Global rank = dp_rank * tp + tp_rank. Prints the DP-mean loss and the optimizer step time;
-`--strategy dp-sc|tp-sc` runs a baseline with the same math instead.
+Global rank = dp_rank * tp + tp_rank. Prints the DP-mean loss, the gradient norm and the
+optimizer time (clip + step); `--strategy dp-sc|tp-sc` runs a baseline with the same math.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_qwen3 import TinyConfig, TinyQwen3, init_full_state, shard_state, synthetic_batch  # noqa: E402
@@ -44,7 +49,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--adamw-lr", type=float, default=3e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.1, help="matrices and the output layer")
+    parser.add_argument("--max-norm", type=float, default=1.0, help="clip the global gradient norm to this")
+    parser.add_argument("--warmup", type=int, default=2, help="steps of linear warm-up before the cosine decay")
     return parser.parse_args(argv)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices and the output layer; not norms, biases or the embedding. The matrix
+    optimizer's parameters take `weight_decay`, AdamW's `adamw_weight_decay`."""
+    named = list(model.named_parameters())
+    flat = [(n, p) for n, p in named if p.dim() == 1 or "embedding" in n]
+    rest = [(n, p) for n, p in named if not (p.dim() == 1 or "embedding" in n)]
+    return [{"params": rest, "weight_decay": weight_decay, "adamw_weight_decay": weight_decay},
+            {"params": flat, "adamw_weight_decay": 0.0}]
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warm-up over `warmup` steps (from 10% of each group's lr), then cosine decay to zero."""
+    cosine = CosineAnnealingLR(optimizer, T_max=max(1, steps - warmup), eta_min=0.0)
+    if warmup < 1:
+        return cosine
+    return SequentialLR(optimizer, [LinearLR(optimizer, 0.1, 1.0, total_iters=warmup), cosine], milestones=[warmup])
 
 
 
@@ -61,22 +87,26 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[load_schedule(args.schedule).params[0].dtype]
     model = TinyQwen3(cfg, tp_group).to(dtype)
     model.load_state_dict(shard_state(init_full_state(cfg), args.tp, tp_rank))
-    optimizer = STRATEGIES[args.strategy](model.named_parameters(), args.schedule, dp_group=dp_group, tp_group=tp_group,
-                                          lr=args.lr, adamw_lr=args.adamw_lr)
+    optimizer = STRATEGIES[args.strategy](param_groups(model, args.weight_decay), args.schedule, dp_group=dp_group,
+                                          tp_group=tp_group, lr=args.lr, adamw_lr=args.adamw_lr)
+    scheduler = warmup_cosine(optimizer, args.warmup, args.steps)
     times, first = [], None
     for step in range(args.steps):
         loss = model(synthetic_batch(cfg, args.batch, args.seq, seed=step * args.dp + dp_rank))
         loss.backward()
         started = time.perf_counter()
+        norm = optimizer.clip_grad_norm_(args.max_norm)  # reduces over DP first: the true global norm
         optimizer.step()
         times.append(time.perf_counter() - started)
         optimizer.zero_grad()
+        scheduler.step()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean, group=dp_group)
         mean = float(mean) / args.dp
         first = mean if first is None else first
         if dist.get_rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step:3d}  loss {mean:.4f}  optimizer step {times[-1] * 1e3:.1f} ms", flush=True)
+            print(f"step {step:3d}  loss {mean:.4f}  grad norm {float(norm):.3f}  lr {optimizer.param_groups[0]['lr']:.4f}  "
+                  f"optimizer {times[-1] * 1e3:.1f} ms", flush=True)
     if dist.get_rank() == 0:
         print(f"{args.strategy}: loss {first:.4f} -> {mean:.4f}; median step {statistics.median(times) * 1e3:.1f} ms", flush=True)
     dist.destroy_process_group()

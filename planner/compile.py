@@ -5,8 +5,7 @@ from __future__ import annotations
 from importlib import metadata
 
 from canzona.planner.partition.baselines import BaselineLoads
-from canzona.planner.partition.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
-from canzona.planner.partition.costs import OptimizerConfig
+from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.devices import device_figures, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MODES, group_stats
@@ -154,12 +153,13 @@ def _dp_metrics(plan: Plan, dense: list[BucketEntry], expert: list[BucketEntry])
     index_of = {param.name: index for index, param in enumerate(plan.model.params)}
     state = [sum(plan.state_bytes[index_of[t.name]] for t in tasks) for tasks in plan.tasks]
     adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
+    adamw_bytes = adamw_slice_bytes_per_element(plan.model.params)
     adamw_load = [0.0] * dp
     for bucket in plan.adamw_layout.buckets:
         # Every TP rank updates its own slice of its own AdamW buffer: the group does tp of them.
         for rank, elements in enumerate(slice_sizes(equal_cuts(bucket.numel, dp))):
             adamw_load[rank] += tp * adamw_cost(elements)
-            state[rank] += tp * ADAMW_STATE_BYTES_PER_ELEMENT * elements
+            state[rank] += tp * adamw_bytes * elements
     loads = list(plan.loads)
     total = sum(loads)
     buffers = [b for b in (plan.dense, plan.expert) if b is not None]

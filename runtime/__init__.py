@@ -6,7 +6,8 @@ Never imports the planner, typer or ortools: it reads the schedule file and noth
 from canzona.runtime.baselines import DpScOptimizer, TpScOptimizer
 from canzona.runtime.checkpoint import load_checkpoint, merge_state_dicts, save_checkpoint
 from canzona.runtime.faults import CheckpointError, CollectiveError, StepFailedError
-from canzona.runtime.optimizer import CanzonaOptimizer, make_groups
+from canzona.runtime.optimizer import CanzonaOptimizer
+from canzona.runtime.process_groups import make_groups
 from canzona.runtime.optimizers import Hyperparameters
 from canzona.runtime.schedule import ScheduleMismatchError, load_schedule
 

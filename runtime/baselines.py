@@ -11,12 +11,14 @@ Both give the same result as `CanzonaOptimizer`, which the tests check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from canzona.runtime import comm
-from canzona.runtime.layout import owned_tasks
+from canzona.runtime.layout import Task, owned_tasks
 from canzona.runtime.optimizer import CanzonaOptimizer
-from canzona.runtime.pipeline import replicated_updates
+from canzona.runtime.pipeline import gather_replicated, replicated_updates
 
 
 class TpScOptimizer(CanzonaOptimizer):
@@ -28,16 +30,22 @@ class TpScOptimizer(CanzonaOptimizer):
         self.tasks = owned_tasks(self.schedule, self._ranks)
         self._hosted = [t.param for t in self.tasks]
 
+    def _group_tasks(self) -> list[Task]:
+        return list(self.tasks)
+
+    def _gather_full(self, tasks: list[Task], shard_of: Callable[[Task], Tensor]) -> dict[int, Tensor]:
+        return gather_replicated(tasks, self.tp_group, shard_of, self.device, self.timeout)
+
     def _writes_matrix(self) -> bool:
         return self.tp_rank == 0
 
-    def _update_matrices(self, grads: Tensor, values: Tensor) -> None:
+    def _update_matrices(self, grads: Tensor, values: Tensor, out: Tensor) -> None:
         replicated_updates(
             self.tasks, self.tp_rank, self.tp_size, self.tp_group,
             grad_of=lambda task: self._local(grads, task),
             update_of=self._host_update,
-            apply=lambda task, shard: self._apply(values, task, shard),
-            timeout=self.timeout,
+            apply=lambda task, shard: self._apply(values, out, task, shard),
+            device=self.device, timeout=self.timeout, active=self._active_task,
         )
 
 
@@ -58,5 +66,5 @@ class DpScOptimizer(TpScOptimizer):
     def _reduce_grads(self) -> Tensor:
         return comm.all_reduce_mean(self._send.clone(), self.dp_group, self.timeout)
 
-    def _publish(self, values: Tensor) -> None:
-        comm.unpack(self.layout.pieces, values, self._flat_params)
+    def _publish(self, out: Tensor, active: list[bool]) -> None:
+        comm.unpack(self.layout.pieces, out, self._targets(active))

@@ -78,7 +78,7 @@ def matrix_row(optimizer: str, rows: int, cols: int, settings: Settings, device:
     """One profile row: the per-step seconds of `optimizer` on a rows x cols matrix."""
     rule = make_rule(optimizer, _hyperparameters(settings))
     with torch.device(device):
-        states = init_matrix_state(rule, (rows, cols), None)
+        states = init_matrix_state(rule, (rows, cols), None, device)
         grad = torch.randn(rows, cols)
     refresh = median_seconds(lambda: matrix_update(rule, states, grad, None, 1), device, warmup, repeats)
     if optimizer == "muon":

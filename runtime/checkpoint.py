@@ -195,11 +195,25 @@ def _prepare_folder(root: Path, step: int) -> str:
     return f"{DATA_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
 
 
+def _json_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return [_json_value(item) for item in value]
+    return value
+
+
+def _json_groups(opt: CanzonaOptimizer) -> list[dict[str, Any]]:
+    """Every group's hyperparameters (and scheduler keys), without the tensors."""
+    return [{key: _json_value(value) for key, value in group.items() if key != "params"} for group in opt.param_groups]
+
+
 def _manifest(opt: CanzonaOptimizer, folder: str, files: dict[str, str]) -> dict[str, Any]:
     return {
         "format": CHECKPOINT_FORMAT, "state_format": STATE_FORMAT, "data": folder, "step": opt.step_count,
-        "strategy": opt.strategy, "layout": opt.state_layout().to_json(), "fingerprint": opt.schedule.fingerprint,
-        "digest": opt.digest, "world": opt.dp_size * opt.tp_size, "hyperparameters": asdict(opt.hp), "files": files,
+        "param_steps": logical.export_steps(opt), "strategy": opt.strategy, "layout": opt.state_layout().to_json(),
+        "fingerprint": opt.schedule.fingerprint, "digest": opt.digest, "world": opt.dp_size * opt.tp_size,
+        "hyperparameters": asdict(opt.hp), "param_groups": _json_groups(opt), "files": files,
     }
 
 
@@ -254,7 +268,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return body
 
 
-def _check_record(opt: CanzonaOptimizer, root: Path) -> dict[str, Any]:
+def _check_record(opt: CanzonaOptimizer, root: Path, param_groups: bool) -> dict[str, Any]:
     manifest = read_manifest(root)
     try:
         problems = incompatibilities(StateLayout.from_json(manifest["layout"]), opt.state_layout())
@@ -262,6 +276,12 @@ def _check_record(opt: CanzonaOptimizer, root: Path) -> dict[str, Any]:
         raise CheckpointError(f"{str(root / MANIFEST)!r}: {error}") from error
     if problems:
         raise CheckpointError("the checkpoint does not fit this optimizer: " + "; ".join(problems))
+    if param_groups:
+        try:
+            manifest["param_groups"] = logical.check_groups(opt, manifest.get("param_groups"))
+        except ValueError as error:
+            raise CheckpointError(f"the checkpoint's param groups do not fit ({error}); load with param_groups=False "
+                                  "to keep this optimizer's") from error
     return manifest
 
 
@@ -280,14 +300,16 @@ def _plan(opt: CanzonaOptimizer, folder: Path) -> logical.Destination:
 
 
 def load_checkpoint(opt: CanzonaOptimizer, path: str | os.PathLike[str], *, verify: bool = True,
-                    process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+                    param_groups: bool = True, process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Load the checkpoint at `path` into `opt` (collective), whatever schedule of the same model
-    saved it: every rank reads the state it holds under `opt`'s schedule. `verify` checks the
-    files' checksums first (each rank reads a share). Returns the commit record. On any
-    problem every rank raises CheckpointError and `opt` is unchanged."""
+    saved it: every rank reads the state it holds under `opt`'s schedule (fp32 main copies
+    included; a checkpoint without them has them rebuilt from the parameters at the next step).
+    `param_groups` also restores every group's hyperparameters, as `load_state_dict` does.
+    `verify` checks the files' checksums first (each rank reads a share). Returns the commit
+    record. On any problem every rank raises CheckpointError and `opt` is unchanged."""
     root, group = Path(path), _check_group(opt, process_group)
     what = f"loading checkpoint {str(root)!r}"
-    manifest, problem = _attempt(_check_record, opt, root)
+    manifest, problem = _attempt(_check_record, opt, root, param_groups)
     if manifest is not None and verify:
         _, problem = _attempt(_verify, opt, root / manifest["data"], manifest["files"])
     _exchange(opt, problem, None, what)
@@ -298,7 +320,9 @@ def load_checkpoint(opt: CanzonaOptimizer, path: str | os.PathLike[str], *, veri
     reader = dcp.FileSystemReader(folder)
     _, problem = _attempt(lambda: dcp.load(dest.tensors, storage_reader=reader, planner=_LoadPlanner(), process_group=group))
     _exchange(opt, problem, None, what)
-    logical.install(opt, dest, int(manifest["step"]))
+    logical.install(opt, dest, int(manifest["step"]), manifest.get("param_steps", {}))
+    if param_groups:
+        logical.restore_groups(opt, manifest.get("param_groups"))
     return manifest
 
 

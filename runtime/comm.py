@@ -2,6 +2,8 @@
 
 Uneven reduce-scatter / all-gather over DP at the schedule's cuts, and an asynchronous
 all-to-all for the TP micro-group gather and scatter. A group of size 1 never communicates.
+Every buffer is created on the device (and in the dtype) of the tensor it receives for, so the
+same code runs on gloo with CPU tensors and on NCCL with CUDA tensors.
 Every collective waits at most `timeout` (None: the process group's own timeout) and raises
 `CollectiveError` when it fails or times out.
 """
@@ -20,22 +22,27 @@ from canzona.runtime.faults import wait
 from canzona.runtime.layout import Piece
 
 
-def pack(pieces: Sequence[Piece], sources: Sequence[Tensor | None], out: Tensor, base: int = 0) -> None:
-    """Copy each piece from its flattened source tensor into `out` at `dst - base`
-    (a missing source, e.g. a parameter without a gradient, packs zeros)."""
+def pack(pieces: Sequence[Piece], sources: Sequence[Tensor | None], out: Tensor, base: int = 0,
+         zero_missing: bool = True) -> None:
+    """Copy each piece from its flattened source tensor into `out` at `dst - base`, casting to
+    `out`'s dtype. A missing source (a parameter without a gradient) packs zeros, or is left
+    alone with `zero_missing=False`."""
     for piece in pieces:
         target = out[piece.dst - base : piece.dst - base + piece.length]
         source = sources[piece.param]
-        if source is None:
-            target.zero_()
-        else:
+        if source is not None:
             target.copy_(source[piece.src : piece.src + piece.length])
+        elif zero_missing:
+            target.zero_()
 
 
-def unpack(pieces: Sequence[Piece], buffer: Tensor, targets: Sequence[Tensor], base: int = 0) -> None:
-    """Copy each piece from `buffer` (at `dst - base`) into its flattened target tensor."""
+def unpack(pieces: Sequence[Piece], buffer: Tensor, targets: Sequence[Tensor | None], base: int = 0) -> None:
+    """Copy each piece from `buffer` (at `dst - base`) into its flattened target tensor
+    (casting to its dtype); pieces whose target is None are skipped."""
     for piece in pieces:
-        targets[piece.param][piece.src : piece.src + piece.length].copy_(buffer[piece.dst - base : piece.dst - base + piece.length])
+        target = targets[piece.param]
+        if target is not None:
+            target[piece.src : piece.src + piece.length].copy_(buffer[piece.dst - base : piece.dst - base + piece.length])
 
 
 def reduce_scatter_mean(send: Tensor, sizes: Sequence[int], rank: int, group: dist.ProcessGroup,
@@ -46,7 +53,7 @@ def reduce_scatter_mean(send: Tensor, sizes: Sequence[int], rank: int, group: di
     if world == 1:
         return send.clone()
     mine = sizes[rank]
-    received = torch.empty(world * mine, dtype=send.dtype)
+    received = torch.empty(world * mine, dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(received, send, [mine] * world, list(sizes), group=group, async_op=True)
     wait(work, timeout, "the DP reduce-scatter of gradients")
     return received.view(world, mine).sum(0).div_(world)
@@ -58,7 +65,7 @@ def all_gather_uneven(mine: Tensor, sizes: Sequence[int], group: dist.ProcessGro
     world = len(sizes)
     if world == 1:
         return mine
-    received = torch.empty(sum(sizes), dtype=mine.dtype)
+    received = torch.empty(sum(sizes), dtype=mine.dtype, device=mine.device)
     work = dist.all_to_all_single(received, mine.repeat(world), list(sizes), [mine.numel()] * world, group=group, async_op=True)
     wait(work, timeout, "the DP all-gather of updated parameters")
     return received
@@ -100,7 +107,7 @@ def all_gather_rooted(mine: Tensor, sizes: Sequence[int], group: dist.ProcessGro
     if len(sizes) == 1:
         return mine
     rank = dist.get_rank(group)
-    out = torch.empty(sum(sizes), dtype=mine.dtype)
+    out = torch.empty(sum(sizes), dtype=mine.dtype, device=mine.device)
     regions = _regions(sizes)
     out[regions[rank][0] : regions[rank][1]].copy_(mine)
     works = [
@@ -145,7 +152,7 @@ def start_all_to_all(send: Tensor, send_splits: list[int], recv_splits: list[int
     """Launch `all_to_all_single` asynchronously (a size-1 group just hands `send` back)."""
     if len(send_splits) == 1:
         return InFlight(send, None)
-    received = torch.empty(sum(recv_splits), dtype=send.dtype)
+    received = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(received, send, recv_splits, send_splits, group=group, async_op=True)
     return InFlight(received, work, [send], timeout, what)
 

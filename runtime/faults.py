@@ -74,7 +74,8 @@ def _size(group: dist.ProcessGroup) -> int:
 
 def gather_objects(value: Any, groups: Sequence[dist.ProcessGroup], what: str) -> list[Any]:
     """Every rank's `value` across the grid the groups span (nested: gather over groups[0],
-    then gather those lists over groups[1], ...)."""
+    then gather those lists over groups[1], ...). On NCCL, `all_gather_object` stages the
+    pickles on the current CUDA device: call `torch.cuda.set_device(local_rank)` first."""
     gathered: list[Any] = [value]
     try:
         for group in groups:
@@ -103,15 +104,19 @@ def describe(failures: Sequence[tuple[int, str]]) -> str:
 
 
 def settle(problem: str | None, groups: Sequence[dist.ProcessGroup], timeout: timedelta | None, point: str,
-           failure: str, error: type[Exception] = StepFailedError) -> None:
+           failure: str, device: torch.device, error: type[Exception] = StepFailedError,
+           flags: torch.Tensor | None = None) -> torch.Tensor:
     """A safe point (`point` names it): if any rank has a problem, every rank raises `error`
-    with `failure` and every rank's problem. One tiny all-reduce per group when nobody failed."""
-    flag = torch.tensor([1 if problem else 0], dtype=torch.int32)
+    with `failure` and every rank's problem. One tiny all-reduce (MAX) per group when nobody
+    failed, on `device` (NCCL takes no CPU tensors). `flags` (integers) ride along in the same
+    all-reduce; returned as agreed by every rank: the maximum over all of them."""
+    head = torch.tensor([1 if problem else 0], dtype=torch.int32, device=device)
+    vector = head if flags is None else torch.cat([head, flags.to(device=device, dtype=torch.int32)])
     for group in groups:
         if _size(group) > 1:
-            wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout, point)
-    if not int(flag.item()):
-        return
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    reports = gather_objects((rank, problem), groups, point)
-    raise error(f"canzona: {failure}; " + describe([(r, p) for r, p in reports if p]))
+            wait(dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout, point)
+    if int(vector[0].item()):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        reports = gather_objects((rank, problem), groups, point)
+        raise error(f"canzona: {failure}; " + describe([(r, p) for r, p in reports if p]))
+    return vector[1:]

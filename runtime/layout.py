@@ -83,7 +83,8 @@ def build_dp_layout(schedule: Schedule) -> DpLayout:
 @dataclass(frozen=True)
 class Task:
     """The update of one matrix: its registration index, host TP rank, local shape (every TP
-    rank's shard has it), full shape, TP dim (None: replicated) and row blocks."""
+    rank's shard has it), full shape, TP dim (None: replicated), row blocks and the model
+    dtype of the parameter (the schedule's name: fp32, bf16, fp16)."""
 
     param: int
     host: int
@@ -91,6 +92,7 @@ class Task:
     shape: tuple[int, int]
     tp_dim: int | None
     row_blocks: list[list[list[int]]] | None
+    dtype: str = "fp32"
 
     @property
     def numel(self) -> int:
@@ -106,7 +108,7 @@ def matrix_tasks(schedule: Schedule, names: list[str] | None = None) -> dict[str
     tp = schedule.request.tp
     wanted = set(names) if names is not None else None
     return {
-        e.name: Task(e.index, 0, local_shape(e, tp), (e.shape[0], e.shape[1]), e.tp_dim, e.row_blocks)
+        e.name: Task(e.index, 0, local_shape(e, tp), (e.shape[0], e.shape[1]), e.tp_dim, e.row_blocks, e.dtype)
         for e in schedule.params
         if e.optimizer == MATRIX and (wanted is None or e.name in wanted)
     }

@@ -1,13 +1,15 @@
-"""`CanzonaOptimizer`: executes a schedule every step under torch.distributed (DESIGN §7).
+"""`CanzonaOptimizer`: a `torch.optim.Optimizer` that executes a schedule every step under
+torch.distributed (DESIGN §7).
 
-One step: pack gradients into the exchange buffer; uneven reduce-scatter over DP (mean); the
-TP micro-group pipeline for the matrices this DP rank owns; AdamW on this rank's equal slices;
-uneven all-gather of the updated parameter values over DP, written back in place.
+One step: reduce the gradients (pack in fp32, uneven reduce-scatter over DP: the mean); the TP
+micro-group pipeline for the matrices this DP rank owns; AdamW on this rank's equal slices;
+uneven all-gather of the updated parameter values over DP (in the model dtype), written back in
+place. Low-precision parameters are updated through fp32 main copies (`canzona.runtime.precision`).
 
 A step is a transaction: updates and new state are computed into scratch, every rank agrees
-that nobody failed (a safe point before the first collective and one before applying), and
-only then are parameters and state replaced. A failure anywhere raises `StepFailedError` on
-every rank and changes nothing; a collective that fails or times out raises `CollectiveError`.
+that nobody failed (a safe point before the first data collective and one before applying),
+and only then are parameters and state replaced. A failure anywhere raises `StepFailedError`
+on every rank and changes nothing; a collective that fails or times out raises `CollectiveError`.
 """
 
 from __future__ import annotations
@@ -28,53 +30,17 @@ from torch.utils.hooks import RemovableHandle
 
 from canzona.schedules.format import Schedule, ScheduleError
 from canzona.schedules.reshard import StateLayout, incompatibilities, state_layout
-from canzona.runtime import comm, state as logical
+from canzona.runtime import comm, gradients, precision, state as logical
 from canzona.runtime.faults import CollectiveError, as_timedelta, settle
+from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
 from canzona.runtime.layout import Task, build_dp_layout, matrix_tasks, micro_groups
-from canzona.runtime.optimizers import Hyperparameters, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.optimizers import Hyperparameters, MatrixRule, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
 from canzona.runtime.pipeline import MicroGroupPipeline
-from canzona.runtime.schedule import (
-    Verdict,
-    agree,
-    layout_problem,
-    load_schedule,
-    model_problems,
-    plan_digest,
-    summary,
-)
+from canzona.runtime.process_groups import resolve_process_groups
+from canzona.runtime.schedule import DTYPES, Verdict, agree, layout_problem, load_schedule, plan_digest, summary
 
 STATE_FORMAT = "canzona-logical/1"
-StepHook = Callable[["CanzonaOptimizer"], None]
-
-
-def make_groups(dp: int, tp: int, timeout: timedelta | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's DP and TP groups under canzona's layout, global rank = dp_rank · tp +
-    tp_rank. Every rank must call it (new_group needs every rank to create every group, in
-    the same order); `timeout` bounds each group's collectives (None: the default)."""
-    if dp * tp != dist.get_world_size():
-        raise ValueError(f"dp {dp} x tp {tp} does not match the world size {dist.get_world_size()}")
-    rank, options = dist.get_rank(), ({"timeout": timeout} if timeout is not None else {})
-    dp_group = tp_group = None
-    for t in range(tp):
-        group = dist.new_group([d * tp + t for d in range(dp)], **options)
-        dp_group = group if rank % tp == t else dp_group
-    for d in range(dp):
-        group = dist.new_group([d * tp + t for t in range(tp)], **options)
-        tp_group = group if rank // tp == d else tp_group
-    assert dp_group is not None and tp_group is not None
-    return dp_group, tp_group
-
-
-def resolve_groups(dp_group: Any, tp_group: Any, mesh: Any) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """The DP and TP process groups, from explicit groups or a 2-D DeviceMesh (axes dp, tp)."""
-    if mesh is not None:
-        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh.ndim != 2 or set(names) != {"dp", "tp"}:
-            raise ValueError(f"the device mesh must be 2-D with dims named 'dp' and 'tp', got {names or mesh.ndim}")
-        return mesh.get_group("dp"), mesh.get_group("tp")
-    if dp_group is None or tp_group is None:
-        raise TypeError("CanzonaOptimizer needs dp_group and tp_group (or mesh=DeviceMesh with dims dp, tp)")
-    return dp_group, tp_group
+PreHook = Callable[..., Any]
 
 
 def _problem(error: BaseException) -> str:
@@ -82,13 +48,24 @@ def _problem(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
+def _widest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype updated values travel in over DP: the model's one dtype, else fp32 (exact for
+    bf16 and fp16 alike)."""
+    found = set(dtypes)
+    return found.pop() if len(found) == 1 else torch.float32
+
+
 @dataclass
 class _Pending:
     """What one step has computed but not applied."""
 
     step: int
+    active: list[bool]
+    hps: list[Hyperparameters]
+    rules: dict[int, MatrixRule]
     problem: str | None = None
     matrix: dict[int, list[State]] = field(default_factory=dict)
+    main: dict[int, Tensor] = field(default_factory=dict)
     adamw: dict[str, Tensor] | None = None
 
     def fail(self, problem: str) -> None:
@@ -96,82 +73,114 @@ class _Pending:
         self.problem = self.problem or problem
 
 
-class CanzonaOptimizer:
-    """Canzona's optimizer step for the live, TP-sharded local parameters of this rank.
+class CanzonaOptimizer(torch.optim.Optimizer):
+    """Canzona's optimizer step for the live, TP-sharded local parameters of this rank; a
+    drop-in `torch.optim.Optimizer` (param_groups, LR schedulers, closures, hooks).
 
-    `named_parameters` are named as in the schedule, in registration order; `schedule` is a
-    `Schedule` or a path. Gradients are this rank's own (not reduced over DP). Construction
-    checks the schedule against the model, the groups and the other ranks, and raises
-    `ScheduleMismatchError` on every rank if anything differs. `timeout` (seconds or a
-    timedelta) bounds every collective of a step (None: the process groups' own timeout);
-    `check_finite` makes a non-finite local gradient fail the step on every rank.
-    `dp_collectives`: "all_to_all" (default: one fused all_to_all each way, summed in rank
-    order, so results match the single-process reference bit for bit in order; a slice's
-    owner receives n − 1 copies) or "rooted" (one reduce to and one broadcast from each
-    slice's owner: every link carries a slice about once however uneven the cuts are; the
-    backend's summation order differs, which Shampoo/SOAP amplify beyond rtol 1e-5 at DP 4).
-    Hyperparameters: see `canzona.runtime.optimizers.Hyperparameters` (matrix optimizer and
-    settings default to the schedule's)."""
+    `params`: `model.named_parameters()` or a list of group dicts whose "params" are
+    (name, tensor) pairs, named as in the schedule (see `canzona.runtime.groups` for how groups
+    split into matrix and AdamW groups; parameters with `requires_grad=False`, or not passed,
+    are never changed). `schedule`: a `Schedule`, a path or a library name. Gradients are this
+    rank's own (not reduced over DP), read from `.grad` or, with `grad_attr="main_grad"`, from
+    Megatron's fp32 `.main_grad`. Construction checks the schedule against the parameters, the
+    groups and the other ranks, and raises `ScheduleMismatchError` on every rank if anything is
+    wrong. `timeout` (seconds or a timedelta) bounds every collective of a step (None: the
+    process groups' own); `check_finite` makes a non-finite local gradient fail the step on
+    every rank. `dp_collectives`: "all_to_all" (default: one fused all_to_all each way, summed
+    in rank order, so results match the single-process reference bit for bit in order) or
+    "rooted" (one reduce to and one broadcast from each slice's owner: every link carries a
+    slice about once however uneven the cuts are; the backend's summation order differs, which
+    Shampoo/SOAP amplify beyond rtol 1e-5 at DP 4). Other keywords are the defaults of every
+    group: see `canzona.runtime.optimizers.Hyperparameters` (matrix settings default to the
+    schedule's)."""
 
     strategy = "canzona"
 
-    def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], schedule: Schedule | str | os.PathLike[str], *,
+    def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *,
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
                  mesh: Any = None, timeout: float | timedelta | None = None, check_finite: bool = False,
-                 dp_collectives: str = "all_to_all", **hyperparameters: Any) -> None:
-        named = list(named_parameters)
+                 dp_collectives: str = "all_to_all", grad_attr: str = "grad", **defaults: Any) -> None:
+        given = list(params)
         if dp_collectives not in comm.DP_COLLECTIVES:
             raise ValueError(f"dp_collectives must be one of {', '.join(comm.DP_COLLECTIVES)}, got {dp_collectives!r}")
+        if not isinstance(grad_attr, str) or not grad_attr.isidentifier():
+            raise ValueError(f"grad_attr must be an attribute name such as 'grad' or 'main_grad', got {grad_attr!r}")
         self.rooted = dp_collectives == "rooted"
         self.timeout = as_timedelta(timeout)
         self.check_finite = check_finite
-        self.dp_group, self.tp_group = resolve_groups(dp_group, tp_group, mesh)
+        self.grad_attr = grad_attr
+        self.dp_group, self.tp_group = resolve_process_groups(dp_group, tp_group, mesh)
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
-        loaded, problem = self._prepare(named, schedule, hyperparameters)
+        loaded, resolved, problem = self._prepare(given, schedule, defaults)
         verdict = Verdict(
             rank=dist.get_rank(), dp_rank=self.dp_rank, tp_rank=self.tp_rank, problem=problem,
             fingerprint=loaded.fingerprint if loaded else None,
             digest=plan_digest(loaded) if loaded else None,
             summary=summary(loaded) if loaded else "no schedule",
+            frozen=", ".join(resolved.frozen) if resolved else None,
         )
         agree(verdict, self.dp_group, self.tp_group)
-        assert loaded is not None and verdict.digest is not None
+        assert loaded is not None and resolved is not None and verdict.digest is not None
         self.schedule: Schedule = loaded
         self.digest: str = verdict.digest
-        self.params = [tensor for _, tensor in named]
-        self.names = [name for name, _ in named]
-        self._hooks: OrderedDict[int, StepHook] = OrderedDict()  # RemovableHandle needs a weak reference
+        self.frozen: list[str] = resolved.frozen
+        self._ready = False
+        super().__init__(resolved.groups, {"lr": self.hp.lr, "weight_decay": self.hp.weight_decay})
+        self.state = logical.StateView(self)  # type: ignore[assignment]
+        self._pre_hooks: OrderedDict[int, PreHook] = OrderedDict()  # RemovableHandle needs a weak reference
         self._broken: str | None = None
         self._pending: _Pending | None = None
+        self._reduced: gradients.Reduced | None = None
         self._setup()
+        self._ready = True
 
-    def _prepare(self, named: list[tuple[str, Tensor]], schedule: Schedule | str | os.PathLike[str],
-                 hyperparameters: dict[str, Any]) -> tuple[Schedule | None, str | None]:
+    def _prepare(self, given: list[Any], schedule: Schedule | str | os.PathLike[str],
+                 defaults: dict[str, Any]) -> tuple[Schedule | None, ResolvedGroups | None, str | None]:
         """Load and check locally; every failure becomes this rank's verdict, not an exception."""
         try:
             loaded = schedule if isinstance(schedule, Schedule) else load_schedule(schedule)
         except ScheduleError as error:
-            return None, str(error)
+            return None, None, str(error)
+        rule = loaded.request.optimizer.name
         try:
-            self.hp = Hyperparameters.from_kwargs(hyperparameters).resolved(loaded.request.optimizer)
+            self.hp = Hyperparameters.from_kwargs(defaults).resolved(loaded.request.optimizer)
         except (TypeError, ValueError) as error:
-            return loaded, f"bad hyperparameters: {error}"
-        problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p]
-        problems += model_problems(loaded, named)
+            return loaded, None, f"bad hyperparameters: {error}"
+        entries = {e.name: e for e in loaded.params}
+        resolved = resolve_param_groups(given, entries, loaded.request.tp, rule, self.hp, self.grad_attr)
+        problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p] + resolved.problems
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            return loaded, "model does not match the schedule: " + "; ".join(problems[:3]) + more
-        return loaded, None
+            return loaded, resolved, "parameters do not match the schedule: " + "; ".join(problems[:3]) + more
+        return loaded, resolved, None
 
     def _setup(self) -> None:
+        entries = sorted(self.schedule.params, key=lambda e: e.index)
+        self.names = [e.name for e in entries]
+        self._tp_dims = [e.tp_dim for e in entries]
+        self._dtypes = [DTYPES[e.dtype] for e in entries]
+        self._lowp = [dtype != torch.float32 for dtype in self._dtypes]
+        self._numel = [e.numel for e in entries]
+        self._params: list[Tensor | None] = [None] * len(entries)
+        self._group_of: list[int] = [-1] * len(entries)
+        index_of = {name: index for index, name in enumerate(self.names)}
+        for position, group in enumerate(self.param_groups):
+            for name, tensor in zip(group["param_names"], group["params"]):
+                self._params[index_of[name]], self._group_of[index_of[name]] = tensor, position
+        self._managed = [p is not None for p in self._params]
+        self._managed_indices = [i for i, managed in enumerate(self._managed) if managed]
+        self._index_of_tensor = {id(self._params[i]): i for i in self._managed_indices}
+        self.device = self._param(self._managed_indices[0]).device
+        self._wire_dtype = _widest(self._dtypes)
+        self.param_steps = [0] * len(entries)
         self.layout = build_dp_layout(self.schedule)
+        self._managed_pieces = [p for p in self.layout.pieces if self._managed[p.param]]
         self.rule = make_rule(self.schedule.request.optimizer.name, self.hp)
         self.step_count = 0
         self.matrix_state: dict[int, list[State]] = {}
-        self._send = torch.zeros(self.layout.total)
-        self._flat_params = [p.detach().view(-1) for p in self.params]
-        self._tp_dims = [e.tp_dim for e in sorted(self.schedule.params, key=lambda e: e.index)]
+        self._send = torch.zeros(self.layout.total, dtype=torch.float32, device=self.device)
+        self._flat_params = [None if p is None else p.detach().view(-1) for p in self._params]
         self._ranks = self._updated_ranks()
         self._base = self.layout.starts[self._ranks[0]]
         self._size = sum(self.layout.sizes[r] for r in self._ranks)
@@ -179,11 +188,20 @@ class CanzonaOptimizer:
         self._offsets = {  # owned matrices are one piece each, inside the matrix part of a slice
             p.param: p.dst - self._base for r in self._ranks for p in self.layout.rank_pieces[r] if p.dst < matrix_end[r]
         }
+        self._fp32_pieces = [p for r in self._ranks for p in self.layout.rank_pieces[r] if self._managed[p.param] and not self._lowp[p.param]]
         adamw = sum(self.layout.sizes[r] - self.layout.matrix_sizes[r] for r in self._ranks)
-        self.adamw_state = {"exp_avg": torch.zeros(adamw), "exp_avg_sq": torch.zeros(adamw)}
+        self.adamw_state = {name: torch.zeros(adamw, dtype=torch.float32, device=self.device) for name in ("exp_avg", "exp_avg_sq")}
         self._setup_matrices()
         hosted = set(self._hosted)
         self._tasks: dict[int, Task] = {t.param: t for t in matrix_tasks(self.schedule).values() if t.param in hosted}
+        self._adamw_pieces = precision.adamw_pieces(self)
+        self.main = precision.allocate(self)
+        self._norm_runs = gradients.norm_runs(self)
+
+    def _param(self, index: int) -> Tensor:
+        param = self._params[index]
+        assert param is not None, f"{self.names[index]} is not optimized here"
+        return param
 
     def _updated_ranks(self) -> list[int]:
         """DP ranks whose slices this rank updates (canzona: its own)."""
@@ -191,8 +209,16 @@ class CanzonaOptimizer:
 
     def _setup_matrices(self) -> None:
         groups = micro_groups(self.schedule, self.dp_rank)
-        self.pipeline = MicroGroupPipeline(groups, self.tp_rank, self.tp_size, self.tp_group, self.timeout)
+        self.pipeline = MicroGroupPipeline(groups, self.tp_rank, self.tp_size, self.tp_group, self.device, self.timeout)
         self._hosted = [t.param for tasks in groups for t in tasks if t.host == self.tp_rank]
+
+    def _group_tasks(self) -> list[Task]:
+        """Every matrix this rank's TP group updates (any host)."""
+        return [t for tasks in self.pipeline.groups for t in tasks]
+
+    def _gather_full(self, tasks: list[Task], shard_of: Callable[[Task], Tensor]) -> dict[int, Tensor]:
+        """Full fp32 matrices of `tasks` on the ranks that update them (collective over TP)."""
+        return self.pipeline.gather_full(tasks, shard_of)
 
     def _writes_matrix(self) -> bool:
         """Whether this rank saves the matrix state it holds (one copy of each replica)."""
@@ -208,33 +234,35 @@ class CanzonaOptimizer:
 
     @property
     def hyperparameters(self) -> Hyperparameters:
-        """The resolved hyperparameters."""
+        """The resolved defaults every group started from (a group's values: `param_groups`)."""
         return self.hp
 
-    def set_hyperparameters(self, **changes: Any) -> None:
-        """Change scalar knobs between steps (e.g. `lr`, `adamw_lr` for a schedule); the ones
-        that shape the optimizer state (block size, max precondition dim) cannot change."""
-        fixed = sorted({"block_size", "max_precond_dim"} & set(changes))
-        if fixed:
-            raise ValueError(f"{', '.join(fixed)} shape the optimizer state and cannot change mid-run")
-        hp = Hyperparameters.from_kwargs({**asdict(self.hp), **changes})
-        hp.check()
-        self.hp, self.rule = hp, make_rule(self.schedule.request.optimizer.name, hp)
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only at construction: the schedule fixes the parameters (NotImplementedError later)."""
+        if getattr(self, "_ready", False):
+            raise NotImplementedError("canzona: the optimized parameters are fixed by the schedule at construction; "
+                                      "pass every group to CanzonaOptimizer(...)")
+        super().add_param_group(param_group)
 
-    def register_step_pre_hook(self, hook: StepHook) -> RemovableHandle:
-        """Run `hook(optimizer)` at the start of every step, before any collective; if it raises
-        on any rank, the step fails on every rank (e.g. a custom gradient check)."""
-        handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = hook
+    def register_step_pre_hook(self, hook: PreHook) -> RemovableHandle:
+        """Run `hook(optimizer, args, kwargs)` inside every step, before its closure and before
+        any collective (it may return new (args, kwargs), as in torch.optim). If it raises on
+        any rank, the step fails on every rank with nothing applied."""
+        handle = RemovableHandle(self._pre_hooks)
+        self._pre_hooks[handle.id] = hook
         return handle
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of every parameter."""
-        for param in self.params:
-            if set_to_none:
-                param.grad = None
-            elif param.grad is not None:
-                param.grad.zero_()
+        """Clear the gradients of every optimized parameter (`.grad`; a Megatron `.main_grad`
+        buffer is its owner's to zero) and drop gradients reduced but not yet stepped."""
+        self._reduced = None
+        super().zero_grad(set_to_none)
+
+    def reload_model_params(self) -> None:
+        """Rebuild the fp32 main copies from the parameters at the next step (after loading
+        model weights into the parameters, e.g. from a model checkpoint). Local; the rebuild
+        itself is agreed by every rank at the next step's first safe point."""
+        self.main.stale = True
 
     @contextmanager
     def _collectives(self) -> Iterator[None]:
@@ -247,103 +275,248 @@ class CanzonaOptimizer:
             self._broken = str(error)
             raise
 
-    def _settle(self, problem: str | None, step: int, before_collectives: bool) -> None:
+    def _settle(self, problem: str | None, step: int, before_collectives: bool, flags: Tensor | None = None) -> Tensor:
         where = "before its first collective" if before_collectives else "before applying its update"
         failure = f"step {step} failed {where}, nothing was applied on any rank"
-        settle(problem, (self.tp_group, self.dp_group), self.timeout, f"the safe point of step {step} {where}", failure)
+        return settle(problem, (self.tp_group, self.dp_group), self.timeout, f"the safe point of step {step} {where}",
+                      failure, self.device, flags=flags)
+
+    def _hyperparameters(self) -> tuple[list[Hyperparameters], str | None]:
+        """Every group's hyperparameters now (a scheduler or script may have changed them)."""
+        rule, hps = self.schedule.request.optimizer.name, []
+        for position, group in enumerate(self.param_groups):
+            try:
+                hps.append(group_hyperparameters(group, self.hp, rule))
+            except ValueError as error:
+                return [self.hp] * len(self.param_groups), f"param_groups[{position}] ({group['kind']}): {error}"
+        return hps, None
+
+    def reduce_gradients(self, problem: str | None = None) -> None:
+        """The first phase of a step (collective): check, pack and reduce this rank's gradients
+        over DP, keeping the result for the step. `step()` and `clip_grad_norm_()` call it;
+        a second call before the step does nothing. StepFailedError on every rank if any rank
+        has a problem (nothing changes)."""
+        if self._reduced is not None:
+            return
+        step = self.step_count + 1
+        with self._collectives():
+            problem = problem or self._hyperparameters()[1]
+            has_grad: list[bool] = []
+            if problem is None:
+                try:
+                    problem, has_grad = gradients.pack_gradients(self)
+                except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
+                    problem = f"packing gradients: {_problem(error)}"
+            flags = torch.tensor([int(self.main.stale)] + [int(h) for h in has_grad or [False] * len(self.names)],
+                                 dtype=torch.int32, device=self.device)
+            agreed = self._settle(problem, step, before_collectives=True, flags=flags).tolist()
+            if agreed[0]:
+                precision.rebuild(self, self.main.stale)
+            grads = self._reduce_grads()
+        self._reduced = gradients.Reduced(grads, [bool(flag) for flag in agreed[1:]])
 
     @torch.no_grad()
-    def step(self) -> None:
-        """One optimizer step of every parameter (collective: every rank must call it).
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the DP-reduced gradient of the coming step to global norm `max_norm` (collective).
+
+        Reduces the gradients first (if not yet), then computes the norm of the whole DP-mean
+        gradient, each element counted once across DP and TP, scales the reduced gradient in
+        place by min(1, max_norm / (norm + 1e-6)) (torch's rule) and returns the norm (a 0-dim
+        tensor on the parameters' device). `.grad` keeps this rank's own, unreduced gradient."""
+        problem = gradients.clip_problem(max_norm, norm_type)
+        if self._reduced is not None and problem:
+            raise ValueError(problem)
+        self.reduce_gradients(problem)
+        assert self._reduced is not None
+        with self._collectives():
+            norm = gradients.global_norm(self, self._reduced.grads, float(norm_type))
+        self._reduced.grads.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
+    def _run_pre_hooks(self, closure: Callable[[], Any] | None) -> tuple[Callable[[], Any] | None, str | None]:
+        args: tuple[Any, ...] = (self,)
+        kwargs: dict[str, Any] = {"closure": closure} if closure is not None else {}
+        try:
+            for hook in list(self._pre_hooks.values()):
+                result = hook(self, args, kwargs)
+                if result is not None:
+                    args, kwargs = result
+        except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
+            return closure, _problem(error)
+        return kwargs.get("closure", args[1] if len(args) > 1 else None), None
+
+    def _run_closure(self, closure: Callable[[], Any] | None, problem: str | None) -> tuple[Any, str | None]:
+        if closure is None:
+            return None, problem
+        if self._reduced is not None:
+            return None, problem or "step(closure) after clip_grad_norm_/reduce_gradients: the gradients were already reduced"
+        try:
+            with torch.enable_grad():
+                return closure(), problem
+        except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
+            return None, problem or f"the closure raised {_problem(error)}"
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One optimizer step of every parameter (collective: every rank must call it); returns
+        the closure's loss (the closure runs with gradients enabled, after the pre-hooks).
 
         Raises `StepFailedError` on every rank if any rank failed (nothing applied anywhere),
         `CollectiveError` if a collective failed or timed out."""
-        pending = _Pending(self.step_count + 1)
-        with self._collectives():
-            self._settle(self._before_step(), pending.step, before_collectives=True)
-            grads = self._reduce_grads()
-            values = torch.zeros(self._size)
-            for rank in self._ranks:
-                comm.pack(self.layout.rank_pieces[rank], self._flat_params, values, self._base)
-            self._pending = pending
-            try:
-                self._update_matrices(grads, values)
-            finally:
-                self._pending = None
-            self._update_adamw(grads, values, pending)
-            self._settle(pending.problem, pending.step, before_collectives=False)
-            self._publish(values)
+        closure, problem = self._run_pre_hooks(closure)
+        loss, problem = self._run_closure(closure, problem)
+        try:
+            self.reduce_gradients(problem if self._reduced is None else None)
+            reduced = self._reduced
+            assert reduced is not None
+            hps, hp_problem = self._hyperparameters()
+            pending = _Pending(self.step_count + 1, reduced.active, hps,
+                               {g: self._group_rule(hps[g]) for g, group in enumerate(self.param_groups) if group["kind"] == "matrix"})
+            pending.problem = problem or hp_problem
+            with self._collectives():
+                self._update(reduced.grads, pending)
+        finally:
+            self._reduced = None
+        self._commit(pending)
+        return loss
+
+    def _group_rule(self, hp: Hyperparameters) -> MatrixRule:
+        return make_rule(self.schedule.request.optimizer.name, hp)
+
+    def _update(self, grads: Tensor, pending: _Pending) -> None:
+        values = torch.empty(self._size, dtype=torch.float32, device=self.device)
+        out = torch.empty(self._size, dtype=self._wire_dtype, device=self.device)
+        self._pack_values(values)
+        self._pending = pending
+        try:
+            self._update_matrices(grads, values, out)
+        finally:
+            self._pending = None
+        self._update_adamw(grads, values, pending)
+        for start, stop in self._adamw_spans():
+            out[start:stop].copy_(values[start:stop])
+        self._settle(pending.problem, pending.step, before_collectives=False)
+        self._publish(out, pending.active)
+        if self.main.adamw is not None:
+            offset = 0
+            for start, stop in self._adamw_spans():
+                self.main.adamw[offset : offset + stop - start].copy_(values[start:stop])
+                offset += stop - start
+
+    def _adamw_spans(self) -> list[tuple[int, int]]:
+        """[start, stop) of every AdamW region this rank updates, in its buffer coordinates."""
+        return [tuple(s - self._base for s in self.layout.adamw_region(r)) for r in self._ranks]  # type: ignore[misc]
+
+    def _pack_values(self, values: Tensor) -> None:
+        """Current fp32 values of what this rank updates: main copies of low-precision AdamW
+        elements, the parameters themselves for fp32 ones (low-precision matrices come from
+        their hosts' main copies)."""
+        if self.main.adamw is not None:
+            offset = 0
+            for start, stop in self._adamw_spans():
+                values[start:stop].copy_(self.main.adamw[offset : offset + stop - start])
+                offset += stop - start
+        comm.pack(self._fp32_pieces, self._flat_params, values, self._base, zero_missing=False)
+
+    def _commit(self, pending: _Pending) -> None:
         self.matrix_state.update(pending.matrix)
+        self.main.matrices.update(pending.main)
         if pending.adamw is not None:
             self.adamw_state = pending.adamw
+        for index, active in enumerate(pending.active):
+            if active and self._managed[index]:
+                self.param_steps[index] += 1
         self.step_count = pending.step
-
-    def _before_step(self) -> str | None:
-        """Local work before the first collective: hooks, packing, the finiteness check."""
-        try:
-            for hook in list(self._hooks.values()):
-                hook(self)
-            self._pack_grads()
-            if self.check_finite and not bool(torch.isfinite(self._send).all()):
-                bad = [n for n, p in zip(self.names, self.params) if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-                return f"non-finite gradient in {', '.join(bad[:3]) or 'the gradient buffer'}"
-        except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
-            return _problem(error)
-        return None
-
-    def _pack_grads(self) -> None:
-        grads = [None if p.grad is None else p.grad.detach().reshape(-1) for p in self.params]
-        comm.pack(self.layout.pieces, grads, self._send)
 
     def _reduce_grads(self) -> Tensor:
         reduce = comm.reduce_scatter_rooted if self.rooted else comm.reduce_scatter_mean
         return reduce(self._send, self.layout.sizes, self.dp_rank, self.dp_group, self.timeout)
 
-    def _publish(self, values: Tensor) -> None:
+    def _targets(self, active: list[bool]) -> list[Tensor | None]:
+        return [flat if active[i] else None for i, flat in enumerate(self._flat_params)]
+
+    def _publish(self, out: Tensor, active: list[bool]) -> None:
         gather = comm.all_gather_rooted if self.rooted else comm.all_gather_uneven
-        gathered = gather(values, self.layout.sizes, self.dp_group, self.timeout)
-        comm.unpack(self.layout.pieces, gathered, self._flat_params)
+        gathered = gather(out, self.layout.sizes, self.dp_group, self.timeout)
+        comm.unpack(self.layout.pieces, gathered, self._targets(active))
 
     def _local(self, buffer: Tensor, task: Task) -> Tensor:
         start = self._offsets[task.param]
         return buffer[start : start + task.numel].view(task.local_shape)
 
     def _host_update(self, task: Task, full_grad: Tensor) -> Tensor:
-        """The update of a hosted matrix, computed on a copy of its state; a failure is
-        recorded (and a zero update keeps the collectives going) for the next safe point."""
+        """The host's result for a matrix (an fp32 update, or the new values in the model dtype
+        from its fp32 main copy), computed on copies of its state; a failure is recorded (and a
+        zero result keeps the collectives going) for the next safe point."""
         pending = self._pending
         assert pending is not None
         if pending.problem is None:
             try:
-                current = self.matrix_state.get(task.param)
-                states = logical.clone_states(current) if current else init_matrix_state(self.rule, task.shape, task.row_blocks)
-                update = matrix_update(self.rule, states, full_grad, task.row_blocks, pending.step)
-                pending.matrix[task.param] = states
-                return update
+                return self._matrix_result(task, full_grad, pending)
             except Exception as error:  # noqa: BLE001
                 pending.fail(f"updating {self.names[task.param]}: {_problem(error)}")
-        return torch.zeros(task.shape)
+        return torch.zeros(task.shape, dtype=self._dtypes[task.param], device=self.device)
 
-    def _apply(self, values: Tensor, task: Task, shard: Tensor) -> None:
-        apply_update(self._local(values, task), shard, self.hp.lr, self.hp.weight_decay)
+    def _matrix_result(self, task: Task, full_grad: Tensor, pending: _Pending) -> Tensor:
+        group = self._group_of[task.param]
+        rule, hp = pending.rules[group], pending.hps[group]
+        current = self.matrix_state.get(task.param)
+        states = logical.clone_states(current) if current else init_matrix_state(rule, task.shape, task.row_blocks, self.device)
+        update = matrix_update(rule, states, full_grad, task.row_blocks, self.param_steps[task.param] + 1)
+        pending.matrix[task.param] = states
+        if not self._lowp[task.param]:
+            return update
+        main = self.main.matrices[task.param].clone()
+        apply_update(main, update, hp.lr, hp.weight_decay)
+        pending.main[task.param] = main
+        return main.to(self._dtypes[task.param])
 
-    def _update_matrices(self, grads: Tensor, values: Tensor) -> None:
+    def _apply(self, values: Tensor, out: Tensor, task: Task, shard: Tensor) -> None:
+        """Write this rank's shard of a matrix's result into the outgoing buffer."""
+        if self._lowp[task.param]:
+            self._local(out, task).copy_(shard)
+            return
+        pending = self._pending
+        assert pending is not None
+        hp = pending.hps[self._group_of[task.param]]
+        value = self._local(values, task)
+        apply_update(value, shard, hp.lr, hp.weight_decay)
+        self._local(out, task).copy_(value)
+
+    def _active_task(self, task: Task) -> bool:
+        pending = self._pending
+        return pending is not None and pending.active[task.param] and self._managed[task.param]
+
+    def _update_matrices(self, grads: Tensor, values: Tensor, out: Tensor) -> None:
         self.pipeline.run(
             grad_of=lambda task: self._local(grads, task),
             update_of=self._host_update,
-            apply=lambda task, shard: self._apply(values, task, shard),
+            apply=lambda task, shard: self._apply(values, out, task, shard),
+            active=self._active_task,
         )
+
+    def _adamw_runs_now(self, active: list[bool]) -> list[tuple[int, int, int, int, int]]:
+        """(group, param step, buffer start, state offset, length) of every contiguous run of
+        stepped AdamW elements that share a group and a step count."""
+        runs: list[list[int]] = []
+        for piece, offset in self._adamw_pieces:
+            if not active[piece.param]:
+                continue
+            key = (self._group_of[piece.param], self.param_steps[piece.param])
+            start = piece.dst - self._base
+            if runs and (runs[-1][0], runs[-1][1]) == key and runs[-1][2] + runs[-1][4] == start and runs[-1][3] + runs[-1][4] == offset:
+                runs[-1][4] += piece.length
+            else:
+                runs.append([*key, start, offset, piece.length])
+        return [tuple(run) for run in runs]  # type: ignore[misc]
 
     def _update_adamw(self, grads: Tensor, values: Tensor, pending: _Pending) -> None:
         try:
             moments = {key: value.clone() for key, value in self.adamw_state.items()}
-            offset = 0
-            for rank in self._ranks:
-                start, stop = (s - self._base for s in self.layout.adamw_region(rank))
-                length = stop - start
-                adamw_(values[start:stop], grads[start:stop], moments["exp_avg"][offset : offset + length],
-                       moments["exp_avg_sq"][offset : offset + length], pending.step, self.hp)
-                offset += length
+            for group, steps, start, offset, length in self._adamw_runs_now(pending.active):
+                adamw_(values[start : start + length], grads[start : start + length],
+                       moments["exp_avg"][offset : offset + length], moments["exp_avg_sq"][offset : offset + length],
+                       steps + 1, pending.hps[group])
             pending.adamw = moments
         except Exception as error:  # noqa: BLE001
             pending.fail(f"AdamW: {_problem(error)}")
@@ -352,12 +525,17 @@ class CanzonaOptimizer:
         """What decides the logical state's keys and shapes (model, optimizer, shapes)."""
         return state_layout(self.schedule, block_size=self.hp.block_size, max_precond_dim=self.hp.max_precond_dim)
 
-    def state_dict(self) -> dict[str, Any]:
+    def _saved_groups(self) -> list[dict[str, Any]]:
+        return [{key: value for key, value in group.items() if key != "params"} for group in self.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """This rank's optimizer state in logical form (`canzona.runtime.state`): full-shape,
-        schedule-independent tensors (the chunks this rank holds), the step, the model's state
-        layout and the schedule fingerprint. Any optimizer of the same model can load a set of
-        these that covers what it holds (`load_state_dict`), whatever its schedule."""
-        return {
+        schedule-independent tensors (the chunks this rank holds, fp32 main copies included),
+        the step counts, every group's hyperparameters, the model's state layout and the
+        schedule fingerprint. Any optimizer of the same model can load a set of these that
+        covers what it holds (`load_state_dict`), whatever its schedule. Not torch.optim's
+        format: checkpoint through `canzona.runtime.save_checkpoint`."""
+        return logical.LogicalStateDict({
             "format": STATE_FORMAT,
             "strategy": self.strategy,
             "layout": self.state_layout().to_json(),
@@ -365,22 +543,29 @@ class CanzonaOptimizer:
             "digest": self.digest,
             "schedule": summary(self.schedule),
             "step": self.step_count,
+            "param_steps": logical.export_steps(self),
             "hyperparameters": asdict(self.hp),
+            "param_groups": self._saved_groups(),
             "tensors": logical.export_state(self, writers_only=False, clone=True),
-        }
+        })
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore logical state (one `state_dict()`, or several merged with
         `canzona.runtime.checkpoint.merge_state_dicts`) saved under any schedule of the same
-        model. ValueError, with nothing changed, if it is another model's or lacks what this
-        rank holds."""
+        model, and the groups' hyperparameters (the groups must list the same parameters).
+        ValueError, with nothing changed, if it is another model's or lacks what this rank
+        holds. Missing main copies are rebuilt from the parameters at the next step."""
+        state = state_dict
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a canzona optimizer state (format {found!r}, expected {STATE_FORMAT!r})")
+            raise ValueError(f"not a canzona optimizer state (format {found!r}, expected {STATE_FORMAT!r}); "
+                             f"{logical.UNSUPPORTED_STATE.removeprefix('canzona: ')}")
         problems = incompatibilities(StateLayout.from_json(state["layout"]), self.state_layout())
         if problems:
             raise ValueError("the optimizer state does not fit this model: " + "; ".join(problems))
+        groups = logical.check_groups(self, state.get("param_groups"))
         tensors = state["tensors"]
         dest = logical.plan_import(self, {key: tuple(value.size) for key, value in tensors.items()})
         logical.fill_from(dest, tensors)
-        logical.install(self, dest, int(state["step"]))
+        logical.install(self, dest, int(state["step"]), state.get("param_steps", {}))
+        logical.restore_groups(self, groups)

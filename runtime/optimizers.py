@@ -2,7 +2,8 @@
 
 Shared by the distributed runtime (on the hosts) and the single-process reference, so the oracle
 and the runtime evaluate the same formulas; what the reference checks is everything around them
-(packing, reduction, ownership, gather/scatter, row blocks). Everything is computed in fp32.
+(packing, reduction, ownership, gather/scatter, row blocks). Everything is computed in fp32, on
+the device of the tensors given (state is created on the `device` the caller names).
 
 A matrix rule turns the gradient of one (sub)matrix into an update direction `u`; the caller
 applies it as ``p ← p·(1 − lr·wd) − lr·u`` (decoupled weight decay).
@@ -63,13 +64,27 @@ class Hyperparameters:
         return filled
 
     def check(self) -> None:
-        """Raise ValueError on an impossible setting."""
+        """Raise ValueError naming the first impossible setting."""
         if self.update_scale not in UPDATE_SCALES:
             raise ValueError(f"update_scale must be one of {', '.join(UPDATE_SCALES)}, got {self.update_scale!r}")
         for name in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
+        for name, low, high, closed in _RANGES:
+            _check_range(name, getattr(self, name), low, high, closed)
+        for name in ("soap_betas", "adamw_betas"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or len(value) != 2:
+                raise ValueError(f"{name} must be two numbers, got {value!r}")
+            for index, beta in enumerate(value):
+                _check_range(f"{name}[{index}]", beta, 0.0, 1.0, False)
+        if not isinstance(self.ns_coefficients, tuple) or len(self.ns_coefficients) != 3 or not all(
+            _finite(c) for c in self.ns_coefficients
+        ):
+            raise ValueError(f"ns_coefficients must be three finite numbers, got {self.ns_coefficients!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> Hyperparameters:
@@ -79,6 +94,26 @@ class Hyperparameters:
         if unknown:
             raise TypeError(f"unknown hyperparameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+# (name, low, high, high included): every scalar knob must be a finite number in [low, high].
+_RANGES = (
+    ("lr", 0.0, math.inf, False), ("weight_decay", 0.0, math.inf, False), ("momentum", 0.0, 1.0, False),
+    ("shampoo_beta2", 0.0, 1.0, True), ("graft_rms", 0.0, math.inf, False), ("matrix_eps", 0.0, math.inf, False),
+    ("soap_shampoo_beta", 0.0, 1.0, False), ("soap_eps", 0.0, math.inf, False), ("adamw_lr", 0.0, math.inf, False),
+    ("adamw_eps", 0.0, math.inf, False), ("adamw_weight_decay", 0.0, math.inf, False),
+)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_range(name: str, value: Any, low: float, high: float, closed: bool) -> None:
+    inside = _finite(value) and low <= value and (value <= high if closed else value < high)
+    if not inside:
+        bound = f"[{low:g}, {high:g}]" if closed else (f">= {low:g}" if math.isinf(high) else f"in [{low:g}, {high:g})")
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
 
 
 def newton_schulz(grad: Tensor, steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7) -> Tensor:
@@ -115,8 +150,8 @@ def inverse_root(matrix: Tensor, root: int, eps: float) -> Tensor:
 class MatrixRule(Protocol):
     """One matrix optimizer: fresh state for a rows×cols matrix, and one step of it."""
 
-    def init_state(self, rows: int, cols: int) -> State:
-        """The state of a new rows×cols matrix."""
+    def init_state(self, rows: int, cols: int, device: torch.device) -> State:
+        """The state of a new rows×cols matrix, on `device`."""
         ...
 
     def update(self, state: State, grad: Tensor, step: int) -> Tensor:
@@ -130,9 +165,9 @@ class Muon:
 
     hp: Hyperparameters
 
-    def init_state(self, rows: int, cols: int) -> State:
+    def init_state(self, rows: int, cols: int, device: torch.device) -> State:
         """A zero momentum buffer."""
-        return {"momentum": torch.zeros(rows, cols)}
+        return {"momentum": torch.zeros(rows, cols, device=device)}
 
     def update(self, state: State, grad: Tensor, step: int) -> Tensor:
         """Moonlight/Megatron form: buf ← μ·buf + g; orthogonalise g + μ·buf (Nesterov) or buf."""
@@ -156,15 +191,18 @@ class Shampoo:
 
     hp: Hyperparameters
 
-    def init_state(self, rows: int, cols: int) -> State:
+    def init_state(self, rows: int, cols: int, device: torch.device) -> State:
         """Zero statistics and identity roots per block, and a momentum buffer."""
         assert self.hp.block_size is not None
         blocks = []
         for r0, r1 in _spans(rows, self.hp.block_size):
             for c0, c1 in _spans(cols, self.hp.block_size):
                 m, n = r1 - r0, c1 - c0
-                blocks.append({"L": torch.zeros(m, m), "R": torch.zeros(n, n), "L_root": torch.eye(m), "R_root": torch.eye(n)})
-        return {"blocks": blocks, "momentum": torch.zeros(rows, cols)}
+                blocks.append({
+                    "L": torch.zeros(m, m, device=device), "R": torch.zeros(n, n, device=device),
+                    "L_root": torch.eye(m, device=device), "R_root": torch.eye(n, device=device),
+                })
+        return {"blocks": blocks, "momentum": torch.zeros(rows, cols, device=device)}
 
     def update(self, state: State, grad: Tensor, step: int) -> Tensor:
         """One Shampoo step on `grad`."""
@@ -197,15 +235,15 @@ class Soap:
 
     hp: Hyperparameters
 
-    def init_state(self, rows: int, cols: int) -> State:
+    def init_state(self, rows: int, cols: int, device: torch.device) -> State:
         """Zero moments and statistics; no basis until the first step."""
         limit = self.hp.max_precond_dim
         assert limit is not None
         return {
-            "exp_avg": torch.zeros(rows, cols),
-            "exp_avg_sq": torch.zeros(rows, cols),
-            "L": torch.zeros(rows, rows) if rows <= limit else None,
-            "R": torch.zeros(cols, cols) if cols <= limit else None,
+            "exp_avg": torch.zeros(rows, cols, device=device),
+            "exp_avg_sq": torch.zeros(rows, cols, device=device),
+            "L": torch.zeros(rows, rows, device=device) if rows <= limit else None,
+            "R": torch.zeros(cols, cols, device=device) if cols <= limit else None,
             "QL": None,
             "QR": None,
         }
@@ -262,9 +300,10 @@ def submatrix_shapes(shape: tuple[int, int], row_blocks: list[RowBlock] | None) 
     return [(sum(stop - start for start, stop in block), shape[1]) for block in row_blocks]
 
 
-def init_matrix_state(rule: MatrixRule, shape: tuple[int, int], row_blocks: list[RowBlock] | None) -> list[State]:
-    """Fresh state of every submatrix of one matrix."""
-    return [rule.init_state(rows, cols) for rows, cols in submatrix_shapes(shape, row_blocks)]
+def init_matrix_state(rule: MatrixRule, shape: tuple[int, int], row_blocks: list[RowBlock] | None,
+                      device: torch.device) -> list[State]:
+    """Fresh state of every submatrix of one matrix, on `device`."""
+    return [rule.init_state(rows, cols, device) for rows, cols in submatrix_shapes(shape, row_blocks)]
 
 
 def matrix_update(rule: MatrixRule, states: list[State], grad: Tensor, row_blocks: list[RowBlock] | None, step: int) -> Tensor:
@@ -285,7 +324,7 @@ def matrix_update(rule: MatrixRule, states: list[State], grad: Tensor, row_block
 
 
 def apply_update(param: Tensor, update: Tensor, lr: float, weight_decay: float) -> None:
-    """p ← p·(1 − lr·wd) − lr·u, in place (param is fp32)."""
+    """p ← p·(1 − lr·wd) − lr·u, in place (param is fp32: a parameter or its fp32 main copy)."""
     if weight_decay:
         param.mul_(1 - lr * weight_decay)
     param.add_(update, alpha=-lr)

@@ -1,12 +1,16 @@
 """The TP micro-group pipeline (DESIGN §6): per group, one fused all-to-all gathers every shard to
-its host, each host updates the full matrices it hosts, one fused all-to-all sends the update
+its host, each host updates the full matrices it hosts, one fused all-to-all sends the result
 shards back, every rank applies its own. Group g+1's gather is in flight while g computes,
 and group g's scatter while g+1 computes.
 
 Callbacks keep this module free of optimizer details:
 `grad_of(task)` is this rank's reduced local gradient shard (local shape, fp32),
-`update_of(task, full_grad)` the host's full update (full shape), and
-`apply(task, shard)` applies this rank's shard of the update.
+`update_of(task, full_grad)` the host's full result for the matrix (full shape, in the task's
+model dtype: an fp32 update for fp32 parameters, the new values for bf16/fp16 ones), and
+`apply(task, shard)` applies this rank's shard of it. `active(task)` leaves out matrices that
+take no part in this step (no gradient on any rank); every rank must give the same answer.
+Gradients travel in fp32; a micro-group's results travel in its tasks' model dtype when they
+share one, else in fp32 (exact for every dtype the runtime takes).
 """
 
 from __future__ import annotations
@@ -20,14 +24,24 @@ from torch import Tensor
 
 from canzona.runtime.comm import InFlight, all_gather_equal, start_all_to_all
 from canzona.runtime.layout import Task
+from canzona.runtime.schedule import DTYPES
 
 GradOf = Callable[[Task], Tensor]
 UpdateOf = Callable[[Task, Tensor], Tensor]
 Apply = Callable[[Task, Tensor], None]
+Active = Callable[[Task], bool]
 
 
-def _flat(tensors: list[Tensor]) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+def _flat(tensors: list[Tensor], device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+
+def payload_dtype(tasks: Sequence[Task]) -> torch.dtype:
+    """The dtype a micro-group's results travel in: the tasks' common model dtype, else fp32."""
+    dtypes = {DTYPES[t.dtype] for t in tasks}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
 def _shard(update: Tensor, task: Task, rank: int, size: int) -> Tensor:
@@ -40,15 +54,20 @@ def assemble(task: Task, shards: Sequence[Tensor]) -> Tensor:
     return shards[0] if task.tp_dim is None else torch.cat(list(shards), dim=task.tp_dim)
 
 
+def _everything(task: Task) -> bool:
+    return True
+
+
 class MicroGroupPipeline:
     """Executes one DP rank's micro-groups on one of its TP ranks."""
 
     def __init__(self, groups: Sequence[tuple[Task, ...]], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup,
-                 timeout: timedelta | None = None) -> None:
+                 device: torch.device, timeout: timedelta | None = None) -> None:
         self.groups = list(groups)
         self.rank = tp_rank
         self.size = tp_size
         self.group = tp_group
+        self.device = device
         self.timeout = timeout
 
     def _hosted(self, tasks: tuple[Task, ...], host: int, sharded_only: bool = False) -> list[Task]:
@@ -56,7 +75,7 @@ class MicroGroupPipeline:
 
     def _start_gather(self, tasks: tuple[Task, ...], grad_of: GradOf) -> InFlight:
         per_host = [self._hosted(tasks, host, sharded_only=True) for host in range(self.size)]
-        send = _flat([grad_of(t) for host_tasks in per_host for t in host_tasks])
+        send = _flat([grad_of(t) for host_tasks in per_host for t in host_tasks], self.device)
         if send.numel() == 0:  # only replicated matrices: every TP rank knows, nobody sends
             return InFlight(send, None)
         mine = sum(t.numel for t in per_host[self.rank])
@@ -79,7 +98,8 @@ class MicroGroupPipeline:
 
     def _start_scatter(self, tasks: tuple[Task, ...], updates: dict[int, Tensor]) -> InFlight:
         hosted = self._hosted(tasks, self.rank)
-        send = _flat([_shard(updates[t.param], t, peer, self.size) for peer in range(self.size) for t in hosted])
+        dtype = payload_dtype(tasks)
+        send = _flat([_shard(updates[t.param], t, peer, self.size) for peer in range(self.size) for t in hosted], self.device, dtype)
         per_host = [sum(t.numel for t in self._hosted(tasks, host)) for host in range(self.size)]
         mine = sum(t.numel for t in hosted)
         return start_all_to_all(send, [mine] * self.size, per_host, self.group, self.timeout, "the TP micro-group scatter")
@@ -91,20 +111,21 @@ class MicroGroupPipeline:
                 apply(task, received[offset : offset + task.numel].view(task.local_shape))
                 offset += task.numel
 
-    def run(self, grad_of: GradOf, update_of: UpdateOf, apply: Apply) -> None:
+    def run(self, grad_of: GradOf, update_of: UpdateOf, apply: Apply, active: Active = _everything) -> None:
         """Run every micro-group: gather(g+1) overlaps compute(g), scatter(g) overlaps compute(g+1)."""
+        groups = [kept for kept in (tuple(t for t in tasks if active(t)) for tasks in self.groups) if kept]
         if self.size == 1:  # every task is hosted here: nothing to gather or scatter
-            for task in (t for tasks in self.groups for t in tasks):
+            for task in (t for tasks in groups for t in tasks):
                 apply(task, update_of(task, grad_of(task)))
             return
-        if not self.groups:
+        if not groups:
             return
-        gather = self._start_gather(self.groups[0], grad_of)
+        gather = self._start_gather(groups[0], grad_of)
         scatter: tuple[tuple[Task, ...], InFlight] | None = None
-        for index, tasks in enumerate(self.groups):
+        for index, tasks in enumerate(groups):
             received = gather.wait()
-            if index + 1 < len(self.groups):
-                gather = self._start_gather(self.groups[index + 1], grad_of)
+            if index + 1 < len(groups):
+                gather = self._start_gather(groups[index + 1], grad_of)
             full = self._full_grads(tasks, received, grad_of)
             updates = {t.param: update_of(t, full[t.param]) for t in self._hosted(tasks, self.rank)}
             if scatter is not None:
@@ -113,21 +134,36 @@ class MicroGroupPipeline:
         assert scatter is not None
         self._apply(scatter[0], scatter[1].wait(), apply)
 
+    def gather_full(self, tasks: Sequence[Task], shard_of: GradOf) -> dict[int, Tensor]:
+        """The full matrix of every task in `tasks` that this rank hosts, assembled from every
+        TP rank's fp32 `shard_of(task)` in one all-to-all (rebuilding fp32 main copies)."""
+        chosen = tuple(tasks)
+        if self.size == 1:
+            return {t.param: shard_of(t) for t in chosen}
+        return self._full_grads(chosen, self._start_gather(chosen, shard_of).wait(), shard_of)
 
-def replicated_updates(tasks: Sequence[Task], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup,
-                       grad_of: GradOf, update_of: UpdateOf, apply: Apply, timeout: timedelta | None = None) -> None:
-    """TP-SC: one fused all-gather of every sharded task's gradient; every TP rank updates every
-    full matrix and applies its own shard (P-fold redundant compute and state)."""
+
+def gather_replicated(tasks: Sequence[Task], tp_group: dist.ProcessGroup, grad_of: GradOf, device: torch.device,
+                      timeout: timedelta | None = None) -> dict[int, Tensor]:
+    """Every task's full fp32 matrix on every TP rank: one fused all-gather of the sharded ones."""
     sharded = [t for t in tasks if t.tp_dim is not None]
-    gathered = all_gather_equal(_flat([grad_of(t) for t in sharded]), tp_group, timeout) if sharded else []
-    offsets, offset = {}, 0
+    gathered = all_gather_equal(_flat([grad_of(t) for t in sharded], device), tp_group, timeout) if sharded else []
+    full, offset = {}, 0
     for task in sharded:
-        offsets[task.param] = offset
+        full[task.param] = assemble(task, [g[offset : offset + task.numel].view(task.local_shape) for g in gathered])
         offset += task.numel
     for task in tasks:
         if task.tp_dim is None:
-            full = grad_of(task)
-        else:
-            start = offsets[task.param]
-            full = assemble(task, [g[start : start + task.numel].view(task.local_shape) for g in gathered])
-        apply(task, _shard(update_of(task, full), task, tp_rank, tp_size))
+            full[task.param] = grad_of(task)
+    return full
+
+
+def replicated_updates(tasks: Sequence[Task], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup,
+                       grad_of: GradOf, update_of: UpdateOf, apply: Apply, device: torch.device,
+                       timeout: timedelta | None = None, active: Active = _everything) -> None:
+    """TP-SC: one fused all-gather of every sharded task's gradient; every TP rank updates every
+    full matrix and applies its own shard (P-fold redundant compute and state)."""
+    chosen = [t for t in tasks if active(t)]
+    full = gather_replicated(chosen, tp_group, grad_of, device, timeout)
+    for task in chosen:
+        apply(task, _shard(update_of(task, full[task.param]), task, tp_rank, tp_size))

@@ -2,18 +2,22 @@
 
 It applies the same formulas (`canzona.runtime.optimizers`) to the full parameters with the
 full (already averaged) gradients, with no buffers, cuts, hosts or collectives, so agreement
-with `CanzonaOptimizer` checks the whole distributed machinery.
+with `CanzonaOptimizer` checks the whole distributed machinery. It takes the same parameter
+groups (so LR schedulers drive it the same way), keeps an fp32 main copy of every bf16/fp16
+parameter (made from its value at construction), skips a parameter without a gradient (no
+decay, no state change, its step count stays) and clips like `torch.nn.utils.clip_grad_norm_`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from canzona.schedules.format import Schedule
+from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
 from canzona.runtime.optimizers import (
     Hyperparameters,
     RowBlock,
@@ -24,56 +28,86 @@ from canzona.runtime.optimizers import (
     matrix_update,
 )
 from canzona.runtime.schedule import MATRIX
+from canzona.schedules.format import Schedule
 
 
-class ReferenceOptimizer:
+class ReferenceOptimizer(torch.optim.Optimizer):
     """Muon / Shampoo / SOAP on the matrices, AdamW on the rest, of full (unsharded) tensors.
 
+    `params` as for `CanzonaOptimizer` (named parameters or groups of (name, tensor) pairs).
     Which parameters are matrices, their row blocks and the matrix optimizer come from
     `schedule`; `row_blocks` overrides the blocks by name, for a full model whose row order is
     not the gathered one (e.g. an unsharded fc1 stored as [gate; up])."""
 
-    def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], schedule: Schedule,
-                 row_blocks: Mapping[str, list[RowBlock] | None] | None = None, **hyperparameters: Any) -> None:
-        self.named = list(named_parameters)
+    def __init__(self, params: Iterable[Any], schedule: Schedule,
+                 row_blocks: Mapping[str, list[RowBlock] | None] | None = None, **defaults: Any) -> None:
         entries = {e.name: e for e in schedule.params}
-        missing = [name for name, _ in self.named if name not in entries]
-        if missing:
-            raise ValueError(f"parameters not in the schedule: {', '.join(missing[:4])}")
-        self.hp = Hyperparameters.from_kwargs(hyperparameters).resolved(schedule.request.optimizer)
-        self.rule = make_rule(schedule.request.optimizer.name, self.hp)
+        self.rule_name = schedule.request.optimizer.name
+        self.hp = Hyperparameters.from_kwargs(defaults).resolved(schedule.request.optimizer)
+        resolved = resolve_param_groups(list(params), entries, 1, self.rule_name, self.hp)
+        if resolved.problems:
+            raise ValueError("; ".join(resolved.problems))
+        super().__init__(resolved.groups, {"lr": self.hp.lr, "weight_decay": self.hp.weight_decay})
         overrides = dict(row_blocks or {})
-        self.matrix = {name: entries[name].optimizer == MATRIX for name, _ in self.named}
-        self.blocks = {name: overrides.get(name, entries[name].row_blocks) for name, _ in self.named}
-        for name, tensor in self.named:
-            if list(tensor.shape) != entries[name].shape:
-                raise ValueError(f"{name}: shape {list(tensor.shape)} is not the full shape {entries[name].shape}")
-        self.state: dict[str, Any] = {}
+        self.blocks = {name: overrides.get(name, entries[name].row_blocks) for name in entries}
+        self.matrix = {name: entries[name].optimizer == MATRIX for name in entries}
+        for group in self.param_groups:
+            for name, tensor in zip(group["param_names"], group["params"]):
+                state = self.state[tensor]
+                state["step"] = 0
+                if tensor.dtype != torch.float32:
+                    state["main"] = tensor.detach().float().clone()
         self.step_count = 0
 
-    def zero_grad(self) -> None:
-        """Drop every gradient."""
-        for _, tensor in self.named:
-            tensor.grad = None
+    def _named(self) -> Iterable[tuple[dict[str, Any], str, Tensor]]:
+        for group in self.param_groups:
+            for name, tensor in zip(group["param_names"], group["params"]):
+                yield group, name, tensor
+
+    def _grads(self, grads: Mapping[str, Tensor] | None) -> dict[str, Tensor]:
+        if grads is not None:
+            return {name: grads[name] for _, name, _ in self._named() if name in grads}
+        return {name: tensor.grad for _, name, tensor in self._named() if tensor.grad is not None}
 
     @torch.no_grad()
-    def step(self, grads: Mapping[str, Tensor] | None = None) -> None:
-        """One step of every parameter, with `grads` by name (e.g. an fp32 DP mean of
-        low-precision gradients) or else each tensor's `.grad` (missing: zero)."""
+    def clip_grad_norm_(self, max_norm: float, grads: MutableMapping[str, Tensor] | None = None,
+                        norm_type: float = 2.0) -> Tensor:
+        """torch's clip_grad_norm_ over `grads` (by name, scaled in place) or the `.grad`s."""
+        found = self._grads(grads)
+        norms = [torch.linalg.vector_norm(g.float(), norm_type) for g in found.values()]
+        if math.isinf(norm_type):
+            total = torch.stack(norms).max()
+        else:
+            total = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for grad in found.values():
+            grad.mul_(coefficient)
+        return total
+
+    @torch.no_grad()
+    def step(self, grads: Mapping[str, Tensor] | None = None) -> None:  # type: ignore[override]
+        """One step of every parameter with a gradient: `grads` by name (e.g. an fp32 DP mean
+        of low-precision gradients), or else each tensor's `.grad`."""
         self.step_count += 1
-        for name, tensor in self.named:
-            grad = grads[name] if grads is not None else tensor.grad
-            grad = torch.zeros(tensor.shape) if grad is None else grad.float()
-            value = tensor.detach().float()
+        found = self._grads(grads)
+        for group, name, tensor in self._named():
+            if name not in found:
+                continue
+            hp = group_hyperparameters(group, self.hp, self.rule_name)
+            state = self.state[tensor]
+            state["step"] += 1
+            grad = found[name].float()
+            value = state["main"] if "main" in state else tensor.detach()
             if self.matrix[name]:
-                if name not in self.state:
-                    self.state[name] = init_matrix_state(self.rule, (tensor.shape[0], tensor.shape[1]), self.blocks[name])
-                update = matrix_update(self.rule, self.state[name], grad, self.blocks[name], self.step_count)
-                apply_update(value, update, self.hp.lr, self.hp.weight_decay)
+                rule = make_rule(self.rule_name, hp)
+                if "matrix" not in state:
+                    state["matrix"] = init_matrix_state(rule, (tensor.shape[0], tensor.shape[1]), self.blocks[name], tensor.device)
+                update = matrix_update(rule, state["matrix"], grad, self.blocks[name], state["step"])
+                apply_update(value, update, hp.lr, hp.weight_decay)
             else:
-                if name not in self.state:
-                    self.state[name] = (torch.zeros(tensor.numel()), torch.zeros(tensor.numel()))
-                exp_avg, exp_avg_sq = self.state[name]
-                flat = value.reshape(-1)
-                adamw_(flat, grad.reshape(-1), exp_avg, exp_avg_sq, self.step_count, self.hp)
-            tensor.copy_(value)
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
+                    state["exp_avg_sq"] = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
+                adamw_(value.view(-1), grad.reshape(-1), state["exp_avg"], state["exp_avg_sq"], state["step"], hp)
+            if "main" in state:
+                tensor.copy_(value)

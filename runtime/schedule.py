@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -144,23 +143,9 @@ def plan_digest(schedule: Schedule) -> str:
     return hashlib.sha256(schedule.model_dump_json().encode()).hexdigest()
 
 
-def model_problems(schedule: Schedule, named: Sequence[tuple[str, Tensor]]) -> list[str]:
-    """Where the live parameters (names, order, local shapes, dtypes, TP dims) differ from the
-    schedule; empty when they match."""
-    tp = schedule.request.tp
-    expected = sorted(schedule.params, key=lambda e: e.index)
-    problems = []
-    if len(expected) != len(named):
-        problems.append(f"the schedule lists {len(expected)} parameters, the model has {len(named)}")
-    for position, (entry, (name, tensor)) in enumerate(zip(expected, named)):
-        if entry.name != name:
-            problems.append(f"parameter #{position} is {name!r} in the model but {entry.name!r} in the schedule")
-            break
-        problems += _tensor_problems(entry, tensor, tp)
-    return problems
-
-
-def _tensor_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
+def tensor_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
+    """Where a live parameter differs from its schedule entry (local shape, dtype, TP dim,
+    layout); empty when it matches."""
     problems = []
     shape = local_shape(entry, tp)
     if tuple(tensor.shape) != shape:
@@ -199,6 +184,7 @@ class Verdict:
     fingerprint: str | None
     digest: str | None
     summary: str
+    frozen: str | None = None  # the schedule parameters this rank does not optimize
 
 
 def agree(verdict: Verdict, dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> None:
@@ -242,7 +228,15 @@ def disagreement(grid: list[list[Verdict]]) -> str | None:
     if len(digests) > 1:
         parts = [f"{vs[0].summary} [{(d or '?')[:12]}] on {_ranks(vs)}" for d, vs in digests.items()]
         return "canzona: ranks were given different schedules: " + "; ".join(parts)
+    frozen = _by(flat, "frozen")
+    if len(frozen) > 1:
+        parts = [f"{_clip(names or 'none')} on {_ranks(vs)}" for names, vs in frozen.items()]
+        return "canzona: ranks optimize different parameters (not optimized: " + "; ".join(parts) + ")"
     for d, row in enumerate(grid):
         if any(v.dp_rank != d or v.tp_rank != t for t, v in enumerate(row)):
             return "canzona: the DP and TP process groups do not form a DP x TP grid"
     return None
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

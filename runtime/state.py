@@ -2,23 +2,27 @@
 it does not depend on the schedule (DP, TP, α, buckets, micro-groups). The layout is documented
 in `canzona.schedules.reshard`; here it meets the runtime's buffers.
 
-Keys: `matrix/<param>/<submatrix>/<field>` (e.g. `matrix/w/0/momentum`, `matrix/w/1/blocks/3/L`)
-and `adamw/<param>/<exp_avg|exp_avg_sq>` (flattened row-major over the full shape). Each rank
-holds some chunks of them (`LogicalTensor`): a hosted matrix's tensors whole, an AdamW
-parameter's runs that fall in its equal slices.
+Keys: `matrix/<param>/<submatrix>/<field>` (e.g. `matrix/w/0/momentum`, `matrix/w/1/blocks/3/L`),
+`adamw/<param>/<exp_avg|exp_avg_sq>` (flattened row-major over the full shape) and, for bf16 /
+fp16 parameters, `main/<param>`: the fp32 main copy (full shape for a matrix, rows in canonical
+order: its submatrices one after the other; flattened for an AdamW parameter). Each rank holds some chunks of them (`LogicalTensor`): a hosted matrix's
+tensors whole, an AdamW parameter's runs that fall in its equal slices. Tensors are created on
+the optimizer's device.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from canzona.runtime.groups import group_hyperparameters
 from canzona.runtime.optimizers import State, init_matrix_state
+from canzona.runtime.precision import adamw_from_params, from_canonical, to_canonical
 from canzona.schedules.reshard import ADAMW_FIELDS, full_runs
 
 if TYPE_CHECKING:
@@ -49,11 +53,15 @@ class AdamwRun:
 
 @dataclass
 class Destination:
-    """Where an import writes: the tensors to fill, and the state they become."""
+    """Where an import writes: the tensors to fill, and the state they become (`main_complete`:
+    whether every main copy this rank keeps is among them; else they are rebuilt)."""
 
     tensors: dict[str, LogicalTensor]
     matrix: dict[int, list[State]]
     adamw: dict[str, Tensor]
+    main_matrices: dict[int, Tensor] = field(default_factory=dict)
+    main_adamw: Tensor | None = None
+    main_complete: bool = False
 
 
 def matrix_key(name: str, path: str) -> str:
@@ -64,6 +72,11 @@ def matrix_key(name: str, path: str) -> str:
 def adamw_key(name: str, field_name: str) -> str:
     """The key of one AdamW moment of a parameter."""
     return f"adamw/{name}/{field_name}"
+
+
+def main_key(name: str) -> str:
+    """The key of a low-precision parameter's fp32 main copy."""
+    return f"main/{name}"
 
 
 def state_leaves(node: Any, prefix: str = "") -> dict[str, Tensor | None]:
@@ -109,11 +122,36 @@ def adamw_runs(opt: CanzonaOptimizer) -> list[AdamwRun]:
 
 def _matrix_template(opt: CanzonaOptimizer, param: int) -> list[State]:
     task = opt._tasks[param]
-    return init_matrix_state(opt.rule, task.shape, task.row_blocks)
+    return init_matrix_state(opt.rule, task.shape, task.row_blocks, opt.device)
 
 
 def _adamw_size(opt: CanzonaOptimizer, param: int) -> tuple[int, ...]:
-    return (opt.params[param].numel() * (opt.tp_size if opt._tp_dims[param] is not None else 1),)
+    return (opt._numel[param] * (opt.tp_size if opt._tp_dims[param] is not None else 1),)
+
+
+def _main_runs(opt: CanzonaOptimizer) -> list[AdamwRun]:
+    """The AdamW runs whose parameter has an fp32 main copy here."""
+    if opt.main.adamw is None:
+        return []
+    return [run for run in opt._adamw_runs if opt._managed[run.param] and opt._lowp[run.param]]
+
+
+def _export_main(opt: CanzonaOptimizer, writers_only: bool, clone: bool, out: dict[str, LogicalTensor]) -> None:
+    """The main copies (none while stale: they equal the parameters, which a loader rebuilds
+    them from)."""
+    if opt.main.stale:
+        return
+    if opt._writes_matrix() or not writers_only:
+        for param, tensor in opt.main.matrices.items():
+            canonical = to_canonical(tensor, opt._tasks[param])
+            out[main_key(opt.names[param])] = LogicalTensor(tuple(tensor.shape), [((0, 0), canonical)])
+    assert opt.main.adamw is not None or not _main_runs(opt)
+    for run in _main_runs(opt):
+        if writers_only and not opt._writes_adamw(opt._tp_dims[run.param] is None):
+            continue
+        data = opt.main.adamw[run.local : run.local + run.length]  # type: ignore[index]
+        entry = out.setdefault(main_key(opt.names[run.param]), LogicalTensor(_adamw_size(opt, run.param)))
+        entry.chunks.append(((run.full,), data.clone() if clone else data))
 
 
 def export_state(opt: CanzonaOptimizer, writers_only: bool, clone: bool) -> dict[str, LogicalTensor]:
@@ -134,7 +172,39 @@ def export_state(opt: CanzonaOptimizer, writers_only: bool, clone: bool) -> dict
             data = opt.adamw_state[name][run.local : run.local + run.length]
             entry = out.setdefault(adamw_key(opt.names[run.param], name), LogicalTensor(_adamw_size(opt, run.param)))
             entry.chunks.append(((run.full,), data.clone() if clone else data))
+    _export_main(opt, writers_only, clone, out)
     return out
+
+
+def export_steps(opt: CanzonaOptimizer) -> dict[str, int]:
+    """Per-parameter step counts that differ from the optimizer's (a parameter skipped on a
+    step without gradients, or never optimized)."""
+    return {name: count for name, count in zip(opt.names, opt.param_steps) if count != opt.step_count}
+
+
+def _plan_main(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]], dest: Destination) -> None:
+    """Destinations for the main copies the saved state has; `main_complete` if it has all."""
+    complete = True
+    for param, current in opt.main.matrices.items():
+        key = main_key(opt.names[param])
+        if available.get(key) != tuple(current.shape):
+            complete = False
+            continue
+        target = dest.main_matrices[param] = torch.empty_like(current)  # canonical order until installed
+        dest.tensors[key] = LogicalTensor(tuple(current.shape), [((0, 0), target)])
+    if opt.main.adamw is not None:
+        # Elements the saved state lacks (vocab padding rows only this layout has) start from
+        # the parameters, as a rebuilt main copy would.
+        dest.main_adamw = torch.empty_like(opt.main.adamw)
+        adamw_from_params(opt, dest.main_adamw)
+        for run in _main_runs(opt):
+            key = main_key(opt.names[run.param])
+            if key not in available:
+                complete = False
+                continue
+            entry = dest.tensors.setdefault(key, LogicalTensor(_adamw_size(opt, run.param)))
+            entry.chunks.append(((run.full,), dest.main_adamw[run.local : run.local + run.length]))
+    dest.main_complete = complete
 
 
 def plan_import(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]]) -> Destination:
@@ -148,7 +218,7 @@ def plan_import(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]])
         for path, tensor in state_leaves(states).items():
             key = matrix_key(opt.names[param], path)
             if tensor is None and key in available:  # e.g. SOAP's eigenbases, absent before step 1
-                tensor = torch.empty(available[key])
+                tensor = torch.empty(available[key], dtype=torch.float32, device=opt.device)
                 set_leaf(states, path, tensor)
             if tensor is None:
                 continue
@@ -168,13 +238,15 @@ def plan_import(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]])
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"the saved state lacks {', '.join(sorted(set(missing))[:3])}{more}")
-    return Destination(tensors, matrix, adamw)
+    dest = Destination(tensors, matrix, adamw)
+    _plan_main(opt, available, dest)
+    return dest
 
 
 def _fill_run(key: str, offset: int, target: Tensor, sources: LogicalTensor) -> None:
     """Copy every source chunk overlapping [offset, offset + len) into `target`; ValueError
     unless the part the sources' tensor has is covered."""
-    covered = torch.zeros(target.numel(), dtype=torch.bool)
+    covered = torch.zeros(target.numel(), dtype=torch.bool, device=target.device)
     for (start,), data in sources.chunks:
         low, high = max(offset, start), min(offset + target.numel(), start + data.numel())
         if low < high:
@@ -199,13 +271,86 @@ def fill_from(dest: Destination, tensors: Mapping[str, LogicalTensor]) -> None:
             target.copy_(whole[0])
 
 
-def install(opt: CanzonaOptimizer, dest: Destination, step: int) -> None:
-    """Make the imported state the optimizer's own."""
+def install(opt: CanzonaOptimizer, dest: Destination, step: int, param_steps: Mapping[str, int]) -> None:
+    """Make the imported state the optimizer's own (main copies missing from it are rebuilt
+    from the parameters at the next step)."""
     opt.matrix_state = dest.matrix
     opt.adamw_state = dest.adamw
     opt.step_count = step
+    opt.param_steps = [int(param_steps.get(name, step)) for name in opt.names]
+    if dest.main_complete:
+        for param, canonical in dest.main_matrices.items():
+            from_canonical(canonical, opt._tasks[param], opt.main.matrices[param])
+        if dest.main_adamw is not None:
+            opt.main.adamw = dest.main_adamw
+        opt.main.stale = False
+    else:
+        opt.main.stale = True
+
+
+def check_groups(opt: CanzonaOptimizer, saved: Any) -> list[dict[str, Any]] | None:
+    """The saved groups' hyperparameters, checked against the optimizer's groups (the same
+    parameters, group by group, and usable values); ValueError if they do not fit. None when
+    the state has none."""
+    if saved is None:
+        return None
+    if not isinstance(saved, list) or len(saved) != len(opt.param_groups):
+        found = len(saved) if isinstance(saved, list) else type(saved).__name__
+        raise ValueError(f"the saved state has {found} param groups, this optimizer {len(opt.param_groups)}")
+    rule = opt.schedule.request.optimizer.name
+    for position, (group, old) in enumerate(zip(opt.param_groups, saved)):
+        if old.get("kind") != group["kind"] or list(old.get("param_names", [])) != list(group["param_names"]):
+            raise ValueError(f"param_groups[{position}] holds other parameters in the saved state (the groups must be built the same way)")
+        try:
+            group_hyperparameters({**group, **old}, opt.hp, rule)
+        except ValueError as error:
+            raise ValueError(f"saved param_groups[{position}]: {error}") from None
+    return saved
+
+
+def restore_groups(opt: CanzonaOptimizer, saved: list[dict[str, Any]] | None) -> None:
+    """Set every group's hyperparameters (and scheduler keys such as initial_lr) as saved."""
+    for group, old in zip(opt.param_groups, saved or []):
+        group.update({key: value for key, value in old.items() if key not in ("params", "param_names")})
 
 
 def clone_states(states: list[State]) -> list[State]:
     """An independent copy of a matrix's state (a step updates the copy, committed later)."""
     return copy.deepcopy(states)
+
+
+UNSUPPORTED_STATE = (
+    "canzona: CanzonaOptimizer's state is sharded by its schedule and kept in logical form; "
+    "torch.distributed.checkpoint.state_dict cannot save or load it: use "
+    "canzona.runtime.save_checkpoint(optimizer, path) / load_checkpoint(optimizer, path)"
+)
+
+
+class LogicalStateDict(dict):  # type: ignore[type-arg]
+    """`state_dict()`'s result: a plain dict, except that asking it for torch.optim's keys
+    ("state", "param_groups" of tensors) explains where this state goes instead."""
+
+    def __missing__(self, key: Any) -> Any:
+        if key == "state":
+            raise NotImplementedError(UNSUPPORTED_STATE)
+        raise KeyError(key)
+
+
+class StateView(Mapping[Tensor, dict[str, Any]]):
+    """`optimizer.state` for code written against torch.optim: each optimized parameter maps to
+    its step count. The state itself is sharded across ranks (see `state_dict()`)."""
+
+    def __init__(self, opt: CanzonaOptimizer) -> None:
+        self._opt = opt
+
+    def __getitem__(self, param: Tensor) -> dict[str, Any]:
+        index = self._opt._index_of_tensor.get(id(param))
+        if index is None:
+            raise KeyError("not a parameter of this optimizer")
+        return {"step": self._opt.param_steps[index]}
+
+    def __iter__(self) -> Iterator[Tensor]:
+        return (self._opt._param(i) for i in self._opt._managed_indices)
+
+    def __len__(self) -> int:
+        return len(self._opt._managed_indices)

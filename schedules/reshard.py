@@ -14,9 +14,14 @@ micro-groups). Every tensor is fp32 (4 bytes per element).
   SOAP `exp_avg`, `exp_avg_sq` [r, c], `L`, `QL` [r, r] when r ≤ max_precond_dim and `R`, `QR`
   [c, c] when c ≤ max_precond_dim (`QL`/`QR` exist from the first step on).
 - AdamW parameter: `exp_avg` and `exp_avg_sq`, flattened row-major over the full shape.
+- A bf16 / fp16 parameter also has its fp32 main copy, `main` (the full matrix, on the
+  matrix's host; flattened for an AdamW parameter, beside its moments). It is not part of
+  compatibility: a checkpoint without main copies (an fp32 model's) loads into a low-precision
+  model, whose copies are then rebuilt from the parameters.
 
 Bytes per parameter: Muon 4·r·c; Shampoo 4·(r·c + 2·Σ_blocks (m² + n²)); SOAP
-4·(2·r·c + 2·r²·[r ≤ k] + 2·c²·[c ≤ k]) per submatrix; AdamW 8 per element.
+4·(2·r·c + 2·r²·[r ≤ k] + 2·c²·[c ≤ k]) per submatrix; AdamW 8 per element; plus 4 per
+element of the main copy of a low-precision parameter (only moved when both sides have it).
 
 **Compatible** means: the same model (`request.model`: the same name, and the same sha256 for a
 file, the same source for a preset), the same matrix
@@ -85,12 +90,19 @@ def state_fields(optimizer: str, rows: int, cols: int, block_size: int, max_prec
 
 @dataclass(frozen=True)
 class ParamState:
-    """One parameter as its optimizer state sees it."""
+    """One parameter as its optimizer state sees it (`dtype`: the model's, so whether it has
+    an fp32 main copy)."""
 
     name: str
     kind: str
     shape: Shape
     submatrices: tuple[tuple[int, int], ...] = ()
+    dtype: str = "fp32"
+
+    @property
+    def main_bytes(self) -> int:
+        """Bytes of the fp32 main copy (none for an fp32 parameter)."""
+        return 0 if self.dtype == "fp32" else FP32 * prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -113,9 +125,13 @@ class StateLayout:
             for name, shape in state_fields(self.optimizer, rows, cols, self.block_size, self.max_precond_dim)
         ]
 
-    def nbytes(self, param: ParamState) -> int:
-        """Bytes of `param`'s logical state."""
+    def state_nbytes(self, param: ParamState) -> int:
+        """Bytes of `param`'s optimizer state, without the main copy."""
         return FP32 * sum(prod(shape) for _, shape in self.fields(param))
+
+    def nbytes(self, param: ParamState) -> int:
+        """Bytes of `param`'s logical state, main copy included."""
+        return self.state_nbytes(param) + param.main_bytes
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready description (what a checkpoint records)."""
@@ -124,7 +140,7 @@ class StateLayout:
             "optimizer": self.optimizer,
             "block_size": self.block_size,
             "max_precond_dim": self.max_precond_dim,
-            "params": [[p.name, p.kind, list(p.shape), [list(s) for s in p.submatrices]] for p in self.params],
+            "params": [[p.name, p.kind, list(p.shape), [list(s) for s in p.submatrices], p.dtype] for p in self.params],
         }
 
     @classmethod
@@ -133,8 +149,9 @@ class StateLayout:
         try:
             model = data["model"]
             params = tuple(
-                ParamState(str(name), str(kind), tuple(int(n) for n in shape), tuple((int(r), int(c)) for r, c in subs))
-                for name, kind, shape, subs in data["params"]
+                ParamState(str(name), str(kind), tuple(int(n) for n in shape), tuple((int(r), int(c)) for r, c in subs),
+                           str(dtype[0]) if dtype else "fp32")
+                for name, kind, shape, subs, *dtype in data["params"]
             )
             return cls((str(model["name"]), str(model["source"]), model["sha256"]), str(data["optimizer"]),
                        int(data["block_size"]), int(data["max_precond_dim"]), params)
@@ -147,7 +164,8 @@ def state_layout(schedule: Schedule, *, block_size: int | None = None, max_preco
     from the schedule unless given (the runtime passes the ones it actually uses)."""
     request = schedule.request
     params = tuple(
-        ParamState(e.name, e.optimizer, tuple(e.shape), submatrix_shapes(tuple(e.shape), e.row_blocks) if e.optimizer == MATRIX else ())
+        ParamState(e.name, e.optimizer, tuple(e.shape),
+                   submatrix_shapes(tuple(e.shape), e.row_blocks) if e.optimizer == MATRIX else (), e.dtype)
         for e in registration_order(schedule)
     )
     return StateLayout(
@@ -342,15 +360,22 @@ def _runtime_problem(schedule: Schedule, which: str) -> str | None:
     return None
 
 
+def _main_per_element(a: ParamEntry, b: ParamEntry) -> tuple[int, int]:
+    """Bytes per element of the main copy (written under OLD, read under NEW)."""
+    written = 0 if a.dtype == "fp32" else FP32
+    return written, written if b.dtype != "fp32" else 0
+
+
 def _adamw_moves(old: Schedule, new: Schedule, a: ParamEntry, b: ParamEntry, ledger: _Ledger) -> None:
     """A replicated element a NEW rank already held under OLD does not move; otherwise it comes
     from the OLD rank that wrote it (the lowest of its holders: TP rank 0)."""
+    written, read = _main_per_element(a, b)
     holders: dict[tuple[int, int], list[int]] = defaultdict(list)
     for start, stop, rank in adamw_runs(old, a, writers_only=False):
         holders[(start, stop)].append(rank)
     spans = sorted(holders)
     for span in spans:
-        ledger.writes[min(holders[span])] += 8 * (span[1] - span[0])
+        ledger.writes[min(holders[span])] += (8 + written) * (span[1] - span[0])
     starts = [start for start, _ in spans]
     for start, stop, target in adamw_runs(new, b, writers_only=False):
         index = max(0, bisect_right(starts, start) - 1)
@@ -358,7 +383,7 @@ def _adamw_moves(old: Schedule, new: Schedule, a: ParamEntry, b: ParamEntry, led
             low, high = max(start, spans[index][0]), min(stop, spans[index][1])
             ranks = holders[spans[index]]
             if low < high:
-                ledger.move(target if target in ranks else min(ranks), target, 8 * (high - low))
+                ledger.move(target if target in ranks else min(ranks), target, (8 + read) * (high - low))
             index += 1
 
 
@@ -382,9 +407,9 @@ def reshard_report(old: Schedule, new: Schedule) -> ReshardReport:
     for b in new.params:
         a = entries[b.name]
         if b.optimizer == MATRIX:
-            nbytes = new_layout.nbytes(params[b.name])
-            ledger.writes[old_hosts[a.name]] += nbytes
-            ledger.move(old_hosts[a.name], new_hosts[b.name], nbytes)
+            state, (written, read) = new_layout.state_nbytes(params[b.name]), _main_per_element(a, b)
+            ledger.writes[old_hosts[a.name]] += state + written * prod(a.shape)
+            ledger.move(old_hosts[a.name], new_hosts[b.name], state + read * prod(b.shape))
         else:
             _adamw_moves(old, new, a, b, ledger)
     return ReshardReport(

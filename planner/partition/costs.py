@@ -20,6 +20,7 @@ ADAMW_FLOPS_PER_ELEMENT = 10
 ELEMENTWISE_FLOPS_PER_ELEMENT = 10  # momentum / moment updates around the matrix work
 ADAMW_STATE_BYTES_PER_ELEMENT = 8
 MUON_STATE_BYTES_PER_ELEMENT = 4
+MAIN_COPY_BYTES_PER_ELEMENT = 4  # the runtime's fp32 main copy of a bf16/fp16 parameter
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,22 @@ def param_cost(param: ParamSpec, model: CostModel) -> float:
     return sum(model.matrix_cost(rows, cols) for rows, cols in param.submatrices)
 
 
+def main_copy_bytes(dtype: str) -> int:
+    """Bytes per element of the fp32 main copy the runtime keeps of a parameter of `dtype`."""
+    return 0 if dtype == "fp32" else MAIN_COPY_BYTES_PER_ELEMENT
+
+
+def adamw_slice_bytes_per_element(params: tuple[ParamSpec, ...] | list[ParamSpec]) -> int:
+    """State bytes per AdamW slice element: two fp32 moments, plus an fp32 main copy when the
+    model has low-precision AdamW parameters (the runtime keeps it over the whole slice then)."""
+    lowp = any(p.optimizer == ADAMW and p.dtype != "fp32" for p in params)
+    return ADAMW_STATE_BYTES_PER_ELEMENT + (MAIN_COPY_BYTES_PER_ELEMENT if lowp else 0)
+
+
 def param_state_bytes(param: ParamSpec, optimizer: OptimizerConfig) -> float:
-    """Optimizer state bytes of the whole (unsharded) parameter."""
+    """Optimizer state bytes of the whole (unsharded) parameter, its fp32 main copy included
+    when the parameter is bf16/fp16."""
+    main = float(main_copy_bytes(param.dtype) * param.numel)
     if param.optimizer == ADAMW:
-        return float(ADAMW_STATE_BYTES_PER_ELEMENT * param.numel)
-    return sum(matrix_state_bytes(rows, cols, optimizer) for rows, cols in param.submatrices)
+        return float(ADAMW_STATE_BYTES_PER_ELEMENT * param.numel) + main
+    return sum(matrix_state_bytes(rows, cols, optimizer) for rows, cols in param.submatrices) + main

@@ -1,9 +1,10 @@
 """Per-device figures of a plan: compute load, optimizer state, bytes moved per step.
 
 Global rank = dp_rank · tp + tp_rank. A device's compute is the matrices it hosts plus its
-AdamW slice; its traffic is the DP reduce-scatter (fp32 gradients) and all-gather
-(parameters) of both buffers plus the TP micro-group all-to-alls (fp32 gradients in, fp32
-updates out).
+AdamW slice, and so is its state (fp32 main copies of bf16/fp16 parameters included); its
+traffic is the DP reduce-scatter (fp32 gradients) and all-gather (parameters) of both buffers
+plus the TP micro-group all-to-alls (fp32 gradients in, fp32 updates out; the runtime sends
+new bf16/fp16 values instead for low-precision matrices, which this counts at fp32).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from canzona.planner.partition.costs import ADAMW_STATE_BYTES_PER_ELEMENT, make_cost_model
+from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MicroGroup, group_stats
 from canzona.planner.spec import DTYPE_BYTES
@@ -90,6 +91,7 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
     adamw_cuts = [equal_cuts(bucket.numel, req.dp) for bucket in plan.adamw_layout.buckets]
     adamw_elements = [sum(slice_sizes(cuts)[r] for cuts in adamw_cuts) for r in range(req.dp)]
     adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
+    adamw_bytes = adamw_slice_bytes_per_element(plan.model.params)
     matrix_traffic = _dp_traffic(plan, plan.dense.layout, list(plan.dense.cuts), req.dp)
     if plan.expert is not None:
         expert = _dp_traffic(plan, plan.expert.layout, list(plan.expert.cuts), plan.expert.num_ranks)
@@ -115,7 +117,7 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
                     dp_rank=dp_rank,
                     tp_rank=tp_rank,
                     load=hosted_cost[tp_rank] + adamw_cost(adamw_elements[dp_rank]),
-                    state_bytes=hosted_state[tp_rank] + ADAMW_STATE_BYTES_PER_ELEMENT * adamw_elements[dp_rank],
+                    state_bytes=hosted_state[tp_rank] + adamw_bytes * adamw_elements[dp_rank],
                     bytes_sent=matrix_traffic[dp_rank][0] + adamw_traffic[dp_rank][0] + tp_sent,
                     bytes_received=matrix_traffic[dp_rank][1] + adamw_traffic[dp_rank][1] + tp_received,
                 )

@@ -140,7 +140,7 @@ def check_schedule(schedule: Schedule, model: ModelSpec) -> None:
         for r in range(dp):
             adamw_load[r] += tp * per_element * (bucket.cuts[r + 1] - bucket.cuts[r])
     assert m.adamw_load == [approx(x) for x in adamw_load]
-    # state bytes: owned matrix state + tp × 8 bytes per AdamW slice element
+    # state bytes: owned matrix state (main copies included) + tp × AdamW bytes per slice element
     opt = OptimizerConfig(
         req.optimizer.name,
         req.optimizer.ns_steps,
@@ -148,7 +148,9 @@ def check_schedule(schedule: Schedule, model: ModelSpec) -> None:
         req.optimizer.precondition_frequency,
         req.optimizer.max_precond_dim,
     )
-    state = [tp * 8 * x / (tp * per_element) for x in adamw_load]
+    # 8 bytes of moments per AdamW slice element, 4 more for fp32 main copies of a bf16 model
+    adamw_bytes = 8 + (4 if any(p.optimizer == ADAMW and p.dtype != "fp32" for p in model.params) else 0)
+    state = [tp * adamw_bytes * x / (tp * per_element) for x in adamw_load]
     for e in matrix_rows:
         state[e.owner] += param_state_bytes(model.params[e.index], opt)
     assert m.state_bytes == [approx(x) for x in state]

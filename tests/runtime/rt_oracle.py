@@ -5,6 +5,8 @@ reference on the full tensors with the DP-mean gradients."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,3 +93,182 @@ def compare(schedule: Schedule, results: list[dict[str, torch.Tensor]], referenc
             expected = shard(reference[entry.name], entry, tp_rank, tp)
             got = shards[entry.name]
             torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank} {entry.name}: {m}")
+
+
+# --- Scenarios: one training recipe run by the runtime on forked ranks and by the reference ---
+
+GroupsOf = Callable[[list[tuple[str, torch.nn.Parameter]]], Any]
+HasGrad = Callable[[str, int, int], bool]  # (name, step, dp rank)
+
+
+@dataclass
+class Scenario:
+    """A training recipe: schedule, steps, defaults and what a script does around the step
+    (groups, LR scheduler, clipping, frozen parameters, missing gradients, micro-batches,
+    Megatron's main_grad, a meta default device)."""
+
+    schedule: Schedule
+    steps: int = 4
+    hp: dict[str, Any] = field(default_factory=dict)
+    strategy: str = "canzona"
+    groups: GroupsOf | None = None
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    max_norm: float | None = None
+    has_grad: HasGrad | None = None
+    frozen: frozenset[str] = frozenset()
+    micro_batches: int = 1
+    grad_attr: str = "grad"
+    unit_norms: bool = False  # 1-D parameters start at 1.0, as real norm weights do
+    meta: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def scenario_init(scenario: Scenario) -> dict[str, torch.Tensor]:
+    """Full initial values (norm weights at 1.0 with `unit_norms`)."""
+    full = full_params(scenario.schedule)
+    if scenario.unit_norms:
+        for e in scenario.schedule.params:
+            if len(e.shape) == 1:
+                full[e.name] = torch.ones(e.shape, dtype=DTYPES[e.dtype])
+    return full
+
+
+def _present(scenario: Scenario, name: str, step: int, dp_rank: int) -> bool:
+    return name not in scenario.frozen and (scenario.has_grad is None or scenario.has_grad(name, step, dp_rank))
+
+
+def rank_grad(scenario: Scenario, entry: ParamEntry, step: int, dp_rank: int) -> torch.Tensor | None:
+    """DP rank `dp_rank`'s accumulated full gradient at `step`: the micro-batch gradients
+    summed in the parameter's dtype, as backward accumulates `.grad` (fp32 for main_grad)."""
+    if not _present(scenario, entry.name, step, dp_rank):
+        return None
+    dtype = torch.float32 if scenario.grad_attr == "main_grad" else DTYPES[entry.dtype]
+    total = None
+    for micro in range(scenario.micro_batches):
+        grad = full_grad(entry, step * 100 + micro, dp_rank).to(dtype)
+        total = grad if total is None else total + grad
+    return total
+
+
+def _set_grads(scenario: Scenario, params: list[tuple[str, torch.nn.Parameter]], step: int, dp_rank: int, tp_rank: int) -> None:
+    tp = scenario.schedule.request.tp
+    with torch.device("cpu"):  # the test's own tensors, also under a meta default device
+        for entry, (_, param) in zip(ordered(scenario.schedule), params):
+            grad = rank_grad(scenario, entry, step, dp_rank)
+            local = None if grad is None else shard(grad, entry, tp_rank, tp)
+            if scenario.grad_attr == "main_grad":
+                param.main_grad = local  # type: ignore[attr-defined]
+            else:
+                param.grad = local
+
+
+def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
+    schedule = scenario.schedule
+    dp, tp = schedule.request.dp, schedule.request.tp
+    dp_rank, tp_rank = divmod(rank, tp)
+    dp_group, tp_group = make_groups(dp, tp)
+    full = scenario_init(scenario)
+    params = [(e.name, torch.nn.Parameter(shard(full[e.name], e, tp_rank, tp))) for e in ordered(schedule)]
+    for name, param in params:
+        param.requires_grad_(name not in scenario.frozen)
+        if scenario.grad_attr == "main_grad":
+            param.main_grad = None  # type: ignore[attr-defined]
+    initial = {name: p.detach().clone() for name, p in params}
+    given = scenario.groups(params) if scenario.groups else params
+    if scenario.meta:
+        torch.set_default_device("meta")
+    try:
+        optimizer = STRATEGIES[scenario.strategy](given, schedule, dp_group=dp_group, tp_group=tp_group,
+                                                  grad_attr=scenario.grad_attr, **scenario.hp, **scenario.options)
+        scheduler = scenario.scheduler(optimizer) if scenario.scheduler else None
+        norms, lrs, skipped_changed = [], [], []
+        for step in range(scenario.steps):
+            _set_grads(scenario, params, step, dp_rank, tp_rank)
+            if scenario.max_norm is not None:
+                norms.append(float(optimizer.clip_grad_norm_(scenario.max_norm)))
+            skipped = [(n, p.detach().clone()) for n, p in params if not any(_present(scenario, n, step, d) for d in range(dp))]
+            optimizer.step()
+            optimizer.zero_grad()
+            skipped_changed += [f"{n} at step {step}" for n, before in skipped if not torch.equal(before, dict(params)[n])]
+            lrs.append([group["lr"] for group in optimizer.param_groups])
+            if scheduler is not None:
+                scheduler.step()
+        state = optimizer.state_dict()
+    finally:
+        if scenario.meta:
+            torch.set_default_device(None)
+    return {
+        "params": {name: p.detach().clone() for name, p in params},
+        "frozen_changed": [n for n in scenario.frozen if not torch.equal(initial[n], dict(params)[n])],
+        "skipped_changed": skipped_changed,
+        "norms": norms,
+        "lrs": lrs,
+        "kinds": [group["kind"] for group in optimizer.param_groups],
+        "main": {key: value for key, value in state["tensors"].items() if key.startswith("main/")},
+        "param_steps": state["param_steps"],
+    }
+
+
+def scenario_worker(rank: int, world: int, scenarios: list[Scenario]) -> list[dict[str, Any]]:
+    """Run every scenario in turn on this rank (one spawn for many cases)."""
+    return [_scenario_rank(scenario, rank) for scenario in scenarios]
+
+
+def scenario_reference(scenario: Scenario) -> dict[str, Any]:
+    """The reference optimizer on the full tensors, doing what the scenario's ranks do, with
+    each step's gradient the fp32 DP mean of the ranks' (missing ones count as zero; a
+    parameter no rank has a gradient for is left out)."""
+    schedule = scenario.schedule
+    dp = schedule.request.dp
+    full = scenario_init(scenario)
+    params = [(e.name, torch.nn.Parameter(full[e.name].clone())) for e in ordered(schedule)]
+    for name, param in params:
+        param.requires_grad_(name not in scenario.frozen)
+    optimizer = ReferenceOptimizer(scenario.groups(params) if scenario.groups else params, schedule, **scenario.hp)
+    scheduler = scenario.scheduler(optimizer) if scenario.scheduler else None
+    norms, lrs = [], []
+    for step in range(scenario.steps):
+        grads = {}
+        for entry in ordered(schedule):
+            per_rank = [rank_grad(scenario, entry, step, d) for d in range(dp)]
+            if any(g is not None for g in per_rank):
+                grads[entry.name] = torch.stack([torch.zeros(entry.shape) if g is None else g.float() for g in per_rank]).sum(0) / dp
+        if scenario.max_norm is not None:
+            norms.append(float(optimizer.clip_grad_norm_(scenario.max_norm, grads)))
+        optimizer.step(grads)
+        lrs.append([group["lr"] for group in optimizer.param_groups])
+        if scheduler is not None:
+            scheduler.step()
+    mains = {name: optimizer.state[p]["main"] for name, p in params if "main" in optimizer.state[p]}
+    return {"params": {name: p.detach() for name, p in params}, "norms": norms, "lrs": lrs, "main": mains,
+            "kinds": [group["kind"] for group in optimizer.param_groups],
+            "param_steps": {name: optimizer.state[p]["step"] for name, p in params if p.requires_grad}}
+
+
+def assemble_main(schedule: Schedule, results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 main copy, full shape, from the chunks the ranks hold."""
+    entries = {e.name: e for e in schedule.params}
+    out: dict[str, torch.Tensor] = {}
+    for result in results:
+        for key, logical in result["main"].items():
+            name = key.removeprefix("main/")
+            target = out.setdefault(name, torch.full(tuple(logical.size), float("nan")))
+            for offsets, data in logical.chunks:
+                if len(offsets) == 1:
+                    target[offsets[0] : offsets[0] + data.numel()] = data
+                else:
+                    target.copy_(data)
+    return {name: _gathered_rows(tensor.view(entries[name].shape), entries[name]) for name, tensor in out.items()}
+
+
+def _gathered_rows(main: torch.Tensor, entry: ParamEntry) -> torch.Tensor:
+    """A matrix main copy is saved with its rows in canonical (submatrix) order: back to the
+    gathered TP order the parameters use."""
+    if entry.optimizer != "matrix" or not entry.row_blocks:
+        return main
+    out, row = torch.empty_like(main), 0
+    for block in entry.row_blocks:
+        for start, stop in block:
+            out[start:stop] = main[row : row + stop - start]
+            row += stop - start
+    return out

@@ -20,7 +20,7 @@ from canzona.schedules.reshard import full_runs, state_fields
 def test_documented_fields_are_the_rules_state(optimizer: str, rows: int, cols: int) -> None:
     hp = Hyperparameters(block_size=16, precondition_frequency=1, max_precond_dim=45, ns_steps=5)
     rule = make_rule(optimizer, hp)
-    states = init_matrix_state(rule, (rows, cols), None)
+    states = init_matrix_state(rule, (rows, cols), None, torch.device("cpu"))
     matrix_update(rule, states, torch.randn(rows, cols), None, 1)
     leaves = {path: tuple(t.shape) for path, t in state_leaves(states).items() if t is not None}
     assert leaves == {f"0/{name}": shape for name, shape in state_fields(optimizer, rows, cols, 16, 45)}

@@ -27,8 +27,8 @@ def _build(rank: int, schedule: Schedule | str, dp: int, tp: int, tamper: str | 
     params = [(e.name, torch.nn.Parameter(shard(full[e.name], e, rank % tp, tp))) for e in ordered(spec)]
     if tamper == "shape":
         params[3] = (params[3][0], torch.nn.Parameter(torch.zeros(7, 7)))
-    elif tamper == "missing":
-        params = params[:-1]
+    elif tamper == "unknown":
+        params[0] = ("bogus.weight", params[0][1])
     CanzonaOptimizer(params, schedule, dp_group=dp_group, tp_group=tp_group)
     return "built"
 
@@ -45,8 +45,8 @@ def _wrong_model_on_rank_3(rank: int, world: int, schedule: Schedule) -> str:
     return _build(rank, schedule, 2, 2, tamper="shape" if rank == 3 else None)
 
 
-def _missing_parameter(rank: int, world: int, schedule: Schedule) -> str:
-    return _build(rank, schedule, 2, 2, tamper="missing")
+def _unknown_parameter(rank: int, world: int, schedule: Schedule) -> str:
+    return _build(rank, schedule, 2, 2, tamper="unknown")
 
 
 def _dp4_layout(rank: int, world: int, schedule: Schedule) -> str:
@@ -77,13 +77,13 @@ def _run(fn: Any, *args: Any) -> dict[int, tuple[str, Any]]:
 @pytest.mark.timeout(90)
 def test_wrong_model_on_one_rank_fails_everywhere(schedule: Schedule) -> None:
     outcomes = _run(_wrong_model_on_rank_3, schedule)
-    _expect_everywhere(outcomes, "rank 3: model does not match the schedule", "local shape [7, 7]")
+    _expect_everywhere(outcomes, "rank 3: parameters do not match the schedule", "local shape [7, 7]")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_missing_parameter_fails_everywhere(schedule: Schedule) -> None:
-    _expect_everywhere(_run(_missing_parameter, schedule), "ranks 0, 1, 2, 3", "the model has 21")
+def test_unknown_parameter_fails_everywhere(schedule: Schedule) -> None:
+    _expect_everywhere(_run(_unknown_parameter, schedule), "ranks 0, 1, 2, 3", "not in the schedule: bogus.weight")
 
 
 @pytest.mark.slow

@@ -80,7 +80,7 @@ def test_tiny_model_matches_unsharded_twin() -> None:
 @pytest.mark.timeout(180)
 def test_train_script_loss_falls(tmp_path: Path) -> None:
     path = tmp_path / "tiny.yaml"
-    write_schedule(make_schedule(EXAMPLES / "tiny_qwen3.yaml", 2, 2, bucket_size=20000, group_bytes=40000), path)
+    write_schedule(make_schedule(EXAMPLES / "tiny_qwen3.yaml", 2, 2, bucket_size=20000, group_bytes=40000, dtype="bf16"), path)
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(EXAMPLES / "train_tiny.py"),
                "--tp", "2", "--dp", "2", "--schedule", str(path), "--steps", "12"]
@@ -89,3 +89,5 @@ def test_train_script_loss_falls(tmp_path: Path) -> None:
     summary = re.search(r"loss ([\d.]+) -> ([\d.]+); median step ([\d.]+) ms", result.stdout)
     assert summary, result.stdout
     assert float(summary.group(2)) < 0.7 * float(summary.group(1))
+    norms = [float(n) for n in re.findall(r"grad norm ([\d.]+)", result.stdout)]
+    assert norms and all(n > 0 for n in norms), result.stdout

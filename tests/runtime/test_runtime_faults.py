@@ -75,8 +75,8 @@ class _FailingRule:
     def __init__(self, rule: Any) -> None:
         self.rule = rule
 
-    def init_state(self, rows: int, cols: int) -> Any:
-        return self.rule.init_state(rows, cols)
+    def init_state(self, rows: int, cols: int, device: torch.device) -> Any:
+        return self.rule.init_state(rows, cols, device)
 
     def update(self, state: Any, grad: torch.Tensor, step: int) -> torch.Tensor:
         raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
@@ -96,7 +96,7 @@ def _inside_step_worker(rank: int, world: int, schedule: Schedule) -> dict[str, 
     out: dict[str, Any] = {"hosts": bool(optimizer._hosted)}
     _grads(optimizer, params, 2)
 
-    def hook(_: CanzonaOptimizer) -> None:
+    def hook(_: CanzonaOptimizer, args: Any, kwargs: Any) -> None:
         raise RuntimeError("gradient norm spike")
 
     handle = optimizer.register_step_pre_hook(hook) if rank == 2 else None
@@ -108,11 +108,11 @@ def _inside_step_worker(rank: int, world: int, schedule: Schedule) -> dict[str, 
         params[3][1].grad[0, 0] = float("nan")
     out["nan"] = _failing_step(optimizer, params, 2)
     params[3][1].grad = saved
-    rule = optimizer.rule
+    make = optimizer._group_rule
     if rank == 3:
-        optimizer.rule = _FailingRule(rule)  # type: ignore[assignment]
+        optimizer._group_rule = lambda hp: _FailingRule(make(hp))  # type: ignore[method-assign]
     out["compute"] = _failing_step(optimizer, params, 2)
-    optimizer.rule = rule
+    optimizer._group_rule = make  # type: ignore[method-assign]
     optimizer.step()  # the groups are still usable: the same step now succeeds
     out["params"] = {name: p.detach().clone() for name, p in params}
     return out
@@ -155,7 +155,8 @@ def _killed_worker(rank: int, world: int, schedule: Schedule, hang_s: float) -> 
     optimizer, params = _setup(schedule, rank)
     _train(optimizer, params, range(2))
     if rank == 3:
-        optimizer.rule = _Dying(optimizer.rule, hang_s)  # type: ignore[assignment]
+        make = optimizer._group_rule
+        optimizer._group_rule = lambda hp: _Dying(make(hp), hang_s)  # type: ignore[method-assign]
     _grads(optimizer, params, 2)
     started = time.monotonic()
     try:

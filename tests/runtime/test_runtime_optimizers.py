@@ -22,6 +22,7 @@ from canzona.runtime.optimizers import (
 )
 
 HP = Hyperparameters(ns_steps=5, block_size=8, precondition_frequency=2, max_precond_dim=100)
+CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (8, 24), (24, 8)])
@@ -41,7 +42,7 @@ def test_muon_scales() -> None:
 def test_muon_first_step_is_scaled_orthogonalised_gradient() -> None:
     grad = torch.randn(12, 20, generator=torch.Generator().manual_seed(1))
     hp = Hyperparameters(ns_steps=5, nesterov=False, update_scale="shape")
-    update = Muon(hp).update(Muon(hp).init_state(12, 20), grad, 1)
+    update = Muon(hp).update(Muon(hp).init_state(12, 20, CPU), grad, 1)
     torch.testing.assert_close(update, newton_schulz(grad, 5, hp.ns_coefficients))
 
 
@@ -54,17 +55,17 @@ def test_row_blocks_update_each_submatrix_and_write_back_rows() -> None:
     grad = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
     blocks = [[[0, 2], [4, 6]], [[2, 4], [6, 8]]]  # interleaved like a TP-sharded fc1
     rule = make_rule("muon", HP)
-    update = matrix_update(rule, init_matrix_state(rule, (8, 6), blocks), grad, blocks, 1)
+    update = matrix_update(rule, init_matrix_state(rule, (8, 6), blocks, CPU), grad, blocks, 1)
     for block in blocks:
         rows = torch.cat([torch.arange(a, b) for a, b in block])
-        alone = rule.update(rule.init_state(4, 6), grad[rows], 1)
+        alone = rule.update(rule.init_state(4, 6, CPU), grad[rows], 1)
         torch.testing.assert_close(update[rows], alone)
 
 
 @pytest.mark.parametrize("rule_type", [Muon, Shampoo, Soap])
 def test_rules_return_finite_updates_of_the_gradient_shape(rule_type: type) -> None:
     rule = rule_type(HP)
-    state = rule.init_state(20, 12)
+    state = rule.init_state(20, 12, CPU)
     for step in range(1, 5):
         grad = torch.randn(20, 12, generator=torch.Generator().manual_seed(step))
         update = rule.update(state, grad, step)
@@ -73,7 +74,7 @@ def test_rules_return_finite_updates_of_the_gradient_shape(rule_type: type) -> N
 
 def test_shampoo_blocks_and_grafting() -> None:
     rule = Shampoo(HP)
-    state = rule.init_state(20, 12)
+    state = rule.init_state(20, 12, CPU)
     assert len(state["blocks"]) == 3 * 2  # blocks of at most 8 x 8
     grad = torch.randn(20, 12, generator=torch.Generator().manual_seed(3))
     hp = HP
@@ -83,7 +84,7 @@ def test_shampoo_blocks_and_grafting() -> None:
 
 def test_soap_skips_sides_above_max_precond_dim() -> None:
     hp = Hyperparameters(precondition_frequency=3, max_precond_dim=10)
-    state = Soap(hp).init_state(20, 8)
+    state = Soap(hp).init_state(20, 8, CPU)
     assert state["L"] is None and state["R"].shape == (8, 8)
     Soap(hp).update(state, torch.randn(20, 8), 1)
     assert state["QL"] is None and state["QR"].shape == (8, 8)

@@ -11,7 +11,9 @@ import torch
 
 from canzona.runtime import load_schedule
 from canzona.runtime.layout import build_dp_layout, micro_groups
-from canzona.runtime.schedule import Verdict, check_schedule, disagreement, local_shape, model_problems
+from canzona.runtime.groups import resolve_param_groups
+from canzona.runtime.optimizers import Hyperparameters
+from canzona.runtime.schedule import Verdict, check_schedule, disagreement, local_shape
 from canzona.schedules.format import Schedule, ScheduleError, write_schedule
 
 from rt_harness import DATA, make_schedule
@@ -70,19 +72,27 @@ def test_owner_must_hold_its_matrix(schedule: Schedule) -> None:
         check_schedule(schedule.model_copy(update={"params": params}))
 
 
-def test_model_problems_name_what_differs(schedule: Schedule) -> None:
-    live = _live(schedule)
-    assert model_problems(schedule, live) == []
-    assert "the model has" in model_problems(schedule, live[:-1])[0]
+def _problems(schedule: Schedule, params: list) -> list[str]:
+    hp = Hyperparameters().resolved(schedule.request.optimizer)
+    entries = {e.name: e for e in schedule.params}
+    return resolve_param_groups(params, entries, schedule.request.tp, schedule.request.optimizer.name, hp).problems
+
+
+def test_parameter_problems_name_what_differs(schedule: Schedule) -> None:
+    live = [(name, torch.nn.Parameter(tensor)) for name, tensor in _live(schedule)]
+    assert _problems(schedule, live) == []
+    assert _problems(schedule, live[:-1]) == [], "a subset is fine: the rest is not optimized"
     renamed = [("other", live[0][1])] + live[1:]
-    assert "'other' in the model" in model_problems(schedule, renamed)[0]
-    reshaped = live[:1] + [(live[1][0], torch.zeros(3, 3))] + live[2:]
-    assert "local shape [3, 3]" in model_problems(schedule, reshaped)[0]
-    halfs = [(n, t.half()) for n, t in live]
-    assert "dtype torch.float16" in model_problems(schedule, halfs)[0]
+    assert "not in the schedule: other" in _problems(schedule, renamed)[0]
+    swapped = [live[1], live[0]] + live[2:]
+    assert "the schedule registers them the other way round" in _problems(schedule, swapped)[0]
+    reshaped = live[:1] + [(live[1][0], torch.nn.Parameter(torch.zeros(3, 3)))] + live[2:]
+    assert "local shape [3, 3]" in _problems(schedule, reshaped)[0]
+    halfs = [(n, torch.nn.Parameter(t.detach().half())) for n, t in live]
+    assert "dtype torch.float16" in _problems(schedule, halfs)[0]
     name, tensor = next((n, t) for n, t in live if n.endswith("linear_proj.weight"))
     tensor.tensor_model_parallel, tensor.partition_dim = True, 0  # type: ignore[attr-defined]
-    assert any("split along dim 0" in p for p in model_problems(schedule, live))
+    assert any("split along dim 0" in p for p in _problems(schedule, live))
 
 
 def test_exchange_layout_covers_every_element_once(schedule: Schedule) -> None:

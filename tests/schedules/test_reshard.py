@@ -3,6 +3,7 @@ byte formulas, and the per-rank byte accounting of `reshard_report`."""
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -48,11 +49,36 @@ def test_state_byte_formulas() -> None:
     assert sum(r * c for r, c in shampoo.values()) == 40 * 24 + 2 * sum(m * m + n * n for m, n in blocks)
     soap = dict(state_fields("soap", 40, 24, 16, 30))  # 40 rows are above the limit: no L/QL
     assert soap == {"exp_avg": (40, 24), "exp_avg_sq": (40, 24), "R": (24, 24), "QR": (24, 24)}
-    layout = state_layout(plan(TINY, 2, 2))
+    layout = state_layout(plan(TINY, 2, 2))  # bf16 parameters: each has an fp32 main copy
     matrices = [p for p in layout.params if p.kind == "matrix"]
-    assert sum(layout.nbytes(p) for p in matrices) == 4 * sum(p.shape[0] * p.shape[1] for p in matrices)
+    assert {p.dtype for p in layout.params} == {"bf16"}
+    assert sum(layout.state_nbytes(p) for p in matrices) == 4 * sum(p.shape[0] * p.shape[1] for p in matrices)
+    assert sum(layout.nbytes(p) for p in matrices) == 8 * sum(p.shape[0] * p.shape[1] for p in matrices)
     adamw = next(p for p in layout.params if p.name == "embedding.word_embeddings.weight")
-    assert layout.nbytes(adamw) == 8 * 256 * 32
+    assert layout.state_nbytes(adamw) == 8 * 256 * 32 and layout.nbytes(adamw) == 12 * 256 * 32
+    assert StateLayout.from_json(layout.to_json()) == layout
+
+
+def test_main_copies_move_only_between_low_precision_layouts() -> None:
+    import dataclasses
+
+    bf16 = plan(TINY, 2, 2)
+    spec = load_model(str(TINY), 2, ModelOptions())
+    spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="fp32") for p in spec.params))
+    request = PlanRequest(str(TINY), 2, 2, optimizer=OptimizerConfig("muon"), bucket_size=4000, group_bytes=4096)
+    fp32 = compile_schedule(make_plan(spec, request))
+    mains = sum(p.main_bytes for p in state_layout(bf16).params)
+    assert mains == 4 * sum(math.prod(e.shape) for e in bf16.params) and not any(p.main_bytes for p in state_layout(fp32).params)
+    down, up, same = reshard_report(bf16, fp32), reshard_report(fp32, bf16), reshard_report(bf16, bf16)
+    assert down.compatible and up.compatible, "main copies do not decide compatibility"
+    assert down.state_bytes == same.state_bytes == up.state_bytes + mains, "what is written: main copies only from bf16"
+    assert sum(down.loads) == sum(up.loads), "what is read: main copies only when both sides have them"
+    assert sum(same.loads) - sum(up.loads) >= mains  # replicated norms' copies are read by every TP rank
+
+
+def _per_element(param: ParamState) -> int:
+    """AdamW state bytes per element: two fp32 moments and, for bf16, the fp32 main copy."""
+    return 8 + (4 if param.dtype != "fp32" else 0)
 
 
 def test_the_same_schedule_moves_nothing() -> None:
@@ -61,7 +87,7 @@ def test_the_same_schedule_moves_nothing() -> None:
     assert report.compatible and not report.problems and not report.notes
     assert report.flows == [] and not any(report.moved_in) and not any(report.moved_out)
     assert sum(report.writes) == report.state_bytes
-    replicated = sum(8 * p.shape[0] for p in state_layout(schedule).params if p.kind == "adamw" and len(p.shape) == 1)
+    replicated = sum(_per_element(p) * p.shape[0] for p in state_layout(schedule).params if p.kind == "adamw" and len(p.shape) == 1)
     assert sum(report.loads) == report.state_bytes + replicated  # both TP ranks read the norms
 
 
@@ -85,9 +111,9 @@ def test_another_layout_accounts_for_every_byte(move: str) -> None:
         if p.kind == "matrix":
             expected += layout.nbytes(p)
         elif len(p.shape) == 1:
-            expected += 8 * p.shape[0] * tp
+            expected += _per_element(p) * p.shape[0] * tp
         else:
-            expected += 8 * common_rows * p.shape[1]
+            expected += _per_element(p) * common_rows * p.shape[1]
     assert sum(report.loads) == expected
 
 

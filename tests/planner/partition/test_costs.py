@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from canzona.planner.partition.costs import (
@@ -12,6 +14,7 @@ from canzona.planner.partition.costs import (
     matrix_state_bytes,
     muon_flops,
     param_cost,
+    adamw_slice_bytes_per_element,
     param_state_bytes,
     shampoo_flops,
     soap_flops,
@@ -207,14 +210,24 @@ def test_state_bytes_soap_by_hand() -> None:
 
 
 def test_param_state_bytes_adamw_and_split() -> None:
-    assert param_state_bytes(ParamSpec("b", (10,), None, ADAMW), OptimizerConfig()) == 80.0
+    assert param_state_bytes(ParamSpec("b", (10,), None, ADAMW, dtype="fp32"), OptimizerConfig()) == 80.0
+    # a bf16 parameter adds its fp32 main copy (4 bytes per element)
+    assert param_state_bytes(ParamSpec("b", (10,), None, ADAMW, dtype="bf16"), OptimizerConfig()) == 120.0
+    fp32_qkv = dataclasses.replace(_qkv(), dtype="fp32")
     # muon: 4 bytes per element, summed over the pieces
-    assert param_state_bytes(_qkv(), OptimizerConfig("muon")) == 4 * 48
+    assert param_state_bytes(fp32_qkv, OptimizerConfig("muon")) == 4 * 48
+    assert param_state_bytes(dataclasses.replace(_qkv(), dtype="bf16"), OptimizerConfig("muon")) == 8 * 48
     # soap: sum over submatrices, not the fused matrix
     soap = OptimizerConfig("soap")
     expected = sum(8 * m * n + 8 * (m * m + n * n) for m, n in ((8, 4), (2, 4), (2, 4)))
-    assert param_state_bytes(_qkv(), soap) == expected
+    assert param_state_bytes(fp32_qkv, soap) == expected
     assert expected != 8 * 48 + 8 * (144 + 16)
+
+
+def test_adamw_slice_bytes_count_main_copies_of_low_precision_models() -> None:
+    fp32 = [ParamSpec("b", (10,), None, ADAMW, dtype="fp32")]
+    assert adamw_slice_bytes_per_element(fp32) == 8
+    assert adamw_slice_bytes_per_element(fp32 + [ParamSpec("n", (4,), None, ADAMW, dtype="bf16")]) == 12
 
 
 # ---------------------------------------------------------------------------------------------

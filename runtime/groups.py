@@ -1,0 +1,236 @@
+"""Parameter groups: what a training script passes, checked against the schedule, and the
+hyperparameters each group gives a step.
+
+A script passes `model.named_parameters()` (one group) or a list of dicts whose `"params"` are
+`(name, tensor)` pairs, as for any `torch.optim` optimizer. The names match the schedule.
+Every resulting group is homogeneous in rule, so that its `"lr"` is the learning rate of every
+parameter in it and any `torch.optim.lr_scheduler` drives the right one:
+
+- a `"matrix"` group (Muon / Shampoo / SOAP): `lr`, `weight_decay` and the rule's knobs;
+- an `"adamw"` group: `lr`, `weight_decay`, `betas`, `eps` (torch.optim.AdamW's names).
+
+A user group is split into a matrix group and an AdamW group (in that order, empty ones
+dropped). The matrix group takes the user group's `lr`, `weight_decay` and rule knobs; the AdamW
+group its `adamw_lr`, `adamw_weight_decay`, `adamw_betas`, `adamw_eps`; what a group leaves out
+comes from the optimizer's keyword arguments. A key that would apply to no parameter of its
+group (e.g. `weight_decay` in a group of norms only: say `adamw_weight_decay`) is an error.
+
+Parameters with `requires_grad=False` are not optimized; schedule parameters that are not
+passed at all are treated the same way (pass only the trainable ones if you like).
+
+Nothing here raises on bad input: every problem is returned as a line, so the optimizer can
+make every rank raise the same error before any collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from canzona.runtime.optimizers import Hyperparameters
+from canzona.runtime.schedule import ADAMW, MATRIX, tensor_problems
+from canzona.schedules.format import ParamEntry
+
+MATRIX_KNOBS: dict[str, tuple[str, ...]] = {
+    "muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "update_scale"),
+    "shampoo": ("momentum", "nesterov", "precondition_frequency", "shampoo_beta2", "graft_rms", "matrix_eps"),
+    "soap": ("soap_betas", "soap_shampoo_beta", "soap_eps", "precondition_frequency"),
+}
+# AdamW group key -> (the key a user group sets it with, the Hyperparameters field)
+ADAMW_KEYS: dict[str, tuple[str, str]] = {
+    "lr": ("adamw_lr", "adamw_lr"),
+    "weight_decay": ("adamw_weight_decay", "adamw_weight_decay"),
+    "betas": ("adamw_betas", "adamw_betas"),
+    "eps": ("adamw_eps", "adamw_eps"),
+}
+TUPLE_KNOBS = ("ns_coefficients", "soap_betas", "betas")
+INT_KNOBS = ("ns_steps", "precondition_frequency")
+MAX_LISTED = 3
+
+
+@dataclass
+class ResolvedGroups:
+    """The groups to hand to `torch.optim.Optimizer` (params as (name, tensor) pairs, plus
+    `kind` and every hyperparameter), the schedule parameters left out, and the problems."""
+
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def matrix_keys(rule: str) -> tuple[str, ...]:
+    """The hyperparameters of a matrix group under `rule` (muon, shampoo, soap)."""
+    return ("lr", "weight_decay", *MATRIX_KNOBS[rule])
+
+
+def _listed(items: list[str]) -> str:
+    more = f" (and {len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else ""
+    return ", ".join(items[:MAX_LISTED]) + more
+
+
+def _user_groups(params: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    if not params:
+        return [], ["got an empty parameter list"]
+    if not isinstance(params[0], dict):
+        return [{"params": params}], []
+    bad = [str(i) for i, group in enumerate(params) if not isinstance(group, dict) or "params" not in group]
+    if bad:
+        return [], [f"param group(s) {', '.join(bad)}: expected dicts with a 'params' list"]
+    return [dict(group) for group in params], []
+
+
+def _pairs(index: int, group: dict[str, Any], problems: list[str]) -> list[tuple[str, Tensor]]:
+    items = group["params"]
+    items = list(items) if not isinstance(items, (Tensor, dict, str)) else [items]
+    pairs = [item for item in items if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+             and isinstance(item[1], Tensor)]
+    if len(pairs) != len(items):
+        problems.append(f"param group {index}: parameters must be (name, tensor) pairs named as in the schedule "
+                        "(pass model.named_parameters(), or groups of such pairs)")
+    return pairs
+
+
+def _check_names(index: int, pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry],
+                 seen: dict[Any, int], problems: list[str]) -> None:
+    """Unknown names, parameters listed twice (by name or tensor; `seen` maps both to the
+    group), and an order the schedule does not have."""
+    unknown = [name for name, _ in pairs if name not in entries]
+    if unknown:
+        problems.append(f"param group {index}: not in the schedule: {_listed(unknown)}")
+    for name, tensor in pairs:
+        where = seen.get(id(tensor), seen.get(name))
+        if where is not None:
+            groups = f"param groups {where} and {index}" if where != index else f"param group {index} twice"
+            problems.append(f"{name} is in {groups}")
+        seen[id(tensor)] = seen[name] = index
+    known = [(name, tensor) for name, tensor in pairs if name in entries]
+    for (first, _), (second, _) in zip(known, known[1:]):
+        if entries[first].index > entries[second].index:
+            problems.append(f"param group {index}: {second!r} follows {first!r}, but the schedule registers them "
+                            "the other way round (another model?)")
+            break
+
+
+def _value(key: str, value: Any) -> Any:
+    """A group value in the form the rules take (floats, ints, tuples); ValueError if it is none."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{key} must be a number, got a tensor of shape {list(value.shape)}")
+        value = value.item()
+    if key in TUPLE_KNOBS:
+        return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else value
+    if key in INT_KNOBS or key in ("nesterov", "update_scale"):
+        return value
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def group_hyperparameters(group: Mapping[str, Any], defaults: Hyperparameters, rule: str) -> Hyperparameters:
+    """The hyperparameters one group gives a step (its values over the resolved `defaults`);
+    ValueError naming the first bad value."""
+    try:
+        if group["kind"] == MATRIX:
+            changes = {key: _value(key, group[key]) for key in matrix_keys(rule)}
+        else:
+            changes = {ADAMW_KEYS[key][1]: _value(key, group[key]) for key in ADAMW_KEYS}
+    except KeyError as error:
+        raise ValueError(f"it lacks {error.args[0]!r}") from None
+    except (TypeError, ValueError) as error:
+        raise ValueError(str(error)) from None
+    hp = replace(defaults, **changes)
+    try:
+        hp.check()
+    except ValueError as error:
+        message = str(error)
+        if group["kind"] == ADAMW:  # name the group's keys, not the defaults' fields
+            for key, (_, field_name) in ADAMW_KEYS.items():
+                message = message.replace(field_name, key)
+        raise ValueError(message) from None
+    return hp
+
+
+def _split(index: int, group: dict[str, Any], pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry],
+           rule: str, defaults: Hyperparameters, problems: list[str]) -> list[dict[str, Any]]:
+    """The matrix and AdamW groups of one user group."""
+    matrix = [p for p in pairs if entries[p[0]].optimizer == MATRIX]
+    adamw = [p for p in pairs if entries[p[0]].optimizer == ADAMW]
+    user_adamw = {user for user, _ in ADAMW_KEYS.values()}
+    allowed = set(matrix_keys(rule)) | user_adamw | {"params"}
+    unknown = sorted(set(group) - allowed)
+    if unknown:
+        problems.append(f"param group {index}: unknown key(s) {', '.join(map(repr, unknown))}; a group takes "
+                        f"{', '.join(sorted(allowed - {'params'}))}")
+    unused = [key for key in group if (key in matrix_keys(rule) and not matrix) or (key in user_adamw and not adamw)]
+    if unused and pairs:
+        kind = "matrix" if not matrix else "AdamW"
+        problems.append(f"param group {index}: {', '.join(map(repr, unused))} would apply to its {kind} parameters, "
+                        f"but it has none" + ("; AdamW parameters take adamw_lr, adamw_weight_decay, adamw_betas, adamw_eps"
+                                              if not matrix else ""))
+    out = []
+    if matrix:
+        values = {key: group.get(key, getattr(defaults, key)) for key in matrix_keys(rule)}
+        out.append({"params": matrix, "kind": MATRIX, **values})
+    if adamw:
+        values = {key: group.get(user, getattr(defaults, field_name)) for key, (user, field_name) in ADAMW_KEYS.items()}
+        out.append({"params": adamw, "kind": ADAMW, **values})
+    return out
+
+
+def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry], tp: int,
+                    grad_attr: str) -> list[str]:
+    problems = []
+    for name, tensor in pairs:
+        if name in entries:
+            problems += tensor_problems(entries[name], tensor, tp)
+    devices = sorted({str(tensor.device) for _, tensor in pairs})
+    if len(devices) > 1:
+        problems.append(f"parameters are on several devices ({', '.join(devices)}); one optimizer serves one device")
+    leafless = [name for name, tensor in pairs if tensor.requires_grad and not tensor.is_leaf]
+    if leafless:
+        problems.append(f"not leaf tensors (cannot be optimized): {_listed(leafless)}")
+    if grad_attr != "grad":
+        lacking = [name for name, tensor in pairs if tensor.requires_grad and not hasattr(tensor, grad_attr)]
+        if lacking:
+            problems.append(f"grad_attr {grad_attr!r}: no such attribute on {_listed(lacking)}")
+    return problems
+
+
+def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], tp: int, rule: str,
+                   defaults: Hyperparameters, grad_attr: str = "grad") -> ResolvedGroups:
+    """Check what a script passed against the schedule (`entries` by name, TP size `tp`) and
+    build the homogeneous groups; every problem is returned, nothing raises."""
+    result = ResolvedGroups()
+    user_groups, result.problems = _user_groups(params)
+    seen: dict[Any, int] = {}
+    every: list[tuple[str, Tensor]] = []
+    for index, group in enumerate(user_groups):
+        pairs = _pairs(index, group, result.problems)
+        _check_names(index, pairs, entries, seen, result.problems)
+        every += pairs
+        trainable = [(name, tensor) for name, tensor in pairs if name in entries and tensor.requires_grad]
+        result.groups += _split(index, group, trainable, entries, rule, defaults, result.problems)
+    result.problems += _model_problems(every, entries, tp, grad_attr)
+    managed = {name for group in result.groups for name, _ in group["params"]}
+    result.frozen = [name for name in sorted(entries, key=lambda n: entries[n].index) if name not in managed]
+    if user_groups and not managed and not result.problems:
+        result.problems.append("no parameter to optimize (every one has requires_grad=False)")
+    for position, group in enumerate(result.groups):
+        try:
+            group_hyperparameters(group, defaults, rule)
+        except ValueError as error:
+            result.problems.append(f"param_groups[{position}] ({group['kind']}): {error}")
+    return result
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether `value` is a finite real number (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def device_of(pairs: list[tuple[str, Tensor]]) -> torch.device:
+    """The one device the parameters live on (CPU when there are none)."""
+    return pairs[0][1].device if pairs else torch.device("cpu")
