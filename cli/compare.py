@@ -13,7 +13,18 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, read_schedule, write_schedule
+from canzona.schedules.format import (
+    Request,
+    Schedule,
+    ScheduleError,
+    dump_schedule,
+    parse_schedule,
+    read_request,
+    read_schedule,
+    write_schedule,
+)
+from canzona.schedules.limits import MAX_SCHEDULE_BYTES
+from canzona.schedules.reading import UnsafeDocument, read_text
 
 EXIT_REGRESSION = 1
 GIB = 1 << 30
@@ -145,32 +156,32 @@ def schedule_files(paths: list[Path]) -> list[Path]:
     return found
 
 
-def regenerate(path: Path, schedule: Schedule) -> Schedule:
-    """Plan again from the file's recorded request (a model file is looked up as recorded,
-    then next to the schedule)."""
+def regenerate(path: Path, request: Request) -> Schedule:
+    """Plan again from a file's recorded request (a model file is looked up as recorded, then
+    next to the schedule)."""
     from dataclasses import replace
 
-    from canzona.planner.predict.auto_alpha import plan_for_request
     from canzona.planner.compile import compile_schedule, plan_request
+    from canzona.planner.predict.auto_alpha import plan_for_request
     from canzona.planner.sources.load import load_model
 
-    recorded = schedule.request.model.source
+    recorded = request.model.source
     source = recorded
-    if schedule.request.model.sha256 is not None and not Path(recorded).exists():
+    if request.model.sha256 is not None and not Path(recorded).exists():
         source = str(path.parent / recorded)
-    request = plan_request(schedule.request, source)
-    spec = replace(load_model(source, request.tp, request.options), source=recorded)
-    return compile_schedule(*plan_for_request(spec, request))
+    planner_request = plan_request(request, source)
+    spec = replace(load_model(source, planner_request.tp, planner_request.options), source=recorded)
+    return compile_schedule(*plan_for_request(spec, planner_request))
 
 
 def staleness(old: Schedule, new: Schedule) -> str | None:
-    """What differs between a checked-in schedule and its regeneration, or None."""
+    """What differs in content between a checked-in schedule and its regeneration, or None."""
     if old.fingerprint != new.fingerprint:
         return "stale fingerprint: the model's parameters changed"
     if old.request.model.sha256 != new.request.model.sha256:
         return "the model file changed (sha256)"
     moved = sum(a.owner != b.owner or a.offset != b.offset or a.bucket != b.bucket for a, b in zip(old.params, new.params))
-    if moved or old.dp != new.dp:
+    if moved or old.params != new.params or old.dp != new.dp:
         return f"different assignment ({moved} parameters moved or re-laid out)"
     if old.tp != new.tp:
         return "different micro-groups"
@@ -178,7 +189,31 @@ def staleness(old: Schedule, new: Schedule) -> str | None:
         return "different metrics"
     if old.request.model_copy(update={"canzona_version": ""}) != new.request.model_copy(update={"canzona_version": ""}):
         return "different request"
+    if old.request.canzona_version != new.request.canzona_version:
+        return f"written by canzona {old.request.canzona_version} (this is {new.request.canzona_version})"
     return None
+
+
+def check_file(path: Path) -> tuple[str | None, Schedule]:
+    """Why `path` differs from the regeneration of its recorded request (None: byte-identical),
+    and that regeneration. A file that does not validate is compared through its request
+    alone; one whose request cannot be read either is bad input (ScheduleError)."""
+    try:
+        text = read_text(path, MAX_SCHEDULE_BYTES)
+    except UnsafeDocument as error:
+        raise ScheduleError(f"cannot read schedule {str(path)!r}: {error}") from None
+    try:
+        old: Schedule | None = parse_schedule(text, str(path))
+        request, invalid = old.request, None  # type: ignore[union-attr]
+    except ScheduleError as error:
+        old, request, invalid = None, read_request(text, str(path)), str(error).removeprefix(f"{path}: ")
+    new = regenerate(path, request)
+    if invalid is not None:
+        return f"invalid ({invalid})", new
+    reason = staleness(old, new)  # type: ignore[arg-type]
+    if reason is None and dump_schedule(new) != text:
+        reason = "formatting: same content, but not the bytes canzona writes"
+    return reason, new
 
 
 def library_table(files: list[Path], root: Path) -> str:
@@ -229,13 +264,12 @@ def check(
     paths: Annotated[Optional[list[Path]], typer.Argument(help="Schedules or folders (default: schedules).")] = None,
     fix: Annotated[bool, typer.Option("--fix", help="Rewrite stale files (atomically).")] = False,
 ) -> None:
-    """Regenerate each schedule from its recorded request; exit 1 if any is stale."""
+    """Regenerate each schedule from its recorded request and compare bytes; exit 1 if any
+    differs (content, formatting, or a file that no longer validates)."""
     roots = paths or [Path("schedules")]
     stale = 0
     for path in schedule_files(roots):
-        old = read_schedule(path)
-        new = regenerate(path, old)
-        reason = staleness(old, new)
+        reason, new = check_file(path)
         if reason is None:
             typer.echo(f"fresh  {path}")
             continue

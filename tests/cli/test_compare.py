@@ -10,7 +10,7 @@ import pytest
 
 from canzona.cli.compare import TABLE_BEGIN, TABLE_END
 from canzona.cli.main import main
-from canzona.schedules.format import dump_schedule, read_schedule, write_schedule
+from canzona.schedules.format import SCHEMA_VERSION, dump_schedule, read_schedule, sealed, write_schedule
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -71,7 +71,7 @@ def test_diff_bad_input_is_exit_2(problem: str, plans: dict[str, Path], tmp_path
     if problem == "garbage":
         bad.write_text("{{{")
     elif problem == "version":
-        bad.write_text(plans["a1"].read_text().replace("schema_version: 1", "schema_version: 99", 1))
+        bad.write_text(plans["a1"].read_text().replace(f"schema_version: {SCHEMA_VERSION}", "schema_version: 99", 1))
     elif problem == "negative":
         args = ["diff", str(plans["a1"]), str(plans["a1"]), "--max-gap-increase", "-1"]
     code, out, err = run(args, capsys)
@@ -87,7 +87,7 @@ def test_check_fresh_stale_tampered_and_fix(plans: dict[str, Path], tmp_path: Pa
     shutil.copy(plans["a1"], fresh)
     # Stale: the file claims α = 1 in its request but holds the α = 0 plan.
     schedule = read_schedule(plans["a0"])
-    write_schedule(schedule.model_copy(update={"request": read_schedule(plans["a1"]).request}), stale)
+    write_schedule(sealed(schedule.model_copy(update={"request": read_schedule(plans["a1"]).request})), stale)
     code, out, err = run(["check", str(tmp_path / "lib")], capsys)
     assert code == 1
     assert f"fresh  {fresh}" in out and f"STALE  {stale}: different assignment" in out
@@ -98,11 +98,22 @@ def test_check_fresh_stale_tampered_and_fix(plans: dict[str, Path], tmp_path: Pa
     assert run(["check", str(tmp_path / "lib")], capsys)[0] == 0
 
 
-def test_check_tampered_or_missing_files_are_bad_input(plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_flags_tampered_files_and_fixes_them_from_their_request(
+    plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tampered = tmp_path / "t.yaml"
     tampered.write_text(plans["a1"].read_text().replace('"shape": [4096, 12288]', '"shape": [4096, 12289]', 1))
-    code, _, err = run(["check", str(tampered)], capsys)
-    assert code == 2 and "fingerprint" in err
+    code, out, err = run(["check", str(tampered)], capsys)
+    assert code == 1 and f"STALE  {tampered}: invalid (fingerprint" in out and "1 stale file" in err
+    assert run(["check", str(tampered), "--fix"], capsys)[0] == 0
+    assert tampered.read_bytes() == plans["a1"].read_bytes()
+
+
+def test_check_unreadable_or_missing_files_are_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    garbage = tmp_path / "g.yaml"
+    garbage.write_text("request: [1, 2]\n")
+    code, _, err = run(["check", str(garbage)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "cannot read its request" in err
     code, _, err = run(["check", str(tmp_path / "nope")], capsys)
     assert code == 2 and "no such schedule" in err
 
