@@ -7,6 +7,7 @@ check: regenerate each schedule from its recorded request and say what went stal
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
@@ -69,22 +70,28 @@ METRICS: tuple[Metric, ...] = (
 
 @dataclass(frozen=True)
 class Row:
-    """One metric of a diff."""
+    """One metric of a diff (`old`/`new`/`delta` None where a file lacks the metric)."""
 
     name: str
-    old: float
-    new: float
-    delta: float
-    verdict: str  # "better", "worse", "same", or "REGRESSION"
+    old: float | None
+    new: float | None
+    delta: float | None
+    verdict: str  # "better", "worse", "same", "REGRESSION", or "missing"
 
 
 def compare(old: Schedule, new: Schedule, limits: dict[str, float]) -> list[Row]:
-    """Every headline metric with its delta; a bounded metric past its limit is a regression."""
+    """Every headline metric with its delta; a bounded metric past its limit is a regression;
+    a metric one file lacks is "missing" (never better). ScheduleError on a non-finite value."""
     rows = []
     for metric in METRICS:
         before, after = metric.read(old), metric.read(new)
+        for value in (before, after):
+            if value is not None and not math.isfinite(value):
+                raise ScheduleError(f"{metric.name} is {value}, not a finite number")
         if before is None or after is None:
-            continue  # e.g. a predicted step time only one of the files has
+            if before is not None or after is not None:  # e.g. a predicted step only one file has
+                rows.append(Row(metric.name, before, after, None, "missing"))
+            continue
         delta = after - before
         worse = delta > 0 if metric.higher_is_worse else delta < 0
         change = abs(delta) / abs(before) if metric.relative and before else abs(delta)
@@ -95,14 +102,17 @@ def compare(old: Schedule, new: Schedule, limits: dict[str, float]) -> list[Row]
     return rows
 
 
-def _format(value: float) -> str:
+def _format(value: float | None) -> str:
+    if value is None:
+        return "-"
     return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.4e}"
 
 
 def diff_text(old_path: str, new_path: str, rows: list[Row]) -> str:
     """The side-by-side table."""
     header = ["metric", Path(old_path).name, Path(new_path).name, "delta", "verdict"]
-    body = [[r.name, _format(r.old), _format(r.new), f"{r.delta:+.4g}", r.verdict] for r in rows]
+    body = [[r.name, _format(r.old), _format(r.new), "-" if r.delta is None else f"{r.delta:+.4g}", r.verdict]
+            for r in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *body])
 
@@ -117,13 +127,13 @@ def diff(
     same_model: Annotated[bool, typer.Option("--same-model", help="Fail (exit 2) if the models differ.")] = False,
 ) -> None:
     """Compare two schedules' headline metrics; exit 1 on a regression past the thresholds."""
+    for name, value in (("imbalance", max_imbalance_increase), ("gap", max_gap_increase), ("memory", max_memory_increase)):
+        if not math.isfinite(value) or value < 0:
+            raise ScheduleError(f"--max-{name}-increase must be a finite number >= 0, got {value}")
     before, after = read_schedule(old), read_schedule(new)
     # The model's identity, not the fingerprint: TP size changes the padded vocab shapes.
     if same_model and before.request.model != after.request.model:
         raise ScheduleError(f"different models: {before.request.model.name} vs {after.request.model.name}")
-    for name, value in (("imbalance", max_imbalance_increase), ("gap", max_gap_increase), ("memory", max_memory_increase)):
-        if value < 0:
-            raise ScheduleError(f"--max-{name}-increase must be >= 0, got {value}")
     limits = {"imbalance": max_imbalance_increase, "gap": max_gap_increase, "memory": max_memory_increase}
     rows = compare(before, after, limits)
     if as_json:

@@ -64,7 +64,7 @@ def test_diff_different_layouts_of_one_model_and_same_model_flag(plans: dict[str
     assert code == 2 and err.startswith("canzona: error: different models: qwen3-8b")
 
 
-@pytest.mark.parametrize("problem", ["missing", "garbage", "version", "negative"])
+@pytest.mark.parametrize("problem", ["missing", "garbage", "version", "negative", "nan", "inf", "-inf"])
 def test_diff_bad_input_is_exit_2(problem: str, plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     args = ["diff", str(plans["a1"]), str(bad)]
@@ -74,6 +74,8 @@ def test_diff_bad_input_is_exit_2(problem: str, plans: dict[str, Path], tmp_path
         bad.write_text(plans["a1"].read_text().replace(f"schema_version: {SCHEMA_VERSION}", "schema_version: 99", 1))
     elif problem == "negative":
         args = ["diff", str(plans["a1"]), str(plans["a1"]), "--max-gap-increase", "-1"]
+    elif problem in ("nan", "inf", "-inf"):  # regression: nan passed a 0.35 -> 4.41 GiB increase
+        args = ["diff", str(plans["a1"]), str(plans["a0"]), "--max-memory-increase", problem]
     code, out, err = run(args, capsys)
     assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("canzona: error: ")
     if problem == "version":
@@ -170,4 +172,48 @@ def test_diff_shows_predicted_step_when_both_files_have_it(tmp_path: Path, capsy
     assert code == 0 and rows["predicted step s"]["old"] == expected
     code, out, _ = run(["diff", str(paths[0]), str(paths[1]), "--json", "--max-imbalance-increase", "1",
                         "--max-gap-increase", "1", "--max-memory-increase", "1"], capsys)
-    assert code == 0 and "predicted step s" not in {row["name"] for row in json.loads(out)}
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert code == 0 and rows["predicted step s"]["verdict"] == "missing"  # regression: never "better"
+    assert rows["predicted step s"]["new"] is None and rows["predicted step s"]["delta"] is None
+    code, out, _ = run(["diff", str(paths[1]), str(paths[0]), "--max-imbalance-increase", "1",
+                        "--max-gap-increase", "1", "--max-memory-increase", "1"], capsys)
+    assert code == 0 and any(line.split()[-1] == "missing" and line.startswith("predicted step s") for line in out.splitlines())
+
+
+def test_diff_refuses_a_non_finite_metric(plans: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from canzona.cli import compare
+
+    broken = compare.Metric("dp imbalance", lambda s: float("nan"), True, "imbalance", False)
+    monkeypatch.setattr(compare, "METRICS", (broken,))
+    code, out, err = run(["diff", str(plans["a1"]), str(plans["a1"])], capsys)
+    assert code == 2 and out == "" and err == "canzona: error: dp imbalance is nan, not a finite number\n"
+
+
+def test_check_regenerates_an_older_schema_version(plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = tmp_path / "old.yaml"
+    lines = [line for line in plans["a1"].read_text().splitlines() if not line.startswith("digest: ")]
+    old.write_text("\n".join(lines).replace(f"schema_version: {SCHEMA_VERSION}", "schema_version: 1", 1) + "\n")
+    code, out, _ = run(["check", str(old)], capsys)
+    assert code == 1 and "schema_version 1 is from an older canzona" in out
+    assert run(["check", str(old), "--fix"], capsys)[0] == 0
+    assert old.read_bytes() == plans["a1"].read_bytes()
+
+
+def test_check_compares_bytes_and_names_the_kind_of_difference(
+    plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reformatted = tmp_path / "comment.yaml"
+    reformatted.write_text(plans["a1"].read_text().replace("}\n", "}  # note\n", 1))
+    assert read_schedule(reformatted) == read_schedule(plans["a1"])  # same content
+    code, out, _ = run(["check", str(reformatted)], capsys)
+    assert code == 1 and f"STALE  {reformatted}: formatting" in out
+    versioned = tmp_path / "version.yaml"
+    schedule = read_schedule(plans["a1"])
+    request = schedule.request.model_copy(update={"canzona_version": "0.0.1"})
+    write_schedule(sealed(schedule.model_copy(update={"request": request})), versioned)
+    code, out, _ = run(["check", str(versioned)], capsys)
+    assert code == 1 and "written by canzona 0.0.1" in out
+    for path in (reformatted, versioned):
+        assert run(["check", str(path), "--fix"], capsys)[0] == 0
+        assert path.read_bytes() == plans["a1"].read_bytes()
