@@ -14,6 +14,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from canzona.schedules.files import write_atomic
 from canzona.schedules.format import (
     Request,
     Schedule,
@@ -261,12 +262,16 @@ def table(
     update: Annotated[bool, typer.Option("--update", help=f"Rewrite the table inside FOLDER/{LIBRARY_README}.")] = False,
 ) -> None:
     """Print the library's metrics table (markdown), or update it in the library README."""
+    if not folder.is_dir():
+        raise ScheduleError(f"table reads a folder of schedules; {str(folder)!r} is {'a file' if folder.exists() else 'missing'}")
+    readme = folder / LIBRARY_README
+    if update and not readme.is_file():
+        raise ScheduleError(f"--update rewrites the table inside {str(readme)!r}, which does not exist")
     text = library_table(schedule_files([folder]), folder)
     if not update:
         typer.echo(text, nl=False)
         return
-    readme = folder / LIBRARY_README
-    readme.write_text(_with_table(readme.read_text(encoding="utf-8"), text), encoding="utf-8")
+    write_atomic(readme, _with_table(readme.read_text(encoding="utf-8"), text))
     typer.echo(f"updated {readme}")
 
 
@@ -295,7 +300,7 @@ def check(
             wanted = _with_table(readme.read_text(encoding="utf-8"), library_table(schedule_files([root]), root))
             if wanted != readme.read_text(encoding="utf-8"):
                 if fix:
-                    readme.write_text(wanted, encoding="utf-8")
+                    write_atomic(readme, wanted)
                     typer.echo(f"fixed  {readme}: metrics table")
                 else:
                     stale += 1

@@ -67,6 +67,7 @@ class PlanRequest:
         problem = request_problem(
             tp=self.tp, dp=self.dp, ep=self.ep, alpha=self.alpha, bucket_size=self.bucket_size,
             group_bytes=self.group_bytes, tp_mode=self.tp_mode, solver=self.solver, time_limit=self.time_limit,
+            seed=self.seed,
         ) or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
         if problem:
             raise PlanError(problem)

@@ -13,15 +13,14 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from canzona.schedules import reading, validate
+from canzona.schedules.files import OutputError, write_atomic
 from canzona.schedules.limits import MAX_FILE_INT, MAX_SCHEDULE_BYTES
 
 SCHEMA_VERSION = 2
@@ -377,21 +376,15 @@ def dump_schedule(schedule: Schedule) -> str:
     return _ROW_LINE.sub(rows, skeleton)
 
 
-def write_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> None:
-    """Write atomically: a temporary file in the same folder, fsync'd, then renamed over."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+def write_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> bool:
+    """Write atomically (`files.write_atomic`: temporary file, fsync, rename; umask or the
+    existing file's mode; through symlinks). False when the file already held these bytes.
+    ScheduleError for a target that is not a regular file; OSError when the disk write fails."""
     text = dump_schedule(schedule)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+        return write_atomic(path, text)
+    except OutputError as error:
+        raise ScheduleError(str(error)) from None
 
 
 def _one_line(error: ValidationError) -> str:

@@ -29,12 +29,14 @@ MAX_PARAM_NUMEL = 1 << 40  # elements of one parameter
 MAX_BUCKET_SIZE = 1 << 40
 MAX_GROUP_BYTES = 1 << 50
 MAX_TIME_LIMIT = 1e6  # CP-SAT deterministic seconds
+MAX_SEED = (1 << 31) - 1
 MAX_NS_STEPS = 100
 MAX_PRECONDITION_FREQUENCY = 1_000_000
 MAX_BLOCK_SIZE = 1 << 20  # Shampoo block side, and SOAP's max_precond_dim
 MAX_SCHEDULE_BYTES = 64 << 20
 MAX_MODEL_FILE_BYTES = 64 << 20
-MAX_NESTING = 32  # YAML nesting levels a schedule's skeleton may have
+MAX_NESTING = 32  # YAML nesting levels a schedule's skeleton (or a model file) may have
+MAX_EXPANDED_NODES = 4_000_000  # YAML values a model file, profile or shapes list may expand to
 MAX_FILE_INT = (1 << 63) - 1
 
 
@@ -115,7 +117,7 @@ def alpha_problem(alpha: float) -> str | None:
 
 
 def request_problem(*, tp: object, dp: object, ep: object, alpha: float, bucket_size: object, group_bytes: object,
-                    tp_mode: object, solver: object, time_limit: float) -> str | None:
+                    tp_mode: object, solver: object, time_limit: float, seed: object) -> str | None:
     """Every numeric and named setting of a planning request, as the planner accepts them."""
     return (
         layout_problem(tp, dp, ep)
@@ -125,4 +127,5 @@ def request_problem(*, tp: object, dp: object, ep: object, alpha: float, bucket_
         or choice_problem("TP mode", tp_mode, TP_MODES)
         or choice_problem("solver", solver, SOLVERS)
         or finite_problem("time limit", time_limit, 0.0, MAX_TIME_LIMIT, low_open=True)
+        or bounded_int_problem("seed", seed, MAX_SEED, "(CP-SAT seeds are 31-bit)", minimum=0)
     )

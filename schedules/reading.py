@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from canzona.schedules.limits import MAX_NESTING
+from canzona.schedules.limits import MAX_EXPANDED_NODES, MAX_NESTING
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _ROW_RUN = re.compile(r"^( *)- \{.*(?:\n(?:\1- \{.*|[ \t\r]*(?:#.*)?$))*", re.MULTILINE)
@@ -137,48 +137,75 @@ def _split_rows(text: str, token: str) -> tuple[str, list[_Run]]:
     return _ROW_RUN.sub(collect, text), runs
 
 
-def _scan(skeleton: str) -> None:
-    """Refuse anchors, aliases, tags, merge keys, complex or duplicate keys, and nesting deeper
-    than MAX_NESTING, streaming libyaml's events (nothing is composed)."""
-    frames: list[tuple[bool, list[bool], set[str]]] = []  # (is mapping, [expecting a key], keys)
-    for event in yaml.parse(skeleton, Loader=_Loader):
-        where = f"line {event.start_mark.line + 1}: " if event.start_mark is not None else ""
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise UnsafeDocument(f"{where}YAML anchors and aliases (&, *) are not allowed in a schedule")
+class _Scanner:
+    """Checks libyaml's event stream (nothing is composed): no tags, no complex or duplicate
+    keys, nesting at most MAX_NESTING; and either no anchors, aliases or merge keys at all
+    (schedules), or aliases whose expansion stays under MAX_EXPANDED_NODES (other inputs, which
+    PyYAML may itself have written with anchors)."""
+
+    def __init__(self, allow_aliases: bool) -> None:
+        self.allow_aliases = allow_aliases
+        self.frames: list[list[Any]] = []  # [is mapping, expecting a key, keys, expanded count at start, anchor]
+        self.anchors: dict[str, int] = {}
+        self.expanded = 0
+
+    def scan(self, text: str) -> None:
+        """UnsafeDocument at the first refused event."""
+        for event in yaml.parse(text, Loader=_Loader):
+            where = f"line {event.start_mark.line + 1}: " if event.start_mark is not None else ""
+            self._event(event, where)
+
+    def _event(self, event: Any, where: str) -> None:
+        anchor = getattr(event, "anchor", None)
+        if isinstance(event, yaml.AliasEvent) or anchor is not None:
+            if not self.allow_aliases:
+                raise UnsafeDocument(f"{where}YAML anchors and aliases (&, *) are not allowed in a schedule")
         if getattr(event, "tag", None) is not None:
-            raise UnsafeDocument(f"{where}YAML tags (!) are not allowed in a schedule")
+            raise UnsafeDocument(f"{where}YAML tags (!) are not allowed")
         if isinstance(event, yaml.DocumentStartEvent) and event.tags:
-            raise UnsafeDocument(f"{where}YAML %TAG directives are not allowed in a schedule")
-        if isinstance(event, _NODES) and frames and frames[-1][0]:
-            _check_key(event, frames[-1], where)
-        if isinstance(event, _COLLECTIONS):
-            frames.append((isinstance(event, yaml.MappingStartEvent), [True], set()))
-            if len(frames) > MAX_NESTING:
+            raise UnsafeDocument(f"{where}YAML %TAG directives are not allowed")
+        if isinstance(event, (*_NODES, yaml.AliasEvent)) and self.frames and self.frames[-1][0]:
+            self._key(event, self.frames[-1], where)
+        if isinstance(event, yaml.AliasEvent):
+            self._grow(self.anchors.get(event.anchor, 1), where)
+        elif isinstance(event, yaml.ScalarEvent):
+            self._grow(1, where)
+            if anchor is not None:
+                self.anchors[anchor] = 1
+        elif isinstance(event, _COLLECTIONS):
+            self._grow(1, where)
+            self.frames.append([isinstance(event, yaml.MappingStartEvent), True, set(), self.expanded, anchor])
+            if len(self.frames) > MAX_NESTING:
                 raise UnsafeDocument(f"{where}nested deeper than {MAX_NESTING} levels")
         elif isinstance(event, _ENDS):
-            frames.pop()
+            frame = self.frames.pop()
+            if frame[4] is not None:
+                self.anchors[frame[4]] = self.expanded - frame[3] + 1
 
+    def _grow(self, nodes: int, where: str) -> None:
+        self.expanded += nodes
+        if self.expanded > MAX_EXPANDED_NODES:
+            raise UnsafeDocument(f"{where}the document expands to more than {MAX_EXPANDED_NODES} values (aliases?)")
 
-def _check_key(event: Any, frame: tuple[bool, list[bool], set[str]], where: str) -> None:
-    _, expecting_key, keys = frame
-    if expecting_key[0]:
-        if not isinstance(event, yaml.ScalarEvent):
-            raise UnsafeDocument(f"{where}mapping keys must be plain names")
-        if event.implicit[0] and event.value == "<<":
-            raise UnsafeDocument(f"{where}YAML merge keys (<<) are not allowed in a schedule")
-        if event.value in keys:
-            raise UnsafeDocument(f"{where}key {event.value!r} appears twice")
-        keys.add(event.value)
-    expecting_key[0] = not expecting_key[0]
+    def _key(self, event: Any, frame: list[Any], where: str) -> None:
+        if frame[1]:
+            if not isinstance(event, yaml.ScalarEvent):
+                raise UnsafeDocument(f"{where}mapping keys must be plain names")
+            if event.implicit[0] and event.value == "<<" and not self.allow_aliases:
+                raise UnsafeDocument(f"{where}YAML merge keys (<<) are not allowed in a schedule")
+            if event.value in frame[2]:
+                raise UnsafeDocument(f"{where}key {event.value!r} appears twice")
+            frame[2].add(event.value)
+        frame[1] = not frame[1]
 
 
 def _not_json(value: Any) -> Any:
     raise UnsafeDocument(f"a value is not plain data ({type(value).__name__}: {str(value)[:40]!r})")
 
 
-def _load_skeleton(skeleton: str) -> Any:
+def _load_skeleton(skeleton: str, allow_aliases: bool = False) -> Any:
     try:
-        _scan(skeleton)
+        _Scanner(allow_aliases).scan(skeleton)
         return yaml.load(skeleton, Loader=_Loader)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
@@ -188,6 +215,13 @@ def _load_skeleton(skeleton: str) -> Any:
         raise
     except ValueError as error:  # e.g. an integer past Python's digit limit
         raise UnsafeDocument(f"a value cannot be read ({_first_line(str(error))})") from None
+
+
+def safe_load(text: str) -> Any:
+    """Any other YAML or JSON document canzona reads (model files, profiles, shapes lists): no
+    tags or duplicate keys, bounded nesting, aliases only while their expansion stays small.
+    UnsafeDocument (one line) otherwise."""
+    return _load_skeleton(text.removeprefix("\ufeff"), allow_aliases=True)
 
 
 def schedule_json(text: str) -> Document:

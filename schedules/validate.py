@@ -91,6 +91,7 @@ def _check_request(schedule: Schedule) -> None:
         request_problem(
             tp=req.tp, dp=req.dp, ep=req.ep, alpha=req.alpha, bucket_size=req.bucket_size,
             group_bytes=req.group_bytes, tp_mode=req.tp_mode, solver=req.solver, time_limit=req.time_limit,
+            seed=req.seed,
         )
         or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
         or cost_problem(req.cost)

@@ -160,3 +160,14 @@ def test_json_and_yaml_readings_agree_on_every_library_row_shape() -> None:
 
     data = json.loads(reading.schedule_json(text()).json)
     assert data == yaml.safe_load(text())
+
+
+def test_the_schedules_package_imports_neither_planner_nor_runtime() -> None:
+    code = (
+        "import sys, canzona.schedules.format, canzona.schedules.validate, canzona.schedules.files, "
+        "canzona.schedules.library, canzona.schedules.reshard; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'typer', 'ortools') "
+        "or m.startswith(('canzona.planner', 'canzona.runtime', 'canzona.cli'))]; print(bad); sys.exit(bool(bad))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
