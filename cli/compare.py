@@ -7,13 +7,26 @@ check: regenerate each schedule from its recorded request and say what went stal
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, read_schedule, write_schedule
+from canzona.schedules.files import write_atomic
+from canzona.schedules.format import (
+    Request,
+    Schedule,
+    ScheduleError,
+    dump_schedule,
+    parse_schedule,
+    read_request,
+    read_schedule,
+    write_schedule,
+)
+from canzona.schedules.limits import MAX_SCHEDULE_BYTES
+from canzona.schedules.reading import UnsafeDocument, read_text
 
 EXIT_REGRESSION = 1
 GIB = 1 << 30
@@ -58,22 +71,28 @@ METRICS: tuple[Metric, ...] = (
 
 @dataclass(frozen=True)
 class Row:
-    """One metric of a diff."""
+    """One metric of a diff (`old`/`new`/`delta` None where a file lacks the metric)."""
 
     name: str
-    old: float
-    new: float
-    delta: float
-    verdict: str  # "better", "worse", "same", or "REGRESSION"
+    old: float | None
+    new: float | None
+    delta: float | None
+    verdict: str  # "better", "worse", "same", "REGRESSION", or "missing"
 
 
 def compare(old: Schedule, new: Schedule, limits: dict[str, float]) -> list[Row]:
-    """Every headline metric with its delta; a bounded metric past its limit is a regression."""
+    """Every headline metric with its delta; a bounded metric past its limit is a regression;
+    a metric one file lacks is "missing" (never better). ScheduleError on a non-finite value."""
     rows = []
     for metric in METRICS:
         before, after = metric.read(old), metric.read(new)
+        for value in (before, after):
+            if value is not None and not math.isfinite(value):
+                raise ScheduleError(f"{metric.name} is {value}, not a finite number")
         if before is None or after is None:
-            continue  # e.g. a predicted step time only one of the files has
+            if before is not None or after is not None:  # e.g. a predicted step only one file has
+                rows.append(Row(metric.name, before, after, None, "missing"))
+            continue
         delta = after - before
         worse = delta > 0 if metric.higher_is_worse else delta < 0
         change = abs(delta) / abs(before) if metric.relative and before else abs(delta)
@@ -84,14 +103,17 @@ def compare(old: Schedule, new: Schedule, limits: dict[str, float]) -> list[Row]
     return rows
 
 
-def _format(value: float) -> str:
+def _format(value: float | None) -> str:
+    if value is None:
+        return "-"
     return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.4e}"
 
 
 def diff_text(old_path: str, new_path: str, rows: list[Row]) -> str:
     """The side-by-side table."""
     header = ["metric", Path(old_path).name, Path(new_path).name, "delta", "verdict"]
-    body = [[r.name, _format(r.old), _format(r.new), f"{r.delta:+.4g}", r.verdict] for r in rows]
+    body = [[r.name, _format(r.old), _format(r.new), "-" if r.delta is None else f"{r.delta:+.4g}", r.verdict]
+            for r in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *body])
 
@@ -106,13 +128,13 @@ def diff(
     same_model: Annotated[bool, typer.Option("--same-model", help="Fail (exit 2) if the models differ.")] = False,
 ) -> None:
     """Compare two schedules' headline metrics; exit 1 on a regression past the thresholds."""
+    for name, value in (("imbalance", max_imbalance_increase), ("gap", max_gap_increase), ("memory", max_memory_increase)):
+        if not math.isfinite(value) or value < 0:
+            raise ScheduleError(f"--max-{name}-increase must be a finite number >= 0, got {value}")
     before, after = read_schedule(old), read_schedule(new)
     # The model's identity, not the fingerprint: TP size changes the padded vocab shapes.
     if same_model and before.request.model != after.request.model:
         raise ScheduleError(f"different models: {before.request.model.name} vs {after.request.model.name}")
-    for name, value in (("imbalance", max_imbalance_increase), ("gap", max_gap_increase), ("memory", max_memory_increase)):
-        if value < 0:
-            raise ScheduleError(f"--max-{name}-increase must be >= 0, got {value}")
     limits = {"imbalance": max_imbalance_increase, "gap": max_gap_increase, "memory": max_memory_increase}
     rows = compare(before, after, limits)
     if as_json:
@@ -145,32 +167,32 @@ def schedule_files(paths: list[Path]) -> list[Path]:
     return found
 
 
-def regenerate(path: Path, schedule: Schedule) -> Schedule:
-    """Plan again from the file's recorded request (a model file is looked up as recorded,
-    then next to the schedule)."""
+def regenerate(path: Path, request: Request) -> Schedule:
+    """Plan again from a file's recorded request (a model file is looked up as recorded, then
+    next to the schedule)."""
     from dataclasses import replace
 
-    from canzona.planner.predict.auto_alpha import plan_for_request
     from canzona.planner.compile import compile_schedule, plan_request
+    from canzona.planner.predict.auto_alpha import plan_for_request
     from canzona.planner.sources.load import load_model
 
-    recorded = schedule.request.model.source
+    recorded = request.model.source
     source = recorded
-    if schedule.request.model.sha256 is not None and not Path(recorded).exists():
+    if request.model.sha256 is not None and not Path(recorded).exists():
         source = str(path.parent / recorded)
-    request = plan_request(schedule.request, source)
-    spec = replace(load_model(source, request.tp, request.options), source=recorded)
-    return compile_schedule(*plan_for_request(spec, request))
+    planner_request = plan_request(request, source)
+    spec = replace(load_model(source, planner_request.tp, planner_request.options), source=recorded)
+    return compile_schedule(*plan_for_request(spec, planner_request))
 
 
 def staleness(old: Schedule, new: Schedule) -> str | None:
-    """What differs between a checked-in schedule and its regeneration, or None."""
+    """What differs in content between a checked-in schedule and its regeneration, or None."""
     if old.fingerprint != new.fingerprint:
         return "stale fingerprint: the model's parameters changed"
     if old.request.model.sha256 != new.request.model.sha256:
         return "the model file changed (sha256)"
     moved = sum(a.owner != b.owner or a.offset != b.offset or a.bucket != b.bucket for a, b in zip(old.params, new.params))
-    if moved or old.dp != new.dp:
+    if moved or old.params != new.params or old.dp != new.dp:
         return f"different assignment ({moved} parameters moved or re-laid out)"
     if old.tp != new.tp:
         return "different micro-groups"
@@ -178,7 +200,31 @@ def staleness(old: Schedule, new: Schedule) -> str | None:
         return "different metrics"
     if old.request.model_copy(update={"canzona_version": ""}) != new.request.model_copy(update={"canzona_version": ""}):
         return "different request"
+    if old.request.canzona_version != new.request.canzona_version:
+        return f"written by canzona {old.request.canzona_version} (this is {new.request.canzona_version})"
     return None
+
+
+def check_file(path: Path) -> tuple[str | None, Schedule]:
+    """Why `path` differs from the regeneration of its recorded request (None: byte-identical),
+    and that regeneration. A file that does not validate is compared through its request
+    alone; one whose request cannot be read either is bad input (ScheduleError)."""
+    try:
+        text = read_text(path, MAX_SCHEDULE_BYTES)
+    except UnsafeDocument as error:
+        raise ScheduleError(f"cannot read schedule {str(path)!r}: {error}") from None
+    try:
+        old: Schedule | None = parse_schedule(text, str(path))
+        request, invalid = old.request, None  # type: ignore[union-attr]
+    except ScheduleError as error:
+        old, request, invalid = None, read_request(text, str(path)), str(error).removeprefix(f"{path}: ")
+    new = regenerate(path, request)
+    if invalid is not None:
+        return f"invalid ({invalid})", new
+    reason = staleness(old, new)  # type: ignore[arg-type]
+    if reason is None and dump_schedule(new) != text:
+        reason = "formatting: same content, but not the bytes canzona writes"
+    return reason, new
 
 
 def library_table(files: list[Path], root: Path) -> str:
@@ -216,12 +262,16 @@ def table(
     update: Annotated[bool, typer.Option("--update", help=f"Rewrite the table inside FOLDER/{LIBRARY_README}.")] = False,
 ) -> None:
     """Print the library's metrics table (markdown), or update it in the library README."""
+    if not folder.is_dir():
+        raise ScheduleError(f"table reads a folder of schedules; {str(folder)!r} is {'a file' if folder.exists() else 'missing'}")
+    readme = folder / LIBRARY_README
+    if update and not readme.is_file():
+        raise ScheduleError(f"--update rewrites the table inside {str(readme)!r}, which does not exist")
     text = library_table(schedule_files([folder]), folder)
     if not update:
         typer.echo(text, nl=False)
         return
-    readme = folder / LIBRARY_README
-    readme.write_text(_with_table(readme.read_text(encoding="utf-8"), text), encoding="utf-8")
+    write_atomic(readme, _with_table(readme.read_text(encoding="utf-8"), text))
     typer.echo(f"updated {readme}")
 
 
@@ -229,13 +279,12 @@ def check(
     paths: Annotated[Optional[list[Path]], typer.Argument(help="Schedules or folders (default: schedules).")] = None,
     fix: Annotated[bool, typer.Option("--fix", help="Rewrite stale files (atomically).")] = False,
 ) -> None:
-    """Regenerate each schedule from its recorded request; exit 1 if any is stale."""
+    """Regenerate each schedule from its recorded request and compare bytes; exit 1 if any
+    differs (content, formatting, or a file that no longer validates)."""
     roots = paths or [Path("schedules")]
     stale = 0
     for path in schedule_files(roots):
-        old = read_schedule(path)
-        new = regenerate(path, old)
-        reason = staleness(old, new)
+        reason, new = check_file(path)
         if reason is None:
             typer.echo(f"fresh  {path}")
             continue
@@ -251,7 +300,7 @@ def check(
             wanted = _with_table(readme.read_text(encoding="utf-8"), library_table(schedule_files([root]), root))
             if wanted != readme.read_text(encoding="utf-8"):
                 if fix:
-                    readme.write_text(wanted, encoding="utf-8")
+                    write_atomic(readme, wanted)
                     typer.echo(f"fixed  {readme}: metrics table")
                 else:
                     stale += 1

@@ -1,6 +1,7 @@
 """The `canzona` command: results on stdout, diagnostics on stderr, one-line errors.
 
-Exit codes: 0 success, 1 internal error, 2 bad input (usage, model, layout, files).
+Exit codes: 0 success, 1 internal error, 2 bad input (usage, model, layout, files), 130 / 143
+interrupted (SIGINT / SIGTERM; temporary files are removed first).
 Set CANZONA_DEBUG=1 to get tracebacks instead of one-line errors.
 """
 
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from enum import Enum
 from pathlib import Path
@@ -22,6 +25,8 @@ from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB
 from canzona.planner.spec import ModelOptions, PlanError
 from canzona.schedules.format import ScheduleError, read_schedule, write_schedule
+from canzona.schedules.files import OutputError, check_output
+from canzona.schedules.limits import MAX_GROUP_BYTES, PROFILE_PREFIX, finite_problem
 
 try:  # typer >= 0.20 vendors click
     from typer._click.exceptions import ClickException
@@ -30,7 +35,9 @@ except ImportError:  # pragma: no cover - older typer depends on click
 
 EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2
-KNOWN_ERRORS = (PlanError, ScheduleError)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+KNOWN_ERRORS = (PlanError, ScheduleError, OutputError)
 
 app = typer.Typer(
     add_completion=False,
@@ -132,6 +139,9 @@ def plan(
     from canzona.planner.plan import PlanRequest
 
     started = time.perf_counter()
+    problem = finite_problem("--group-mb", group_mb, 0.0, MAX_GROUP_BYTES / (1 << 20), low_open=True)
+    if problem:
+        raise PlanError(problem)
     options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value)
     settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
     auto = alpha.strip().lower() == "auto"
@@ -140,11 +150,15 @@ def plan(
         int(group_mb * (1 << 20)), ep, solver.value, time_limit, seed, device if auto else None,
     )
     request.validate()
+    inputs = [model, cost.removeprefix(PROFILE_PREFIX) if cost.startswith(PROFILE_PREFIX) else None, device if auto else None]
+    if output is not None:
+        check_output(output, inputs, "--output")
     spec = load_model(model, tp, options)
+    label = "auto" if auto else request.alpha
+    path = output or default_output(spec.name, optimizer.value, tp, dp, label, cost, ep)
+    check_output(path, inputs, "output")
     the_plan, tried = plan_for_request(spec, request)
     schedule = compile_schedule(the_plan, tried)
-    label = "auto" if auto else the_plan.request.alpha
-    path = output or default_output(spec.name, optimizer.value, tp, dp, label, cost, ep)
     try:
         write_schedule(schedule, path)
     except OSError as error:
@@ -183,24 +197,48 @@ app.command()(simulate_cmd.calibrate)
 app.command("reshard-check")(reshard_cmd.reshard_check)
 
 
+class Terminated(Exception):
+    """SIGTERM, raised like KeyboardInterrupt so every `finally` (temporary files) runs."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI on `argv`; return the exit code instead of exiting."""
     debug = os.environ.get("CANZONA_DEBUG") == "1"
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     try:
         result = app(args=argv, prog_name="canzona", standalone_mode=False)
     except ClickException as error:
         typer.echo(f"canzona: error: {error.format_message()}", err=True)
         return EXIT_BAD_INPUT
+    except (KeyboardInterrupt, typer.Abort):  # typer itself turns Ctrl-C into exit code 130
+        typer.echo("canzona: interrupted", err=True)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        typer.echo("canzona: terminated", err=True)
+        return EXIT_TERMINATED
     except KNOWN_ERRORS as error:
         if debug:
             raise
         typer.echo(f"canzona: error: {error}", err=True)
+        return EXIT_BAD_INPUT
+    except OSError as error:  # a file the command had to read or write
+        if debug:
+            raise
+        where = f"{error.filename}: " if error.filename else ""
+        typer.echo(f"canzona: error: {where}{error.strerror or error}", err=True)
         return EXIT_BAD_INPUT
     except Exception as error:  # noqa: BLE001 - the last line of defence against tracebacks
         if debug:
             raise
         typer.echo(f"canzona: internal error: {type(error).__name__}: {error} (CANZONA_DEBUG=1 for details)", err=True)
         return EXIT_INTERNAL
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return result if isinstance(result, int) else 0
 
 

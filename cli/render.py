@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from canzona.schedules.files import check_output, write_atomic
 from canzona.schedules.format import Schedule, ScheduleError, read_schedule
 
 MISSING = "canzona render needs matplotlib: pip install 'canzona[render]'"
@@ -82,6 +84,8 @@ def render(
 ) -> None:
     """Draw per-rank loads of canzona and every baseline, per-device load, and the busiest
     DP rank's micro-group timeline."""
+    output = output if output.suffix else output.with_suffix(".png")  # what matplotlib would write
+    check_output(output, [file], "--output")
     schedule = read_schedule(file)
     plt = _pyplot()
     figure, axes = plt.subplots(3, 1, figsize=(11, 12), constrained_layout=True)
@@ -90,10 +94,12 @@ def render(
     _strategy_panel(axes[0], schedule)
     _device_panel(axes[1], schedule)
     _timeline_panel(axes[2], schedule)
+    image = io.BytesIO()
     try:
-        figure.savefig(output, dpi=110)
-    except (OSError, ValueError) as error:
-        raise ScheduleError(f"cannot write {str(output)!r}: {error}") from error
+        figure.savefig(image, format=output.suffix[1:].lower(), dpi=110)
+    except ValueError as error:  # an image format matplotlib does not know
+        raise ScheduleError(f"cannot write {str(output)!r}: {error}") from None
     finally:
         plt.close(figure)
+    write_atomic(output, image.getvalue())
     typer.echo(f"wrote {output}")

@@ -7,6 +7,8 @@ calibrate: time the real kernels with torch on this machine and write a profile.
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
@@ -16,6 +18,8 @@ import typer
 
 from canzona.planner.predict.hardware import CPU_GPUS_PER_NODE
 from canzona.planner.predict.simulate import Simulation
+from canzona.schedules.files import check_output, write_atomic
+from canzona.schedules.limits import bounded_int_problem, settings_problem
 
 MS = 1e3
 
@@ -97,10 +101,10 @@ def simulate(
     if gpus_per_node is not None and gpus_per_node < 1:
         raise PlanError(f"gpus per node must be >= 1, got {gpus_per_node}")
     for label, value in (("intra-gbps", intra_gbps), ("inter-gbps", inter_gbps)):
-        if value is not None and not value > 0:
-            raise PlanError(f"--{label} must be > 0, got {value}")
-    if latency_us is not None and latency_us < 0:
-        raise PlanError(f"--latency-us must be >= 0, got {latency_us}")
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise PlanError(f"--{label} must be a finite number > 0, got {value}")
+    if latency_us is not None and not (latency_us >= 0 and math.isfinite(latency_us)):
+        raise PlanError(f"--latency-us must be a finite number >= 0, got {latency_us}")
     if dp_collectives not in ("rooted", "all_to_all"):
         raise PlanError(f"--dp-collectives must be rooted or all_to_all, got {dp_collectives!r}")
     rooted = dp_collectives == "rooted"
@@ -120,15 +124,15 @@ def simulate(
 def read_shapes(path: Path) -> dict[str, list[tuple[int, int]]]:
     """A shapes file: a YAML/JSON list of [rows, cols] or {rows, cols, optimizers: [...]}
     (default every matrix optimizer). Returns optimizer → shapes."""
-    import yaml
-
     from canzona.planner.partition.costs import OPTIMIZERS
     from canzona.planner.spec import PlanError
+    from canzona.schedules.limits import MAX_MODEL_FILE_BYTES
+    from canzona.schedules.reading import UnsafeDocument, read_text, safe_load
 
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        raise PlanError(f"cannot read shapes file {str(path)!r}: {getattr(error, 'strerror', None) or error}") from error
+        data = safe_load(read_text(path, MAX_MODEL_FILE_BYTES))
+    except UnsafeDocument as error:
+        raise PlanError(f"cannot read shapes file {str(path)!r}: {error}") from None
     if not isinstance(data, list) or not data:
         raise PlanError(f"{path}: expected a non-empty list of [rows, cols] or {{rows, cols, optimizers}}")
     plan: dict[str, list[tuple[int, int]]] = {name: [] for name in OPTIMIZERS}
@@ -186,12 +190,11 @@ def calibrate(
 
     if model is not None and shapes is not None:
         raise PlanError("give --model or --shapes, not both")
-    if repeats < 1 or warmup < 0:
-        raise PlanError("--repeats must be >= 1 and --warmup >= 0")
-    if threads is not None and threads < 1:
-        raise PlanError(f"--threads must be >= 1, got {threads}")
-    if comm_ranks == 1 or comm_ranks < 0:
-        raise PlanError(f"--comm-ranks must be 0 or >= 2, got {comm_ranks}")
+    problem = calibrate_problem(repeats, warmup, threads, comm_ranks, max_side,
+                                (ns_steps, block_size, precondition_frequency, max_precond_dim))
+    if problem:
+        raise PlanError(problem)
+    check_output(output, [shapes, model], "--output")
     names = optimizer or list(OPTIMIZERS)
     unknown = [name for name in names if name not in OPTIMIZERS]
     if unknown:
@@ -206,9 +209,29 @@ def calibrate(
     profile = _run_calibration(plan, device.value, repeats, warmup, threads, comm_ranks,
                                (ns_steps, block_size, precondition_frequency, max_precond_dim))
     validated = Profile.model_validate(profile)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(dump_profile(validated), encoding="utf-8")
+    write_atomic(output, dump_profile(validated))
     typer.echo(f"wrote {output}: {len(validated.rows)} rows on {validated.device_name}")
+
+
+MAX_REPEATS = 1000
+MAX_COMM_RANKS = 64  # local processes (the contention probe runs twice as many)
+MAX_GRID_SIDE = 16384  # a 16384 x 16384 fp32 matrix is 1 GiB
+
+
+def calibrate_problem(repeats: int, warmup: int, threads: int | None, comm_ranks: int, max_side: int,
+                      settings: tuple[int, int, int, int]) -> str | None:
+    """What is wrong with `calibrate`'s arguments, found before any timing (None: nothing)."""
+    cpus = os.cpu_count() or 1
+    return (
+        bounded_int_problem("--repeats", repeats, MAX_REPEATS, "repeats")
+        or bounded_int_problem("--warmup", warmup, MAX_REPEATS, "calls", minimum=0)
+        or (bounded_int_problem("--threads", threads, cpus, f"threads (this machine has {cpus} CPUs)")
+            if threads is not None else None)
+        or (f"--comm-ranks must be 0 or >= 2, got {comm_ranks}" if comm_ranks == 1 or comm_ranks < 0 else None)
+        or bounded_int_problem("--comm-ranks", comm_ranks, MAX_COMM_RANKS, "local processes", minimum=0)
+        or bounded_int_problem("--max-side", max_side, MAX_GRID_SIDE, "rows or columns", minimum=128)
+        or settings_problem("muon", *settings)
+    )
 
 
 def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeats: int, warmup: int,

@@ -33,6 +33,7 @@ from canzona.schedules.format import (
     TpRankPlan,
     TpSection,
     compute_fingerprint,
+    sealed,
 )
 
 
@@ -241,10 +242,11 @@ def compile_schedule(plan: Plan, alpha_search: list[tuple[float, float]] | None 
         for b in plan.adamw_layout.buckets
     ]
     fingerprint = compute_fingerprint((p.name, p.shape, p.dtype, p.tp_dim) for p in plan.model.params)
-    return Schedule(
+    schedule = Schedule(
         schema_version=SCHEMA_VERSION,
         request=_request(plan),
         fingerprint=fingerprint,
+        digest="",
         params=_param_entries(plan),
         dp=DpSection(buckets=buckets, expert_buckets=expert_buckets, adamw_buckets=adamw_buckets),
         tp=_tp_section(plan),
@@ -256,6 +258,7 @@ def compile_schedule(plan: Plan, alpha_search: list[tuple[float, float]] | None 
             alpha_search=[AlphaTrial(alpha=a, predicted_step_s=t) for a, t in alpha_search] if alpha_search else None,
         ),
     )
+    return sealed(schedule)
 
 
 def plan_request(request: Request, model_source: str | None = None) -> PlanRequest:

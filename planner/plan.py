@@ -22,11 +22,11 @@ from canzona.planner.partition.dp import (
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, GRAD_BYTES_PER_ELEMENT, BufferLayout, build_buffer
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
+from canzona.schedules.limits import request_problem, settings_problem
 
 if TYPE_CHECKING:
     from canzona.planner.partition.ilp import SolverReport
 
-SOLVERS = ("greedy", "ilp")
 
 
 @dataclass(frozen=True)
@@ -62,25 +62,15 @@ class PlanRequest:
     alpha_device: str | None = None  # set: alpha was chosen by the simulator on this device
 
     def validate(self) -> None:
-        """Raise PlanError on a layout or setting no plan can have."""
-        if self.tp < 1:
-            raise PlanError(f"tp must be >= 1, got {self.tp}")
-        if self.dp < 1:
-            raise PlanError(f"dp must be >= 1, got {self.dp}")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise PlanError(f"alpha must be in [0, 1], got {self.alpha}")
-        if self.bucket_size < 1:
-            raise PlanError(f"bucket size must be >= 1, got {self.bucket_size}")
-        if self.tp_mode not in MODES:
-            raise PlanError(f"unknown TP mode {self.tp_mode!r}; choose one of {', '.join(MODES)}")
-        if self.solver not in SOLVERS:
-            raise PlanError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
-        if not self.time_limit > 0:
-            raise PlanError(f"time limit must be > 0 seconds, got {self.time_limit}")
-        if self.ep < 1:
-            raise PlanError(f"ep must be >= 1, got {self.ep}")
-        if self.group_bytes < 1:
-            raise PlanError(f"group capacity must be >= 1 byte, got {self.group_bytes}")
+        """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""
+        opt = self.optimizer
+        problem = request_problem(
+            tp=self.tp, dp=self.dp, ep=self.ep, alpha=self.alpha, bucket_size=self.bucket_size,
+            group_bytes=self.group_bytes, tp_mode=self.tp_mode, solver=self.solver, time_limit=self.time_limit,
+            seed=self.seed,
+        ) or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+        if problem:
+            raise PlanError(problem)
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-MATRIX = "matrix"
-"""Optimizer class of parameters updated by the matrix optimizer (Muon, Shampoo, SOAP)."""
-ADAMW = "adamw"
-"""Optimizer class of parameters updated element-wise by AdamW."""
-OPTIMIZER_CLASSES = (MATRIX, ADAMW)
+from canzona.schedules.geometry import DTYPE_BYTES  # noqa: F401 - re-exported for the planner
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedule file is checked against
+    ADAMW,
+    MATRIX,
+    OPTIMIZER_CLASSES,
+    QKV_SPLITS,
+)
 
 
 class PlanError(ValueError):
@@ -111,9 +112,6 @@ def validate_model(model: ModelSpec, tp: int) -> None:
                     f"tp {tp} does not divide dim {param.tp_dim} (size "
                     f"{param.shape[param.tp_dim]}) of {param.name!r}"
                 )
-
-
-QKV_SPLITS = ("none", "qkv", "head")
 
 
 @dataclass(frozen=True)

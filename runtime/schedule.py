@@ -1,7 +1,8 @@
 """Loading a schedule and checking it: on its own, against the live model, and across ranks.
 
-`load_schedule` adds the runtime's structural checks to the file format's validation (every
-invariant the executor relies on, so a bad file fails at load, not in a collective). `agree`
+`load_schedule` reads a file through the schedule validator (every invariant the executor
+relies on, so a bad file fails at load, not in a collective) and adds what this runtime
+supports. `agree`
 exchanges every rank's verdict with two collectives that every rank reaches, so a mismatch on
 one rank raises the same clear error on all of them instead of hanging.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from math import prod
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from torch import Tensor
 
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.library import resolve_schedule
+from canzona.schedules.validate import schedule_problem
 from canzona.runtime.optimizers import MATRIX_OPTIMIZERS
 
 MATRIX, ADAMW = "matrix", "adamw"
@@ -47,94 +48,19 @@ def local_shape(entry: ParamEntry, tp: int) -> tuple[int, ...]:
 
 
 def check_schedule(schedule: Schedule, origin: str = "<schedule>") -> None:
-    """Raise ScheduleError (one line) unless the schedule is executable as the runtime reads it."""
-    problem = _structure_problem(schedule)
+    """Raise ScheduleError (one line) unless the schedule is executable by this runtime: the
+    schedule validator's invariants plus what this runtime supports."""
+    problem = _runtime_problem(schedule) or schedule_problem(schedule)
     if problem:
         raise ScheduleError(f"{origin}: {problem}")
 
 
-def _structure_problem(schedule: Schedule) -> str | None:
+def _runtime_problem(schedule: Schedule) -> str | None:
     req = schedule.request
     if req.ep > 1:
         return f"expert parallelism (ep {req.ep}) is planned but not yet executed by this runtime"
     if req.optimizer.name not in MATRIX_OPTIMIZERS:
         return f"unknown matrix optimizer {req.optimizer.name!r}"
-    names = [e.name for e in schedule.params]
-    if len(set(names)) != len(names):
-        return "a parameter name appears twice"
-    if sorted(e.index for e in schedule.params) != list(range(len(names))):
-        return "parameter indices are not 0..N-1"
-    for kind, buckets in ((MATRIX, schedule.dp.buckets), (ADAMW, schedule.dp.adamw_buckets)):
-        problem = _buckets_problem(kind, [(b.numel, b.cuts) for b in buckets], req.dp)
-        problem = problem or _params_problem(schedule, kind, [(b.numel, b.cuts) for b in buckets])
-        if problem:
-            return problem
-    return _tp_problem(schedule)
-
-
-def _buckets_problem(kind: str, buckets: list[tuple[int, list[int]]], dp: int) -> str | None:
-    for index, (numel, cuts) in enumerate(buckets):
-        if len(cuts) != dp + 1 or cuts[0] != 0 or cuts[-1] != numel:
-            return f"{kind} bucket {index}: cuts must be {dp + 1} offsets from 0 to {numel}"
-        if any(cuts[r] > cuts[r + 1] for r in range(dp)):
-            return f"{kind} bucket {index}: cuts are not increasing"
-    return None
-
-
-def _params_problem(schedule: Schedule, kind: str, buckets: list[tuple[int, list[int]]]) -> str | None:
-    tp, dp = schedule.request.tp, schedule.request.dp
-    spans: dict[int, list[tuple[int, int]]] = {}
-    for e in (e for e in schedule.params if e.optimizer == kind):
-        if not 0 <= e.bucket < len(buckets):
-            return f"{e.name}: bucket {e.bucket} does not exist"
-        if e.tp_dim is not None and (not 0 <= e.tp_dim < len(e.shape) or e.shape[e.tp_dim] % tp):
-            return f"{e.name}: tp_dim {e.tp_dim} cannot be split {tp} ways for shape {e.shape}"
-        if e.numel != prod(local_shape(e, tp)) or e.offset < 0 or e.offset + e.numel > buckets[e.bucket][0]:
-            return f"{e.name}: offset/numel do not fit its shard in bucket {e.bucket}"
-        spans.setdefault(e.bucket, []).append((e.offset, e.offset + e.numel))
-        problem = _matrix_entry_problem(e, buckets[e.bucket][1], dp) if kind == MATRIX else None
-        if kind == ADAMW and e.owner is not None:
-            problem = f"{e.name}: AdamW parameters have no owner"
-        if problem:
-            return problem
-    for bucket, ranges in spans.items():
-        ranges.sort()
-        if any(ranges[i][1] > ranges[i + 1][0] for i in range(len(ranges) - 1)):
-            return f"{kind} bucket {bucket}: parameters overlap"
-    return None
-
-
-def _matrix_entry_problem(e: ParamEntry, cuts: list[int], dp: int) -> str | None:
-    if len(e.shape) != 2:
-        return f"{e.name}: the matrix optimizer needs a 2-D shape, got {e.shape}"
-    if e.owner is None or not 0 <= e.owner < dp:
-        return f"{e.name}: owner {e.owner} is not a DP rank"
-    if not (cuts[e.owner] <= e.offset and e.offset + e.numel <= cuts[e.owner + 1]):
-        return f"{e.name}: its shard is not inside its owner's slice"
-    if e.row_blocks:
-        rows = sorted(tuple(r) for block in e.row_blocks for r in block)
-        chained = all(len(r) == 2 and r[0] < r[1] for r in rows) and all(rows[i][1] == rows[i + 1][0] for i in range(len(rows) - 1))
-        if not chained or rows[0][0] != 0 or rows[-1][1] != e.shape[0]:
-            return f"{e.name}: row blocks do not cover its {e.shape[0]} rows exactly once"
-    return None
-
-
-def _tp_problem(schedule: Schedule) -> str | None:
-    tp, dp = schedule.request.tp, schedule.request.dp
-    if [plan.dp_rank for plan in schedule.tp.ranks] != list(range(dp)):
-        return f"the tp section must list DP ranks 0..{dp - 1} in order"
-    owned: dict[int, set[str]] = {r: set() for r in range(dp)}
-    for e in schedule.params:
-        if e.optimizer == MATRIX and e.owner is not None:
-            owned[e.owner].add(e.name)
-    for plan in schedule.tp.ranks:
-        listed: list[str] = []
-        for group in plan.groups:
-            if len(group.params) != len(group.hosts) or any(not 0 <= h < tp for h in group.hosts):
-                return f"tp section, DP rank {plan.dp_rank} group {group.index}: hosts must be TP ranks, one per parameter"
-            listed += group.params
-        if len(listed) != len(set(listed)) or set(listed) != owned[plan.dp_rank]:
-            return f"tp section, DP rank {plan.dp_rank}: groups must list exactly the matrices it owns, once each"
     return None
 
 

@@ -1,7 +1,10 @@
 """The schedule file: a versioned, validated, deterministic YAML document.
 
 Both the planner (which writes it) and the runtime (which executes it) import this module; it
-imports neither. Reading uses libyaml's C loader when present.
+imports neither. A schedule file is untrusted input: `parse_schedule` bounds its size, nesting
+and numbers, refuses YAML anchors, aliases and tags before any YAML is composed, verifies the
+fingerprint and the digest, and runs the semantic validator (`canzona.schedules.validate`).
+The format is described in docs/schedule-format.md.
 """
 
 from __future__ import annotations
@@ -10,15 +13,17 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-SCHEMA_VERSION = 1
+from canzona.schedules import reading, validate
+from canzona.schedules.files import OutputError, write_atomic
+from canzona.schedules.limits import MAX_FILE_INT, MAX_SCHEDULE_BYTES
+
+SCHEMA_VERSION = 2
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
@@ -29,7 +34,12 @@ class ScheduleError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+Count = Annotated[int, Field(ge=0, le=MAX_FILE_INT)]
+"""A non-negative integer of the file (sizes, offsets, ranks, bytes), bounded so arithmetic on
+it stays cheap and every consumer can turn it into a float."""
 
 
 class ModelSource(_Strict):
@@ -44,31 +54,31 @@ class OptimizerSettings(_Strict):
     """The matrix optimizer and the settings its cost model used."""
 
     name: str
-    ns_steps: int
-    block_size: int
-    precondition_frequency: int
-    max_precond_dim: int
+    ns_steps: Count
+    block_size: Count
+    precondition_frequency: Count
+    max_precond_dim: Count
 
 
 class Request(_Strict):
     """Everything needed to regenerate the schedule."""
 
     model: ModelSource
-    tp: int = Field(ge=1)
-    dp: int = Field(ge=1)
+    tp: int = Field(ge=1, le=MAX_FILE_INT)
+    dp: int = Field(ge=1, le=MAX_FILE_INT)
     optimizer: OptimizerSettings
     cost: str
     alpha: float = Field(ge=0.0, le=1.0)
-    bucket_size: int = Field(ge=1)
+    bucket_size: int = Field(ge=1, le=MAX_FILE_INT)
     split_qkv: str
     split_fc1: bool
     router_optimizer: str
     tp_mode: str
-    group_bytes: int = Field(ge=1)
-    ep: int = Field(default=1, ge=1)
+    group_bytes: int = Field(ge=1, le=MAX_FILE_INT)
+    ep: int = Field(default=1, ge=1, le=MAX_FILE_INT)
     solver: str = "greedy"
     time_limit: float = Field(default=10.0, gt=0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=-MAX_FILE_INT, le=MAX_FILE_INT)
     alpha_device: str | None = None
     canzona_version: str
 
@@ -85,36 +95,36 @@ class ParamEntry(_Strict):
     (DP rank = owner · ep + ep_rank)."""
 
     name: str
-    index: int
-    shape: list[int]
-    tp_dim: int | None
+    index: Count
+    shape: list[Count]
+    tp_dim: Count | None
     dtype: str
     optimizer: str
-    bucket: int
-    offset: int
-    numel: int
-    owner: int | None
+    bucket: Count
+    offset: Count
+    numel: Count
+    owner: Count | None
     cost: float
-    row_blocks: list[list[list[int]]] | None = None
-    ep_rank: int | None = None
+    row_blocks: list[list[list[Count]]] | None = None
+    ep_rank: Count | None = None
 
 
 class BucketEntry(_Strict):
     """One bucket of the matrix buffer: padded size, D + 1 cuts, and the slices they make."""
 
-    index: int
-    numel: int
-    cuts: list[int]
-    slice_bytes: list[int]
+    index: Count
+    numel: Count
+    cuts: list[Count]
+    slice_bytes: list[Count]
     padding_overhead: float
 
 
 class AdamwBucketEntry(_Strict):
     """One bucket of the AdamW buffer (stock equal split)."""
 
-    index: int
-    numel: int
-    cuts: list[int]
+    index: Count
+    numel: Count
+    cuts: list[Count]
 
 
 class DpSection(_Strict):
@@ -130,11 +140,11 @@ class TpGroup(_Strict):
     """One micro-group of a DP rank, in execution order. `params[i]` is updated on TP rank
     `hosts[i]`; per TP rank: summed task cost and bytes of gathered full fp32 gradients."""
 
-    index: int
+    index: Count
     params: list[str]
-    hosts: list[int]
+    hosts: list[Count]
     host_loads: list[float]
-    host_bytes: list[int]
+    host_bytes: list[Count]
     makespan: float
     saturation: float
 
@@ -142,7 +152,7 @@ class TpGroup(_Strict):
 class TpRankPlan(_Strict):
     """The micro-groups of the matrices one DP rank owns (shared by its TP ranks)."""
 
-    dp_rank: int
+    dp_rank: Count
     groups: list[TpGroup]
 
 
@@ -150,7 +160,7 @@ class TpSection(_Strict):
     """TP micro-group schedule: the mode that built it and the per-host byte capacity."""
 
     mode: str
-    group_bytes: int
+    group_bytes: Count
     ranks: list[TpRankPlan]
 
 
@@ -176,7 +186,7 @@ class DpMetrics(_Strict):
     imbalance: float
     lower_bound: float
     gap: float
-    slice_bytes: list[int]
+    slice_bytes: list[Count]
     state_bytes: list[float]
     adamw_load: list[float]
     padding_overhead: float
@@ -187,7 +197,7 @@ class DpMetrics(_Strict):
 class TpModeScore(_Strict):
     """Headline TP figures of one micro-group mode on the same DP partition."""
 
-    num_groups: int
+    num_groups: Count
     critical_time: float
     efficiency: float
     worst_device_load: float
@@ -201,7 +211,7 @@ class TpMetrics(_Strict):
     critical_lower_bound = max over DP ranks of max(its cost / P, its largest task)."""
 
     mode: str
-    num_groups: int
+    num_groups: Count
     critical_time: float
     critical_lower_bound: float
     efficiency: float
@@ -215,13 +225,13 @@ class DeviceMetrics(_Strict):
     """One device (global rank = dp_rank · tp + tp_rank): its optimizer compute, state bytes,
     and bytes it sends / receives per step in the TP all-to-alls."""
 
-    rank: int
-    dp_rank: int
-    tp_rank: int
+    rank: Count
+    dp_rank: Count
+    tp_rank: Count
     load: float
     state_bytes: float
-    bytes_sent: int
-    bytes_received: int
+    bytes_sent: Count
+    bytes_received: Count
 
 
 class SolverMetrics(_Strict):
@@ -233,8 +243,8 @@ class SolverMetrics(_Strict):
     dp_objective: float
     dp_bound: float
     dp_accepted: bool
-    tp_groups_refined: int
-    tp_groups_improved: int
+    tp_groups_refined: Count
+    tp_groups_improved: Count
 
 
 class AlphaTrial(_Strict):
@@ -256,11 +266,12 @@ class Metrics(_Strict):
 
 
 class Schedule(_Strict):
-    """A whole schedule file."""
+    """A whole schedule file. `digest` seals everything else in it (`schedule_digest`)."""
 
-    schema_version: int
+    schema_version: Count
     request: Request
     fingerprint: str
+    digest: str
     params: list[ParamEntry]
     dp: DpSection
     tp: TpSection
@@ -285,9 +296,21 @@ def schedule_fingerprint(schedule: Schedule) -> str:
     )
 
 
-_ROW_TOKEN = "__canzona_rows_"
+def schedule_digest(schedule: Schedule) -> str:
+    """sha256 of the schedule's canonical JSON without the digest: every field at a non-default
+    value, in schema order, compact. Fields at their default are left out, so a later format
+    version that adds an optional field keeps the digests of older files valid."""
+    canonical = schedule.model_dump_json(exclude={"digest"}, exclude_defaults=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def sealed(schedule: Schedule) -> Schedule:
+    """The schedule with its digest recomputed (what the planner writes)."""
+    return schedule.model_copy(update={"digest": schedule_digest(schedule)})
+
+
+_ROW_LINE = re.compile(r"^( *)- (__canzona_rows_\d+__)$", re.MULTILINE)
 _YAML_UNSAFE = re.compile("[^\x09\x0a\x0d\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
-_ROW_LINE = re.compile(r"^( *)- __canzona_rows_(\d+)__$", re.MULTILINE)
 
 
 def _is_flat(value: Any) -> bool:
@@ -329,114 +352,103 @@ def dump_schedule(schedule: Schedule) -> str:
 
     Table rows (one parameter, one bucket) are written one per line as JSON objects, which
     YAML reads as flow mappings: the file diffs line by line and loads fast (`parse_schedule`).
+    Fields at their default value are left out (as in the digest).
     """
     tables: list[list[dict[str, Any]]] = []
 
     def extract(node: Any) -> Any:
         if _is_table(node):
             tables.append(node)
-            return [f"{_ROW_TOKEN}{len(tables) - 1}__"]
+            return [f"__canzona_rows_{len(tables) - 1}__"]
         if isinstance(node, dict):
             return {key: extract(value) for key, value in node.items()}
         if isinstance(node, list):
             return [extract(item) for item in node]
         return node
 
-    skeleton = yaml.dump(
-        extract(schedule.model_dump(mode="json")), Dumper=_Dumper, sort_keys=False, width=1 << 16
-    )
+    data = schedule.model_dump(mode="json", exclude_defaults=True)
+    skeleton = yaml.dump(extract(data), Dumper=_Dumper, sort_keys=False, width=1 << 16)
 
     def rows(match: re.Match[str]) -> str:
-        indent, table = match.group(1), tables[int(match.group(2))]
+        indent, table = match.group(1), tables[int(match.group(2)[len("__canzona_rows_") : -2])]
         return "\n".join(f"{indent}- {_flow(row)}" for row in table)
 
     return _ROW_LINE.sub(rows, skeleton)
 
 
-def _load_fast(text: str) -> Any:
-    """Load text written by `dump_schedule`: JSON row lines with `json`, the rest with YAML.
-
-    Raises ValueError where a row line is not JSON (e.g. edited by hand); callers then fall
-    back to a full YAML parse, which reads the same document the same way, only slower.
-    """
-    skeleton: list[str] = []
-    tables: list[list[Any]] = []
-    previous_indent = -1
-    for line in text.split("\n"):
-        stripped = line.lstrip(" ")
-        if previous_indent >= 0 and (not stripped or stripped.startswith("#")):
-            continue  # blank lines and comments inside a table change nothing
-        if not stripped.startswith("- {"):
-            skeleton.append(line)
-            previous_indent = -1
-            continue
-        indent = len(line) - len(stripped)
-        if indent != previous_indent:
-            tables.append([])
-            skeleton.append(f"{' ' * indent}- {_ROW_TOKEN}{len(tables) - 1}__")
-            previous_indent = indent
-        tables[-1].append(json.loads(stripped[2:]))
-
-    def restore(node: Any) -> Any:
-        if isinstance(node, list) and len(node) == 1 and isinstance(node[0], str) and node[0].startswith(_ROW_TOKEN):
-            return tables[int(node[0][len(_ROW_TOKEN) : -2])]
-        if isinstance(node, dict):
-            return {key: restore(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [restore(item) for item in node]
-        return node
-
-    return restore(yaml.load("\n".join(skeleton), Loader=_Loader))
-
-
-def write_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> None:
-    """Write atomically: a temporary file in the same folder, fsync'd, then renamed over."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+def write_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> bool:
+    """Write atomically (`files.write_atomic`: temporary file, fsync, rename; umask or the
+    existing file's mode; through symlinks). False when the file already held these bytes.
+    ScheduleError for a target that is not a regular file; OSError when the disk write fails."""
     text = dump_schedule(schedule)
-    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+        return write_atomic(path, text)
+    except OutputError as error:
+        raise ScheduleError(str(error)) from None
+
+
+def _one_line(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].splitlines()[0] if first["msg"] else first["type"]
+    return f"invalid schedule at {where}: {message}" if where else f"invalid schedule: {message}"
+
+
+def check_version(version: Any, origin: str) -> None:
+    """ScheduleError unless `version` is the schema version this canzona reads."""
+    if version == SCHEMA_VERSION and type(version) is int:
+        return
+    if isinstance(version, int) and not isinstance(version, bool) and 1 <= version < SCHEMA_VERSION:
+        raise ScheduleError(
+            f"{origin}: schema_version {version} is from an older canzona (this one reads {SCHEMA_VERSION}); "
+            "regenerate it with `canzona check --fix FILE` or `canzona plan`"
+        )
+    raise ScheduleError(f"{origin}: schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
 
 
 def parse_schedule(text: str, origin: str = "<text>") -> Schedule:
-    """Validate YAML text as a schedule; ScheduleError with one line on any problem."""
+    """Validate YAML text as a schedule: structure (pydantic), fingerprint, digest, and every
+    semantic invariant (`validate.schedule_problem`). ScheduleError with one line on any problem."""
     try:
-        try:
-            data = _load_fast(text)
-        except (ValueError, IndexError, yaml.YAMLError):
-            data = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ScheduleError(f"{origin}: not valid YAML{where}") from error
-    if not isinstance(data, dict):
-        raise ScheduleError(f"{origin}: not a schedule file (expected a mapping)")
-    version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise ScheduleError(f"{origin}: schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
+        document = reading.schedule_json(text)
+    except reading.UnsafeDocument as error:
+        raise ScheduleError(f"{origin}: {error}") from None
+    check_version(document.version, origin)
     try:
-        schedule = Schedule.model_validate(data)
+        schedule = Schedule.model_validate_json(document.json)
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise ScheduleError(f"{origin}: invalid schedule at {where}: {first['msg']}") from error
+        raise ScheduleError(f"{origin}: {document.locate(error) or _one_line(error)}") from None
     if schedule_fingerprint(schedule) != schedule.fingerprint:
         raise ScheduleError(f"{origin}: fingerprint does not match the parameter list (file edited?)")
+    if schedule_digest(schedule) != schedule.digest:
+        raise ScheduleError(
+            f"{origin}: digest does not match the file's contents (edited by hand?); regenerate it with "
+            "`canzona check --fix FILE`"
+        )
+    problem = validate.schedule_problem(schedule)
+    if problem:
+        raise ScheduleError(f"{origin}: {problem}")
     return schedule
 
 
-def read_schedule(path: str | os.PathLike[str]) -> Schedule:
-    """Read and validate a schedule file."""
+def read_request(text: str, origin: str = "<text>") -> Request:
+    """Only the request of a schedule text (of any schema version that has one), read as safely
+    as a whole schedule: what `canzona check --fix` regenerates a file from that no longer
+    validates."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ScheduleError(f"cannot read schedule {str(path)!r}: {getattr(error, 'strerror', None) or error}") from error
+        document = reading.schedule_json(text)
+        request = json.loads(document.json).get("request")
+        return Request.model_validate(request)
+    except reading.UnsafeDocument as error:
+        raise ScheduleError(f"{origin}: {error}") from None
+    except ValidationError as error:
+        raise ScheduleError(f"{origin}: cannot read its request ({_one_line(error).replace('invalid schedule at ', 'request.')})") from None
+
+
+def read_schedule(path: str | os.PathLike[str]) -> Schedule:
+    """Read and validate a schedule file (at most MAX_SCHEDULE_BYTES)."""
+    try:
+        text = reading.read_text(path, MAX_SCHEDULE_BYTES)
+    except reading.UnsafeDocument as error:
+        raise ScheduleError(f"cannot read schedule {str(path)!r}: {error}") from None
     return parse_schedule(text, str(path))

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from canzona.planner.spec import ADAMW, ParamSpec, PlanError
-
-OPTIMIZERS = ("muon", "shampoo", "soap")
-COST_MODELS = ("numel", "flops")
+from canzona.schedules.limits import COST_MODELS
+from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
 
 ADAMW_FLOPS_PER_ELEMENT = 10
 ELEMENTWISE_FLOPS_PER_ELEMENT = 10  # momentum / moment updates around the matrix work

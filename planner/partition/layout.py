@@ -1,24 +1,34 @@
-"""Megatron ZeRO-1 gradient-buffer geometry: alignment, buckets, padding.
+"""Megatron ZeRO-1 gradient buffers of a model: alignment, buckets, padding.
 
-Parameters are packed in reverse registration order, each starting at a multiple of 64
-elements; a bucket closes once it holds at least `bucket_size` elements and its end is padded
-to a multiple of lcm(D, 128). Matrix-optimizer and AdamW parameters live in separate buffers.
-Sizes are local: a TP-sharded parameter occupies its shard's element count.
+The rules (defined once in `canzona.schedules.geometry`, which the schedule validator checks
+files against): parameters are packed in reverse registration order, each starting at a
+multiple of 64 elements; a bucket closes once it holds at least `bucket_size` elements and its
+end is padded to a multiple of lcm(D, 128). Matrix-optimizer and AdamW parameters live in
+separate buffers. Sizes are local: a TP-sharded parameter occupies its shard's element count.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
-from math import lcm
 
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, PlanError
+from canzona.schedules.geometry import (  # the one home of the geometry; re-exported here
+    BUCKET_END_ALIGNMENT,
+    DEFAULT_BUCKET_SIZE,
+    GRAD_BYTES_PER_ELEMENT,
+    PARAM_ALIGNMENT,
+    equal_cuts,
+    padded_bucket_numel,
+    round_up,
+    slice_owner,
+    slice_sizes,
+)
 
-PARAM_ALIGNMENT = 64
-BUCKET_END_ALIGNMENT = 128
-DEFAULT_BUCKET_SIZE = 40_000_000
-GRAD_BYTES_PER_ELEMENT = 4  # Megatron keeps main gradients in fp32
+__all__ = [
+    "BUCKET_END_ALIGNMENT", "DEFAULT_BUCKET_SIZE", "GRAD_BYTES_PER_ELEMENT", "PARAM_ALIGNMENT", "Bucket",
+    "BufferEntry", "BufferLayout", "build_buffer", "build_layouts", "equal_cuts", "slice_owner", "slice_sizes",
+]
 
 
 @dataclass(frozen=True)
@@ -62,10 +72,6 @@ class BufferLayout:
         return sum(bucket.numel for bucket in self.buckets)
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def build_buffer(
     model: ModelSpec,
     kind: str,
@@ -78,7 +84,6 @@ def build_buffer(
     given) in Megatron's bucketed buffer, for a data-parallel group of `dp` ranks."""
     if bucket_size < 1:
         raise PlanError(f"bucket size must be >= 1, got {bucket_size}")
-    end_alignment = lcm(dp, BUCKET_END_ALIGNMENT)
     buckets: list[Bucket] = []
     entries: list[BufferEntry] = []
     fill = 0
@@ -86,33 +91,18 @@ def build_buffer(
         param = model.params[index]
         if param.optimizer != kind or (include is not None and not include(index)):
             continue
-        offset = _round_up(fill, PARAM_ALIGNMENT)
+        offset = round_up(fill, PARAM_ALIGNMENT)
         numel = param.local_numel(tp)
         entries.append(BufferEntry(index, len(buckets), offset, numel))
         fill = offset + numel
         if fill >= bucket_size:
-            buckets.append(Bucket(len(buckets), tuple(entries), _round_up(fill, end_alignment)))
+            buckets.append(Bucket(len(buckets), tuple(entries), padded_bucket_numel(fill, dp)))
             entries, fill = [], 0
     if entries:
-        buckets.append(Bucket(len(buckets), tuple(entries), _round_up(fill, end_alignment)))
+        buckets.append(Bucket(len(buckets), tuple(entries), padded_bucket_numel(fill, dp)))
     return BufferLayout(kind, tuple(buckets))
 
 
 def build_layouts(model: ModelSpec, tp: int, dp: int, bucket_size: int) -> dict[str, BufferLayout]:
     """Both buffers of the model: the matrix-optimizer one and the AdamW one."""
     return {kind: build_buffer(model, kind, tp, dp, bucket_size) for kind in (MATRIX, ADAMW)}
-
-
-def equal_cuts(bucket_numel: int, dp: int) -> tuple[int, ...]:
-    """Stock ZeRO-1 cuts: D equal contiguous slices (bucket size is a multiple of D)."""
-    return tuple(rank * bucket_numel // dp for rank in range(dp + 1))
-
-
-def slice_sizes(cuts: tuple[int, ...] | list[int]) -> list[int]:
-    """Elements of each rank's slice, from D + 1 cuts."""
-    return [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
-
-
-def slice_owner(cuts: tuple[int, ...] | list[int], offset: int) -> int:
-    """Rank whose slice [cuts[r], cuts[r + 1]) holds `offset` (the last rank for the end)."""
-    return min(max(bisect.bisect_right(cuts, offset) - 1, 0), len(cuts) - 2)

@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from canzona.planner.spec import PlanError
+from canzona.schedules.limits import TP_MODES
 
-MODES = ("rollback", "fixed", "sorted", "heap")
+MODES = TP_MODES  # defined with the other request vocabularies in canzona.schedules.limits
 DEFAULT_GROUP_MB = 2048
 
 

@@ -15,7 +15,6 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import yaml
@@ -23,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from canzona.planner.partition.costs import OPTIMIZERS, FlopsCost, OptimizerConfig
 from canzona.planner.spec import PlanError
+from canzona.schedules.limits import MAX_MODEL_FILE_BYTES
+from canzona.schedules.reading import UnsafeDocument, read_text, safe_load
 
 PROFILE_FORMAT = "canzona-profile/1"
 PROFILE_PREFIX = "profile:"
@@ -186,9 +187,9 @@ def _median(values: list[float]) -> float:
 def parse_profile(text: str, origin: str = "<text>") -> Profile:
     """Validate YAML text as a profile; PlanError with one line on any problem."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise PlanError(f"{origin}: not valid YAML") from error
+        data = safe_load(text)
+    except UnsafeDocument as error:
+        raise PlanError(f"{origin}: {error}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{origin}: not a profile (expected a mapping)")
     if data.get("format") != PROFILE_FORMAT:
@@ -204,9 +205,9 @@ def parse_profile(text: str, origin: str = "<text>") -> Profile:
 def read_profile(path: str | os.PathLike[str]) -> Profile:
     """Read and validate a profile file."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise PlanError(f"cannot read profile {str(path)!r}: {getattr(error, 'strerror', None) or error}") from error
+        text = read_text(path, MAX_MODEL_FILE_BYTES)
+    except UnsafeDocument as error:
+        raise PlanError(f"cannot read profile {str(path)!r}: {error}") from None
     return parse_profile(text, str(path))
 
 

@@ -20,6 +20,7 @@ from canzona.planner.spec import (
     PlanError,
     fused_row_blocks,
 )
+from canzona.schedules.limits import MAX_PARAMS
 
 VOCAB_DIVISOR = 128
 """Megatron's default `--make-vocab-size-divisible-by`; the vocab is padded to this times TP."""
@@ -67,6 +68,9 @@ class Architecture:
 
     def __post_init__(self) -> None:
         _check_field_types(self)
+        for label, value in (("num_layers", self.num_layers), ("num_experts", self.num_experts)):
+            if value > MAX_PARAMS:  # bounds the per-layer loops below and the expansion
+                raise PlanError(f"architecture {label} {value} is above canzona's maximum of {MAX_PARAMS} parameters")
         experts = self.num_experts
         if experts and not (self.expert_ffn >= 1 and 1 <= self.top_k <= experts):
             raise PlanError(
@@ -179,7 +183,20 @@ def enumerate_params(
     """
     _check_tp(name, arch, tp)
     _check_options(options)
+    count = num_param_entries(arch, options)
+    if count > MAX_PARAMS:
+        raise PlanError(f"{name}: {count} parameters ({arch.num_layers} layers) is above canzona's maximum of {MAX_PARAMS}")
     return _expand(arch, options, tp, padded_vocab(arch.vocab, tp))
+
+
+def num_param_entries(arch: Architecture, options: ModelOptions = ModelOptions()) -> int:
+    """How many parameters `enumerate_params` lists for `arch`, without listing them."""
+    attention = len(_mla_attention(arch) if arch.is_mla else _attention(arch, options))
+    moe_layers = sum(1 for layer in range(arch.num_layers) if arch.is_moe_layer(layer))
+    moe_mlp = 2 + 2 * arch.num_experts + (2 if arch.num_shared_experts else 0)
+    dense_mlp = 3
+    globals_ = 2 + (0 if arch.tied_embeddings else 1)  # embedding, final norm, output layer
+    return globals_ + arch.num_layers * attention + moe_layers * moe_mlp + (arch.num_layers - moe_layers) * dense_mlp
 
 
 def count_params(arch: Architecture) -> int:

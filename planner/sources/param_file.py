@@ -16,11 +16,12 @@ from math import prod
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic import model_validator
 
 from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError, fused_row_blocks
+from canzona.schedules.limits import MAX_MODEL_FILE_BYTES, MAX_PARAMS
+from canzona.schedules.reading import UnsafeDocument, read_text, safe_load
 
 _ADAMW_NAME_HINTS = ("embed", "output_layer", "lm_head", "norm")
 
@@ -134,32 +135,26 @@ def read_structured_file(path: str | Path) -> tuple[Any, str]:
     Raises a one-line PlanError when the file cannot be read or parsed.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as err:
-        raise PlanError(f"cannot read model file {str(path)!r}: {err.strerror or err}") from err
     suffix = path.suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
         raise PlanError(f"model file {str(path)!r} must end in .json, .yaml or .yml")
     try:
-        text = raw.decode("utf-8")
-        data = json.loads(text) if suffix == ".json" else yaml.safe_load(text)
-    except UnicodeDecodeError as err:
-        raise PlanError(f"cannot parse {str(path)!r}: not UTF-8 text ({err.reason})") from err
+        text = read_text(path, MAX_MODEL_FILE_BYTES)
+    except UnsafeDocument as err:
+        raise PlanError(f"cannot read model file {str(path)!r}: {err}") from None
+    try:
+        data = json.loads(text) if suffix == ".json" else safe_load(text)
+    except UnsafeDocument as err:
+        raise PlanError(f"cannot parse {str(path)!r}: {err}") from None
     except json.JSONDecodeError as err:
         raise PlanError(
             f"cannot parse {str(path)!r}: {err.msg} at line {err.lineno} column {err.colno}"
         ) from err
-    except yaml.YAMLError as err:
-        raise PlanError(f"cannot parse {str(path)!r}: {_yaml_message(err)}") from err
-    return data, hashlib.sha256(raw).hexdigest()
-
-
-def _yaml_message(err: yaml.YAMLError) -> str:
-    problem = getattr(err, "problem", None) or type(err).__name__
-    mark = getattr(err, "problem_mark", None)
-    where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-    return f"{problem}{where}"
+    except RecursionError:
+        raise PlanError(f"cannot parse {str(path)!r}: nested too deeply") from None
+    except ValueError as err:  # e.g. an integer past Python's digit limit
+        raise PlanError(f"cannot parse {str(path)!r}: {str(err).split(';')[0]}") from None
+    return data, hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def params_from_data(data: Any, default_name: str, tp: int = 1) -> tuple[str, tuple[ParamSpec, ...]]:
@@ -183,6 +178,8 @@ def params_from_data(data: Any, default_name: str, tp: int = 1) -> tuple[str, tu
         )
     if not entries:
         raise PlanError(f"parameter file for {name!r} lists no parameters")
+    if len(entries) > MAX_PARAMS:
+        raise PlanError(f"parameter file for {name!r} lists {len(entries)} parameters, above canzona's maximum of {MAX_PARAMS}")
     return name, tuple(_parse_entry(index, raw, tp) for index, raw in enumerate(entries))
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from canzona.cli.compare import TABLE_BEGIN, TABLE_END
 from canzona.cli.main import main
-from canzona.schedules.format import dump_schedule, read_schedule, write_schedule
+from canzona.schedules.format import SCHEMA_VERSION, dump_schedule, read_schedule, sealed, write_schedule
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -64,16 +64,18 @@ def test_diff_different_layouts_of_one_model_and_same_model_flag(plans: dict[str
     assert code == 2 and err.startswith("canzona: error: different models: qwen3-8b")
 
 
-@pytest.mark.parametrize("problem", ["missing", "garbage", "version", "negative"])
+@pytest.mark.parametrize("problem", ["missing", "garbage", "version", "negative", "nan", "inf", "-inf"])
 def test_diff_bad_input_is_exit_2(problem: str, plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     args = ["diff", str(plans["a1"]), str(bad)]
     if problem == "garbage":
         bad.write_text("{{{")
     elif problem == "version":
-        bad.write_text(plans["a1"].read_text().replace("schema_version: 1", "schema_version: 99", 1))
+        bad.write_text(plans["a1"].read_text().replace(f"schema_version: {SCHEMA_VERSION}", "schema_version: 99", 1))
     elif problem == "negative":
         args = ["diff", str(plans["a1"]), str(plans["a1"]), "--max-gap-increase", "-1"]
+    elif problem in ("nan", "inf", "-inf"):  # regression: nan passed a 0.35 -> 4.41 GiB increase
+        args = ["diff", str(plans["a1"]), str(plans["a0"]), "--max-memory-increase", problem]
     code, out, err = run(args, capsys)
     assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("canzona: error: ")
     if problem == "version":
@@ -87,7 +89,7 @@ def test_check_fresh_stale_tampered_and_fix(plans: dict[str, Path], tmp_path: Pa
     shutil.copy(plans["a1"], fresh)
     # Stale: the file claims α = 1 in its request but holds the α = 0 plan.
     schedule = read_schedule(plans["a0"])
-    write_schedule(schedule.model_copy(update={"request": read_schedule(plans["a1"]).request}), stale)
+    write_schedule(sealed(schedule.model_copy(update={"request": read_schedule(plans["a1"]).request})), stale)
     code, out, err = run(["check", str(tmp_path / "lib")], capsys)
     assert code == 1
     assert f"fresh  {fresh}" in out and f"STALE  {stale}: different assignment" in out
@@ -98,11 +100,22 @@ def test_check_fresh_stale_tampered_and_fix(plans: dict[str, Path], tmp_path: Pa
     assert run(["check", str(tmp_path / "lib")], capsys)[0] == 0
 
 
-def test_check_tampered_or_missing_files_are_bad_input(plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_flags_tampered_files_and_fixes_them_from_their_request(
+    plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tampered = tmp_path / "t.yaml"
     tampered.write_text(plans["a1"].read_text().replace('"shape": [4096, 12288]', '"shape": [4096, 12289]', 1))
-    code, _, err = run(["check", str(tampered)], capsys)
-    assert code == 2 and "fingerprint" in err
+    code, out, err = run(["check", str(tampered)], capsys)
+    assert code == 1 and f"STALE  {tampered}: invalid (fingerprint" in out and "1 stale file" in err
+    assert run(["check", str(tampered), "--fix"], capsys)[0] == 0
+    assert tampered.read_bytes() == plans["a1"].read_bytes()
+
+
+def test_check_unreadable_or_missing_files_are_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    garbage = tmp_path / "g.yaml"
+    garbage.write_text("request: [1, 2]\n")
+    code, _, err = run(["check", str(garbage)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "cannot read its request" in err
     code, _, err = run(["check", str(tmp_path / "nope")], capsys)
     assert code == 2 and "no such schedule" in err
 
@@ -159,4 +172,48 @@ def test_diff_shows_predicted_step_when_both_files_have_it(tmp_path: Path, capsy
     assert code == 0 and rows["predicted step s"]["old"] == expected
     code, out, _ = run(["diff", str(paths[0]), str(paths[1]), "--json", "--max-imbalance-increase", "1",
                         "--max-gap-increase", "1", "--max-memory-increase", "1"], capsys)
-    assert code == 0 and "predicted step s" not in {row["name"] for row in json.loads(out)}
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert code == 0 and rows["predicted step s"]["verdict"] == "missing"  # regression: never "better"
+    assert rows["predicted step s"]["new"] is None and rows["predicted step s"]["delta"] is None
+    code, out, _ = run(["diff", str(paths[1]), str(paths[0]), "--max-imbalance-increase", "1",
+                        "--max-gap-increase", "1", "--max-memory-increase", "1"], capsys)
+    assert code == 0 and any(line.split()[-1] == "missing" and line.startswith("predicted step s") for line in out.splitlines())
+
+
+def test_diff_refuses_a_non_finite_metric(plans: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from canzona.cli import compare
+
+    broken = compare.Metric("dp imbalance", lambda s: float("nan"), True, "imbalance", False)
+    monkeypatch.setattr(compare, "METRICS", (broken,))
+    code, out, err = run(["diff", str(plans["a1"]), str(plans["a1"])], capsys)
+    assert code == 2 and out == "" and err == "canzona: error: dp imbalance is nan, not a finite number\n"
+
+
+def test_check_regenerates_an_older_schema_version(plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = tmp_path / "old.yaml"
+    lines = [line for line in plans["a1"].read_text().splitlines() if not line.startswith("digest: ")]
+    old.write_text("\n".join(lines).replace(f"schema_version: {SCHEMA_VERSION}", "schema_version: 1", 1) + "\n")
+    code, out, _ = run(["check", str(old)], capsys)
+    assert code == 1 and "schema_version 1 is from an older canzona" in out
+    assert run(["check", str(old), "--fix"], capsys)[0] == 0
+    assert old.read_bytes() == plans["a1"].read_bytes()
+
+
+def test_check_compares_bytes_and_names_the_kind_of_difference(
+    plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reformatted = tmp_path / "comment.yaml"
+    reformatted.write_text(plans["a1"].read_text().replace("}\n", "}  # note\n", 1))
+    assert read_schedule(reformatted) == read_schedule(plans["a1"])  # same content
+    code, out, _ = run(["check", str(reformatted)], capsys)
+    assert code == 1 and f"STALE  {reformatted}: formatting" in out
+    versioned = tmp_path / "version.yaml"
+    schedule = read_schedule(plans["a1"])
+    request = schedule.request.model_copy(update={"canzona_version": "0.0.1"})
+    write_schedule(sealed(schedule.model_copy(update={"request": request})), versioned)
+    code, out, _ = run(["check", str(versioned)], capsys)
+    assert code == 1 and "written by canzona 0.0.1" in out
+    for path in (reformatted, versioned):
+        assert run(["check", str(path), "--fix"], capsys)[0] == 0
+        assert path.read_bytes() == plans["a1"].read_bytes()

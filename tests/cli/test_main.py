@@ -69,7 +69,7 @@ def test_plan_is_byte_identical_when_repeated(tmp_path: Path, capsys: pytest.Cap
         (["plan", "--model", "qwen3-8b", "--alpha", "1.5"], "alpha must be in [0, 1]"),
         (["plan", "--model", "qwen3-8b", "--alpha", "-0.1"], "alpha must be in [0, 1]"),
         (["plan", "--model", "qwen3-8b", "--bucket-size", "0"], "bucket size must be >= 1"),
-        (["plan", "--model", "qwen3-8b", "--group-mb", "0"], "group capacity"),
+        (["plan", "--model", "qwen3-8b", "--group-mb", "0"], "--group-mb must be > 0"),
         (["plan", "--model", "/nonexistent/config.json"], "cannot read"),
         (["plan", "--model", "qwen3-8b", "--optimizer", "adam"], "--optimizer"),
         (["plan", "--dp", "2"], "--model"),

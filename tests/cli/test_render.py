@@ -36,8 +36,16 @@ def test_render_svg_mentions_every_strategy(schedule: Path, tmp_path: Path) -> N
 
 
 def test_render_errors(schedule: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    assert main(["render", str(schedule), "-o", str(tmp_path / "no" / "dir" / "x.png")]) == 2
-    assert capsys.readouterr().err.startswith("canzona: error: cannot write")
+    assert main(["render", str(schedule), "-o", str(tmp_path / "new" / "dir" / "x.png")]) == 0  # folders made, as plan
+    assert (tmp_path / "new" / "dir" / "x.png").read_bytes().startswith(b"\x89PNG")
+    capsys.readouterr()
+    (tmp_path / "folder.png").mkdir()
+    for bad, needle in ((tmp_path / "x.unknown", "cannot write"), (schedule, "also an input"),
+                        (tmp_path / "folder.png", "folder")):
+        assert main(["render", str(schedule), "-o", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("canzona: error: ") and needle in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.png", "new"]  # nothing half-written
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)

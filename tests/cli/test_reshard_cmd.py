@@ -11,7 +11,7 @@ import typer
 
 from canzona.cli import main as cli
 from canzona.cli.reshard_cmd import human_bytes, reshard_check
-from canzona.schedules.format import ScheduleError
+from canzona.schedules.format import SCHEMA_VERSION, ScheduleError
 
 OLD, NEW = "qwen3-8b/muon-tp2-dp4", "qwen3-8b/muon-tp8-dp32"
 OTHER_MODEL = "qwen3-0.6b/muon-tp1-dp8"
@@ -52,7 +52,7 @@ def test_bad_input_raises_schedule_error(tmp_path: Path) -> None:
     with pytest.raises(ScheduleError, match="missing.yaml"):
         reshard_check(str(tmp_path / "missing.yaml"), NEW)
     broken = tmp_path / "broken.yaml"
-    broken.write_text("schema_version: 1\n")
+    broken.write_text(f"schema_version: {SCHEMA_VERSION}\n")
     with pytest.raises(ScheduleError, match="invalid schedule"):
         reshard_check(OLD, str(broken))
 

@@ -18,6 +18,7 @@ from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec
 from canzona.schedules import format as fmt
+from canzona.schedules import reading
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     Schedule,
@@ -81,20 +82,24 @@ def test_dump_writes_one_row_per_line() -> None:
     text = dump_schedule(schedule)
     row_lines = [line for line in text.splitlines() if line.lstrip().startswith("- {")]
     rows = [json.loads(line.lstrip()[2:]) for line in row_lines]  # every row is a JSON object
-    data = schedule.model_dump(mode="json")
+    data = schedule.model_dump(mode="json", exclude_defaults=True)  # fields at their default are left out
     tables = data["params"] + data["dp"]["buckets"] + data["dp"]["adamw_buckets"]
     assert len(rows) >= len(tables)
     assert all(row in rows for row in tables)
 
 
+def fast(text: str) -> dict:
+    """What the safe reader hands to pydantic, as plain data."""
+    return json.loads(reading.schedule_json(text).json)
+
+
 def test_fast_loader_agrees_with_a_full_safe_load() -> None:
     schedule = preset()
     text = dump_schedule(schedule)
-    fast = fmt._load_fast(text)
     full = yaml.load(text, Loader=yaml.SafeLoader)
-    assert fast == full
+    assert fast(text) == full
     assert Schedule.model_validate(full) == schedule
-    assert Schedule.model_validate(fast) == schedule
+    assert Schedule.model_validate(fast(text)) == schedule
 
 
 def test_block_style_rows_still_parse() -> None:
@@ -105,20 +110,32 @@ def test_block_style_rows_still_parse() -> None:
     assert parse_schedule(block) == schedule
 
 
-def test_non_json_flow_rows_take_the_fallback_path() -> None:
+# Regression (issue 14): one row that was not plain JSON sent the whole file through a full YAML
+# parse, 10x slower. A row is now one JSON object (optionally followed by a # comment) or the
+# file is refused with one line naming the row's line.
+def test_non_json_flow_rows_are_refused_with_their_line() -> None:
     schedule = toy()
-    lines = []
-    for line in dump_schedule(schedule).splitlines():
-        stripped = line.lstrip()
-        if stripped.startswith("- {"):
-            row = json.loads(stripped[2:])
-            flow = yaml.safe_dump(row, default_flow_style=True, width=1 << 16).strip()
-            line = f"{line[: len(line) - len(stripped)]}- {flow}  # edited by hand"
-        lines.append(line)
-    text = "\n".join(lines) + "\n"
-    with pytest.raises(ValueError):
-        fmt._load_fast(text)  # not JSON any more
-    assert parse_schedule(text) == schedule
+    lines = dump_schedule(schedule).splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("- {"))
+    flow = yaml.safe_dump(json.loads(lines[row][2:]), default_flow_style=True, width=1 << 16).strip()
+    lines[row] = f"- {flow}"
+    assert yaml.safe_load("\n".join(lines)) == yaml.safe_load(dump_schedule(schedule))  # the same YAML
+    with pytest.raises(ScheduleError) as excinfo:
+        parse_schedule("\n".join(lines) + "\n", "plan.yaml")
+    assert_one_line_error(excinfo, "plan.yaml", f"line {row + 1}", "JSON")
+
+
+def test_rows_with_trailing_comments_stay_on_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    schedule = toy()
+    lines = [f"{line}  # note #{i}" if line.lstrip().startswith("- {") else line
+             for i, line in enumerate(dump_schedule(schedule).splitlines())]
+
+    def no_yaml(*args, **kwargs):
+        raise AssertionError("rows must never be composed as YAML")
+
+    skeleton_load = reading.yaml.load
+    monkeypatch.setattr(reading.yaml, "load", lambda text, Loader: no_yaml() if "- {" in text else skeleton_load(text, Loader=Loader))
+    assert parse_schedule("\n".join(lines) + "\n") == schedule
 
 
 def test_crlf_and_bom_still_parse() -> None:
@@ -164,13 +181,13 @@ def test_large_and_small_floats_survive_as_floats() -> None:
     data["dp"]["buckets"][0]["padding_overhead"] = 2.0
     tampered = Schedule.model_validate(data)
     text = dump_schedule(tampered)
-    for loaded in (fmt._load_fast(text), yaml.load(text, Loader=yaml.SafeLoader)):
+    for loaded in (fast(text), yaml.load(text, Loader=yaml.SafeLoader)):
         assert loaded["params"][0]["cost"] == 1e20 and isinstance(loaded["params"][0]["cost"], float)
         assert loaded["params"][1]["cost"] == 1e-20 and isinstance(loaded["params"][1]["cost"], float)
         assert loaded["metrics"]["dp"]["max"] == 1e20 and isinstance(loaded["metrics"]["dp"]["max"], float)
         assert loaded["metrics"]["dp"]["load"][0] == 3e300
         assert isinstance(loaded["dp"]["buckets"][0]["padding_overhead"], float)
-    assert parse_schedule(text) == tampered
+    assert Schedule.model_validate_json(reading.schedule_json(text).json) == tampered
 
 
 finite_floats = st.floats(allow_nan=False, allow_infinity=False)
@@ -185,9 +202,9 @@ def test_any_finite_float_round_trips(cost: float, maximum: float, load: list[fl
     data["metrics"]["dp"]["load"] = load
     schedule = Schedule.model_validate(data)
     text = dump_schedule(schedule)
-    assert parse_schedule(text) == schedule
+    assert Schedule.model_validate_json(reading.schedule_json(text).json) == schedule
     full = yaml.load(text, Loader=yaml.SafeLoader)
-    assert full == fmt._load_fast(text)
+    assert full == fast(text)
     assert isinstance(full["params"][0]["cost"], float)
 
 
@@ -231,7 +248,7 @@ def test_non_bmp_name_reads_the_same_with_a_full_yaml_parse() -> None:
     schedule = toy(("w\U0001F600", "norm", "w1"))
     text = dump_schedule(schedule)
     assert parse_schedule(text) == schedule  # the fast path is fine
-    assert yaml.load(text, Loader=yaml.SafeLoader) == fmt._load_fast(text)
+    assert yaml.load(text, Loader=yaml.SafeLoader) == fast(text)
     assert Schedule.model_validate(yaml.load(text, Loader=yaml.SafeLoader)) == schedule
 
 
@@ -274,13 +291,17 @@ def test_tampered_identity_fields_are_rejected(field: str) -> None:
         parse_schedule(edited(toy(), edit))
 
 
-def test_reordered_rows_keep_the_fingerprint() -> None:
+def test_reordered_rows_keep_the_fingerprint_but_not_the_digest() -> None:
     schedule = toy()
 
     def edit(data):
         data["params"].reverse()
 
-    assert schedule_fingerprint(parse_schedule(edited(schedule, edit))) == schedule.fingerprint
+    text = edited(schedule, edit)
+    assert schedule_fingerprint(Schedule.model_validate(yaml.safe_load(text))) == schedule.fingerprint
+    with pytest.raises(ScheduleError) as excinfo:
+        parse_schedule(text, "plan.yaml")
+    assert_one_line_error(excinfo, "plan.yaml", "digest", "canzona check --fix")
 
 
 @pytest.mark.parametrize(
@@ -313,7 +334,7 @@ def test_invalid_values_are_rejected(edit) -> None:
     assert_one_line_error(excinfo, "invalid schedule")
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None])
+@pytest.mark.parametrize("version", [0, 1, 3, "2", None, True])
 def test_wrong_schema_version_is_rejected(version) -> None:
     def edit(data):
         data["schema_version"] = version

@@ -1,0 +1,131 @@
+"""What canzona accepts: the vocabularies and the limits of a request, one definition shared
+by the planner (which refuses a request before any work) and the schedule validator (which
+refuses a file whose request no planner run could have had).
+
+The maxima keep every command fast and bounded: the planner's work grows with DP × buckets
+and with the number of parameters, and a schedule lists TP × DP devices.
+"""
+
+from __future__ import annotations
+
+import math
+
+MATRIX = "matrix"  # optimizer class of parameters the matrix optimizer (Muon, Shampoo, SOAP) updates
+ADAMW = "adamw"  # optimizer class of parameters AdamW updates element-wise
+OPTIMIZER_CLASSES = (MATRIX, ADAMW)
+MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
+COST_MODELS = ("numel", "flops")
+PROFILE_PREFIX = "profile:"
+TP_MODES = ("rollback", "fixed", "sorted", "heap")
+SOLVERS = ("greedy", "ilp")
+QKV_SPLITS = ("none", "qkv", "head")
+
+MAX_TP = 256
+MAX_DP = 8192
+MAX_EP = 1024
+MAX_DEVICES = 131072  # TP x DP
+MAX_PARAMS = 65536  # parameters of one model
+MAX_PARAM_NUMEL = 1 << 40  # elements of one parameter
+MAX_BUCKET_SIZE = 1 << 40
+MAX_GROUP_BYTES = 1 << 50
+MAX_TIME_LIMIT = 1e6  # CP-SAT deterministic seconds
+MAX_SEED = (1 << 31) - 1
+MAX_NS_STEPS = 100
+MAX_PRECONDITION_FREQUENCY = 1_000_000
+MAX_BLOCK_SIZE = 1 << 20  # Shampoo block side, and SOAP's max_precond_dim
+MAX_SCHEDULE_BYTES = 64 << 20
+MAX_MODEL_FILE_BYTES = 64 << 20
+MAX_NESTING = 32  # YAML nesting levels a schedule's skeleton (or a model file) may have
+MAX_EXPANDED_NODES = 4_000_000  # YAML values a model file, profile or shapes list may expand to
+MAX_FILE_INT = (1 << 63) - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def bounded_int_problem(label: str, value: object, maximum: int, what: str, minimum: int = 1) -> str | None:
+    """`label` must be an integer in [minimum, maximum]; `what` names the maximum's reason."""
+    if not _is_int(value):
+        return f"{label} must be an integer, got {value!r}"
+    if value < minimum:  # type: ignore[operator]
+        return f"{label} must be >= {minimum}, got {value}"
+    if value > maximum:  # type: ignore[operator]
+        return f"{label} {value} is above canzona's maximum of {maximum} {what}"
+    return None
+
+
+def finite_problem(label: str, value: float, low: float, high: float, *, low_open: bool = False) -> str | None:
+    """`label` must be a finite number in [low, high] (or (low, high] with `low_open`)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return f"{label} must be a finite number, got {value!r}"
+    if value < low or (low_open and value == low):
+        return f"{label} must be {'>' if low_open else '>='} {low:g}, got {value:g}"
+    if value > high:
+        return f"{label} must be <= {high:g}, got {value:g}"
+    return None
+
+
+def layout_problem(tp: object, dp: object, ep: object) -> str | None:
+    """TP, DP and EP sizes within canzona's maxima (EP dividing DP)."""
+    problem = (
+        bounded_int_problem("tp", tp, MAX_TP, "TP ranks")
+        or bounded_int_problem("dp", dp, MAX_DP, "DP ranks")
+        or bounded_int_problem("ep", ep, MAX_EP, "EP ranks")
+    )
+    if problem:
+        return problem
+    if tp * dp > MAX_DEVICES:  # type: ignore[operator]
+        return f"tp x dp = {tp * dp} devices is above canzona's maximum of {MAX_DEVICES}"  # type: ignore[operator]
+    if dp % ep:  # type: ignore[operator]
+        return f"ep {ep} does not divide dp {dp}"
+    return None
+
+
+def settings_problem(name: str, ns_steps: object, block_size: object, precondition_frequency: object,
+                     max_precond_dim: object) -> str | None:
+    """A known matrix optimizer with settings in range."""
+    if name not in MATRIX_OPTIMIZERS:
+        return f"unknown matrix optimizer {name!r}; choose one of {', '.join(MATRIX_OPTIMIZERS)}"
+    return (
+        bounded_int_problem("ns_steps", ns_steps, MAX_NS_STEPS, "Newton-Schulz steps")
+        or bounded_int_problem("block_size", block_size, MAX_BLOCK_SIZE, "(Shampoo block side)")
+        or bounded_int_problem("precondition_frequency", precondition_frequency, MAX_PRECONDITION_FREQUENCY, "steps")
+        or bounded_int_problem("max_precond_dim", max_precond_dim, MAX_BLOCK_SIZE, "(preconditioner side)")
+    )
+
+
+def choice_problem(label: str, value: object, choices: tuple[str, ...]) -> str | None:
+    """`value` must be one of `choices`."""
+    if value in choices:
+        return None
+    return f"unknown {label} {value!r}; choose one of {', '.join(choices)}"
+
+
+def cost_problem(cost: object) -> str | None:
+    """numel, flops, or profile:FILE."""
+    if isinstance(cost, str) and (cost in COST_MODELS or (cost.startswith(PROFILE_PREFIX) and len(cost) > len(PROFILE_PREFIX))):
+        return None
+    return f"unknown cost model {cost!r}; choose one of {', '.join(COST_MODELS)} or profile:FILE"
+
+
+def alpha_problem(alpha: float) -> str | None:
+    """α must be a number in [0, 1]."""
+    if finite_problem("alpha", alpha, 0.0, 1.0):
+        return f"alpha must be in [0, 1], got {alpha!r}"
+    return None
+
+
+def request_problem(*, tp: object, dp: object, ep: object, alpha: float, bucket_size: object, group_bytes: object,
+                    tp_mode: object, solver: object, time_limit: float, seed: object) -> str | None:
+    """Every numeric and named setting of a planning request, as the planner accepts them."""
+    return (
+        layout_problem(tp, dp, ep)
+        or alpha_problem(alpha)
+        or bounded_int_problem("bucket size", bucket_size, MAX_BUCKET_SIZE, "elements")
+        or bounded_int_problem("group capacity", group_bytes, MAX_GROUP_BYTES, "bytes")
+        or choice_problem("TP mode", tp_mode, TP_MODES)
+        or choice_problem("solver", solver, SOLVERS)
+        or finite_problem("time limit", time_limit, 0.0, MAX_TIME_LIMIT, low_open=True)
+        or bounded_int_problem("seed", seed, MAX_SEED, "(CP-SAT seeds are 31-bit)", minimum=0)
+    )

@@ -1,0 +1,166 @@
+"""Issue 14's bad inputs, command by command: limits checked before any work, and every command
+that reads a schedule refuses a bad one with one line and exit 2 (never a traceback)."""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from canzona.cli.main import main
+from canzona.schedules.format import Schedule, dump_schedule, read_schedule, sealed
+from canzona.schedules.library import library_root
+
+LIBRARY = library_root() / "qwen3-8b" / "muon-tp2-dp4.yaml"
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def bad_input(args: list[str], capsys: pytest.CaptureFixture[str], *needles: str, seconds: float = 10.0) -> str:
+    started = time.perf_counter()
+    code, out, err = run(args, capsys)
+    assert time.perf_counter() - started < seconds  # refused before the work, not after it
+    assert code == 2 and out == "", (code, out, err)
+    assert err.startswith("canzona: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+PLAN = ["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4"]
+
+
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--group-mb", "nan"], ["--group-mb must be a finite number"]),
+        (["--group-mb", "inf"], ["--group-mb must be a finite number"]),
+        (["--group-mb", "-1"], ["--group-mb must be > 0"]),
+        (["--dp", "2147483648"], ["dp 2147483648", "maximum of 8192 DP ranks"]),
+        (["--dp", "100000000"], ["maximum of 8192 DP ranks"]),
+        (["--tp", "1000000"], ["maximum of 256 TP ranks"]),
+        (["--dp", "8192", "--tp", "32"], ["262144 devices", "maximum of 131072"]),
+        (["--ep", "4096"], ["maximum of 1024 EP ranks"]),
+        (["--ep", "3"], ["ep 3 does not divide dp 4"]),
+        (["--time-limit", "nan"], ["time limit must be a finite number"]),
+        (["--time-limit", "inf"], ["time limit must be a finite number"]),
+        (["--seed", "-1"], ["seed must be >= 0"]),
+        (["--seed", str(1 << 31)], ["31-bit"]),
+        (["--alpha", "nan"], ["alpha must be in [0, 1]"]),
+        (["--ns-steps", "0"], ["ns_steps must be >= 1"]),
+        (["--precondition-frequency", "0"], ["precondition_frequency must be >= 1"]),
+        (["--bucket-size", "0"], ["bucket size must be >= 1"]),
+        (["--dp", "1" * 5000], []),
+    ],
+)
+def test_plan_limits_before_work(extra: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    bad_input([*PLAN, *extra, "-o", "never-written.yaml"], capsys, *needles, seconds=5.0)
+    assert not Path("never-written.yaml").exists()
+
+
+def test_model_sizes_fail_fast(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    entries = [{"name": f"w{i}", "shape": [8, 8], "tp_dim": 0} for i in range(100_000)]
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"name": "big", "params": entries}))
+    bad_input(["plan", "--model", str(big), "-o", str(tmp_path / "o.yaml")], capsys, "100000 parameters", "65536")
+    config = json.loads((Path(__file__).resolve().parents[1] / "runtime" / "data" / "tiny_moe.json").read_text())
+    for layers in (10**7, 20_000):
+        path = tmp_path / f"l{layers}" / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({**config, "num_hidden_layers": layers, "mlp_only_layers": []}))
+        bad_input(["plan", "--model", str(path), "-o", str(tmp_path / "o.yaml")], capsys, "maximum of 65536", seconds=5.0)
+    digits = tmp_path / "digits.json"
+    digits.write_text('{"name": "d", "params": [{"name": "w", "shape": [' + "1" * 5000 + ', 8], "tp_dim": 0}]}')
+    bad_input(["plan", "--model", str(digits), "-o", str(tmp_path / "o.yaml")], capsys, "4300 digits")
+
+
+def test_table_needs_a_folder_and_update_needs_its_readme(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad_input(["table", str(LIBRARY)], capsys, "is a file")
+    (tmp_path / "lib").mkdir()
+    bad_input(["table", str(tmp_path / "lib"), "--update"], capsys, "README.md", "does not exist")
+
+
+def test_show_refuses_special_files(capsys: pytest.CaptureFixture[str]) -> None:
+    if Path("/dev/zero").exists():
+        bad_input(["show", "/dev/zero"], capsys, "not a regular file", seconds=2.0)
+
+
+def test_simulate_refuses_non_finite_network_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    for option in (["--latency-us", "nan"], ["--intra-gbps", "inf"], ["--inter-gbps", "nan"]):
+        bad_input(["simulate", str(LIBRARY), *option], capsys, "finite")
+
+
+@lru_cache(maxsize=None)
+def library() -> Schedule:
+    return read_schedule(LIBRARY)
+
+
+def write_edited(path: Path, edit: Any) -> Path:
+    data = library().model_dump(mode="json")
+    edit(data)
+    path.write_text(dump_schedule(sealed(Schedule.model_validate(data))))
+    return path
+
+
+def alias_bomb(path: Path) -> Path:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{k}: &a{k} [{', '.join([f'*a{k - 1}'] * 9)}]" for k in range(1, 9)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def owner_99(data: dict[str, Any]) -> None:  # issue 17, item 4
+    next(p for p in data["params"] if p["optimizer"] == "matrix")["owner"] = 99
+
+
+def huge_tp(data: dict[str, Any]) -> None:
+    data["request"]["tp"] = 1_000_000
+
+
+def unknown_optimizer(data: dict[str, Any]) -> None:
+    next(p for p in data["params"] if p["optimizer"] == "matrix")["optimizer"] = "AdamW"
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda p: write_edited(p, owner_99), "owner 99 is not a DP rank"),
+        (lambda p: write_edited(p, huge_tp), "maximum of 256 TP ranks"),
+        (lambda p: write_edited(p, unknown_optimizer), "unknown optimizer 'AdamW'"),
+        (alias_bomb, "aliases"),
+        (lambda p: (p.write_text(LIBRARY.read_text().replace('"owner": 0', '"owner": 1', 1)), p)[1], "digest"),
+    ],
+    ids=["owner-99", "tp-1000000", "optimizer-AdamW", "alias-bomb", "hand-edit"],
+)
+@pytest.mark.parametrize(
+    "command",
+    [["show"], ["show", "--rank", "3"], ["simulate"], ["render", "-o", "{tmp}/x.png"], ["diff", str(LIBRARY)],
+     ["reshard-check", str(LIBRARY)], ["table"]],
+    ids=["show", "show-rank", "simulate", "render", "diff", "reshard-check", "table"],
+)
+def test_every_command_refuses_a_bad_schedule(make: Any, needle: str, command: list[str], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "lib").mkdir()
+    bad = make(tmp_path / "lib" / "bad.yaml")
+    name, *options = [part.replace("{tmp}", str(tmp_path)) for part in command]
+    if name in ("diff", "reshard-check"):  # OLD NEW: the bad file is the new one
+        args = [name, *options, str(bad)]
+    else:
+        args = [name, str(bad.parent if name == "table" else bad), *options]
+    bad_input(args, capsys, needle, seconds=5.0)
+
+
+def test_check_flags_the_bad_schedule_and_fixes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = write_edited(tmp_path / "bad.yaml", owner_99)
+    code, out, _ = run(["check", str(bad)], capsys)
+    assert code == 1 and "owner 99 is not a DP rank" in out
+    assert run(["check", str(bad), "--fix"], capsys)[0] == 0
+    assert bad.read_bytes() == LIBRARY.read_bytes()

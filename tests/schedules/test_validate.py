@@ -1,0 +1,249 @@
+"""The semantic validator: each rule against a file edited consistently (digest resealed, as
+a tool or a careful hand would), so only the validator stands between it and a run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from canzona.planner.compile import compile_schedule
+from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
+from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, parse_schedule, sealed
+from canzona.schedules.limits import MAX_TP
+from canzona.schedules.validate import schedule_problem
+
+TINY_MOE = Path(__file__).resolve().parents[1] / "runtime" / "data" / "tiny_moe.json"
+
+
+@lru_cache(maxsize=None)
+def dense() -> Schedule:
+    """qwen3-8b at TP 2 x DP 4: QKV and fc1 row blocks, several buckets."""
+    return compile_schedule(make_plan(load_model("qwen3-8b", 2), PlanRequest("qwen3-8b", 2, 4)))
+
+
+@lru_cache(maxsize=None)
+def moe() -> Schedule:
+    """A tiny MoE at TP 2 x DP 4 with EP 2: expert buffers and EP ranks."""
+    request = PlanRequest(str(TINY_MOE), 2, 4, ep=2, bucket_size=2000, group_bytes=4096)
+    return compile_schedule(make_plan(load_model(str(TINY_MOE), 2), request))
+
+
+def edited(schedule: Schedule, edit: Callable[[dict[str, Any]], Any]) -> str:
+    """The file of `schedule` after `edit` on its data, with the digest resealed."""
+    data = schedule.model_dump(mode="json")
+    edit(data)
+    return dump_schedule(sealed(Schedule.model_validate(data)))
+
+
+def rejected(schedule: Schedule, edit: Callable[[dict[str, Any]], Any], *needles: str) -> str:
+    with pytest.raises(ScheduleError) as excinfo:
+        parse_schedule(edited(schedule, edit), "plan.yaml")
+    message = str(excinfo.value)
+    assert "\n" not in message and message.startswith("plan.yaml: ")
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+def param(data: dict[str, Any], fragment: str) -> dict[str, Any]:
+    return next(p for p in data["params"] if fragment in p["name"])
+
+
+def test_planner_files_pass() -> None:
+    for schedule in (dense(), moe()):
+        assert schedule_problem(schedule) is None
+        assert parse_schedule(dump_schedule(schedule)) == schedule
+
+
+def test_unedited_digest_catches_any_hand_edit() -> None:
+    text = dump_schedule(dense()).replace('"owner": 0', '"owner": 1', 1)
+    with pytest.raises(ScheduleError, match="digest does not match"):
+        parse_schedule(text)
+
+
+# Regressions from issue 14 ("silently wrong training").
+
+
+def test_unknown_parameter_optimizer() -> None:
+    rejected(dense(), lambda d: param(d, "linear_proj").update(optimizer="AdamW"), "unknown optimizer 'AdamW'")
+
+
+def test_qkv_row_blocks_replaced_by_one_whole_block() -> None:
+    def whole(d: dict[str, Any]) -> None:
+        qkv = param(d, "linear_qkv.weight")
+        qkv["row_blocks"] = [[[0, qkv["shape"][0]]]]
+
+    rejected(dense(), whole, "single row block", "row_blocks null")
+
+
+@pytest.mark.parametrize(
+    "blocks, needle",
+    [
+        ([[]], "start < stop"),
+        ([], "row_blocks is empty"),
+        ([[[0, 6144]], [[0, 1]]], "exactly once"),
+        ([[[0, 100]], [[100, 6143]]], "exactly once"),
+        ([[[0, 100], [100, 6144]]], "adjacent ranges"),
+        ([[[0, 100, 7]], [[100, 6144]]], "start < stop"),
+    ],
+)
+def test_row_blocks_must_tile_the_rows(blocks: list, needle: str) -> None:
+    rejected(dense(), lambda d: param(d, "linear_qkv.weight").update(row_blocks=blocks), needle)
+
+
+@pytest.mark.parametrize("extra", [10**12, 5 * 10**8, 128])
+def test_bucket_numel_enlarged_with_its_last_cut(extra: int) -> None:
+    def enlarge(d: dict[str, Any]) -> None:
+        bucket = d["dp"]["buckets"][0]
+        bucket["numel"] += extra
+        bucket["cuts"][-1] += extra
+
+    rejected(dense(), enlarge, "matrix bucket 0: numel", "padded to a multiple")
+
+
+def test_ep_fields_in_an_ep1_file() -> None:
+    rejected(dense(), lambda d: param(d, "linear_proj").update(ep_rank=0), "ep_rank")
+    rejected(dense(), lambda d: d["dp"].update(expert_buckets=d["dp"]["buckets"][:1]), "expert_buckets")
+
+
+def test_owner_that_is_not_a_dp_rank() -> None:  # issue 17, item 4
+    rejected(dense(), lambda d: param(d, "linear_proj").update(owner=99), "owner 99 is not a DP rank")
+
+
+def test_request_values_beyond_the_planner_limits() -> None:
+    rejected(dense(), lambda d: d["request"].update(tp=1_000_000), f"maximum of {MAX_TP} TP ranks")
+    rejected(dense(), lambda d: d["request"]["optimizer"].update(ns_steps=0), "ns_steps must be >= 1")
+    rejected(dense(), lambda d: d["request"].update(tp_mode="magic"), "unknown TP mode")
+    rejected(dense(), lambda d: d["request"].update(cost="guess"), "unknown cost model")
+
+
+# Buffers
+
+
+def test_cut_off_a_parameter_boundary() -> None:
+    def shift(d: dict[str, Any]) -> None:
+        cuts = d["dp"]["buckets"][0]["cuts"]
+        cuts[1] = cuts[1] + 64 if cuts[1] < cuts[-1] else cuts[1] - 64
+
+    rejected(dense(), shift, "not a parameter boundary")
+
+
+def test_owner_outside_its_slice() -> None:
+    def flip(d: dict[str, Any]) -> None:
+        entry = param(d, "layers.35.mlp.linear_fc2")
+        entry["owner"] = (entry["owner"] + 1) % 4
+
+    rejected(dense(), flip, "not inside its owner's slice")
+
+
+def test_offsets_must_be_packed() -> None:
+    def gap(d: dict[str, Any]) -> None:
+        second = next(p for p in d["params"] if p["bucket"] == 0 and p["offset"] > 0 and p["optimizer"] == "matrix")
+        second["offset"] += 64
+
+    rejected(dense(), gap, "packing puts it at")
+
+
+def test_bucket_membership_follows_reverse_registration_order() -> None:
+    def swap(d: dict[str, Any]) -> None:
+        first, later = param(d, "layers.35.mlp.linear_fc2"), param(d, "layers.0.mlp.linear_fc2")
+        first["bucket"], later["bucket"] = later["bucket"], first["bucket"]
+
+    rejected(dense(), swap, "reverse registration order")
+
+
+def test_bucket_closes_at_bucket_size() -> None:
+    rejected(dense(), lambda d: d["request"].update(bucket_size=10**9), "fewer than bucket_size", "another bucket follows")
+    rejected(dense(), lambda d: d["request"].update(bucket_size=100), "should have closed before")
+
+
+def test_adamw_cuts_are_the_equal_split() -> None:
+    def skew(d: dict[str, Any]) -> None:
+        cuts = d["dp"]["adamw_buckets"][0]["cuts"]
+        cuts[1] += 1
+
+    rejected(dense(), skew, "AdamW bucket 0", "equal split")
+
+
+def test_slice_bytes_and_padding_follow_the_cuts() -> None:
+    rejected(dense(), lambda d: d["dp"]["buckets"][0]["slice_bytes"].__setitem__(0, 4), "slice_bytes disagree")
+    rejected(dense(), lambda d: d["dp"]["buckets"][0].update(padding_overhead=1.5), "padding_overhead")
+
+
+def test_expert_buffers() -> None:
+    rejected(moe(), lambda d: next(p for p in d["params"] if p.get("ep_rank") == 1).update(ep_rank=5), "not an EP rank")
+    rejected(moe(), lambda d: next(p for p in d["params"] if p.get("ep_rank") == 1).update(owner=2),
+             "expert-DP rank (dp / ep = 2)")
+    rejected(moe(), lambda d: d["request"].update(ep=4), "is not an expert-DP rank (dp / ep = 1)")
+
+
+# Micro-groups
+
+
+def first_group(d: dict[str, Any]) -> dict[str, Any]:
+    return d["tp"]["ranks"][0]["groups"][0]
+
+
+def test_hosts_inside_the_tp_group() -> None:
+    rejected(dense(), lambda d: first_group(d).update(hosts=[2] * len(first_group(d)["hosts"])), "hosts must be TP ranks")
+
+
+def test_micro_groups_cover_every_owned_matrix_once() -> None:
+    def drop(d: dict[str, Any]) -> None:
+        group = first_group(d)
+        group["params"], group["hosts"] = group["params"][1:], group["hosts"][1:]
+
+    def twice(d: dict[str, Any]) -> None:
+        group = first_group(d)
+        group["params"].append(group["params"][0])
+        group["hosts"].append(group["hosts"][0])
+
+    rejected(dense(), drop, "exactly the matrices it owns")
+    rejected(dense(), twice, "exactly the matrices it owns")
+
+
+def test_stale_host_loads_and_bytes() -> None:
+    rejected(dense(), lambda d: first_group(d)["host_loads"].__setitem__(0, 1.0), "host_loads disagree")
+    rejected(dense(), lambda d: first_group(d)["host_bytes"].__setitem__(0, 1), "host_bytes disagree")
+    rejected(dense(), lambda d: first_group(d).update(makespan=1.0), "makespan")
+
+
+def test_group_capacity_in_rollback_mode() -> None:
+    def squeeze(d: dict[str, Any]) -> None:
+        d["request"]["group_bytes"] = d["tp"]["group_bytes"] = 1 << 20
+        for rank in d["tp"]["ranks"]:
+            for group in rank["groups"]:
+                group["saturation"] = max(group["host_bytes"]) / (1 << 20)
+
+    rejected(dense(), squeeze, "over the group capacity")
+
+
+# Metrics
+
+
+def test_loads_must_equal_the_summed_costs() -> None:
+    def stale(d: dict[str, Any]) -> None:
+        d["metrics"]["dp"]["load"][1] *= 1.01
+
+    rejected(dense(), stale, "metrics.dp.load[1]", "costs of the matrices DP rank 1 owns")
+
+
+def test_imbalance_below_one_and_other_derived_figures() -> None:
+    rejected(dense(), lambda d: d["metrics"]["dp"].update(imbalance=0.9), "metrics.dp.imbalance")
+    rejected(dense(), lambda d: d["metrics"]["dp"].update(gap=-0.5), "metrics.dp.gap")
+    rejected(dense(), lambda d: d["metrics"]["dp"]["slice_bytes"].__setitem__(0, 0), "metrics.dp.slice_bytes")
+    rejected(dense(), lambda d: d["metrics"]["dp"].update(lower_bound=1.0), "lower_bound")
+    rejected(dense(), lambda d: d["metrics"]["dp"]["baselines"]["dp-sc"].update(max=0.0), "baselines.dp-sc.max")
+    rejected(dense(), lambda d: d["metrics"]["tp"].update(num_groups=999), "metrics.tp.num_groups")
+    rejected(dense(), lambda d: d["metrics"]["tp"].update(critical_lower_bound=1.0), "critical_lower_bound")
+    rejected(dense(), lambda d: d["metrics"]["device"][0].update(load=0.0), "metrics.device[0].load")
+    rejected(dense(), lambda d: d["metrics"]["device"][1].update(tp_rank=0), "metrics.device must list")
+
+
+def test_alpha_search_goes_with_alpha_device() -> None:
+    rejected(dense(), lambda d: d["request"].update(alpha_device="h100"), "alpha_device")
