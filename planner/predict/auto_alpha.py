@@ -30,7 +30,7 @@ def choose_alpha(
     alphas: Sequence[float] = DEFAULT_ALPHAS,
     time_model: CostModel | None = None,
     fused: bool = False,
-    rooted: bool = False,
+    rooted: bool = True,
 ) -> tuple[Plan, list[tuple[float, float]]]:
     """Plan `model` at every α in `alphas` (the rest of `request` unchanged), simulate each
     schedule on `hardware` (`time_model`, `fused`, `rooted`: as `simulate` takes them), and
