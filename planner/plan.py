@@ -69,6 +69,27 @@ class SolverSummary:
 
 
 @dataclass(frozen=True)
+class SearchTrial:
+    """One candidate an automatic search planned and simulated: its α or bucket size, the
+    matrix buffer's bucket count, and canzona's predicted step and iteration seconds."""
+
+    value: float
+    num_buckets: int
+    step_s: float
+    iteration_s: float
+
+
+@dataclass(frozen=True)
+class AutoSearch:
+    """What `--alpha auto` and `--bucket-size auto` tried (empty: not asked for), and why the
+    bucket size won."""
+
+    alpha: tuple[SearchTrial, ...] = ()
+    bucket: tuple[SearchTrial, ...] = ()
+    bucket_reason: str = ""
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     """What the user asked for; recorded in the schedule so it can be regenerated."""
 
@@ -110,6 +131,8 @@ class PlanRequest:
             raise PlanError(f"ep must be >= 1, got {self.ep}")
         if self.group_bytes < 1:
             raise PlanError(f"group capacity must be >= 1 byte, got {self.group_bytes}")
+        if self.alpha_device is not None or self.bucket_device is not None:
+            (self.training or TrainingSetup()).validate(self.dp)
 
 
 @dataclass(frozen=True)
