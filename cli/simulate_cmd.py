@@ -226,6 +226,14 @@ def model_shapes(model: str) -> list[tuple[int, int]]:
     return list(dict.fromkeys((int(r), int(c)) for r, c in shapes))
 
 
+def training_shapes(model: str) -> list[tuple[int, int]]:
+    """Full shapes of a model's 2-D parameters (every matmul weight, whichever its optimizer),
+    once per parameter, in registration order: what its forward and backward multiply by."""
+    from canzona.planner.sources.load import load_model
+
+    return [(p.shape[0], p.shape[1]) for p in load_model(model, 1).params if len(p.shape) == 2]
+
+
 def grid_shapes(max_side: int) -> list[tuple[int, int]]:
     """A sampled grid: sides 128 .. max_side (powers of 2), aspect ratios 1, 2 and 4."""
     sides = [1 << k for k in range(7, 20) if 1 << k <= max_side]
@@ -242,6 +250,7 @@ def calibrate(
     warmup: Annotated[int, typer.Option(help="Untimed warm-up calls per kernel.")] = 2,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     comm_ranks: Annotated[int, typer.Option(help="Also fit gloo all-to-all among this many local processes (0: no).")] = 0,
+    train_tokens: Annotated[int, typer.Option(help="Also time training forward+backward on this many tokens (0: no): one matmul per 2-D weight of --model, else per timed shape.")] = 0,
     max_side: Annotated[int, typer.Option(help="Largest side of the default grid.")] = 1024,
     ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
@@ -262,6 +271,8 @@ def calibrate(
         raise PlanError(f"--threads must be >= 1, got {threads}")
     if comm_ranks == 1 or comm_ranks < 0:
         raise PlanError(f"--comm-ranks must be 0 or >= 2, got {comm_ranks}")
+    if train_tokens < 0:
+        raise PlanError(f"--train-tokens must be >= 0, got {train_tokens}")
     names = optimizer or list(OPTIMIZERS)
     unknown = [name for name in names if name not in OPTIMIZERS]
     if unknown:
@@ -273,8 +284,10 @@ def calibrate(
         plan = {name: todo for name in names}
     if not plan:
         raise PlanError("nothing to time: no shape is asked for with the chosen optimizers")
+    train = (training_shapes(model) if model is not None else list(dict.fromkeys(s for todo in plan.values() for s in todo)),
+             train_tokens)
     profile = _run_calibration(plan, device.value, repeats, warmup, threads, comm_ranks,
-                               (ns_steps, block_size, precondition_frequency, max_precond_dim))
+                               (ns_steps, block_size, precondition_frequency, max_precond_dim), train)
     validated = Profile.model_validate(profile)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(dump_profile(validated), encoding="utf-8")
@@ -282,7 +295,8 @@ def calibrate(
 
 
 def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeats: int, warmup: int,
-                     threads: int | None, comm_ranks: int, settings: tuple[int, int, int, int]) -> dict[str, Any]:
+                     threads: int | None, comm_ranks: int, settings: tuple[int, int, int, int],
+                     train: tuple[list[tuple[int, int]], int] = ([], 0)) -> dict[str, Any]:
     from canzona.planner.spec import PlanError
 
     try:
@@ -292,6 +306,6 @@ def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeat
         raise PlanError(f"calibrate needs torch (pip install 'canzona[runtime]'): {error}") from error
     try:
         return run([], Settings(*settings), device, repeats, warmup, plan, threads=threads, comm_ranks=comm_ranks,
-                   progress=lambda line: typer.echo(line, err=True))
+                   progress=lambda line: typer.echo(line, err=True), train_shapes=train[0], train_tokens=train[1])
     except ValueError as error:
         raise PlanError(str(error)) from error

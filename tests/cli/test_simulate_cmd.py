@@ -68,3 +68,32 @@ def test_bad_training_options_are_one_line_errors(args: list[str], message: str,
     code, out, err = run_cli(["simulate", SMALL, *args], capsys)
     assert code == 2 and out == ""
     assert err.startswith("canzona: error: ") and message in err and err.count("\n") == 1
+
+
+def test_calibrate_training_throughput_feeds_the_iteration(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from canzona.planner.predict.hardware import profile_device
+    from canzona.planner.predict.profile_cost import read_profile
+
+    profile_path = tmp_path / "cpu.yaml"
+    args = ["calibrate", "--model", "examples/tiny_qwen3.yaml", "--optimizer", "muon", "--repeats", "1", "--warmup", "0",
+            "--threads", "1", "--train-tokens", "64", "-o", str(profile_path)]
+    assert main(args) == 0, capsys.readouterr().err
+    training = read_profile(profile_path).training
+    # One matmul per 2-D weight of the example: 2 layers x 4 matrices, embedding and output layer.
+    assert training is not None and training.tokens == 64 and training.shapes == 10 and training.flops_per_second > 0
+    device = profile_device(profile_path)
+    assert device.hardware.training_flops() == training.flops_per_second
+    assert "training forward/backward timed on 64 tokens" in device.hardware.source
+    schedule = tmp_path / "tiny.yaml"
+    plan = ["plan", "--model", "examples/tiny_qwen3.yaml", "--tp", "2", "--dp", "2", "--bucket-size", "20000",
+            "--group-mb", "0.03", "-o", str(schedule)]
+    assert main(plan) == 0
+    capsys.readouterr()
+    code, out, err = run_cli(["simulate", str(schedule), "--device", str(profile_path), "--json", "--global-batch", "8",
+                              "--seq-len", "32"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    # 4 ranks share the host; without a contention fit the profile assumes 4x slower.
+    assert data["training"]["train_flops"] == pytest.approx(training.flops_per_second / 4)
+    assert data["iterations"][0]["forward_backward"] > 0
+    assert main(["calibrate", "--train-tokens", "-1", "-o", str(tmp_path / "x.yaml")]) == 2
