@@ -23,6 +23,7 @@ from canzona.cli import compare, render, report, reshard_cmd, simulate_cmd
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB
+from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
 from canzona.planner.spec import ModelOptions, PlanError
 from canzona.schedules.format import ScheduleError, read_schedule, write_schedule
 from canzona.schedules.files import OutputError, check_output
@@ -76,6 +77,16 @@ class RouterOptimizer(str, Enum):
     adamw = "adamw"
 
 
+def _bucket_size(text: str) -> int | None:
+    """A bucket size in elements, or None for auto."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise PlanError(f"bucket size must be a whole number of elements or auto, got {text!r}") from None
+
+
 def _alpha(text: str) -> float:
     try:
         return float(text)
@@ -114,8 +125,11 @@ def plan(
     optimizer: Annotated[Optimizer, typer.Option(help="Matrix optimizer.")] = Optimizer.muon,
     cost: Annotated[str, typer.Option(help="Cost model balanced across ranks: numel, flops, or profile:FILE.")] = "flops",
     alpha: Annotated[str, typer.Option(help="In [0, 1] (1 balances compute, 0 keeps slices equal), or auto.")] = "1",
-    device: Annotated[str, typer.Option(help="--alpha auto: device model h100, h200, a100, cpu, or a profile.")] = "h100",
-    bucket_size: Annotated[int, typer.Option(help="Bucket size in elements.")] = DEFAULT_BUCKET_SIZE,
+    device: Annotated[str, typer.Option(help="--alpha/--bucket-size auto: device model h100, h200, a100, cpu, or a profile.")] = "h100",
+    bucket_size: Annotated[str, typer.Option(help="Bucket size in elements, or auto (the simulator's fastest iteration).")] = str(DEFAULT_BUCKET_SIZE),
+    global_batch: Annotated[int, typer.Option(help="auto searches: sequences per optimizer step, over all DP ranks.")] = DEFAULT_GLOBAL_BATCH,
+    seq_len: Annotated[int, typer.Option(help="auto searches: tokens per sequence.")] = DEFAULT_SEQ_LEN,
+    micro_batches: Annotated[Optional[int], typer.Option(help="auto searches: micro-batches per DP rank (default: global batch / dp).")] = None,
     split_qkv: Annotated[QkvSplit, typer.Option(help="How QKV is orthogonalised.")] = QkvSplit.qkv,
     split_fc1: Annotated[bool, typer.Option("--split-fc1", help="Update fc1 gate and up halves separately.")] = False,
     router_optimizer: Annotated[RouterOptimizer, typer.Option(help="Optimizer of MoE routers.")] = RouterOptimizer.matrix,
@@ -136,7 +150,7 @@ def plan(
     from canzona.planner.predict.auto_alpha import plan_for_request
     from canzona.planner.compile import compile_schedule
     from canzona.planner.sources.load import load_model
-    from canzona.planner.plan import PlanRequest
+    from canzona.planner.plan import PlanRequest, TrainingSetup
 
     started = time.perf_counter()
     problem = finite_problem("--group-mb", group_mb, 0.0, MAX_GROUP_BYTES / (1 << 20), low_open=True)
@@ -145,9 +159,12 @@ def plan(
     options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value)
     settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
     auto = alpha.strip().lower() == "auto"
+    size = _bucket_size(bucket_size)
+    searching = auto or size is None
     request = PlanRequest(
-        model, tp, dp, settings, cost, 1.0 if auto else _alpha(alpha), bucket_size, options, mode.value,
-        int(group_mb * (1 << 20)), ep, solver.value, time_limit, seed, device if auto else None,
+        model, tp, dp, settings, cost, 1.0 if auto else _alpha(alpha), DEFAULT_BUCKET_SIZE if size is None else size, options,
+        mode.value, int(group_mb * (1 << 20)), ep, solver.value, time_limit, seed, device if auto else None,
+        device if size is None else None, TrainingSetup(global_batch, seq_len, micro_batches) if searching else None,
     )
     request.validate()
     inputs = [model, cost.removeprefix(PROFILE_PREFIX) if cost.startswith(PROFILE_PREFIX) else None, device if auto else None]
@@ -157,8 +174,8 @@ def plan(
     label = "auto" if auto else request.alpha
     path = output or default_output(spec.name, optimizer.value, tp, dp, label, cost, ep)
     check_output(path, inputs, "output")
-    the_plan, tried = plan_for_request(spec, request)
-    schedule = compile_schedule(the_plan, tried)
+    the_plan, search = plan_for_request(spec, request)
+    schedule = compile_schedule(the_plan, search)
     try:
         write_schedule(schedule, path)
     except OSError as error:

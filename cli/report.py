@@ -69,6 +69,9 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
         "solver": schedule.metrics.solver.model_dump() if schedule.metrics.solver else None,
         "alpha_search": [t.model_dump() for t in schedule.metrics.alpha_search or []],
         "alpha_device": req.alpha_device,
+        "bucket_size": req.bucket_size,
+        "bucket_search": schedule.metrics.bucket_search.model_dump() if schedule.metrics.bucket_search else None,
+        "bucket_device": req.bucket_device,
         "seconds": round(seconds, 3),
     }
 
@@ -90,8 +93,16 @@ def summary_text(summary: dict[str, Any]) -> str:
         f"planned in {summary['seconds']:.2f} s",
     ]
     if summary["alpha_search"]:
-        tried = ", ".join(f"{t['alpha']:g}: {1e3 * t['predicted_step_s']:.1f} ms" for t in summary["alpha_search"])
-        lines.insert(2, f"alpha chosen by the simulator on {summary['alpha_device']} (predicted step: {tried})")
+        objective = "iteration" if summary["alpha_search"][0].get("predicted_iteration_s") is not None else "step"
+        tried = ", ".join(f"{t['alpha']:g}: {1e3 * t[f'predicted_{objective}_s']:.1f} ms" for t in summary["alpha_search"])
+        lines.insert(2, f"alpha chosen by the simulator on {summary['alpha_device']} (predicted {objective}: {tried})")
+    if summary["bucket_search"]:
+        from canzona.planner.predict.auto_bucket import size_label
+
+        search = summary["bucket_search"]
+        tried = ", ".join(f"{size_label(t['bucket_size'])}: {1e3 * t['predicted_iteration_s']:.1f} ms" for t in search["trials"])
+        lines.insert(2, f"bucket size chosen by the simulator on {summary['bucket_device']}: {search['reason']} "
+                        f"(predicted iteration: {tried})")
     solver = summary["solver"]
     if solver:
         lines.insert(-1, (

@@ -1,6 +1,7 @@
 """`canzona simulate` and `canzona calibrate` (registered in `canzona.cli.main`).
 
-simulate: predict one optimizer step of a schedule and of every baseline on a hardware model.
+simulate: predict one optimizer step and one training iteration of a schedule and of every
+baseline on a hardware model.
 calibrate: time the real kernels with torch on this machine and write a profile.
 """
 
@@ -16,6 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
 from canzona.planner.predict.hardware import CPU_GPUS_PER_NODE
 from canzona.planner.predict.simulate import Simulation
 from canzona.schedules.files import check_output, write_atomic
@@ -29,16 +31,26 @@ class CalibrateDevice(str, Enum):
     cuda = "cuda"
 
 
+STEP_FIELDS = ("name", "description", "step", "compute", "comm", "exposed_comm", "dp_comm", "tp_comm", "critical_device")
+
+
 def simulation_dict(sim: Simulation) -> dict[str, Any]:
-    """A simulation as plain data (seconds; ratios are step / canzona's step)."""
-    ratios = sim.ratios()
-    return {
+    """A simulation as plain data (seconds; ratios are step / canzona's step, and iteration /
+    canzona's iteration)."""
+    ratios, iteration_ratios = sim.ratios(), sim.iteration_ratios()
+    data: dict[str, Any] = {
         "model": sim.model, "tp": sim.tp, "dp": sim.dp, "ep": sim.ep, "optimizer": sim.optimizer,
         "hardware": asdict(sim.hardware), "time_model": sim.time_model, "fused": sim.fused, "rooted": sim.rooted,
         "strategies": [
-            {**asdict(s), "optimizer_stage": s.optimizer_stage, "ratio": ratios[s.name]} for s in sim.strategies
+            {**{key: getattr(s, key) for key in STEP_FIELDS}, "optimizer_stage": s.optimizer_stage, "ratio": ratios[s.name]}
+            for s in sim.strategies
         ],
     }
+    if sim.training is not None:
+        data["training"] = {**asdict(sim.training), "micro_batches": sim.training.validate(sim.dp),
+                            "train_flops": sim.hardware.training_flops()}
+        data["iterations"] = [{**asdict(it), "ratio": iteration_ratios[it.name]} for it in sim.iterations]
+    return data
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -52,9 +64,8 @@ def _pricing(time_model: str) -> str:
     return f"measured {time_model} (unmeasured shapes scaled by the flops model)"
 
 
-def simulation_text(sim: Simulation) -> str:
-    """The `canzona simulate` report."""
-    hw, ratios = sim.hardware, sim.ratios()
+def _header(sim: Simulation) -> list[str]:
+    hw = sim.hardware
     lines = [
         f"{sim.model}  tp {sim.tp} x dp {sim.dp}" + (f" (ep {sim.ep})" if sim.ep > 1 else "")
         + f"  {sim.optimizer}  on {hw.name}",
@@ -66,8 +77,20 @@ def simulation_text(sim: Simulation) -> str:
         f"source: {hw.source}",
         "DP collectives: " + ("one fused exchange per buffer" if sim.fused else "one per bucket")
         + ("; canzona's uneven ones as rooted reduces/broadcasts" if sim.rooted else "; canzona's uneven ones as all_to_all"),
-        "",
     ]
+    if sim.training is not None:
+        tr, canzona = sim.training, sim.iteration("canzona")
+        lines.append(
+            f"training: global batch {tr.global_batch} x {tr.seq_len} tokens, {tr.validate(sim.dp)} micro-batches per DP "
+            f"rank; forward+backward {hw.training_flops() / 1e12:.3g} TFLOP/s per device (6 x params x tokens); "
+            "canzona: gradient reduction " + ("overlapped with backward" if canzona.overlap_grad else "after backward")
+            + ", parameter gather " + ("overlapped with the next forward" if canzona.overlap_param else "before the step returns")
+        )
+    return lines + [""]
+
+
+def _step_table(sim: Simulation) -> str:
+    ratios = sim.ratios()
     header = ["strategy", "step ms", "compute ms", "comm ms", "exposed ms", "DP comm ms", "optimizer ms",
               "vs canzona", "critical device"]
     rows = [
@@ -75,10 +98,45 @@ def simulation_text(sim: Simulation) -> str:
          f"{s.dp_comm * MS:.3f}", f"{s.optimizer_stage * MS:.3f}", f"{ratios[s.name]:.2f}x", str(s.critical_device)]
         for s in sim.strategies
     ]
-    lines.append(_table(header, rows))
+    return _table(header, rows)
+
+
+def _iteration_table(sim: Simulation) -> str:
+    ratios = sim.iteration_ratios()
+    header = ["strategy", "iteration ms", "fwd+bwd ms", "exposed reduce ms", "optimizer ms", "exposed gather ms",
+              "vs canzona", "overlap (grad, param)"]
+    rows = [
+        [it.name, f"{it.iteration * MS:.3f}", f"{it.forward_backward * MS:.3f}", f"{it.exposed_reduce * MS:.3f}",
+         f"{it.optimizer * MS:.3f}", f"{it.exposed_gather * MS:.3f}", f"{ratios[it.name]:.2f}x",
+         f"{'yes' if it.overlap_grad else 'no'}, {'yes' if it.overlap_param else 'no'}"]
+        for it in sim.iterations
+    ]
+    return _table(header, rows)
+
+
+def simulation_text(sim: Simulation) -> str:
+    """The `canzona simulate` report: the optimizer step, then (with a training setup) the iteration."""
+    lines = _header(sim) + ["optimizer step (nothing overlapped):", _step_table(sim)]
     lines += ["", "compute/comm/exposed: the critical device's (exposed = step - compute); optimizer = step "
-              "without DP collectives (Megatron overlaps them with backward/forward)."]
+              "without DP collectives."]
+    if sim.iterations:
+        lines += ["", "training iteration (DP collectives overlapped as each strategy runs them):", _iteration_table(sim),
+                  "", "optimizer: fetches + optimizer stage + publishing broadcasts, which nothing overlaps; "
+                  "ddp-adamw is a reference (AdamW, not a matrix optimizer)."]
     return "\n".join(lines)
+
+
+def _check_network(gpus_per_node: int | None, intra_gbps: float | None, inter_gbps: float | None,
+                   latency_us: float | None, train_tflops: float | None) -> None:
+    from canzona.planner.spec import PlanError
+
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise PlanError(f"gpus per node must be >= 1, got {gpus_per_node}")
+    for label, value in (("intra-gbps", intra_gbps), ("inter-gbps", inter_gbps), ("train-tflops", train_tflops)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise PlanError(f"--{label} must be a finite number > 0, got {value}")
+    if latency_us is not None and not (latency_us >= 0 and math.isfinite(latency_us)):
+        raise PlanError(f"--latency-us must be a finite number >= 0, got {latency_us}")
 
 
 def simulate(
@@ -88,36 +146,48 @@ def simulate(
     inter_gbps: Annotated[Optional[float], typer.Option(help="Inter-node bandwidth, GB/s (gigabytes) per direction per device.")] = None,
     gpus_per_node: Annotated[Optional[int], typer.Option(help="Devices per node.")] = None,
     latency_us: Annotated[Optional[float], typer.Option(help="α: microseconds per collective step.")] = None,
-    fused: Annotated[bool, typer.Option("--fused", help="One DP collective per buffer (as canzona's runtime) instead of one per bucket (Megatron).")] = False,
-    dp_collectives: Annotated[str, typer.Option(help="How the runtime does canzona's uneven DP collectives: all_to_all (its default) or rooted.")] = "all_to_all",
+    fused: Annotated[bool, typer.Option("--fused", help="One DP collective per buffer instead of one per bucket.")] = False,
+    dp_collectives: Annotated[str, typer.Option(help="How the runtime does canzona's uneven DP collectives: rooted (its default) or all_to_all.")] = "rooted",
+    global_batch: Annotated[int, typer.Option(help="Iteration: sequences per optimizer step, over all DP ranks.")] = DEFAULT_GLOBAL_BATCH,
+    seq_len: Annotated[int, typer.Option(help="Iteration: tokens per sequence.")] = DEFAULT_SEQ_LEN,
+    micro_batches: Annotated[Optional[int], typer.Option(help="Iteration: forward/backward passes per DP rank (default: global batch / dp).")] = None,
+    overlap_grad_reduce: Annotated[bool, typer.Option(help="canzona and TP-SC reduce gradients during backward (the runtime's default).")] = True,
+    overlap_param_gather: Annotated[bool, typer.Option(help="canzona and TP-SC gather parameters during the next forward (runtime option).")] = False,
+    train_tflops: Annotated[Optional[float], typer.Option(help="Achieved training forward+backward TFLOP/s per device (default: the device model's).")] = None,
+    routed_fraction: Annotated[Optional[float], typer.Option(help="MoE: top_k / num_experts (default: from the model's preset or config).")] = None,
+    step_only: Annotated[bool, typer.Option("--step-only", help="Predict the optimizer step only, not the iteration.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Predict one optimizer step of the schedule and of every baseline (DESIGN §1, §8)."""
+    """Predict the optimizer step and the training iteration of the schedule and of every baseline."""
+    from dataclasses import replace
+
+    from canzona.planner.partition.costs import OptimizerConfig
+    from canzona.planner.plan import TrainingSetup
     from canzona.planner.predict.hardware import resolve_device, shared_host
     from canzona.planner.predict.simulate import simulate as run_simulation
     from canzona.planner.spec import PlanError
     from canzona.schedules.format import read_schedule
 
-    if gpus_per_node is not None and gpus_per_node < 1:
-        raise PlanError(f"gpus per node must be >= 1, got {gpus_per_node}")
-    for label, value in (("intra-gbps", intra_gbps), ("inter-gbps", inter_gbps)):
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise PlanError(f"--{label} must be a finite number > 0, got {value}")
-    if latency_us is not None and not (latency_us >= 0 and math.isfinite(latency_us)):
-        raise PlanError(f"--latency-us must be a finite number >= 0, got {latency_us}")
+    _check_network(gpus_per_node, intra_gbps, inter_gbps, latency_us, train_tflops)
     if dp_collectives not in ("rooted", "all_to_all"):
         raise PlanError(f"--dp-collectives must be rooted or all_to_all, got {dp_collectives!r}")
-    rooted = dp_collectives == "rooted"
     schedule = read_schedule(file)
+    training = None if step_only else TrainingSetup(global_batch, seq_len, micro_batches)
+    if training is not None:
+        training.validate(schedule.request.dp)
     chosen = resolve_device(device, intra_gbps, inter_gbps, gpus_per_node, latency_us)
+    if train_tflops is not None:
+        hw = chosen.hardware
+        chosen = replace(chosen, hardware=replace(hw, train_flops=train_tflops * 1e12,
+                                                  source=f"{hw.source}; overridden: train_flops={train_tflops:g}e12"))
     if chosen.profile is not None and chosen.profile.device == "cpu":
         # Every rank of a CPU run shares this host: the profile's measured contention applies.
         chosen = shared_host(chosen, schedule.request.tp * schedule.request.dp)
     opt = schedule.request.optimizer
-    from canzona.planner.partition.costs import OptimizerConfig
-
     config = OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
-    sim = run_simulation(schedule, chosen.hardware, chosen.time_model(config), fused=fused, rooted=rooted)
+    sim = run_simulation(schedule, chosen.hardware, chosen.time_model(config), fused=fused,
+                         rooted=dp_collectives == "rooted", training=training, overlap_grad_reduce=overlap_grad_reduce,
+                         overlap_param_gather=overlap_param_gather, routed_fraction=routed_fraction)
     typer.echo(json.dumps(simulation_dict(sim), indent=2) if as_json else simulation_text(sim))
 
 
@@ -160,6 +230,14 @@ def model_shapes(model: str) -> list[tuple[int, int]]:
     return list(dict.fromkeys((int(r), int(c)) for r, c in shapes))
 
 
+def training_shapes(model: str) -> list[tuple[int, int]]:
+    """Full shapes of a model's 2-D parameters (every matmul weight, whichever its optimizer),
+    once per parameter, in registration order: what its forward and backward multiply by."""
+    from canzona.planner.sources.load import load_model
+
+    return [(p.shape[0], p.shape[1]) for p in load_model(model, 1).params if len(p.shape) == 2]
+
+
 def grid_shapes(max_side: int) -> list[tuple[int, int]]:
     """A sampled grid: sides 128 .. max_side (powers of 2), aspect ratios 1, 2 and 4."""
     sides = [1 << k for k in range(7, 20) if 1 << k <= max_side]
@@ -176,6 +254,7 @@ def calibrate(
     warmup: Annotated[int, typer.Option(help="Untimed warm-up calls per kernel.")] = 2,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
     comm_ranks: Annotated[int, typer.Option(help="Also fit gloo all-to-all among this many local processes (0: no).")] = 0,
+    train_tokens: Annotated[int, typer.Option(help="Also time training forward+backward on this many tokens (0: no): one matmul per 2-D weight of --model, else per timed shape.")] = 0,
     max_side: Annotated[int, typer.Option(help="Largest side of the default grid.")] = 1024,
     ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
@@ -194,6 +273,8 @@ def calibrate(
                                 (ns_steps, block_size, precondition_frequency, max_precond_dim))
     if problem:
         raise PlanError(problem)
+    if train_tokens < 0:
+        raise PlanError(f"--train-tokens must be >= 0, got {train_tokens}")
     check_output(output, [shapes, model], "--output")
     names = optimizer or list(OPTIMIZERS)
     unknown = [name for name in names if name not in OPTIMIZERS]
@@ -206,8 +287,10 @@ def calibrate(
         plan = {name: todo for name in names}
     if not plan:
         raise PlanError("nothing to time: no shape is asked for with the chosen optimizers")
+    train = (training_shapes(model) if model is not None else list(dict.fromkeys(s for todo in plan.values() for s in todo)),
+             train_tokens)
     profile = _run_calibration(plan, device.value, repeats, warmup, threads, comm_ranks,
-                               (ns_steps, block_size, precondition_frequency, max_precond_dim))
+                               (ns_steps, block_size, precondition_frequency, max_precond_dim), train)
     validated = Profile.model_validate(profile)
     write_atomic(output, dump_profile(validated))
     typer.echo(f"wrote {output}: {len(validated.rows)} rows on {validated.device_name}")
@@ -235,7 +318,8 @@ def calibrate_problem(repeats: int, warmup: int, threads: int | None, comm_ranks
 
 
 def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeats: int, warmup: int,
-                     threads: int | None, comm_ranks: int, settings: tuple[int, int, int, int]) -> dict[str, Any]:
+                     threads: int | None, comm_ranks: int, settings: tuple[int, int, int, int],
+                     train: tuple[list[tuple[int, int]], int] = ([], 0)) -> dict[str, Any]:
     from canzona.planner.spec import PlanError
 
     try:
@@ -245,6 +329,6 @@ def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeat
         raise PlanError(f"calibrate needs torch (pip install 'canzona[runtime]'): {error}") from error
     try:
         return run([], Settings(*settings), device, repeats, warmup, plan, threads=threads, comm_ranks=comm_ranks,
-                   progress=lambda line: typer.echo(line, err=True))
+                   progress=lambda line: typer.echo(line, err=True), train_shapes=train[0], train_tokens=train[1])
     except ValueError as error:
         raise PlanError(str(error)) from error

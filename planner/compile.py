@@ -9,13 +9,15 @@ from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_p
 from canzona.planner.partition.devices import device_figures, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MODES, group_stats
-from canzona.planner.plan import BufferPlan, Plan, PlanRequest
+from canzona.planner.plan import AutoSearch, BufferPlan, Plan, PlanRequest, TrainingSetup
 from canzona.planner.spec import MATRIX, ModelOptions
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,
     AlphaTrial,
     BucketEntry,
+    BucketSearch,
+    BucketTrial,
     DeviceMetrics,
     DpMetrics,
     DpSection,
@@ -32,6 +34,7 @@ from canzona.schedules.format import (
     TpModeScore,
     TpRankPlan,
     TpSection,
+    TrainingSettings,
     compute_fingerprint,
     sealed,
 )
@@ -69,8 +72,18 @@ def _request(plan: Plan) -> Request:
         time_limit=req.time_limit,
         seed=req.seed,
         alpha_device=req.alpha_device,
+        bucket_device=req.bucket_device,
+        training=_training(req),
         canzona_version=canzona_version(),
     )
+
+
+def _training(req: PlanRequest) -> TrainingSettings | None:
+    """The training setup an automatic search assumed (none without a search)."""
+    if req.alpha_device is None and req.bucket_device is None:
+        return None
+    setup = req.training or TrainingSetup()
+    return TrainingSettings(global_batch=setup.global_batch, seq_len=setup.seq_len, micro_batches=setup.micro_batches)
 
 
 def _entry(plan: Plan, param_index: int, bucket: int, offset: int, numel: int, ep_rank: int | None) -> ParamEntry:
@@ -233,8 +246,24 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
     )
 
 
-def compile_schedule(plan: Plan, alpha_search: list[tuple[float, float]] | None = None) -> Schedule:
-    """The schedule file of a plan (deterministic)."""
+def _searches(search: AutoSearch | None) -> dict[str, object]:
+    """The metrics of the automatic searches that chose α and the bucket size."""
+    if search is None:
+        return {}
+    out: dict[str, object] = {}
+    if search.alpha:
+        out["alpha_search"] = [AlphaTrial(alpha=t.value, predicted_step_s=t.step_s, predicted_iteration_s=t.iteration_s)
+                               for t in search.alpha]
+    if search.bucket:
+        out["bucket_search"] = BucketSearch(reason=search.bucket_reason, trials=[
+            BucketTrial(bucket_size=int(t.value), num_buckets=t.num_buckets, predicted_step_s=t.step_s,
+                        predicted_iteration_s=t.iteration_s) for t in search.bucket])
+    return out
+
+
+def compile_schedule(plan: Plan, search: AutoSearch | None = None) -> Schedule:
+    """The schedule file of a plan (deterministic); `search`: what `--alpha auto` and
+    `--bucket-size auto` tried."""
     buckets = _buckets(plan.dense)
     expert_buckets = _buckets(plan.expert) if plan.expert is not None else []
     adamw_buckets = [
@@ -255,7 +284,7 @@ def compile_schedule(plan: Plan, alpha_search: list[tuple[float, float]] | None 
             tp=_tp_metrics(plan),
             device=[DeviceMetrics(**vars(figure)) for figure in device_figures(plan, plan.chosen_groups)],
             solver=SolverMetrics(**vars(plan.solver)) if plan.solver else None,
-            alpha_search=[AlphaTrial(alpha=a, predicted_step_s=t) for a, t in alpha_search] if alpha_search else None,
+            **_searches(search),
         ),
     )
     return sealed(schedule)
@@ -280,4 +309,6 @@ def plan_request(request: Request, model_source: str | None = None) -> PlanReque
         time_limit=request.time_limit,
         seed=request.seed,
         alpha_device=request.alpha_device,
+        bucket_device=request.bucket_device,
+        training=TrainingSetup(**request.training.model_dump()) if request.training else None,
     )

@@ -27,6 +27,33 @@ from canzona.schedules.limits import request_problem, settings_problem
 if TYPE_CHECKING:
     from canzona.planner.partition.ilp import SolverReport
 
+DEFAULT_GLOBAL_BATCH = 256  # sequences per optimizer step, over every DP rank
+DEFAULT_SEQ_LEN = 4096  # tokens per sequence
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What one training iteration processes, for predictions of the whole iteration:
+    `global_batch` sequences of `seq_len` tokens per optimizer step over all DP ranks, in
+    `micro_batches` forward/backward passes per DP rank (None: one sequence per micro-batch,
+    i.e. global_batch / dp, Megatron's usual micro-batch size 1)."""
+
+    global_batch: int = DEFAULT_GLOBAL_BATCH
+    seq_len: int = DEFAULT_SEQ_LEN
+    micro_batches: int | None = None
+
+    def validate(self, dp: int) -> int:
+        """The micro-batch count per DP rank; PlanError unless the batch splits evenly."""
+        if self.global_batch < 1 or self.seq_len < 1:
+            raise PlanError(f"global batch and sequence length must be >= 1, got {self.global_batch} and {self.seq_len}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise PlanError(f"micro-batches must be >= 1, got {self.micro_batches}")
+        count = self.micro_batches if self.micro_batches is not None else self.global_batch // dp
+        if count < 1 or self.global_batch % (dp * count):
+            raise PlanError(f"a global batch of {self.global_batch} sequences does not split into dp {dp} x "
+                            f"{count if count >= 1 else 'any'} micro-batches of whole sequences; give --global-batch "
+                            "(a multiple of dp) or --micro-batches")
+        return count
 
 
 @dataclass(frozen=True)
@@ -39,6 +66,27 @@ class SolverSummary:
     dp_accepted: bool
     tp_groups_refined: int
     tp_groups_improved: int
+
+
+@dataclass(frozen=True)
+class SearchTrial:
+    """One candidate an automatic search planned and simulated: its α or bucket size, the
+    matrix buffer's bucket count, and canzona's predicted step and iteration seconds."""
+
+    value: float
+    num_buckets: int
+    step_s: float
+    iteration_s: float
+
+
+@dataclass(frozen=True)
+class AutoSearch:
+    """What `--alpha auto` and `--bucket-size auto` tried (empty: not asked for), and why the
+    bucket size won."""
+
+    alpha: tuple[SearchTrial, ...] = ()
+    bucket: tuple[SearchTrial, ...] = ()
+    bucket_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,6 +108,8 @@ class PlanRequest:
     time_limit: float = 10.0
     seed: int = 0
     alpha_device: str | None = None  # set: alpha was chosen by the simulator on this device
+    bucket_device: str | None = None  # set: bucket_size was chosen by the simulator on this device
+    training: TrainingSetup | None = None  # what those searches assumed (None: the defaults)
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""
@@ -71,6 +121,8 @@ class PlanRequest:
         ) or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
         if problem:
             raise PlanError(problem)
+        if self.alpha_device is not None or self.bucket_device is not None:
+            (self.training or TrainingSetup()).validate(self.dp)
 
 
 @dataclass(frozen=True)

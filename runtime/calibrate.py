@@ -7,8 +7,10 @@ projections for SOAP) on a random fp32 gradient, after warm-up, as the median of
 repeats (`torch.cuda.synchronize` around each on a GPU). Shampoo and SOAP are timed on a step
 that refreshes the preconditioner and on one that does not, and the row's `seconds` is the
 per-step cost amortised over `precondition_frequency`. AdamW rows time `adamw_` on vectors.
-Optionally, gloo collectives between local processes are timed and fitted to α–β, and the
-slowdown of a kernel run by several processes at once is measured (ranks sharing cores).
+Optionally, gloo collectives between local processes are timed and fitted to α–β, the
+slowdown of a kernel run by several processes at once is measured (ranks sharing cores), and
+training throughput is measured: forward and backward of one matmul per shape on a number of
+tokens, as model FLOPs (6 · elements · tokens) per second.
 
 Returns a plain dict in the profile format (`canzona-profile/1`); the CLI validates and writes
 it with the planner's `Profile` model (the runtime never imports the planner).
@@ -101,6 +103,28 @@ def adamw_row(numel: int, device: torch.device, warmup: int, repeats: int) -> di
     return {"optimizer": "adamw", "rows": numel, "cols": 1, "seconds": seconds, "repeats": repeats}
 
 
+def training_fit(shapes: Sequence[tuple[int, int]], tokens: int, device: torch.device, warmup: int,
+                 repeats: int) -> dict[str, Any]:
+    """Achieved training FLOP/s: for each rows x cols weight, forward y = x·Wᵀ on `tokens` rows
+    and its backward (input and weight gradients), timed together; 6·rows·cols·tokens FLOPs."""
+    if tokens < 1 or not shapes:
+        raise ValueError("training calibration needs tokens >= 1 and at least one shape")
+    flops = seconds = 0.0
+    for rows, cols in shapes:
+        with torch.device(device):
+            weight = torch.randn(rows, cols, requires_grad=True)
+            inputs = torch.randn(tokens, cols, requires_grad=True)
+            upstream = torch.randn(tokens, rows)
+
+        def forward_backward() -> None:
+            weight.grad, inputs.grad = None, None
+            (inputs @ weight.t()).backward(upstream)
+
+        seconds += median_seconds(forward_backward, device, warmup, repeats)
+        flops += 6.0 * rows * cols * tokens
+    return {"tokens": tokens, "shapes": len(shapes), "flops_per_second": flops / seconds}
+
+
 def device_name(device: torch.device) -> str:
     """A readable name of the device (GPU model, or the CPU's model name)."""
     if device.type == "cuda":
@@ -119,13 +143,15 @@ def calibrate(shapes: Sequence[tuple[int, int]], settings: Settings = Settings()
               repeats: int = 5, warmup: int = 2,
               optimizers: Sequence[str] | Mapping[str, Sequence[tuple[int, int]]] = MATRIX_OPTIMIZERS,
               adamw_sizes: Sequence[int] = DEFAULT_ADAMW_SIZES, threads: int | None = None,
-              comm_ranks: int = 0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              comm_ranks: int = 0, progress: Callable[[str], None] | None = None,
+              train_shapes: Sequence[tuple[int, int]] = (), train_tokens: int = 0) -> dict[str, Any]:
     """Time every (optimizer, shape) and AdamW size on `device`; returns the profile dict.
 
     `optimizers` names the optimizers timed on every shape, or maps names to their own shapes
     (to time some optimizers on fewer shapes). `threads` sets torch's CPU threads (default: torch's).
     `comm_ranks` >= 2 also fits gloo collectives between that many local processes and, on a
-    CPU, measures how much slower kernels run with that many (and twice as many) processes."""
+    CPU, measures how much slower kernels run with that many (and twice as many) processes.
+    `train_tokens` >= 1 also measures training throughput on `train_shapes` (`training_fit`)."""
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda asked for, but torch sees no GPU")
@@ -149,6 +175,10 @@ def calibrate(shapes: Sequence[tuple[int, int]], settings: Settings = Settings()
         "torch": torch.__version__, "dtype": "fp32", "threads": torch.get_num_threads(),
         "settings": asdict(settings), "rows": rows,
     }
+    if train_tokens >= 1:
+        profile["training"] = training_fit(train_shapes, train_tokens, target, warmup, repeats)
+        if progress:
+            progress(f"training: {profile['training']['flops_per_second'] / 1e9:.3g} GFLOP/s on {train_tokens} tokens")
     if comm_ranks >= 2:
         profile["comm"] = fit_collectives(comm_ranks, repeats=repeats)
         if target.type == "cpu":

@@ -60,8 +60,19 @@ class OptimizerSettings(_Strict):
     max_precond_dim: Count
 
 
+class TrainingSettings(_Strict):
+    """The training iteration a simulator search assumed: sequences per step over all DP
+    ranks, tokens per sequence, micro-batches per DP rank (null: one sequence each)."""
+
+    global_batch: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    micro_batches: int | None = Field(default=None, ge=1)
+
+
 class Request(_Strict):
-    """Everything needed to regenerate the schedule."""
+    """Everything needed to regenerate the schedule. `bucket_device` is set when the bucket
+    size was chosen by the simulator on that device; `training` is what the `alpha_device` /
+    `bucket_device` searches assumed."""
 
     model: ModelSource
     tp: int = Field(ge=1, le=MAX_FILE_INT)
@@ -80,6 +91,8 @@ class Request(_Strict):
     time_limit: float = Field(default=10.0, gt=0)
     seed: int = Field(default=0, ge=-MAX_FILE_INT, le=MAX_FILE_INT)
     alpha_device: str | None = None
+    bucket_device: str | None = None
+    training: TrainingSettings | None = None
     canzona_version: str
 
 
@@ -248,21 +261,42 @@ class SolverMetrics(_Strict):
 
 
 class AlphaTrial(_Strict):
-    """One α tried by `--alpha auto` and canzona's predicted step time with it."""
+    """One α tried by `--alpha auto`: canzona's predicted step (and iteration) time with it."""
 
     alpha: float
     predicted_step_s: float
+    predicted_iteration_s: float | None = None
+
+
+class BucketTrial(_Strict):
+    """One bucket size tried by `--bucket-size auto`: the matrix buffer's bucket count and
+    canzona's predicted step and iteration time with it."""
+
+    bucket_size: int
+    num_buckets: int
+    predicted_step_s: float
+    predicted_iteration_s: float
+
+
+class BucketSearch(_Strict):
+    """`--bucket-size auto` on `request.bucket_device` with `request.training`: every size
+    tried and why the chosen one (`request.bucket_size`) won."""
+
+    reason: str
+    trials: list[BucketTrial]
 
 
 class Metrics(_Strict):
     """Everything CI diffs. `alpha_search` is set when α was chosen by the simulator on
-    `request.alpha_device` (then `request.alpha` is the chosen value)."""
+    `request.alpha_device` (then `request.alpha` is the chosen value); `bucket_search` when
+    the bucket size was, on `request.bucket_device`."""
 
     dp: DpMetrics
     tp: TpMetrics
     device: list[DeviceMetrics]
     solver: SolverMetrics | None = None
     alpha_search: list[AlphaTrial] | None = None
+    bucket_search: BucketSearch | None = None
 
 
 class Schedule(_Strict):

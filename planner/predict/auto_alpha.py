@@ -1,10 +1,19 @@
-"""`plan --alpha auto`: the α whose plan the simulator predicts to step fastest.
+"""`plan --alpha auto`: the α whose plan the simulator predicts fastest.
 
-At α = 1 compute is balanced, but a bucket's uneven reduce-scatter can land on one rank; at
-α = 0 slices are as equal as parameter boundaries allow, but compute is not balanced. Which
-wins depends on the model, the layout and the network, so every candidate is planned,
-compiled and simulated (canzona's predicted step time on the given hardware), and the fastest
-kept; ties go to the larger α (better compute balance at equal predicted time).
+At α = 1 compute is balanced, but a bucket's uneven slices can load one rank's link (with
+rooted collectives only their count matters: one reduce and one broadcast per non-empty
+slice); at α = 0 slices are as equal as parameter boundaries allow, but compute is not
+balanced. Which wins depends on the model, the layout and the network, so every candidate is
+planned, compiled and simulated, and the fastest kept; ties go to the larger α (better compute
+balance at equal predicted time).
+
+The objective is canzona's predicted training iteration (given a training setup): reductions
+hidden behind backward do not cost what they cost in the bare optimizer step, so the step
+would over-weight them. Without a training setup it is the step.
+
+`plan_for_request` runs the searches a request asks for: the bucket size first
+(`canzona.planner.predict.auto_bucket`, at the request's α, or 1 when α is searched too), then α
+at the chosen bucket size.
 """
 
 from __future__ import annotations
@@ -14,13 +23,23 @@ from dataclasses import replace
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import CostModel
-from canzona.planner.plan import Plan, PlanRequest, make_plan
-from canzona.planner.predict.hardware import Hardware
+from canzona.planner.plan import AutoSearch, Plan, PlanRequest, SearchTrial, TrainingSetup, make_plan
+from canzona.planner.predict.hardware import Device, Hardware
 from canzona.planner.predict.simulate import simulate
 from canzona.planner.spec import ModelSpec, PlanError
 
 DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 TIE_TOLERANCE = 1e-9  # relative: predicted times this close count as equal
+
+
+def trial(plan: Plan, value: float, hardware: Hardware, time_model: CostModel | None,
+          training: TrainingSetup | None, fused: bool = False, rooted: bool = True) -> SearchTrial:
+    """Compile and simulate one candidate plan: canzona's predicted step and iteration (the
+    step again when there is no training setup)."""
+    sim = simulate(compile_schedule(plan), hardware, time_model, fused=fused, rooted=rooted, training=training)
+    step = sim.get("canzona").step
+    iteration = sim.iteration("canzona").iteration if training is not None else step
+    return SearchTrial(value, len(plan.dense.layout.buckets), step, iteration)
 
 
 def choose_alpha(
@@ -30,47 +49,71 @@ def choose_alpha(
     alphas: Sequence[float] = DEFAULT_ALPHAS,
     time_model: CostModel | None = None,
     fused: bool = False,
-    rooted: bool = False,
-) -> tuple[Plan, list[tuple[float, float]]]:
+    rooted: bool = True,
+    training: TrainingSetup | None = None,
+) -> tuple[Plan, list[SearchTrial]]:
     """Plan `model` at every α in `alphas` (the rest of `request` unchanged), simulate each
-    schedule on `hardware` (`time_model`, `fused`, `rooted`: as `simulate` takes them), and
-    return the plan with the smallest predicted canzona step time and every (α, predicted
-    seconds) tried, in the order given."""
+    schedule on `hardware` (`time_model`, `fused`, `rooted`, `training`: as `simulate` takes
+    them), and return the plan with the smallest predicted canzona iteration (step, without
+    `training`) and every trial, in the order given."""
     candidates = sorted(set(float(a) for a in alphas))
     if not candidates:
         raise PlanError("alpha auto needs at least one candidate alpha")
     for alpha in candidates:
         if not 0.0 <= alpha <= 1.0:
             raise PlanError(f"alpha must be in [0, 1], got {alpha}")
-    best: tuple[float, float, Plan] | None = None
-    tried: dict[float, float] = {}
+    best: tuple[float, Plan] | None = None
+    tried: dict[float, SearchTrial] = {}
     for alpha in candidates:
         plan = make_plan(model, replace(request, alpha=alpha))
-        seconds = simulate(compile_schedule(plan), hardware, time_model, fused=fused, rooted=rooted).get("canzona").step
-        tried[alpha] = seconds
-        if best is None or seconds <= best[0] * (1 + TIE_TOLERANCE):
-            best = (min(seconds, best[0]) if best else seconds, alpha, plan)
+        tried[alpha] = result = trial(plan, alpha, hardware, time_model, training, fused, rooted)
+        if best is None or result.iteration_s <= best[0] * (1 + TIE_TOLERANCE):
+            best = (min(result.iteration_s, best[0]) if best else result.iteration_s, plan)
     assert best is not None
     order = list(dict.fromkeys(float(a) for a in alphas))
-    return best[2], [(alpha, tried[alpha]) for alpha in order]
+    return best[1], [tried[alpha] for alpha in order]
 
 
-def alpha_table(tried: Sequence[tuple[float, float]], chosen: float) -> str:
-    """One line per α tried: predicted step time, the chosen one marked."""
+def alpha_table(tried: Sequence[SearchTrial], chosen: float) -> str:
+    """One line per α tried: predicted step and iteration, the chosen one marked."""
     return "\n".join(
-        f"  alpha {alpha:<5g} predicted step {seconds * 1e3:10.3f} ms" + ("  <- chosen" if alpha == chosen else "")
-        for alpha, seconds in tried
+        f"  alpha {t.value:<5g} predicted step {t.step_s * 1e3:10.3f} ms  iteration {t.iteration_s * 1e3:10.3f} ms"
+        + ("  <- chosen" if t.value == chosen else "")
+        for t in tried
     )
 
 
-def plan_for_request(model: ModelSpec, request: PlanRequest) -> tuple[Plan, list[tuple[float, float]] | None]:
-    """The plan a request asks for: its fixed α, or (with `alpha_device`) the α the simulator
-    predicts fastest on that device; then also every (α, predicted seconds) tried."""
-    if request.alpha_device is None:
-        return make_plan(model, request), None
+def search_device(name: str, request: PlanRequest) -> Device:
+    """The device a search simulates on; a CPU profile is shared by every rank of the layout."""
     from canzona.planner.predict.hardware import resolve_device, shared_host
 
-    device = resolve_device(request.alpha_device)
+    device = resolve_device(name)
     if device.profile is not None and device.profile.device == "cpu":
         device = shared_host(device, request.tp * request.dp)  # ranks share this machine's cores
-    return choose_alpha(model, request, device.hardware, time_model=device.time_model(request.optimizer))
+    return device
+
+
+def plan_for_request(model: ModelSpec, request: PlanRequest) -> tuple[Plan, AutoSearch | None]:
+    """The plan a request asks for: its fixed α and bucket size, or those the simulator
+    predicts fastest (`bucket_device`, `alpha_device`); then what the searches tried."""
+    if request.alpha_device is None and request.bucket_device is None:
+        return make_plan(model, request), None
+    from canzona.planner.predict.auto_bucket import choose_bucket_size
+
+    training = request.training or TrainingSetup()
+    search = AutoSearch()
+    plan: Plan | None = None
+    if request.bucket_device is not None:
+        device = search_device(request.bucket_device, request)
+        start = replace(request, alpha=1.0) if request.alpha_device is not None else request
+        plan, trials, reason = choose_bucket_size(model, start, device.hardware, device.time_model(request.optimizer),
+                                                  training)
+        request = replace(request, bucket_size=plan.request.bucket_size)
+        search = replace(search, bucket=tuple(trials), bucket_reason=reason)
+    if request.alpha_device is not None:
+        device = search_device(request.alpha_device, request)
+        plan, alphas = choose_alpha(model, request, device.hardware, time_model=device.time_model(request.optimizer),
+                                    training=training)
+        search = replace(search, alpha=tuple(alphas))
+    assert plan is not None
+    return plan, search

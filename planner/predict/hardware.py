@@ -27,7 +27,8 @@ CPU_GPUS_PER_NODE = 1 << 20  # every rank of a CPU run is on this one host
 class Hardware:
     """One device type and its network. Rates are per device; bandwidths per direction
     (links are full duplex). `latency` is seconds per collective step (one ring step or one
-    pairwise exchange round)."""
+    pairwise exchange round). `train_flops`: achieved model FLOP/s of training forward and
+    backward (6·N·tokens convention); None: not known, the matrix optimizer's rate stands in."""
 
     name: str
     matrix_flops: float
@@ -37,15 +38,22 @@ class Hardware:
     inter_bandwidth: float
     gpus_per_node: int
     source: str
+    train_flops: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("matrix_flops", "memory_bandwidth", "intra_bandwidth", "inter_bandwidth"):
             if not getattr(self, key) > 0:
                 raise PlanError(f"hardware {self.name!r}: {key} must be > 0")
+        if self.train_flops is not None and not self.train_flops > 0:
+            raise PlanError(f"hardware {self.name!r}: train_flops must be > 0")
         if self.latency < 0:
             raise PlanError(f"hardware {self.name!r}: latency must be >= 0")
         if self.gpus_per_node < 1:
             raise PlanError(f"hardware {self.name!r}: gpus per node must be >= 1")
+
+    def training_flops(self) -> float:
+        """Achieved FLOP/s of training forward and backward (the matrix rate if unknown)."""
+        return self.train_flops if self.train_flops is not None else self.matrix_flops
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,11 @@ class ThroughputCost:
 
 
 _NCCL = "NCCL α ≈ 5 µs per ring step (order of magnitude of published NCCL latencies)"
+TRAIN_MFU = 0.4
+_TRAIN = (
+    "training forward/backward at 40% of dense BF16 peak (model FLOPs utilisation: Megatron-Core "
+    "reports up to 47% MFU on H100; the Llama 3 paper reports 38-43% BF16 MFU on 8K-16K H100s)"
+)
 
 BUILTIN: dict[str, Hardware] = {
     "h100": Hardware(
@@ -81,8 +94,9 @@ BUILTIN: dict[str, Hardware] = {
             "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 tensor core, of which 50% is assumed "
             "achieved by Newton-Schulz GEMMs (bf16 inputs, fp32 accumulate, sides of 1k-25k); "
             "HBM3 3.35 TB/s at 90%; NVLink 4 900 GB/s bidirectional = 450 GB/s per direction; "
-            f"InfiniBand NDR 400 Gb/s per GPU = 50 GB/s; 8 GPUs per node; {_NCCL}"
+            f"InfiniBand NDR 400 Gb/s per GPU = 50 GB/s; 8 GPUs per node; {_NCCL}; {_TRAIN}"
         ),
+        train_flops=TRAIN_MFU * 989e12,
     ),
     "h200": Hardware(
         name="h200",
@@ -95,8 +109,9 @@ BUILTIN: dict[str, Hardware] = {
         source=(
             "NVIDIA H200 SXM datasheet: same tensor cores as H100 (989 TFLOP/s dense BF16, 50% "
             "assumed achieved), HBM3e 4.8 TB/s at 90%; NVLink 4 450 GB/s per direction; "
-            f"InfiniBand NDR 400 Gb/s per GPU = 50 GB/s; 8 GPUs per node; {_NCCL}"
+            f"InfiniBand NDR 400 Gb/s per GPU = 50 GB/s; 8 GPUs per node; {_NCCL}; {_TRAIN}"
         ),
+        train_flops=TRAIN_MFU * 989e12,
     ),
     "a100": Hardware(
         name="a100",
@@ -109,8 +124,11 @@ BUILTIN: dict[str, Hardware] = {
         source=(
             "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense BF16 (50% assumed achieved), "
             "HBM2e 2.04 TB/s at 90%; NVLink 3 600 GB/s bidirectional = 300 GB/s per direction; "
-            f"InfiniBand HDR 200 Gb/s per GPU = 25 GB/s; 8 GPUs per node; {_NCCL}"
+            f"InfiniBand HDR 200 Gb/s per GPU = 25 GB/s; 8 GPUs per node; {_NCCL}; training "
+            "forward/backward at 40% of dense BF16 peak, as for H100 (Megatron-LM on A100 reported 52% "
+            "hardware FLOPs utilisation including activation recomputation)"
         ),
+        train_flops=TRAIN_MFU * 312e12,
     ),
 }
 DEVICE_NAMES = (*BUILTIN, "cpu")
@@ -161,6 +179,7 @@ def shared_host(device: Device, ranks: int) -> Device:
     hw = device.hardware
     scaled = replace(
         hw, matrix_flops=hw.matrix_flops / factor, memory_bandwidth=hw.memory_bandwidth / factor,
+        train_flops=hw.train_flops / factor if hw.train_flops is not None else None,
         source=f"{hw.source}; {ranks} ranks sharing the host: compute x {factor:.2f} slower (measured)",
     )
     return Device(scaled, device.profile, device.slowdown * factor)
@@ -177,6 +196,7 @@ def hardware_from_profile(profile: Profile, name: str, source: str, compute_shar
     cost = ProfileCost(profile, OptimizerConfig(names[0], settings.ns_steps, settings.block_size,
                                                 settings.precondition_frequency, settings.max_precond_dim))
     comm = profile.comm
+    training = profile.training
     return Hardware(
         name=name,
         matrix_flops=cost.achieved_flops() * compute_share,
@@ -186,6 +206,7 @@ def hardware_from_profile(profile: Profile, name: str, source: str, compute_shar
         inter_bandwidth=comm.bandwidth if comm else 1 * GB,
         gpus_per_node=CPU_GPUS_PER_NODE,
         source=source,
+        train_flops=training.flops_per_second * compute_share if training else None,
     )
 
 
@@ -197,6 +218,8 @@ def profile_device(path: str | Path, name: str | None = None) -> Device:
         f"measured by `canzona calibrate` on {profile.device_name} ({profile.device}, torch {profile.torch}, "
         f"{profile.threads} threads): {path}"
         + (f"; {profile.comm.backend} collectives fitted on {profile.comm.ranks} ranks" if profile.comm else "")
+        + (f"; training forward/backward timed on {profile.training.tokens} tokens" if profile.training
+           else "; no training calibration: forward/backward at the matrix optimizer's rate")
     )
     return Device(hardware_from_profile(profile, label, source), profile)
 

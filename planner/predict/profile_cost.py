@@ -75,6 +75,15 @@ class Contention(_Strict):
     slowdown: float = Field(ge=1)
 
 
+class TrainingFit(_Strict):
+    """Achieved training throughput: forward and backward of one matmul per shape measured
+    (`shapes` of them) on `tokens` rows, as model FLOPs (6 · elements · tokens) per second."""
+
+    tokens: int = Field(ge=1)
+    shapes: int = Field(ge=1)
+    flops_per_second: float = Field(gt=0)
+
+
 class Profile(_Strict):
     """A calibration profile file."""
 
@@ -88,6 +97,7 @@ class Profile(_Strict):
     rows: list[ProfileRow] = Field(min_length=1)
     comm: CommFit | None = None
     contention: list[Contention] = []
+    training: TrainingFit | None = None
 
     @model_validator(mode="after")
     def _has_adamw(self) -> Profile:

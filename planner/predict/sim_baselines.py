@@ -2,17 +2,24 @@
 
 Every baseline handles TP the synchronous way (TP-SC): a DP rank's matrices are all-gathered
 over its TP group in one fused all-gather (fp32 gradient shards; replicated matrices need
-none) and every TP rank updates every one of them. What differs is the DP side:
+none) and every TP rank updates every one of them. What differs is the DP side, and what each
+overlaps with backward and forward as its authors run it:
 
-- `tp-sc`: canzona's DP cuts and owners; only the TP side is synchronous.
-- `dp-sc`: all-reduce of every bucket; every DP rank updates every matrix (its EP rank's
-  experts) and the whole AdamW buffer; nothing to gather afterwards.
-- `zero1-gather`: equal reduce-scatter; a rank fetches the rest of every matrix touching its
-  slice (one point-to-point round per bucket) and updates them all; equal all-gather.
-- `start-owner`: equal reduce-scatter; the rank where a matrix starts fetches its spill-over,
-  updates it and returns the spilled part (param dtype); equal all-gather.
-- `layer-wise`: all-reduce of every matrix bucket; whole matrices to ranks by LPT on predicted
-  seconds; each updated matrix broadcast from its owner; AdamW keeps equal slices.
+- `tp-sc`: canzona's DP cuts, owners and collectives (and canzona's overlap options); only the
+  TP side is synchronous.
+- `dp-sc` (DDP): all-reduce of every bucket, overlapped with backward; every DP rank updates
+  every matrix (its EP rank's experts) and the whole AdamW buffer; nothing to gather.
+- `zero1-gather` (Megatron's distributed optimizer, Moonlight-style): equal reduce-scatter
+  overlapped with backward; a rank fetches the rest of every matrix touching its slice (one
+  point-to-point round per bucket) and updates them all; equal all-gather overlapped with the
+  next forward (`--overlap-param-gather`).
+- `start-owner`: as zero1-gather, but the rank where a matrix starts fetches its spill-over,
+  updates it and returns the spilled part (param dtype) before the all-gather.
+- `layer-wise` (Megatron's layer-wise optimizer): all-reduce of every bucket overlapped with
+  backward; whole matrices to ranks by LPT on predicted seconds; each updated matrix broadcast
+  from its owner and the AdamW all-gather after the update, not overlapped.
+- `ddp-adamw`: a reference, not a matrix optimizer: DDP (all-reduce overlapped with backward)
+  and AdamW on every local element of every device.
 
 A point-to-point round costs one α: every pair talks at once and only neighbours do.
 """
@@ -23,26 +30,27 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from canzona.planner.partition.layout import equal_cuts, slice_owner
+from canzona.planner.predict.collectives import GRAD_BYTES, Exchange, all_gather, all_reduce, broadcast
 from canzona.planner.predict.simulate import (
-    GRAD_BYTES,
+    ADAMW_BUFFER,
+    DENSE,
+    EXPERT,
     Buffer,
-    Exchange,
+    BucketSync,
+    DpPhases,
     Instance,
     Local,
     Matrix,
     StrategyTime,
     adamw_sync,
-    all_gather,
-    all_reduce,
-    broadcast,
     combine,
     dp_sync,
-    phase_seconds,
-    schedule_sync,
+    schedule_phases,
 )
 
 Work = tuple[float, int]  # (update seconds, sharded fp32 bytes to all-gather over TP)
 Owners = Callable[[Buffer, int], list[list[Matrix]]]
+REFERENCES = ("ddp-adamw",)  # strategies that are not matrix-optimizer baselines
 
 
 def _work(matrices: Sequence[Matrix]) -> Work:
@@ -135,26 +143,34 @@ def _per_buffer(inst: Instance, owners: Owners) -> tuple[list[Work], list[list[W
     return dense, experts
 
 
-def _buffers(inst: Instance) -> list[Buffer]:
-    return [inst.dense] + ([inst.experts[0]] if inst.experts else [])
+def _buffers(inst: Instance) -> list[tuple[str, Buffer]]:
+    return [(DENSE, inst.dense)] + ([(EXPERT, inst.experts[0])] if inst.experts else [])
 
 
-def _equal_sync(inst: Instance, gather: bool) -> list[Exchange]:
+def _equal_sync(inst: Instance, gather: bool) -> list[BucketSync]:
     out = []
-    for buffer in _buffers(inst):
+    for name, buffer in _buffers(inst):
         cuts = [equal_cuts(numel, buffer.link.size) for numel in buffer.numel]
-        out += dp_sync(inst, cuts, buffer, gather)
+        out += dp_sync(inst, cuts, buffer, gather, name)
     return out + adamw_sync(inst, gather)
+
+
+def _all_reduces(inst: Instance, adamw: bool) -> list[BucketSync]:
+    """One ring all-reduce per matrix bucket (and per AdamW bucket when `adamw`)."""
+    out = [BucketSync(name, bucket, all_reduce(buffer.link, numel, GRAD_BYTES))
+           for name, buffer in _buffers(inst) for bucket, numel in enumerate(buffer.numel)]
+    if adamw:
+        out += [BucketSync(ADAMW_BUFFER, bucket, all_reduce(inst.dp_link, numel, GRAD_BYTES))
+                for bucket, numel in enumerate(inst.adamw_numel)]
+    return out
 
 
 def tp_sc(inst: Instance) -> StrategyTime:
     """canzona's DP partition with a synchronous (duplicated) TP update."""
     dense, experts = _per_buffer(inst, by_schedule)
     locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
-    before = phase_seconds(schedule_sync(inst, gather=False), inst.fused)
-    after = phase_seconds(schedule_sync(inst, gather=True), inst.fused)
     return combine("tp-sc", "canzona's DP cuts; every TP rank all-gathers each owned matrix (one fused "
-                   "all-gather) and updates it redundantly", inst.tp, before, locals_, after)
+                   "all-gather) and updates it redundantly", inst.tp, schedule_phases(inst), locals_, inst.fused)
 
 
 def dp_sc(inst: Instance) -> StrategyTime:
@@ -166,55 +182,61 @@ def dp_sc(inst: Instance) -> StrategyTime:
     experts = [everything(buffer, inst.dp // inst.ep) for buffer in inst.experts]
     total_adamw = sum(inst.adamw_numel)
     locals_ = sc_locals(inst, dense, experts, lambda rank: total_adamw)
-    exchanges = [all_reduce(b.link, numel, GRAD_BYTES) for b in _buffers(inst) for numel in b.numel]
-    exchanges += [all_reduce(inst.dp_link, numel, GRAD_BYTES) for numel in inst.adamw_numel]
-    return combine("dp-sc", "all-reduce of every bucket; every DP rank updates every matrix (TP-SC under "
-                   "TP) and the whole AdamW buffer; no all-gather", inst.tp,
-                   phase_seconds(exchanges, inst.fused), locals_, 0.0)
+    phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=True)))
+    return combine("dp-sc", "all-reduce of every bucket (overlapped with backward); every DP rank updates every "
+                   "matrix (TP-SC under TP) and the whole AdamW buffer; no all-gather", inst.tp, phases, locals_,
+                   inst.fused)
 
 
 def zero1_gather(inst: Instance) -> StrategyTime:
     """Equal slices; every matrix touching a slice is fetched whole and updated there."""
     dense, experts = _per_buffer(inst, by_touch)
     locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
-    fetch = [ex for b in _buffers(inst) for ex in spill(b, b.link.size, everyone=True)]
-    before = phase_seconds(_equal_sync(inst, gather=False) + fetch, inst.fused)
-    after = phase_seconds(_equal_sync(inst, gather=True), inst.fused)
-    return combine("zero1-gather", "equal reduce-scatter; each rank fetches the rest of every matrix "
-                   "touching its slice and updates them all (TP-SC under TP); equal all-gather",
-                   inst.tp, before, locals_, after)
+    fetch = tuple(ex for _, b in _buffers(inst) for ex in spill(b, b.link.size, everyone=True))
+    phases = DpPhases(reduce=tuple(_equal_sync(inst, gather=False)), fetch=fetch,
+                      gather=tuple(_equal_sync(inst, gather=True)), overlap_param=True)
+    return combine("zero1-gather", "equal reduce-scatter (overlapped with backward); each rank fetches the rest "
+                   "of every matrix touching its slice and updates them all (TP-SC under TP); equal all-gather "
+                   "(overlapped with the next forward)", inst.tp, phases, locals_, inst.fused)
 
 
 def start_owner(inst: Instance) -> StrategyTime:
     """Equal slices; a matrix is updated by the rank where it starts."""
     dense, experts = _per_buffer(inst, by_start)
     locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
-    fetch = [ex for b in _buffers(inst) for ex in spill(b, b.link.size, everyone=False)]
-    back = [ex for b in _buffers(inst) for ex in spill(b, b.link.size, everyone=False, back=True,
-                                                          elem_bytes=inst.gather_bytes(b.param_bytes[0] if b.param_bytes else 2))]
-    before = phase_seconds(_equal_sync(inst, gather=False) + fetch, inst.fused)
-    after = phase_seconds(back + _equal_sync(inst, gather=True), inst.fused)
-    return combine("start-owner", "equal reduce-scatter; the rank where a matrix starts fetches its "
-                   "spill-over, updates it (TP-SC under TP) and returns the spilled part; equal all-gather",
-                   inst.tp, before, locals_, after)
+    fetch = tuple(ex for _, b in _buffers(inst) for ex in spill(b, b.link.size, everyone=False))
+    back = tuple(ex for _, b in _buffers(inst) for ex in spill(
+        b, b.link.size, everyone=False, back=True, elem_bytes=inst.gather_bytes(b.param_bytes[0] if b.param_bytes else 2)))
+    phases = DpPhases(reduce=tuple(_equal_sync(inst, gather=False)), fetch=fetch, publish=back,
+                      gather=tuple(_equal_sync(inst, gather=True)), overlap_param=True)
+    return combine("start-owner", "equal reduce-scatter (overlapped with backward); the rank where a matrix "
+                   "starts fetches its spill-over, updates it (TP-SC under TP) and returns the spilled part; "
+                   "equal all-gather (overlapped with the next forward)", inst.tp, phases, locals_, inst.fused)
 
 
 def layer_wise(inst: Instance) -> StrategyTime:
     """Whole matrices balanced by LPT; all-reduce, then a broadcast per matrix."""
     dense, experts = _per_buffer(inst, by_lpt)
     locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
-    before = [all_reduce(b.link, numel, GRAD_BYTES) for b in _buffers(inst) for numel in b.numel]
-    before += adamw_sync(inst, gather=False)
-    after = [broadcast(b.link, m.numel * inst.gather_bytes(m.param_bytes))
-             for b in _buffers(inst) for bucket in b.entries for m in bucket]
-    after += adamw_sync(inst, gather=True)
-    return combine("layer-wise", "all-reduce of every matrix bucket; whole matrices to ranks by LPT on "
-                   "predicted seconds (TP-SC under TP); each updated matrix broadcast from its owner; "
-                   "AdamW on equal slices", inst.tp, phase_seconds(before, inst.fused), locals_,
-                   phase_seconds(after, inst.fused))
+    casts = tuple(broadcast(b.link, m.numel * inst.gather_bytes(m.param_bytes))
+                  for _, b in _buffers(inst) for bucket in b.entries for m in bucket)
+    phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=False) + adamw_sync(inst, gather=False)), publish=casts,
+                      gather=tuple(adamw_sync(inst, gather=True)))
+    return combine("layer-wise", "all-reduce of every matrix bucket (overlapped with backward); whole matrices "
+                   "to ranks by LPT on predicted seconds (TP-SC under TP); each updated matrix broadcast from "
+                   "its owner; AdamW on equal slices", inst.tp, phases, locals_, inst.fused)
+
+
+def ddp_adamw(inst: Instance) -> StrategyTime:
+    """Reference: DDP all-reduce overlapped with backward, AdamW on every local element."""
+    local_elements = sum(inst.dense.numel) + (sum(inst.experts[0].numel) if inst.experts else 0) + sum(inst.adamw_numel)
+    seconds = inst.time_model.adamw_cost(local_elements)
+    locals_ = [Local(seconds, (seconds,) * inst.tp, 0.0)] * inst.dp
+    phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=True)))
+    return combine("ddp-adamw", "reference, not a matrix optimizer: DDP all-reduce of every bucket (overlapped "
+                   "with backward) and AdamW on every parameter of every device", inst.tp, phases, locals_, inst.fused)
 
 
 def baseline_times(inst: Instance) -> tuple[StrategyTime, ...]:
-    """Every baseline, in a fixed order."""
-    return (tp_sc(inst), dp_sc(inst), zero1_gather(inst), start_owner(inst), layer_wise(inst))
-
+    """Every baseline, in a fixed order, then the references."""
+    return (tp_sc(inst), dp_sc(inst), zero1_gather(inst), start_owner(inst), layer_wise(inst), ddp_adamw(inst))

@@ -1,29 +1,23 @@
-"""Predict one optimizer step of a schedule, and of every baseline, on a hardware model.
+"""Predict one optimizer step, and one training iteration, of a schedule and of every baseline
+on a hardware model.
 
-A step runs from unreduced gradients to updated parameters on every device, in three stages:
-DP collectives before (gradient reduce-scatter / all-reduce, spill-over fetches), a local
-stage per device (TP collectives, matrix updates, AdamW), DP collectives after (parameter
-all-gather / broadcasts). DP collectives synchronise their group, so
+A step runs from unreduced gradients to updated parameters on every device: DP collectives
+before (gradient reductions per bucket, spill-over fetches), a local stage per device (TP
+collectives, matrix updates, AdamW), DP collectives after (broadcasts, parameter gathers per
+bucket). DP collectives synchronise their group, so, with nothing overlapped,
 
     step = Σ before + max over devices of the local stage + Σ after.
 
-Collectives follow an α–β model on the busiest rank of the group (links are full duplex):
-
-    seconds = steps · α + max over ranks of max(bytes sent, bytes received) / bandwidth
-
-with steps = n − 1 for reduce-scatter, all-gather and all-to-all (ring / pairwise exchange),
-2(n − 1) for a ring all-reduce (each rank moves 2(n − 1)/n of the buffer), ⌈log2 n⌉ for a
-pipelined broadcast (each rank moves the buffer once), and 1 for a point-to-point round.
-Per-rank bytes are the schedule's own: an uneven reduce-scatter, done as the runtime does it
-(all_to_all with split sizes; NCCL's reduce_scatter would pad every slice to the largest, the
-same bytes on the busiest rank), makes rank r receive (n − 1)·slice_r, so a bucket landing on
-one rank costs its link the whole bucket n − 1 times. A group whose ranks span nodes uses the
-inter-node bandwidth, otherwise the intra-node one. Gradients move in fp32 (Megatron's main
-grads; the runtime's TP exchanges), parameters in their dtype.
+Collectives are priced by the α–β model of `canzona.planner.predict.collectives`, per bucket in
+bucket order, as the runtime issues them (rooted reduces/broadcasts by default). A group whose
+ranks span nodes uses the inter-node bandwidth, otherwise the intra-node one. Gradients move
+in fp32 (Megatron's main grads; the runtime's TP exchanges), parameters in their dtype.
 
 Compute comes from a seconds cost model (`ThroughputCost`: flops model / achieved FLOP/s, or a
 measured `ProfileCost`). The TP micro-group pipeline is simulated event by event, in the order
-`MicroGroupPipeline.run` issues it. Baselines are in `canzona.planner.predict.sim_baselines`.
+`MicroGroupPipeline.run` issues it. Baselines are in `canzona.planner.predict.sim_baselines`;
+the whole iteration (forward and backward, with the DP collectives overlapped as each strategy
+overlaps them) in `canzona.planner.predict.iteration`.
 """
 
 from __future__ import annotations
@@ -31,101 +25,29 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from canzona.planner.partition.costs import CostModel, OptimizerConfig
 from canzona.planner.partition.layout import slice_sizes
+from canzona.planner.predict.collectives import (
+    GRAD_BYTES,
+    Exchange,
+    Link,
+    all_gather,
+    phase_seconds,
+    reduce_scatter,
+    uneven,
+)
 from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.spec import DTYPE_BYTES
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule
 
-GRAD_BYTES = 4  # fp32 gradients and updates on the wire
+if TYPE_CHECKING:
+    from canzona.planner.plan import TrainingSetup
+    from canzona.planner.predict.iteration import IterationTime
+
 MATRIX = "matrix"
-STEP_FACTORS = {"reduce-scatter": 1, "all-gather": 1, "all-to-all": 1, "all-reduce": 2}
-
-
-@dataclass(frozen=True)
-class Link:
-    """The network of one process group: its size, per-rank bandwidth and α."""
-
-    name: str
-    size: int
-    bandwidth: float
-    latency: float
-
-
-@dataclass(frozen=True)
-class Exchange:
-    """One collective: its kind and the bytes every rank of the group sends and receives."""
-
-    kind: str
-    link: Link
-    sent: tuple[float, ...]
-    received: tuple[float, ...]
-    latency_steps: int | None = None
-
-    def steps(self) -> int:
-        """How many α the collective pays."""
-        n = self.link.size
-        if self.latency_steps is not None:
-            return self.latency_steps
-        if self.kind == "broadcast":
-            return math.ceil(math.log2(n))
-        return 1 if self.kind == "p2p" else STEP_FACTORS[self.kind] * (n - 1)
-
-    def seconds(self) -> float:
-        """α–β time of the collective on its busiest rank (0 for a group of one or no bytes)."""
-        volume = max(max(self.sent, default=0.0), max(self.received, default=0.0))
-        if self.link.size <= 1 or volume <= 0:
-            return 0.0
-        return self.steps() * self.link.latency + volume / self.link.bandwidth
-
-
-def reduce_scatter(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
-    """Uneven reduce-scatter: rank r gets slice r summed over the group."""
-    total, n = sum(slices), link.size
-    return Exchange("reduce-scatter", link, tuple(float((total - s) * elem_bytes) for s in slices),
-                    tuple(float((n - 1) * s * elem_bytes) for s in slices))
-
-
-def all_gather(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
-    """Uneven all-gather: every rank gets every slice."""
-    total, n = sum(slices), link.size
-    return Exchange("all-gather", link, tuple(float((n - 1) * s * elem_bytes) for s in slices),
-                    tuple(float((total - s) * elem_bytes) for s in slices))
-
-
-def all_reduce(link: Link, numel: int, elem_bytes: int) -> Exchange:
-    """Ring all-reduce of `numel` elements: every rank moves 2(n − 1)/n of the buffer each way."""
-    n = link.size
-    volume = 2 * (n - 1) * numel * elem_bytes / n if n > 1 else 0.0
-    return Exchange("all-reduce", link, (volume,), (volume,))  # every rank alike: one entry
-
-
-def broadcast(link: Link, nbytes: float) -> Exchange:
-    """Pipelined broadcast of `nbytes` from one rank: every rank moves them once."""
-    return Exchange("broadcast", link, (nbytes,), (nbytes,))  # every rank alike: one entry
-
-
-def phase_seconds(exchanges: Sequence[Exchange], fused: bool = False) -> float:
-    """Seconds of collectives run one after another. `fused`: collectives of the same kind on
-    the same group become one (per-rank bytes summed, α paid once), as the runtime fuses
-    every bucket into one exchange; broadcasts (different roots) never fuse."""
-    if not fused:
-        return sum(exchange.seconds() for exchange in exchanges)
-    merged: dict[tuple[str, Link], Exchange] = {}
-    rest: list[Exchange] = []
-    for ex in exchanges:
-        key = (ex.kind, ex.link)
-        if ex.kind == "broadcast":
-            rest.append(ex)
-        elif key in merged:
-            old = merged[key]
-            merged[key] = Exchange(ex.kind, ex.link, tuple(a + b for a, b in zip(old.sent, ex.sent)),
-                                   tuple(a + b for a, b in zip(old.received, ex.received)),
-                                   max(old.steps(), ex.steps()))
-        else:
-            merged[key] = ex
-    return sum(ex.seconds() for ex in (*merged.values(), *rest))
+DENSE, EXPERT, ADAMW_BUFFER = "dense", "expert", "adamw"  # the DP buffers, as bucket keys name them
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,6 +109,7 @@ def pipeline_seconds(groups: Sequence[GroupTimes], overlap: bool = True) -> floa
     return max((event.end for event in pipeline_events(groups)), default=0.0)
 
 
+
 # --------------------------------------------------------------------------------------------
 # The schedule as the simulator sees it
 
@@ -224,7 +147,8 @@ class Buffer:
 @dataclass(frozen=True)
 class Instance:
     """Everything the strategies price: links, buffers (dense; experts per EP rank), AdamW
-    bucket sizes and cuts, and seconds per matrix and per AdamW slice."""
+    bucket sizes and cuts, seconds per matrix and per AdamW slice, and how canzona's DP
+    collectives run (fused, parameter element size, rooted, overlapped with backward/forward)."""
 
     tp: int
     dp: int
@@ -241,7 +165,9 @@ class Instance:
     time_model: CostModel = field(repr=False)
     fused: bool = False
     publish_bytes: int | None = None
-    rooted: bool = False
+    rooted: bool = True
+    overlap_grad: bool = True
+    overlap_param: bool = False
 
     def adamw_elements(self, dp_rank: int) -> int:
         """Elements of this DP rank's equal AdamW slices (per device: TP shards are local)."""
@@ -310,8 +236,9 @@ def _buffer(link: Link, buckets: Sequence[BucketEntry], matrices: Sequence[Matri
 
 
 def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel, fused: bool = False,
-                   publish_bytes: int | None = None, rooted: bool = False) -> Instance:
-    """The simulator's view of a schedule on a hardware model."""
+                   publish_bytes: int | None = None, rooted: bool = True, overlap_grad: bool = True,
+                   overlap_param: bool = False) -> Instance:
+    """The simulator's view of a schedule on a hardware model (options as `simulate` takes them)."""
     req = schedule.request
     dp_link, expert_link, tp_link = _links(hardware, req.tp, req.dp, req.ep)
     matrices = [_matrix(e, time_model) for e in schedule.params if e.optimizer == MATRIX]
@@ -328,7 +255,7 @@ def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel
         adamw_cuts=tuple(tuple(b.cuts) for b in schedule.dp.adamw_buckets),
         adamw_param_bytes=DTYPE_BYTES[adamw[0].dtype] if adamw else 2,
         matrices={m.name: m for m in matrices}, time_model=time_model, fused=fused, publish_bytes=publish_bytes,
-        rooted=rooted,
+        rooted=rooted, overlap_grad=overlap_grad, overlap_param=overlap_param,
     )
 
 
@@ -346,10 +273,47 @@ class Local:
 
 
 @dataclass(frozen=True)
+class BucketSync:
+    """One bucket's DP collective (a gradient reduction or a parameter gather): the buffer
+    (`DENSE`, `EXPERT` or `ADAMW_BUFFER`), the bucket's index in it, and the exchange."""
+
+    buffer: str
+    bucket: int
+    exchange: Exchange
+
+
+@dataclass(frozen=True)
+class DpPhases:
+    """A strategy's DP collectives in issue order, and what they overlap as its authors run it.
+
+    `reduce`: per bucket, once backward has produced the bucket's gradients (during backward
+    when `overlap_grad`, else after it). `fetch`: after every reduction, before the local
+    stage. `publish`: after the local stage, never overlapped. `gather`: per bucket, after
+    `publish` (waited for by the next forward's modules when `overlap_param`, else before
+    the step returns)."""
+
+    reduce: tuple[BucketSync, ...]
+    fetch: tuple[Exchange, ...] = ()
+    publish: tuple[Exchange, ...] = ()
+    gather: tuple[BucketSync, ...] = ()
+    overlap_grad: bool = True
+    overlap_param: bool = False
+
+    def before(self, fused: bool) -> float:
+        """Seconds of every DP collective before the local stage, nothing overlapped."""
+        return phase_seconds([s.exchange for s in self.reduce] + list(self.fetch), fused)
+
+    def after(self, fused: bool) -> float:
+        """Seconds of every DP collective after the local stage, nothing overlapped."""
+        return phase_seconds(list(self.publish) + [s.exchange for s in self.gather], fused)
+
+
+@dataclass(frozen=True)
 class StrategyTime:
     """Predicted step of one strategy. `compute`, `comm` (every collective it takes part in,
     hidden or not) and `exposed_comm` (= step − compute) are the critical device's: the one
-    the final DP collective waits for (global rank = dp_rank · tp + tp_rank)."""
+    the final DP collective waits for (global rank = dp_rank · tp + tp_rank). `phases`: its
+    DP collectives, for the iteration model."""
 
     name: str
     description: str
@@ -360,6 +324,7 @@ class StrategyTime:
     dp_comm: float
     tp_comm: float
     critical_device: int
+    phases: DpPhases = field(repr=False, compare=False, default=DpPhases(()))
 
     @property
     def optimizer_stage(self) -> float:
@@ -370,7 +335,8 @@ class StrategyTime:
 
 @dataclass(frozen=True)
 class Simulation:
-    """Every strategy's predicted step (canzona first) on one hardware model."""
+    """Every strategy's predicted step (canzona first) on one hardware model, and, when a
+    training setup was given, every strategy's predicted iteration in the same order."""
 
     model: str
     tp: int
@@ -382,6 +348,8 @@ class Simulation:
     fused: bool
     rooted: bool
     strategies: tuple[StrategyTime, ...]
+    training: TrainingSetup | None = None
+    iterations: tuple[IterationTime, ...] = ()
 
     def get(self, name: str) -> StrategyTime:
         """The strategy called `name` (KeyError if absent)."""
@@ -390,14 +358,29 @@ class Simulation:
                 return strategy
         raise KeyError(name)
 
+    def iteration(self, name: str) -> IterationTime:
+        """The iteration of the strategy called `name` (KeyError if absent or not predicted)."""
+        for it in self.iterations:
+            if it.name == name:
+                return it
+        raise KeyError(name)
+
     def ratios(self) -> dict[str, float]:
         """Each strategy's step time over canzona's."""
         base = self.get("canzona").step
         return {s.name: (s.step / base if base else 1.0) for s in self.strategies}
 
+    def iteration_ratios(self) -> dict[str, float]:
+        """Each strategy's iteration time over canzona's (empty without a training setup)."""
+        if not self.iterations:
+            return {}
+        base = self.iteration("canzona").iteration
+        return {it.name: it.iteration / base for it in self.iterations}
 
-def combine(name: str, description: str, tp: int, before: float, locals_: Sequence[Local], after: float) -> StrategyTime:
-    """Step time from the DP stages and every DP rank's local stage."""
+
+def combine(name: str, description: str, tp: int, phases: DpPhases, locals_: Sequence[Local],
+            fused: bool = False) -> StrategyTime:
+    """Step time from the DP collectives and every DP rank's local stage."""
     best = (-1.0, -1.0, 0, 0)
     for dp_rank, local in enumerate(locals_):
         for tp_rank, compute in enumerate(local.compute):
@@ -405,12 +388,13 @@ def combine(name: str, description: str, tp: int, before: float, locals_: Sequen
                 best = (local.seconds, compute, dp_rank, tp_rank)
     seconds, compute, dp_rank, tp_rank = best
     seconds, compute = max(seconds, 0.0), max(compute, 0.0)
+    before, after = phases.before(fused), phases.after(fused)
     step = before + seconds + after
     tp_comm = locals_[dp_rank].tp_comm if locals_ else 0.0
     return StrategyTime(
         name=name, description=description, step=step, compute=compute, comm=before + after + tp_comm,
         exposed_comm=step - compute, dp_comm=before + after, tp_comm=tp_comm,
-        critical_device=dp_rank * tp + tp_rank,
+        critical_device=dp_rank * tp + tp_rank, phases=phases,
     )
 
 
@@ -441,46 +425,41 @@ def micro_group_times(inst: Instance, names: Sequence[str], hosts: Sequence[int]
     return GroupTimes(gather, max(loads), scatter), loads
 
 
-def rooted(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
-    """An uneven reduce-scatter (all-gather) done as one pipelined tree reduce (broadcast)
-    per non-empty slice, rooted at its owner: every link carries the bucket once, whatever
-    the cuts, for ⌈log2 n⌉ α per slice."""
-    n, volume = link.size, float(sum(slices) * elem_bytes)
-    steps = sum(1 for s in slices if s) * math.ceil(math.log2(n)) if n > 1 else 0
-    return Exchange("rooted", link, (volume,), (volume,), steps)
-
-
-def dp_sync(inst: Instance, cuts_of: Sequence[tuple[int, ...]], buffer: Buffer, gather: bool) -> list[Exchange]:
-    """Reduce-scatter (gather=False) or all-gather of one matrix buffer at the given cuts."""
-    exchanges = []
-    for bucket, cuts in enumerate(cuts_of):
-        slices = slice_sizes(cuts)
-        elem_bytes = inst.gather_bytes(buffer.param_bytes[bucket]) if gather else GRAD_BYTES
-        if inst.rooted and len(set(slices)) > 1:
-            exchanges.append(rooted(buffer.link, slices, elem_bytes))
-        elif gather:
-            exchanges.append(all_gather(buffer.link, slices, elem_bytes))
-        else:
-            exchanges.append(reduce_scatter(buffer.link, slices, elem_bytes))
-    return exchanges
-
-
-def adamw_sync(inst: Instance, gather: bool) -> list[Exchange]:
-    """Stock equal reduce-scatter or all-gather of the AdamW buffer."""
+def dp_sync(inst: Instance, cuts_of: Sequence[tuple[int, ...]], buffer: Buffer, gather: bool,
+            name: str = DENSE) -> list[BucketSync]:
+    """Reduce-scatter (gather=False) or all-gather of one matrix buffer at the given cuts, one
+    collective per bucket (rooted or all-to-all as `inst.rooted` says)."""
     out = []
-    for cuts in inst.adamw_cuts:
-        slices = slice_sizes(cuts)
-        out.append(all_gather(inst.dp_link, slices, inst.gather_bytes(inst.adamw_param_bytes)) if gather
-                   else reduce_scatter(inst.dp_link, slices, GRAD_BYTES))
+    for bucket, cuts in enumerate(cuts_of):
+        elem_bytes = inst.gather_bytes(buffer.param_bytes[bucket]) if gather else GRAD_BYTES
+        out.append(BucketSync(name, bucket, uneven(buffer.link, slice_sizes(cuts), elem_bytes, gather, inst.rooted)))
     return out
 
 
-def schedule_sync(inst: Instance, gather: bool) -> list[Exchange]:
+def adamw_sync(inst: Instance, gather: bool) -> list[BucketSync]:
+    """Stock equal reduce-scatter or all-gather of the AdamW buffer, one per bucket."""
+    out = []
+    for bucket, cuts in enumerate(inst.adamw_cuts):
+        slices = slice_sizes(cuts)
+        exchange = (all_gather(inst.dp_link, slices, inst.gather_bytes(inst.adamw_param_bytes)) if gather
+                    else reduce_scatter(inst.dp_link, slices, GRAD_BYTES))
+        out.append(BucketSync(ADAMW_BUFFER, bucket, exchange))
+    return out
+
+
+def schedule_sync(inst: Instance, gather: bool) -> list[BucketSync]:
     """The schedule's uneven DP collectives of every buffer (dense, experts, AdamW)."""
-    exchanges = dp_sync(inst, inst.dense.cuts, inst.dense, gather)
+    syncs = dp_sync(inst, inst.dense.cuts, inst.dense, gather)
     if inst.experts:
-        exchanges += dp_sync(inst, inst.experts[0].cuts, inst.experts[0], gather)
-    return exchanges + adamw_sync(inst, gather)
+        syncs += dp_sync(inst, inst.experts[0].cuts, inst.experts[0], gather, EXPERT)
+    return syncs + adamw_sync(inst, gather)
+
+
+def schedule_phases(inst: Instance) -> DpPhases:
+    """The DP collectives of canzona's geometry, overlapped as the caller asked (the runtime's
+    `overlap_grad_reduce` and `overlap_param_gather`)."""
+    return DpPhases(reduce=tuple(schedule_sync(inst, gather=False)), gather=tuple(schedule_sync(inst, gather=True)),
+                    overlap_grad=inst.overlap_grad, overlap_param=inst.overlap_param)
 
 
 def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> StrategyTime:
@@ -496,14 +475,13 @@ def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> St
         phase = pipeline_seconds(groups, overlap)
         tp_comm = sum(g.gather + g.scatter for g in groups)
         locals_.append(Local(phase + adamw, tuple(c + adamw for c in compute), tp_comm))
-    before = phase_seconds(schedule_sync(inst, gather=False), inst.fused)
-    after = phase_seconds(schedule_sync(inst, gather=True), inst.fused)
+    phases = schedule_phases(inst)
     if overlap:
         return combine("canzona", "uneven reduce-scatter at the schedule's cuts; TP micro-groups (fused "
                        "all-to-all gather, host update, fused all-to-all scatter) pipelined as the runtime "
-                       "issues them; AdamW on equal slices; uneven all-gather", inst.tp, before, locals_, after)
+                       "issues them; AdamW on equal slices; uneven all-gather", inst.tp, phases, locals_, inst.fused)
     return combine("canzona-no-overlap", "canzona with each micro-group's gather, compute and scatter run "
-                   "back to back (no pipelining)", inst.tp, before, locals_, after)
+                   "back to back (no pipelining)", inst.tp, phases, locals_, inst.fused)
 
 
 def default_time_model(schedule: Schedule, hardware: Hardware) -> CostModel:
@@ -514,30 +492,40 @@ def default_time_model(schedule: Schedule, hardware: Hardware) -> CostModel:
 
 
 def simulate(schedule: Schedule, hardware: Hardware, time_model: CostModel | None = None, *,
-             fused: bool = False, publish_bytes: int | None = None, rooted: bool = False) -> Simulation:
-    """Predict one optimizer step of the schedule and of every baseline on `hardware`.
+             fused: bool = False, publish_bytes: int | None = None, rooted: bool = True,
+             training: TrainingSetup | None = None, overlap_grad_reduce: bool = True,
+             overlap_param_gather: bool = False, routed_fraction: float | None = None) -> Simulation:
+    """Predict one optimizer step of the schedule and of every baseline on `hardware`, and with
+    a `training` setup also one training iteration of each.
 
     `time_model` prices compute in seconds (default: the flops model at the hardware's
-    throughput). `fused`: every bucket of a buffer moves in one collective (as the runtime
-    does) instead of one per bucket (Megatron). `publish_bytes`: element size of the
-    parameter all-gather (default: the parameters' dtype; the CPU runtime gathers fp32).
-    `rooted`: canzona's uneven collectives as one rooted reduce / broadcast per slice (the
-    runtime's `dp_collectives="rooted"`); default: its `all_to_all`, whose busiest receiver
-    takes (n − 1) · its slice."""
+    throughput). `fused`: every buffer moves in one collective instead of one per bucket.
+    `publish_bytes`: element size of the parameter all-gather (default: the parameters'
+    dtype; the CPU runtime gathers fp32). `rooted` (default): canzona's uneven collectives as
+    one rooted reduce / broadcast per slice (the runtime's `dp_collectives="rooted"`); False:
+    its `all_to_all`, whose busiest receiver takes (n − 1) · its slice. `overlap_grad_reduce`
+    and `overlap_param_gather`: the runtime's options, applied to canzona and TP-SC (the other
+    baselines overlap as their authors run them). `routed_fraction`: MoE top-k / experts
+    (default: from the model's preset or config)."""
     from canzona.planner.predict.sim_baselines import baseline_times
 
     model = time_model or default_time_model(schedule, hardware)
-    inst = build_instance(schedule, hardware, model, fused, publish_bytes, rooted)
+    inst = build_instance(schedule, hardware, model, fused, publish_bytes, rooted, overlap_grad_reduce, overlap_param_gather)
     strategies = (canzona_time(inst, schedule), canzona_time(inst, schedule, overlap=False), *baseline_times(inst))
+    iterations: tuple[IterationTime, ...] = ()
+    if training is not None:
+        from canzona.planner.predict.iteration import iteration_times
+
+        iterations = iteration_times(schedule, hardware, training, strategies, fused, routed_fraction)
     req = schedule.request
     return Simulation(req.model.name, req.tp, req.dp, req.ep, req.optimizer.name, hardware,
-                      getattr(model, "name", "seconds"), fused, rooted, strategies)
+                      getattr(model, "name", "seconds"), fused, rooted, strategies, training, iterations)
 
 
 def predicted_ratios(schedule: Schedule, hardware: Hardware, time_model: CostModel | None = None, *,
                      fused: bool = True, publish_bytes: int | None = 4,
                      names: Sequence[str] = ("canzona", "dp-sc", "tp-sc")) -> dict[str, float]:
-    """Predicted step seconds of `names` with the runtime's execution choices (fused DP
-    exchange, fp32 parameter all-gather): the simulator side of the CPU cross-check."""
+    """Predicted step seconds of `names` with a runtime's execution choices (here: one fused
+    DP exchange, fp32 parameter all-gather): the simulator side of the CPU cross-check."""
     sim = simulate(schedule, hardware, time_model, fused=fused, publish_bytes=publish_bytes)
     return {name: sim.get(name).step for name in names}

@@ -8,7 +8,7 @@ import pytest
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import FlopsCost, OptimizerConfig, param_cost
-from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.plan import PlanRequest, TrainingSetup, make_plan
 from canzona.planner.predict.auto_alpha import alpha_table, choose_alpha
 from canzona.planner.predict.hardware import BUILTIN, ThroughputCost, override_network, profile_device
 from canzona.planner.predict.profile_cost import (
@@ -37,23 +37,37 @@ def test_auto_alpha_returns_a_tried_alpha_with_minimal_predicted_time(qwen8b) ->
     request = PlanRequest("qwen3-8b", 2, 4)
     slow_network = override_network(BUILTIN["h100"], intra_gbps=5, inter_gbps=5)
     plan, tried = choose_alpha(qwen8b, request, slow_network, alphas=(0.0, 0.5, 1.0))
-    assert [alpha for alpha, _ in tried] == [0.0, 0.5, 1.0]
-    best = min(seconds for _, seconds in tried)
-    assert plan.request.alpha in {alpha for alpha, _ in tried}
-    assert dict(tried)[plan.request.alpha] == pytest.approx(best)
+    assert [t.value for t in tried] == [0.0, 0.5, 1.0]
+    best = min(t.step_s for t in tried)
+    assert plan.request.alpha in {t.value for t in tried}
+    assert {t.value: t.step_s for t in tried}[plan.request.alpha] == pytest.approx(best)
+    # Without a training setup the objective is the step, recorded as both figures.
+    assert all(t.iteration_s == t.step_s for t in tried)
     # The recorded time is the simulator's prediction for that plan.
     again = simulate(compile_schedule(plan), slow_network).get("canzona").step
     assert again == pytest.approx(best)
     assert "<- chosen" in alpha_table(tried, plan.request.alpha)
 
 
+def test_auto_alpha_minimises_the_iteration_given_a_training_setup(qwen8b) -> None:
+    request = PlanRequest("qwen3-8b", 2, 4)
+    slow_network = override_network(BUILTIN["h100"], intra_gbps=5, inter_gbps=5)
+    training = TrainingSetup(global_batch=8, seq_len=1024)
+    plan, tried = choose_alpha(qwen8b, request, slow_network, alphas=(0.0, 0.5, 1.0), training=training)
+    chosen = {t.value: t for t in tried}[plan.request.alpha]
+    assert chosen.iteration_s == pytest.approx(min(t.iteration_s for t in tried))
+    sim = simulate(compile_schedule(plan), slow_network, training=training)
+    assert sim.iteration("canzona").iteration == pytest.approx(chosen.iteration_s)
+    assert all(t.iteration_s > t.step_s for t in tried)  # forward and backward come on top
+
+
 def test_auto_alpha_ties_go_to_the_larger_alpha() -> None:
     # One DP rank: every alpha gives the same plan and the same predicted time.
     model = ModelSpec("pair", (ParamSpec("w", (64, 32), 0, MATRIX, ((64, 32),), "fp32"),), "pair")
     plan, tried = choose_alpha(model, PlanRequest("pair", 2, 1), BUILTIN["h100"], alphas=(1.0, 0.0, 0.5))
-    assert len({seconds for _, seconds in tried}) == 1
+    assert len({t.step_s for t in tried}) == 1
     assert plan.request.alpha == 1.0
-    assert [alpha for alpha, _ in tried] == [1.0, 0.0, 0.5]
+    assert [t.value for t in tried] == [1.0, 0.0, 0.5]
 
 
 def test_auto_alpha_rejects_bad_candidates(qwen8b) -> None:

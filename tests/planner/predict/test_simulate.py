@@ -1,4 +1,4 @@
-"""The step-time simulator: exact α–β arithmetic, the micro-group pipeline,
+"""The step-time simulator: the micro-group pipeline,
 hand-computed tiny schedules, invariants on real plans, hardware models, the CLI command."""
 
 from __future__ import annotations
@@ -18,82 +18,15 @@ from canzona.planner.partition.costs import OptimizerConfig, muon_flops
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.predict.hardware import BUILTIN, Hardware, override_network, resolve_device
 from canzona.planner.predict.simulate import (
-    Exchange,
     GroupTimes,
-    Link,
-    all_gather,
-    all_reduce,
-    broadcast,
-    phase_seconds,
     pipeline_events,
     pipeline_seconds,
     predicted_ratios,
-    reduce_scatter,
-    rooted,
     simulate,
 )
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
 from canzona.schedules.format import write_schedule
-
-LINK4 = Link("test", 4, bandwidth=100.0, latency=1.0)
-
-# ---------------------------------------------------------------------------------------------
-# Collectives: seconds = steps · α + busiest rank's max(sent, received) / bandwidth
-
-
-def test_equal_reduce_scatter_by_hand() -> None:
-    # 4 ranks, 10 fp32 elements each: every rank sends 30·4 = 120 B and receives 3·10·4 = 120 B.
-    assert reduce_scatter(LINK4, [10, 10, 10, 10], 4).seconds() == pytest.approx(3 * 1.0 + 120 / 100)
-
-
-def test_uneven_reduce_scatter_pays_the_busiest_receiver() -> None:
-    # The whole bucket on rank 0: it receives 3·40·4 = 480 B (the other ranks send 160 B each).
-    exchange = reduce_scatter(LINK4, [40, 0, 0, 0], 4)
-    assert exchange.received == (480.0, 0.0, 0.0, 0.0)
-    assert exchange.seconds() == pytest.approx(3 + 4.8)
-
-
-def test_all_gather_mirrors_reduce_scatter() -> None:
-    exchange = all_gather(LINK4, [40, 0, 0, 0], 2)
-    assert exchange.sent == (240.0, 0.0, 0.0, 0.0)
-    assert exchange.received == (0.0, 80.0, 80.0, 80.0)
-    assert exchange.seconds() == pytest.approx(3 + 2.4)
-
-
-def test_ring_all_reduce_by_hand() -> None:
-    # 40 fp32 = 160 B; each rank moves 2·3/4·160 = 240 B each way over 2·3 steps.
-    assert all_reduce(LINK4, 40, 4).seconds() == pytest.approx(6 * 1.0 + 2.4)
-
-
-def test_broadcast_and_rooted_by_hand() -> None:
-    assert broadcast(LINK4, 200.0).seconds() == pytest.approx(2 * 1.0 + 2.0)  # ⌈log2 4⌉ = 2 steps
-    # Rooted: one tree per non-empty slice (2 here), every link carries the 50 elements once.
-    assert rooted(LINK4, [40, 0, 10, 0], 4).seconds() == pytest.approx(2 * 2 * 1.0 + 200 / 100)
-
-
-def test_group_of_one_and_empty_collectives_are_free() -> None:
-    alone = Link("alone", 1, 1.0, 1.0)
-    assert reduce_scatter(alone, [100], 4).seconds() == 0.0
-    assert all_reduce(alone, 100, 4).seconds() == 0.0
-    assert reduce_scatter(LINK4, [0, 0, 0, 0], 4).seconds() == 0.0
-
-
-def test_fused_collectives_sum_bytes_and_pay_alpha_once() -> None:
-    link = Link("pair", 2, bandwidth=100.0, latency=1.0)
-    first, second = reduce_scatter(link, [10, 0], 4), reduce_scatter(link, [0, 10], 4)
-    # Separately: each has a 40 B busiest direction → 2 · (1 + 0.4).
-    assert phase_seconds([first, second]) == pytest.approx(2.8)
-    # Fused: every rank sends 40 B and receives 40 B → 1 + 0.4.
-    assert phase_seconds([first, second], fused=True) == pytest.approx(1.4)
-    # Broadcasts never fuse.
-    casts = [broadcast(link, 100.0), broadcast(link, 100.0)]
-    assert phase_seconds(casts, fused=True) == phase_seconds(casts) == pytest.approx(4.0)
-
-
-def test_p2p_round_costs_one_alpha() -> None:
-    assert Exchange("p2p", LINK4, (50.0, 0.0), (0.0, 50.0)).seconds() == pytest.approx(1.0 + 0.5)
-
 
 # ---------------------------------------------------------------------------------------------
 # The micro-group pipeline
