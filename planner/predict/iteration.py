@@ -112,7 +112,8 @@ def expert_indices(schedule: Schedule) -> frozenset[int]:
 
     req = schedule.request
     try:
-        model = load_model(req.model.source, req.tp, ModelOptions(req.split_qkv, req.split_fc1, req.router_optimizer))
+        options = ModelOptions(req.split_qkv, req.split_fc1, req.router_optimizer, req.names, req.sequence_parallel)
+        model = load_model(req.model.source, req.tp, options)
     except PlanError:
         return frozenset()
     names = {e.name for e in schedule.params}
