@@ -398,6 +398,13 @@ def _is_table(node: Any) -> bool:
     )
 
 
+def flow_value(value: Any) -> str:
+    """JSON text of a flat value (scalars, lists, one-level mappings) that YAML reads back as
+    the same value: floats spelled as YAML 1.1 reads them (always a dot), characters YAML
+    refuses escaped. What table rows are written with, here and in parameter lists."""
+    return _flow(value)
+
+
 def _flow(value: Any) -> str:
     """JSON text of a flat value, with floats spelled as YAML 1.1 reads them (always a dot)."""
     if isinstance(value, str):
