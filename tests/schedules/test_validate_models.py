@@ -149,3 +149,11 @@ def test_grad_reduce_only_on_replicated_parameters_at_tp_above_one() -> None:
 
 def test_request_names_is_a_known_convention() -> None:
     rejected(planned(), lambda d: d["request"].update(names="flax"), "unknown names 'flax'")
+
+
+def test_reshard_check_knows_the_runtime_does_not_execute_them_yet() -> None:
+    from canzona.schedules.reshard import reshard_report
+
+    for schedule, needle in ((planned(), "grouped expert tensors"), (planned("megatron", sequence_parallel=True), "grad_reduce")):
+        report = reshard_report(schedule, schedule)
+        assert not report.compatible and any(needle in problem for problem in report.problems)
