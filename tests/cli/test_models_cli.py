@@ -204,3 +204,15 @@ def test_plan_a_dtensor_model_from_its_factory(tmp_path: Path) -> None:
     wrong = subprocess.run(command[:8] + ["--tp", "4", "--dp", "1", "-o", str(tmp_path / "y.yaml")],
                            capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 2 and "read from a model at TP 2" in wrong.stderr and wrong.stderr.count("\n") == 1
+
+
+def test_simulate_a_live_moe_schedule_needs_the_routed_fraction(factories: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A live model has no config to read top_k / num_experts from; its expert slices say which
+    parameters are experts."""
+    target = tmp_path / "live.yaml"
+    assert run_cli(["plan", "--model", f"py:{factories}:small", "--dp", "2", "-o", str(target)], capsys)[0] == 0
+    code, _, err = run_cli(["simulate", str(target)], capsys)
+    assert code == 2 and "give --routed-fraction" in err
+    code, out, err = run_cli(["simulate", str(target), "--routed-fraction", "0.5", "--json"], capsys)
+    assert code == 0, err
