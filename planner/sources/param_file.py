@@ -19,9 +19,9 @@ import json
 from math import prod
 from pathlib import Path
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic import model_validator
 
 from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError, fused_row_blocks
@@ -165,7 +165,7 @@ class _Document(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: StrictStr
-    tp: StrictInt | None = None
+    tp: Annotated[StrictInt, Field(ge=1)] | None = None
     params: list[Any]
 
 

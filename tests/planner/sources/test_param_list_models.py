@@ -67,3 +67,8 @@ def test_bad_entries(entry: dict[str, Any], needle: str) -> None:
 def test_three_d_parameters_without_the_flag_stay_adamw() -> None:
     (param,) = specs([{"name": "conv.weight", "shape": [4, 4, 3], "tp_dim": None}])
     assert param.optimizer == "adamw" and param.parent is None
+
+
+def test_described_tp_is_a_positive_integer() -> None:
+    with pytest.raises(PlanError, match="parameter file: field 'tp'"):
+        params_from_data({"name": "m", "tp": 0, "params": [GATE_UP]}, "m", 1)
