@@ -169,19 +169,19 @@ def schedule_files(paths: list[Path]) -> list[Path]:
 
 def regenerate(path: Path, request: Request) -> Schedule:
     """Plan again from a file's recorded request (a model file is looked up as recorded, then
-    next to the schedule)."""
+    next to the schedule; a live model is described again)."""
     from dataclasses import replace
 
+    from canzona.cli.sources import is_live, load_source
     from canzona.planner.compile import compile_schedule, plan_request
     from canzona.planner.predict.auto_alpha import plan_for_request
-    from canzona.planner.sources.load import load_model
 
     recorded = request.model.source
     source = recorded
-    if request.model.sha256 is not None and not Path(recorded).exists():
+    if request.model.sha256 is not None and not is_live(recorded) and not Path(recorded).exists():
         source = str(path.parent / recorded)
     planner_request = plan_request(request, source)
-    spec = replace(load_model(source, planner_request.tp, planner_request.options), source=recorded)
+    spec = replace(load_source(source, planner_request.tp, planner_request.options), source=recorded)
     return compile_schedule(*plan_for_request(spec, planner_request))
 
 
@@ -190,7 +190,8 @@ def staleness(old: Schedule, new: Schedule) -> str | None:
     if old.fingerprint != new.fingerprint:
         return "stale fingerprint: the model's parameters changed"
     if old.request.model.sha256 != new.request.model.sha256:
-        return "the model file changed (sha256)"
+        live = old.request.model.source.startswith("py:")
+        return "the live model's description changed (sha256)" if live else "the model file changed (sha256)"
     moved = sum(a.owner != b.owner or a.offset != b.offset or a.bucket != b.bucket for a, b in zip(old.params, new.params))
     if moved or old.params != new.params or old.dp != new.dp:
         return f"different assignment ({moved} parameters moved or re-laid out)"

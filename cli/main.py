@@ -19,7 +19,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from canzona.cli import compare, render, report, reshard_cmd, simulate_cmd
+from canzona.cli import compare, describe_cmd, render, report, reshard_cmd, simulate_cmd
+from canzona.cli.sources import load_source, source_files
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB
@@ -77,6 +78,13 @@ class RouterOptimizer(str, Enum):
     adamw = "adamw"
 
 
+class Names(str, Enum):
+    auto = "auto"
+    megatron = "megatron"
+    hf = "hf"
+    torchtitan = "torchtitan"
+
+
 def _bucket_size(text: str) -> int | None:
     """A bucket size in elements, or None for auto."""
     if text.strip().lower() == "auto":
@@ -119,7 +127,7 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
 
 @app.command()
 def plan(
-    model: Annotated[str, typer.Option(help="Preset name, HF config.json, or parameter-list YAML/JSON.")],
+    model: Annotated[str, typer.Option(help="Preset name, HF config.json, parameter-list YAML/JSON, or a live model py:MODULE:FACTORY.")],
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 1,
     dp: Annotated[int, typer.Option(help="Data-parallel size.")] = 1,
     optimizer: Annotated[Optimizer, typer.Option(help="Matrix optimizer.")] = Optimizer.muon,
@@ -133,6 +141,8 @@ def plan(
     split_qkv: Annotated[QkvSplit, typer.Option(help="How QKV is orthogonalised.")] = QkvSplit.qkv,
     split_fc1: Annotated[bool, typer.Option("--split-fc1", help="Update fc1 gate and up halves separately.")] = False,
     router_optimizer: Annotated[RouterOptimizer, typer.Option(help="Optimizer of MoE routers.")] = RouterOptimizer.matrix,
+    names: Annotated[Names, typer.Option(help="Parameter names of a preset or HF config: megatron, hf (transformers), torchtitan; auto: hf for a config.json, megatron for a preset.")] = Names.auto,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Every norm's gradient is a partial sum over TP, which the optimizer sums (leave off if the model reduces them itself).")] = False,
     ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
     precondition_frequency: Annotated[int, typer.Option(help="Shampoo/SOAP preconditioner refresh every N steps.")] = 10,
@@ -148,15 +158,16 @@ def plan(
 ) -> None:
     """Solve the DP partition for a model and layout, and write the schedule file."""
     from canzona.planner.predict.auto_alpha import plan_for_request
+    from dataclasses import replace
+
     from canzona.planner.compile import compile_schedule
-    from canzona.planner.sources.load import load_model
     from canzona.planner.plan import PlanRequest, TrainingSetup
 
     started = time.perf_counter()
     problem = finite_problem("--group-mb", group_mb, 0.0, MAX_GROUP_BYTES / (1 << 20), low_open=True)
     if problem:
         raise PlanError(problem)
-    options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value)
+    options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value, names.value, sequence_parallel)
     settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
     auto = alpha.strip().lower() == "auto"
     size = _bucket_size(bucket_size)
@@ -167,10 +178,12 @@ def plan(
         device if size is None else None, TrainingSetup(global_batch, seq_len, micro_batches) if searching else None,
     )
     request.validate()
-    inputs = [model, cost.removeprefix(PROFILE_PREFIX) if cost.startswith(PROFILE_PREFIX) else None, device if auto else None]
+    inputs = [*source_files(model), cost.removeprefix(PROFILE_PREFIX) if cost.startswith(PROFILE_PREFIX) else None,
+              device if auto else None]
     if output is not None:
         check_output(output, inputs, "--output")
-    spec = load_model(model, tp, options)
+    spec = load_source(model, tp, options)
+    request = replace(request, options=replace(options, names=spec.names))  # auto resolved by the source
     label = "auto" if auto else request.alpha
     path = output or default_output(spec.name, optimizer.value, tp, dp, label, cost, ep)
     check_output(path, inputs, "output")
@@ -205,6 +218,7 @@ def show(
         typer.echo(report.show_text(schedule))
 
 
+app.command()(describe_cmd.describe)
 app.command()(compare.diff)
 app.command()(compare.check)
 app.command()(compare.table)

@@ -36,6 +36,7 @@ from canzona.schedules.format import (
     TpSection,
     TrainingSettings,
     compute_fingerprint,
+    model_parameters,
     sealed,
 )
 
@@ -65,6 +66,8 @@ def _request(plan: Plan) -> Request:
         split_qkv=req.options.split_qkv,
         split_fc1=req.options.split_fc1,
         router_optimizer=req.options.router_optimizer,
+        names=req.options.names,
+        sequence_parallel=req.options.sequence_parallel,
         tp_mode=req.tp_mode,
         group_bytes=req.group_bytes,
         ep=req.ep,
@@ -102,6 +105,10 @@ def _entry(plan: Plan, param_index: int, bucket: int, offset: int, numel: int, e
         cost=plan.costs[param_index],
         row_blocks=[[list(r) for r in block] for block in param.row_blocks] or None,
         ep_rank=ep_rank,
+        param=param.parent,
+        slice=param.expert_index if param.parent is not None else None,
+        # A sum over one TP rank is nothing: the flag exists only where it does something.
+        grad_reduce=param.grad_reduce if plan.request.tp > 1 else None,
     )
 
 
@@ -270,7 +277,9 @@ def compile_schedule(plan: Plan, search: AutoSearch | None = None) -> Schedule:
         AdamwBucketEntry(index=b.index, numel=b.numel, cuts=list(equal_cuts(b.numel, plan.request.dp)))
         for b in plan.adamw_layout.buckets
     ]
-    fingerprint = compute_fingerprint((p.name, p.shape, p.dtype, p.tp_dim) for p in plan.model.params)
+    fingerprint = compute_fingerprint(
+        model_parameters((p.name, p.shape, p.dtype, p.tp_dim, p.parent) for p in plan.model.params)
+    )
     schedule = Schedule(
         schema_version=SCHEMA_VERSION,
         request=_request(plan),
@@ -301,7 +310,8 @@ def plan_request(request: Request, model_source: str | None = None) -> PlanReque
         cost=request.cost,
         alpha=request.alpha,
         bucket_size=request.bucket_size,
-        options=ModelOptions(request.split_qkv, request.split_fc1, request.router_optimizer),
+        options=ModelOptions(request.split_qkv, request.split_fc1, request.router_optimizer, request.names,
+                             request.sequence_parallel),
         tp_mode=request.tp_mode,
         group_bytes=request.group_bytes,
         ep=request.ep,

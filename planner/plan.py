@@ -237,7 +237,7 @@ def _expert_slots(model: ModelSpec, ep: int) -> dict[int, int]:
         if param.expert_index is None:
             continue
         local = param.num_experts // ep
-        stem = param.name.removesuffix(str(param.expert_index))
+        stem = param.parent or param.name.removesuffix(str(param.expert_index))
         key = (stem, param.expert_index % local)
         if param.expert_index < local:
             first[key] = index

@@ -14,7 +14,9 @@ from canzona.schedules.geometry import DTYPE_BYTES  # noqa: F401 - re-exported f
 
 from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedule file is checked against
     ADAMW,
+    GRAD_REDUCE_AXES,
     MATRIX,
+    NAMING_CONVENTIONS,
     OPTIMIZER_CLASSES,
     QKV_SPLITS,
 )
@@ -41,6 +43,13 @@ class ParamSpec:
     concatenation is that submatrix. Empty means one submatrix, the gathered matrix as it is.
     Fused fc1 is why this exists: each TP shard holds [gate shard; up shard], so the gathered
     rows interleave gate and up.
+
+    `parent` marks one expert slice of a grouped 3-D expert tensor (e.g. Hugging Face's
+    `experts.gate_up_proj` [E, 2F, H]): the slice is `parent[expert_index]` along dim 0, of
+    `num_experts` slices, and `shape` / `tp_dim` are the slice's (the tensor's dims 1 and 2).
+    `grad_reduce` ("tp"): the parameter is replicated over TP but each TP rank's gradient is a
+    partial sum (e.g. q_norm/k_norm under head sharding, norms under sequence parallelism), which
+    the runtime sums over TP.
     """
 
     name: str
@@ -52,6 +61,8 @@ class ParamSpec:
     expert_index: int | None = None
     num_experts: int = 0
     row_blocks: tuple[tuple[tuple[int, int], ...], ...] = ()
+    parent: str | None = None
+    grad_reduce: str | None = None
 
     @property
     def expert(self) -> bool:
@@ -72,14 +83,17 @@ class ParamSpec:
 class ModelSpec:
     """A model's parameters in registration order, plus where the description came from.
 
-    `source` is a preset name or a file path; `source_sha256` is set for files so a schedule
-    can tell whether its input changed.
+    `source` is a preset name, a file path or a live model's factory (`py:MODULE:FACTORY`);
+    `source_sha256` is set for files (and for a live model, its description's) so a schedule
+    can tell whether its input changed. `names` is the naming convention a preset or Hugging
+    Face config was expanded to (parameter lists name their parameters themselves: megatron).
     """
 
     name: str
     params: tuple[ParamSpec, ...]
     source: str
     source_sha256: str | None = None
+    names: str = "megatron"
 
     @property
     def num_params(self) -> int:
@@ -104,6 +118,9 @@ def validate_model(model: ModelSpec, tp: int) -> None:
             raise PlanError(f"parameter {param.name!r}: the matrix optimizer needs a 2-D shape")
         if param.row_blocks:
             _validate_row_blocks(param)
+        if param.grad_reduce is not None and (param.grad_reduce not in GRAD_REDUCE_AXES or param.tp_dim is not None):
+            raise PlanError(f"parameter {param.name!r}: grad_reduce {param.grad_reduce!r} needs a parameter replicated over "
+                            f"TP (tp_dim null) and one of {', '.join(GRAD_REDUCE_AXES)}")
         if param.tp_dim is not None:
             if not 0 <= param.tp_dim < len(param.shape):
                 raise PlanError(f"parameter {param.name!r}: tp_dim {param.tp_dim} out of range")
@@ -112,6 +129,31 @@ def validate_model(model: ModelSpec, tp: int) -> None:
                     f"tp {tp} does not divide dim {param.tp_dim} (size "
                     f"{param.shape[param.tp_dim]}) of {param.name!r}"
                 )
+    _validate_slices(model.params)
+
+
+def _validate_slices(params: tuple[ParamSpec, ...]) -> None:
+    """The slices of a grouped expert tensor follow each other as parent[0] .. parent[E-1],
+    and no other parameter bears a grouped tensor's name."""
+    names = {param.name for param in params}
+
+    def is_slice(position: int, parent: str, index: int) -> bool:
+        return 0 <= position < len(params) and params[position].parent == parent and params[position].expert_index == index
+
+    for position, param in enumerate(params):
+        if param.parent is None:
+            continue
+        index = param.expert_index
+        if (
+            param.optimizer != MATRIX
+            or index is None
+            or not 0 <= index < param.num_experts
+            or param.name != f"{param.parent}[{index}]"
+            or (index > 0 and not is_slice(position - 1, param.parent, index - 1))
+            or (index < param.num_experts - 1 and not is_slice(position + 1, param.parent, index + 1))
+            or param.parent in names
+        ):
+            raise PlanError(f"parameter {param.name!r}: not a well-formed expert slice of {param.parent!r}")
 
 
 @dataclass(frozen=True)
@@ -121,12 +163,16 @@ class ModelOptions:
     `split_qkv`: "qkv" (default, Megatron) orthogonalises Q, K, V separately; "head" splits
     per attention head; "none" treats the fused matrix as one. `split_fc1` updates the gate and
     up halves of fc1 separately. `router_optimizer` sends MoE routers to "matrix" (Megatron's
-    choice) or "adamw".
+    choice) or "adamw". `names`: the naming convention presets and Hugging Face configs expand
+    to ("megatron", "hf" or "torchtitan"). `sequence_parallel`: every norm's gradient is a
+    partial sum over TP (the model leaves it to the optimizer to sum them).
     """
 
     split_qkv: str = "qkv"
     split_fc1: bool = False
     router_optimizer: str = MATRIX
+    names: str = "megatron"
+    sequence_parallel: bool = False
 
 
 def _validate_row_blocks(param: ParamSpec) -> None:

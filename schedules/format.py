@@ -43,7 +43,8 @@ it stays cheap and every consumer can turn it into a float."""
 
 
 class ModelSource(_Strict):
-    """Which model was planned: a preset name or a file (with its sha256)."""
+    """Which model was planned: a preset name, a file (with its sha256), or a live model's
+    factory `py:MODULE:FACTORY` (with the sha256 of its description)."""
 
     name: str
     source: str
@@ -72,7 +73,9 @@ class TrainingSettings(_Strict):
 class Request(_Strict):
     """Everything needed to regenerate the schedule. `bucket_device` is set when the bucket
     size was chosen by the simulator on that device; `training` is what the `alpha_device` /
-    `bucket_device` searches assumed."""
+    `bucket_device` searches assumed. `names` is the naming convention a preset or a Hugging
+    Face config was expanded to; `sequence_parallel` marks every norm's gradient as partial
+    over TP."""
 
     model: ModelSource
     tp: int = Field(ge=1, le=MAX_FILE_INT)
@@ -84,6 +87,8 @@ class Request(_Strict):
     split_qkv: str
     split_fc1: bool
     router_optimizer: str
+    names: str = "megatron"
+    sequence_parallel: bool = False
     tp_mode: str
     group_bytes: int = Field(ge=1, le=MAX_FILE_INT)
     ep: int = Field(default=1, ge=1, le=MAX_FILE_INT)
@@ -105,7 +110,12 @@ class ParamEntry(_Strict):
     concatenated along `tp_dim` in TP-rank order) whose concatenation is that submatrix.
     `ep_rank` (expert parallelism only): the EP rank holding this expert; its `bucket`/`offset`
     refer to `dp.expert_buckets` and `owner` is an expert-data-parallel rank
-    (DP rank = owner · ep + ep_rank)."""
+    (DP rank = owner · ep + ep_rank).
+    `param` / `slice` (grouped 3-D expert tensors only): this entry is expert `slice` of the
+    parameter `param` (dim 0 indexes experts), named `param[slice]`, with the slice's 2-D
+    `shape` and `tp_dim`; the E slices of one tensor have consecutive indices.
+    `grad_reduce` ("tp"; TP > 1, replicated parameters only): each TP rank's gradient is a
+    partial sum, which the runtime sums over the TP group."""
 
     name: str
     index: Count
@@ -120,6 +130,9 @@ class ParamEntry(_Strict):
     cost: float
     row_blocks: list[list[list[Count]]] | None = None
     ep_rank: Count | None = None
+    param: str | None = None
+    slice: Count | None = None
+    grad_reduce: str | None = None
 
 
 class BucketEntry(_Strict):
@@ -318,15 +331,38 @@ def compute_fingerprint(params: Iterable[tuple[str, Sequence[int], str, int | No
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+PlanningRow = tuple[str, Sequence[int], str, "int | None", "str | None"]
+"""(name, shape, dtype, tp_dim, grouped tensor it is a slice of or None), in planning order."""
+
+
+def model_parameters(rows: Iterable[PlanningRow]) -> list[tuple[str, list[int], str, int | None]]:
+    """The model's own parameters (name, full shape, dtype, tp_dim) in registration order, from
+    the planning order: the E expert slices of a grouped tensor fold back into the tensor
+    [E, *slice shape], with its TP dim one higher."""
+    rows = list(rows)
+    counts: dict[str, int] = {}
+    for row in rows:
+        if row[4] is not None:
+            counts[row[4]] = counts.get(row[4], 0) + 1
+    out: list[tuple[str, list[int], str, int | None]] = []
+    for name, shape, dtype, tp_dim, parent in rows:
+        if parent is None:
+            out.append((name, list(shape), dtype, tp_dim))
+        elif not out or out[-1][0] != parent:
+            out.append((parent, [counts[parent], *shape], dtype, None if tp_dim is None else tp_dim + 1))
+    return out
+
+
 def registration_order(schedule: Schedule) -> list[ParamEntry]:
-    """The schedule's parameters in registration order."""
+    """The schedule's parameters in registration (planning) order."""
     return sorted(schedule.params, key=lambda entry: entry.index)
 
 
 def schedule_fingerprint(schedule: Schedule) -> str:
-    """Recompute the fingerprint from the file's own parameter list."""
+    """Recompute the fingerprint from the file's own parameter list (the model's parameters:
+    grouped expert slices folded back into their tensors)."""
     return compute_fingerprint(
-        (e.name, e.shape, e.dtype, e.tp_dim) for e in registration_order(schedule)
+        model_parameters((e.name, e.shape, e.dtype, e.tp_dim, e.param) for e in registration_order(schedule))
     )
 
 
@@ -360,6 +396,13 @@ def _is_table(node: Any) -> bool:
         and bool(node)
         and all(isinstance(row, dict) and all(_is_flat(v) for v in row.values()) for row in node)
     )
+
+
+def flow_value(value: Any) -> str:
+    """JSON text of a flat value (scalars, lists, one-level mappings) that YAML reads back as
+    the same value: floats spelled as YAML 1.1 reads them (always a dot), characters YAML
+    refuses escaped. What table rows are written with, here and in parameter lists."""
+    return _flow(value)
 
 
 def _flow(value: Any) -> str:

@@ -19,6 +19,8 @@ PROFILE_PREFIX = "profile:"
 TP_MODES = ("rollback", "fixed", "sorted", "heap")
 SOLVERS = ("greedy", "ilp")
 QKV_SPLITS = ("none", "qkv", "head")
+NAMING_CONVENTIONS = ("megatron", "hf", "torchtitan")  # parameter names of presets and HF configs
+GRAD_REDUCE_AXES = ("tp",)  # axes over which a parameter's gradient can arrive as a partial sum
 
 MAX_TP = 256
 MAX_DP = 8192

@@ -357,6 +357,10 @@ def _check_structure(schedule: Schedule, which: str) -> None:
 def _runtime_problem(schedule: Schedule, which: str) -> str | None:
     if schedule.request.ep > 1:
         return f"{which}: expert parallelism (ep {schedule.request.ep}) is not executed by the runtime, so it has no checkpoints"
+    if any(e.param is not None for e in schedule.params):
+        return f"{which}: grouped expert tensors are not executed by the runtime, so it has no checkpoints"
+    if any(e.grad_reduce is not None for e in schedule.params):
+        return f"{which}: partial-gradient reduction (grad_reduce) is not executed by the runtime, so it has no checkpoints"
     return None
 
 

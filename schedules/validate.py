@@ -29,9 +29,11 @@ from canzona.schedules.geometry import (
 )
 from canzona.schedules.limits import (
     ADAMW,
+    GRAD_REDUCE_AXES,
     MATRIX,
     MAX_PARAM_NUMEL,
     MAX_PARAMS,
+    NAMING_CONVENTIONS,
     OPTIMIZER_CLASSES,
     QKV_SPLITS,
     choice_problem,
@@ -97,6 +99,7 @@ def _check_request(schedule: Schedule) -> None:
         or cost_problem(req.cost)
         or choice_problem("split_qkv", req.split_qkv, QKV_SPLITS)
         or choice_problem("router_optimizer", req.router_optimizer, OPTIMIZER_CLASSES)
+        or choice_problem("names", req.names, NAMING_CONVENTIONS)
     )
     if problem:
         _fail(f"request: {problem}")
@@ -121,6 +124,7 @@ def _check_params(schedule: Schedule) -> None:
     for entry in schedule.params:
         _check_entry(entry, req.tp, req.dp, req.ep)
     _check_row_blocks(schedule)
+    _check_slices(schedule)
     if req.ep > 1:
         per_rank = defaultdict(int)
         for entry in schedule.params:
@@ -152,6 +156,11 @@ def _check_entry(e: ParamEntry, tp: int, dp: int, ep: int) -> None:
         _fail(f"parameter {e.name!r}: numel {e.numel}, but its TP shard of {e.shape} has {local} elements")
     if e.cost < 0:
         _fail(f"parameter {e.name!r}: negative cost {e.cost!r}")
+    if e.grad_reduce is not None and (e.grad_reduce not in GRAD_REDUCE_AXES or e.tp_dim is not None or tp == 1):
+        _fail(f"parameter {e.name!r}: grad_reduce {e.grad_reduce!r} is only for a parameter replicated over TP "
+              f"(tp_dim null) when tp > 1, reduced over one of {', '.join(GRAD_REDUCE_AXES)}")
+    if (e.param is None) != (e.slice is None):
+        _fail(f"parameter {e.name!r}: param and slice (an expert slice of a grouped tensor) go together")
     if e.optimizer == ADAMW:
         if e.owner is not None or e.row_blocks is not None or e.ep_rank is not None:
             _fail(f"parameter {e.name!r}: AdamW parameters have no owner, row blocks or EP rank")
@@ -175,6 +184,34 @@ def _check_row_blocks(schedule: Schedule) -> None:
             continue
         _row_blocks_problem(f"parameter {e.name!r}", e.row_blocks, e.shape[0])
         checked[e.shape[0]].append(e.row_blocks)
+
+
+def _check_slices(schedule: Schedule) -> None:
+    """Expert slices of a grouped 3-D tensor: named `param[slice]`, matrices, slices 0..E-1 at
+    consecutive indices, alike in everything but their slice (shape, dtype, TP dim, row
+    blocks, grad_reduce), a tensor name no other parameter has; under expert parallelism each
+    on the EP rank holding it (slice // (E / ep))."""
+    groups: dict[str, list[ParamEntry]] = defaultdict(list)
+    for e in sorted(schedule.params, key=lambda entry: entry.index):
+        if e.param is not None:
+            if e.optimizer != MATRIX or e.name != f"{e.param}[{e.slice}]":
+                _fail(f"parameter {e.name!r}: an expert slice is a matrix named {e.param!r}[slice]")
+            groups[e.param].append(e)
+    names = {e.name for e in schedule.params}
+    ep = schedule.request.ep
+    for parent, slices in groups.items():
+        first = slices[0]
+        if parent in names:
+            _fail(f"grouped tensor {parent!r}: another parameter has its name")
+        if [e.slice for e in slices] != list(range(len(slices))) or [e.index for e in slices] != list(
+            range(first.index, first.index + len(slices))
+        ):
+            _fail(f"grouped tensor {parent!r}: its slices must be 0..{len(slices) - 1} at consecutive indices")
+        alike = (first.shape, first.dtype, first.tp_dim, first.row_blocks, first.grad_reduce)
+        if any((e.shape, e.dtype, e.tp_dim, e.row_blocks, e.grad_reduce) != alike for e in slices):
+            _fail(f"grouped tensor {parent!r}: its slices differ in shape, dtype, tp_dim, row blocks or grad_reduce")
+        if ep > 1 and (len(slices) % ep or any(e.ep_rank != e.slice // (len(slices) // ep) for e in slices)):  # type: ignore[operator]
+            _fail(f"grouped tensor {parent!r}: under ep {ep} its {len(slices)} slices sit on EP rank slice // (E / ep)")
 
 
 def _row_blocks_problem(label: str, blocks: list[list[list[int]]], rows: int) -> None:

@@ -108,11 +108,15 @@ def expert_indices(schedule: Schedule) -> frozenset[int]:
     source can be read again), otherwise none."""
     if schedule.request.ep > 1:
         return frozenset(e.index for e in schedule.params if e.ep_rank == 0)
+    grouped = frozenset(e.index for e in schedule.params if e.param is not None)
+    if grouped:  # expert slices of grouped 3-D tensors say so themselves
+        return grouped
     from canzona.planner.sources.load import load_model
 
     req = schedule.request
     try:
-        model = load_model(req.model.source, req.tp, ModelOptions(req.split_qkv, req.split_fc1, req.router_optimizer))
+        options = ModelOptions(req.split_qkv, req.split_fc1, req.router_optimizer, req.names, req.sequence_parallel)
+        model = load_model(req.model.source, req.tp, options)
     except PlanError:
         return frozenset()
     names = {e.name for e in schedule.params}
@@ -124,7 +128,7 @@ def routing(schedule: Schedule, routed_fraction: float | None) -> tuple[float, f
     if routed_fraction is not None and not 0 < routed_fraction <= 1:
         raise PlanError(f"routed fraction must be in (0, 1], got {routed_fraction}")
     arch = source_architecture(schedule.request.model.source)
-    moe = arch is not None and arch.num_experts > 0
+    moe = (arch is not None and arch.num_experts > 0) or any(e.param is not None for e in schedule.params)
     if schedule.request.ep == 1 and not moe and routed_fraction is None:
         return 1.0, frozenset()
     experts = expert_indices(schedule)

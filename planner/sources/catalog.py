@@ -1,18 +1,21 @@
-"""Model architectures and their expansion into Megatron-core parameter lists.
+"""Model architectures and their expansion into parameter lists.
 
 An `Architecture` holds the handful of numbers that fix a transformer's parameter shapes.
-`enumerate_params` expands one into the `ParamSpec`s Megatron-core registers, in
-registration order, with full shapes, the TP split dim, the optimizer class and the submatrices
-the matrix optimizer updates independently. Presets and Hugging Face configs both end here.
+`enumerate_params` expands one into the `ParamSpec`s Megatron-core registers (or, with
+`ModelOptions.names`, transformers or torchtitan: `conventions.py`), in registration order,
+with full shapes, the TP split dim, the optimizer class and the submatrices the matrix
+optimizer updates independently. Presets and Hugging Face configs both end here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from canzona.planner.sources.conventions import MEGATRON, expand_named, num_named_entries
 from canzona.planner.spec import (
     ADAMW,
     MATRIX,
+    NAMING_CONVENTIONS,
     OPTIMIZER_CLASSES,
     QKV_SPLITS,
     ModelOptions,
@@ -41,6 +44,8 @@ class Architecture:
     `num_shared_experts` > 0. MLA (kv_lora > 0): DeepSeek latent attention; `q_lora` = 0
     means queries are not compressed. For MLA models
     `num_kv_groups` equals `num_heads` and `head_dim` is qk_nope + qk_rope (informational).
+    `family` is the Hugging Face `model_type` the architecture comes from (e.g. "qwen3_moe"):
+    it decides details of transformers' parameter order (Mixtral registers its router first).
     """
 
     h: int
@@ -65,6 +70,7 @@ class Architecture:
     qk_nope: int = 0
     qk_rope: int = 0
     v_head: int = 0
+    family: str = ""
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -123,23 +129,25 @@ def _check_field_types(arch: Architecture) -> None:
         minimum = 1 if field.name in _POSITIVE_FIELDS else 0
         if field.type == "int" and value < minimum:
             raise PlanError(f"architecture field {field.name} must be >= {minimum}, got {value}")
+    if not isinstance(arch.family, str):
+        raise PlanError(f"architecture family must be a string, got {arch.family!r}")
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in arch.dense_layers):
         raise PlanError(f"architecture dense_layers must be layer indices: {arch.dense_layers!r}")
 
 
 def _qwen3(h: int, ffn: int, layers: int, heads: int, tied: bool) -> Architecture:
-    return Architecture(h, ffn, layers, heads, 8, 128, 151936, tied_embeddings=tied, qk_norm=True)
+    return Architecture(h, ffn, layers, heads, 8, 128, 151936, tied_embeddings=tied, qk_norm=True, family="qwen3")
 
 
 def _qwen3_moe(h: int, ffn: int, layers: int, heads: int, expert_ffn: int) -> Architecture:
     return Architecture(
         h, ffn, layers, heads, 4, 128, 151936, qk_norm=True,
-        num_experts=128, top_k=8, expert_ffn=expert_ffn,
+        num_experts=128, top_k=8, expert_ffn=expert_ffn, family="qwen3_moe",
     )
 
 
 def _llama3(h: int, ffn: int, layers: int, heads: int) -> Architecture:
-    return Architecture(h, ffn, layers, heads, 8, 128, 128256)
+    return Architecture(h, ffn, layers, heads, 8, 128, 128256, family="llama")
 
 
 PRESETS: dict[str, Architecture] = {
@@ -159,10 +167,10 @@ PRESETS: dict[str, Architecture] = {
         7168, 18432, 61, 128, 128, 192, 129280,
         num_experts=256, top_k=8, expert_ffn=2048,
         num_shared_experts=1, shared_expert_ffn=2048, first_dense_layers=3,
-        q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128,
+        q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128, family="deepseek_v3",
     ),
     "mixtral-8x7b": Architecture(
-        4096, 14336, 32, 32, 8, 128, 32000, num_experts=8, top_k=2, expert_ffn=14336
+        4096, 14336, 32, 32, 8, 128, 32000, num_experts=8, top_k=2, expert_ffn=14336, family="mixtral"
     ),
 }
 
@@ -176,21 +184,29 @@ def padded_vocab(vocab: int, tp: int) -> int:
 def enumerate_params(
     name: str, arch: Architecture, tp: int, options: ModelOptions = ModelOptions()
 ) -> tuple[ParamSpec, ...]:
-    """Megatron-core parameters of `arch` at TP size `tp`, in registration order.
+    """The parameters of `arch` at TP size `tp` under `options.names`, in registration order.
 
-    Shapes are full (unsharded), with the vocab padded to a multiple of 128·tp. Raises
-    PlanError when `tp` does not divide a dimension that Megatron splits, or on bad options.
+    Megatron-core (the default): shapes are full (unsharded), with the vocab padded to a
+    multiple of 128·tp. transformers and torchtitan: `conventions.expand_named`. Raises
+    PlanError when `tp` does not divide a dimension the stack splits, or on bad options.
     """
-    _check_tp(name, arch, tp)
+    check_tp_size(name, tp)
     _check_options(options)
+    if options.names == MEGATRON:
+        _check_tp(name, arch, tp)
     count = num_param_entries(arch, options)
     if count > MAX_PARAMS:
         raise PlanError(f"{name}: {count} parameters ({arch.num_layers} layers) is above canzona's maximum of {MAX_PARAMS}")
+    if options.names != MEGATRON:
+        return tuple(expand_named(arch, options, tp))
     return _expand(arch, options, tp, padded_vocab(arch.vocab, tp))
 
 
 def num_param_entries(arch: Architecture, options: ModelOptions = ModelOptions()) -> int:
-    """How many parameters `enumerate_params` lists for `arch`, without listing them."""
+    """How many parameters `enumerate_params` lists for `arch`, without listing them (grouped
+    expert tensors count one entry per expert)."""
+    if options.names != MEGATRON:
+        return num_named_entries(arch, options)
     attention = len(_mla_attention(arch) if arch.is_mla else _attention(arch, options))
     moe_layers = sum(1 for layer in range(arch.num_layers) if arch.is_moe_layer(layer))
     moe_mlp = 2 + 2 * arch.num_experts + (2 if arch.num_shared_experts else 0)
@@ -231,6 +247,8 @@ def _check_options(options: ModelOptions) -> None:
         raise PlanError(
             f"unknown split_qkv {options.split_qkv!r}; expected one of {', '.join(QKV_SPLITS)}"
         )
+    if options.names not in NAMING_CONVENTIONS:
+        raise PlanError(f"unknown naming convention {options.names!r}; expected one of {', '.join(NAMING_CONVENTIONS)}")
     if options.router_optimizer not in OPTIMIZER_CLASSES:
         raise PlanError(
             f"unknown router_optimizer {options.router_optimizer!r}; expected one of "

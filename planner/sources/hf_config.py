@@ -99,16 +99,16 @@ def _dense_fields(cfg: _Config) -> dict[str, Any]:
 def _llama(cfg: _Config) -> Architecture:
     cfg.reject("attention_bias")
     cfg.reject("mlp_bias")
-    return Architecture(**_dense_fields(cfg))
+    return Architecture(**_dense_fields(cfg), family="llama")
 
 
 def _qwen2(cfg: _Config) -> Architecture:
-    return Architecture(**_dense_fields(cfg), qkv_bias=True)
+    return Architecture(**_dense_fields(cfg), qkv_bias=True, family="qwen2")
 
 
 def _qwen3(cfg: _Config) -> Architecture:
     cfg.reject("attention_bias")
-    return Architecture(**_dense_fields(cfg), qk_norm=True)
+    return Architecture(**_dense_fields(cfg), qk_norm=True, family="qwen3")
 
 
 def _qwen3_moe(cfg: _Config) -> Architecture:
@@ -122,13 +122,16 @@ def _qwen3_moe(cfg: _Config) -> Architecture:
     dense = tuple(
         n for n in range(fields["num_layers"]) if n in mlp_only or (n + 1) % step != 0
     )
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; published configs say num_experts.
+    experts = "num_local_experts" if cfg.config.get("num_experts") is None and "num_local_experts" in cfg.config else "num_experts"
     return Architecture(
         **fields,
         qk_norm=True,
-        num_experts=cfg.integer("num_experts"),
+        num_experts=cfg.integer(experts),
         top_k=cfg.integer("num_experts_per_tok"),
         expert_ffn=cfg.integer("moe_intermediate_size"),
         dense_layers=dense,
+        family="qwen3_moe",
     )
 
 
@@ -139,6 +142,7 @@ def _mixtral(cfg: _Config) -> Architecture:
         num_experts=cfg.integer("num_local_experts"),
         top_k=cfg.integer("num_experts_per_tok"),
         expert_ffn=fields["ffn"],
+        family="mixtral",
     )
 
 
@@ -167,6 +171,7 @@ def _deepseek_v3(cfg: _Config) -> Architecture:
         qk_nope=nope,
         qk_rope=rope,
         v_head=cfg.integer("v_head_dim"),
+        family="deepseek_v3",
     )
 
 

@@ -1,23 +1,29 @@
 """One entry point from a model reference to a validated `ModelSpec`.
 
 A reference is a preset name (case-insensitive), a Hugging Face `config.json` (or a directory
-holding one), or a parameter-list file (.yaml/.yml/.json).
+holding one), or a parameter-list file (.yaml/.yml/.json). (A live model, `py:MODULE:FACTORY`,
+is described by the runtime's `describe` module into a parameter list; the CLI does that.)
 """
 
 from __future__ import annotations
 
 import difflib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from canzona.planner.sources.catalog import PRESETS, Architecture, check_tp_size, count_params, enumerate_params
+from canzona.planner.sources.conventions import HF, MEGATRON, mark_partial_norms
 from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import params_from_data, read_structured_file
 from canzona.planner.spec import ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
 
-__all__ = ["count_params", "list_presets", "load_model"]
+__all__ = ["NAMES_AUTO", "count_params", "list_presets", "load_model", "model_from_data"]
 
 _FILE_SUFFIXES = (".json", ".yaml", ".yml")
+NAMES_AUTO = "auto"
+"""`ModelOptions.names` that picks the source's own convention: transformers' names for a
+Hugging Face config.json, Megatron-core's for a preset."""
 
 
 def load_model(source: str, tp: int, options: ModelOptions = ModelOptions()) -> ModelSpec:
@@ -25,19 +31,43 @@ def load_model(source: str, tp: int, options: ModelOptions = ModelOptions()) -> 
 
     `source` is a preset name, a path to a Hugging Face `config.json` (recognised by its
     "architectures" or "model_type" key) or to a directory holding one, or a path to a
-    parameter-list file. Files record their path and sha256. Raises a one-line PlanError.
+    parameter-list file. Files record their path and sha256. Presets and configs expand under
+    `options.names` (`NAMES_AUTO`: hf for a config, megatron for a preset); `ModelSpec.names`
+    says which. `options.sequence_parallel` marks every norm's gradient as partial over TP.
+    Raises a one-line PlanError.
     """
     check_tp_size(source, tp)
     preset = source.strip().lower()
     if preset in PRESETS:
-        params = enumerate_params(preset, PRESETS[preset], tp, options)
-        model = ModelSpec(name=preset, params=params, source=preset)
+        names = MEGATRON if options.names == NAMES_AUTO else options.names
+        params = enumerate_params(preset, PRESETS[preset], tp, replace(options, names=names))
+        model = ModelSpec(name=preset, params=params, source=preset, names=names)
     elif _looks_like_path(source):
         model = _load_file(source, tp, options)
     else:
         raise PlanError(_unknown_model_message(source))
+    return finish(model, tp, options)
+
+
+def model_from_data(data: object, name: str, source: str, sha256: str, tp: int, options: ModelOptions) -> ModelSpec:
+    """The validated `ModelSpec` of a parsed parameter list (e.g. a live model's description)."""
+    _check_parameter_list_names(options)
+    name, params = params_from_data(data, name, tp)
+    return finish(ModelSpec(name=name, params=params, source=source, source_sha256=sha256), tp, options)
+
+
+def finish(model: ModelSpec, tp: int, options: ModelOptions) -> ModelSpec:
+    """`model` with sequence-parallel norms marked (if asked), validated at TP size `tp`."""
+    if options.sequence_parallel:
+        model = replace(model, params=tuple(mark_partial_norms(list(model.params))))
     validate_model(model, tp)
     return model
+
+
+def _check_parameter_list_names(options: ModelOptions) -> None:
+    if options.names not in (NAMES_AUTO, MEGATRON):
+        raise PlanError(f"--names {options.names} applies to presets and Hugging Face configs; a parameter list "
+                        "(or a live model) names its parameters itself")
 
 
 def list_presets() -> list[tuple[str, Architecture]]:
@@ -69,12 +99,15 @@ def _load_file(source: str, tp: int, options: ModelOptions) -> ModelSpec:
     # A Hugging Face config is named after its model directory.
     default_name = path.resolve().parent.name if path.name == "config.json" else path.stem
     params: tuple[ParamSpec, ...]
+    names = MEGATRON
     if _is_hf_config(data):
         name = default_name
-        params = enumerate_params(name, architecture_from_hf(data), tp, options)
+        names = HF if options.names == NAMES_AUTO else options.names
+        params = enumerate_params(name, architecture_from_hf(data), tp, replace(options, names=names))
     else:
+        _check_parameter_list_names(options)
         name, params = params_from_data(data, default_name, tp)
-    return ModelSpec(name=name, params=params, source=source, source_sha256=sha256)
+    return ModelSpec(name=name, params=params, source=source, source_sha256=sha256, names=names)
 
 
 def _is_hf_config(data: Any) -> bool:

@@ -1,11 +1,15 @@
 """Parameter-list files: any model the catalog does not know, described name by name.
 
-A file is YAML or JSON holding either a mapping `{name: <model name>, params: [...]}` or a bare
-list of entries. Each entry is `{name, shape, tp_dim}` plus optional `optimizer` ("matrix" or
-"adamw"), `submatrices` (consecutive row blocks updated separately), `fused: N` (each TP shard
-holds N equal row parts, e.g. 2 for fc1's [gate; up]; `split_fused: true` updates the parts
-separately), `expert` ([index, count])
-and `dtype`. Entries are listed in registration order (the order of `named_parameters()`).
+A file is YAML or JSON holding either a mapping `{name: <model name>, params: [...]}` (plus
+optional `tp`: the TP size the list was read from a live model at; planning at another TP size
+is refused) or a bare list of entries. Each entry is `{name, shape, tp_dim}` plus optional
+`optimizer` ("matrix" or "adamw"), `submatrices` (consecutive row blocks updated separately),
+`fused: N` (each TP shard holds N equal row parts, e.g. 2 for fc1's [gate; up]; `split_fused:
+true` updates the parts separately), `expert` ([index, count]), `grouped_experts: true` (a 3-D
+tensor [E, rows, cols] whose dim 0 indexes experts: planned as E matrices, `parent[e]`; its
+`tp_dim` is 1 or 2, and `fused` / `submatrices` describe each expert's rows), `grad_reduce: tp`
+(replicated over TP, but each TP rank's gradient is a partial sum the optimizer must sum), and
+`dtype`. Entries are listed in registration order (the order of `named_parameters()`).
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ import hashlib
 import json
 from math import prod
 from pathlib import Path
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from pydantic import model_validator
 
 from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError, fused_row_blocks
@@ -39,6 +44,8 @@ class _Entry(BaseModel):
     expert: tuple[StrictInt, StrictInt] | None = None
     fused: StrictInt | None = None
     split_fused: StrictBool = False
+    grouped_experts: StrictBool = False
+    grad_reduce: Literal["tp"] | None = None
     dtype: StrictStr = "bf16"
 
     @model_validator(mode="after")
@@ -51,8 +58,12 @@ class _Entry(BaseModel):
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.shape):
             raise ValueError(f"tp_dim {self.tp_dim} is out of range for shape {self.shape}")
-        if self.resolved_optimizer == MATRIX and len(self.shape) != 2:
+        if self.grouped_experts:
+            self._check_grouped()
+        elif self.resolved_optimizer == MATRIX and len(self.shape) != 2:
             raise ValueError(f"the matrix optimizer needs a 2-D shape, got {self.shape}")
+        if self.grad_reduce is not None and self.tp_dim is not None:
+            raise ValueError("grad_reduce is for parameters replicated over TP (tp_dim null)")
         if self.submatrices is not None:
             self._check_submatrices()
         if self.fused is not None or self.split_fused:
@@ -61,24 +72,42 @@ class _Entry(BaseModel):
             raise ValueError(f"expert [index, count] {list(self.expert)} needs 0 <= index < count")
         return self
 
+    def _check_grouped(self) -> None:
+        if len(self.shape) != 3 or self.optimizer == ADAMW or self.expert is not None:
+            raise ValueError(f"grouped_experts needs a 3-D shape [experts, rows, cols] updated by the matrix optimizer, "
+                             f"without expert, got shape {self.shape}")
+        if self.tp_dim == 0:
+            raise ValueError("tp_dim 0 of grouped experts would split the experts: that is expert parallelism (--ep); "
+                             "TP splits dim 1 or 2")
+
+    @property
+    def matrix_shape(self) -> list[int]:
+        """The shape of the matrix (or matrices) the optimizer updates: one expert's for grouped experts."""
+        return self.shape[1:] if self.grouped_experts else self.shape
+
+    @property
+    def row_dim(self) -> int:
+        """The tensor dim holding the matrix rows (1 for grouped experts)."""
+        return 1 if self.grouped_experts else 0
+
     def _check_fused(self) -> None:
         if self.fused is None or self.fused < 2:
             raise ValueError("fused (the number of equal row parts each TP shard holds) must be >= 2")
-        if self.resolved_optimizer != MATRIX or self.tp_dim not in (0, None) or self.submatrices is not None:
-            raise ValueError("fused needs a matrix-optimizer parameter split on dim 0 (or replicated), without submatrices")
-        if self.shape[0] % self.fused:
-            raise ValueError(f"fused {self.fused} does not divide the {self.shape[0]} rows")
+        if self.resolved_optimizer != MATRIX or self.tp_dim not in (self.row_dim, None) or self.submatrices is not None:
+            raise ValueError("fused needs a matrix-optimizer parameter split on dim 0 (dim 1 for grouped experts) or "
+                             "replicated, without submatrices")
+        if self.matrix_shape[0] % self.fused:
+            raise ValueError(f"fused {self.fused} does not divide the {self.matrix_shape[0]} rows")
 
     def _check_submatrices(self) -> None:
         if self.resolved_optimizer != MATRIX:
             raise ValueError("submatrices are only allowed for matrix-optimizer parameters")
         if not self.submatrices or min(min(s) for s in self.submatrices) < 1:
             raise ValueError("submatrices must be a non-empty list of positive [rows, cols]")
-        if any(cols != self.shape[1] for _, cols in self.submatrices) or sum(
-            rows for rows, _ in self.submatrices
-        ) != self.shape[0]:
+        rows_, cols_ = self.matrix_shape
+        if any(cols != cols_ for _, cols in self.submatrices) or sum(rows for rows, _ in self.submatrices) != rows_:
             raise ValueError(
-                f"submatrices must be consecutive row blocks of the {self.shape} parameter "
+                f"submatrices must be consecutive row blocks of the {self.matrix_shape} matrix "
                 "(same column count, rows adding up)"
             )
 
@@ -88,20 +117,24 @@ class _Entry(BaseModel):
         if self.optimizer is not None:
             return self.optimizer
         lowered = self.name.lower()
+        if self.grouped_experts:
+            return MATRIX
         if len(self.shape) != 2 or any(hint in lowered for hint in _ADAMW_NAME_HINTS):
             return ADAMW
         return MATRIX
 
-    def to_spec(self, tp: int = 1) -> ParamSpec:
-        """The `ParamSpec` this entry describes at TP size `tp` (fused row blocks depend on it)."""
-        shape = tuple(self.shape)
+    def to_specs(self, tp: int = 1) -> list[ParamSpec]:
+        """The `ParamSpec`s this entry describes at TP size `tp` (fused row blocks depend on it):
+        one, or one per expert for grouped experts."""
+        shape = tuple(self.matrix_shape)
+        tp_dim = self.tp_dim if self.tp_dim is None or not self.grouped_experts else self.tp_dim - 1
         optimizer = self.resolved_optimizer
         submatrices: tuple[tuple[int, int], ...] = ()
         row_blocks: list[tuple[tuple[int, int], ...]] = []
         if optimizer == MATRIX:
             submatrices = tuple(self.submatrices or [shape])  # type: ignore[list-item]
         if self.fused is not None:
-            shards = tp if self.tp_dim == 0 else 1
+            shards = tp if tp_dim == 0 else 1
             if shape[0] % (self.fused * shards):
                 raise ValueError(f"tp {tp} x fused {self.fused} does not divide the {shape[0]} rows")
             row_blocks = list(fused_row_blocks(shape[0], self.fused, shards, self.split_fused))
@@ -112,12 +145,18 @@ class _Entry(BaseModel):
             for rows, _ in submatrices:
                 row_blocks.append(((start, start + rows),))
                 start += rows
-        return ParamSpec(
-            self.name, shape, self.tp_dim, optimizer, submatrices, self.dtype,
+        spec = ParamSpec(
+            self.name, shape, tp_dim, optimizer, submatrices, self.dtype,
             expert_index=self.expert[0] if self.expert else None,
             num_experts=self.expert[1] if self.expert else 0,
             row_blocks=tuple(row_blocks),
+            grad_reduce=self.grad_reduce,
         )
+        if not self.grouped_experts:
+            return [spec]
+        count = self.shape[0]
+        return [replace(spec, name=f"{self.name}[{e}]", parent=self.name, expert_index=e, num_experts=count)
+                for e in range(count)]
 
 
 class _Document(BaseModel):
@@ -126,6 +165,7 @@ class _Document(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: StrictStr
+    tp: Annotated[StrictInt, Field(ge=1)] | None = None
     params: list[Any]
 
 
@@ -169,6 +209,9 @@ def params_from_data(data: Any, default_name: str, tp: int = 1) -> tuple[str, tu
         except ValidationError as err:
             raise PlanError(f"parameter file: {_first_error(err)}") from None
         name, entries = document.name, document.params
+        if document.tp is not None and document.tp != tp:
+            raise PlanError(f"parameter file for {name!r} was read from a model at TP {document.tp} (its 'tp' key); "
+                            f"plan it with --tp {document.tp}, not {tp}")
     elif isinstance(data, list):
         name, entries = default_name, data
     else:
@@ -180,13 +223,20 @@ def params_from_data(data: Any, default_name: str, tp: int = 1) -> tuple[str, tu
         raise PlanError(f"parameter file for {name!r} lists no parameters")
     if len(entries) > MAX_PARAMS:
         raise PlanError(f"parameter file for {name!r} lists {len(entries)} parameters, above canzona's maximum of {MAX_PARAMS}")
-    return name, tuple(_parse_entry(index, raw, tp) for index, raw in enumerate(entries))
+    specs = tuple(spec for index, raw in enumerate(entries) for spec in _parse_entry(index, raw, tp))
+    if len(specs) > MAX_PARAMS:
+        raise PlanError(f"parameter file for {name!r} lists {len(specs)} matrices and parameters (grouped experts counted "
+                        f"one per expert), above canzona's maximum of {MAX_PARAMS}")
+    return name, specs
 
 
-def _parse_entry(index: int, raw: Any, tp: int) -> ParamSpec:
+def _parse_entry(index: int, raw: Any, tp: int) -> list[ParamSpec]:
     label = f" ({raw['name']!r})" if isinstance(raw, dict) and "name" in raw else ""
     try:
-        return _Entry.model_validate(raw).to_spec(tp)
+        entry = _Entry.model_validate(raw)
+        if entry.grouped_experts and entry.shape[0] > MAX_PARAMS:
+            raise ValueError(f"{entry.shape[0]} experts is above canzona's maximum of {MAX_PARAMS} parameters")
+        return entry.to_specs(tp)
     except ValidationError as err:
         raise PlanError(f"parameter entry {index}{label}: {_first_error(err)}") from None
     except ValueError as err:  # to_spec's checks that depend on tp

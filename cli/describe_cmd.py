@@ -1,0 +1,37 @@
+"""`canzona describe`: a live model's parameter list, to review, check in and plan from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from canzona.cli.sources import describe_source, is_live, source_files
+from canzona.planner.spec import PlanError
+from canzona.schedules.files import check_output, write_atomic
+
+
+def describe(
+    model: Annotated[str, typer.Option(help="A live model: py:MODULE:FACTORY (built on the meta device, no memory).")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Parameter-list YAML to write (default: stdout).")] = None,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Mark every norm's gradient as a partial sum over TP.")] = False,
+) -> None:
+    """Describe a live model as a parameter list: names, global shapes, dtypes, TP dims from
+    DTensor placements, grouped 3-D experts, partial gradients."""
+    if not is_live(model):
+        raise PlanError(f"describe reads a live model: give --model py:MODULE:FACTORY, not {model!r} (presets, "
+                        "configs and parameter lists plan as they are)")
+    if output is not None:
+        check_output(output, source_files(model), "--output")
+    description = describe_source(model, sequence_parallel)
+    text = description.to_yaml()
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    write_atomic(output, text)
+    grouped = sum(p.grouped_experts for p in description.params)
+    matrices = sum(p.optimizer == "matrix" for p in description.params)
+    tp = f", TP {description.tp}" if description.tp is not None else ""
+    typer.echo(f"wrote {output}: {len(description.params)} parameters of {description.name} ({matrices} matrices, "
+               f"{grouped} grouped expert tensors{tp})")
