@@ -162,7 +162,8 @@ def test_diff_shows_predicted_step_when_both_files_have_it(tmp_path: Path, capsy
     paths = []
     for alpha in ("auto", "1"):
         path = tmp_path / f"{alpha}.yaml"
-        assert main(["plan", "--model", "qwen3-0.6b", "--dp", "4", "--alpha", alpha, "--device", "h100", "-o", str(path)]) == 0
+        device = ["--device", "h100"] if alpha == "auto" else []
+        assert main(["plan", "--model", "qwen3-0.6b", "--dp", "4", "--alpha", alpha, *device, "-o", str(path)]) == 0
         paths.append(path)
     capsys.readouterr()
     code, out, _ = run(["diff", str(paths[0]), str(paths[0]), "--json"], capsys)

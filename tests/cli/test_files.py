@@ -125,12 +125,12 @@ def test_an_output_that_is_an_input_is_refused(tmp_path: Path, capsys: pytest.Ca
 
 def test_calibrate_checks_its_output_before_timing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from canzona.cli import simulate_cmd
+    from canzona.cli import calibrate_cmd
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("timing started")
 
-    monkeypatch.setattr(simulate_cmd, "_run_calibration", never)
+    monkeypatch.setattr(calibrate_cmd, "_run_calibration", never)
     shapes = tmp_path / "s.yaml"
     shapes.write_text("- [8, 8]\n")
     for output, needle in ((shapes, "is also an input"), (tmp_path, "folder"), (shapes / "x.yaml", "not a folder")):
