@@ -8,6 +8,7 @@ Set CANZONA_DEBUG=1 to get tracebacks instead of one-line errors.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -40,7 +41,7 @@ from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
 from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec, PlanError
 from canzona.schedules.files import OutputError, check_output
 from canzona.schedules.format import Schedule, ScheduleError, dump_schedule
-from canzona.schedules.limits import MAX_GROUP_BYTES, PROFILE_PREFIX, finite_problem
+from canzona.schedules.limits import MAX_GROUP_BYTES, PROFILE_PREFIX
 
 try:  # typer >= 0.20 vendors click
     from typer._click.exceptions import ClickException
@@ -225,9 +226,15 @@ def plan(
 
 
 def _check_group_mb(group_mb: float) -> None:
-    """--group-mb is a finite number of MiB, at least one byte."""
-    problem = finite_problem("--group-mb", group_mb, 0.0, MAX_GROUP_BYTES / MIB, low_open=True)
-    if not problem and int(group_mb * MIB) < 1:
+    """--group-mb is a finite number of MiB, at least one byte; errors speak MiB, as the option."""
+    problem = None
+    if not math.isfinite(group_mb):
+        problem = f"--group-mb must be a finite number of MiB, got {group_mb}"
+    elif group_mb <= 0:
+        problem = f"--group-mb must be > 0 MiB, got {group_mb:g} MiB"
+    elif group_mb > MAX_GROUP_BYTES / MIB:
+        problem = f"--group-mb must be <= {MAX_GROUP_BYTES / MIB:g} MiB, got {group_mb:g} MiB"
+    elif int(group_mb * MIB) < 1:
         problem = f"--group-mb must be at least one byte ({1 / MIB:.3g} MiB), got {group_mb:g} MiB"
     if problem:
         raise PlanError(problem)

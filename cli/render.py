@@ -146,6 +146,21 @@ def _timeline_panel(ax: Any, schedule: Schedule, device: str) -> dict[str, Any]:
     return {"dp_rank": dp_rank, "device": hardware, "seconds": seconds, "num_groups": len(host_loads)}
 
 
+def draw(plt: Any, schedule: Schedule, device: str) -> tuple[Any, dict[str, Any]]:
+    """The figure of a schedule (three panels), and what its timeline shows."""
+    figure, axes = plt.subplots(3, 1, figsize=(13, 12), constrained_layout=True)
+    req = schedule.request
+    figure.suptitle(f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  alpha {req.alpha:g}")
+    try:
+        _strategy_panel(axes[0], schedule)
+        _device_panel(axes[1], schedule)
+        timeline = _timeline_panel(axes[2], schedule, device)
+    except BaseException:
+        plt.close(figure)
+        raise
+    return figure, timeline
+
+
 def render(
     file: Annotated[str, typer.Argument(metavar="SCHEDULE", help=SCHEDULE_HELP)],
     output: Annotated[str, typer.Option("--output", "-o", metavar="FILE", help="Image to write (.png, .svg, .pdf; no suffix: .png).")] = "plan.png",
@@ -162,14 +177,9 @@ def render(
     plt = _pyplot()
     kind = _image_format(target)
     schedule = read_schedule(source)
-    figure, axes = plt.subplots(3, 1, figsize=(13, 12), constrained_layout=True)
-    req = schedule.request
-    figure.suptitle(f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  alpha {req.alpha:g}")
+    figure, timeline = draw(plt, schedule, device)
     image = io.BytesIO()
     try:
-        _strategy_panel(axes[0], schedule)
-        _device_panel(axes[1], schedule)
-        timeline = _timeline_panel(axes[2], schedule, device)
         figure.savefig(image, format=kind, dpi=110)
     finally:
         plt.close(figure)
