@@ -11,12 +11,7 @@ import pytest
 from canzona.cli.compare import TABLE_BEGIN, TABLE_END
 from canzona.cli.main import main
 from canzona.schedules.format import SCHEMA_VERSION, dump_schedule, read_schedule, sealed, write_schedule
-
-
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from cli_run import run
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,10 @@ from canzona.cli.main import main
 from canzona.schedules import files
 from canzona.schedules.files import TEMP_SUFFIX, write_atomic
 from canzona.schedules.library import library_root
+from cli_run import run
 
 PLAN = ["plan", "--model", "qwen3-0.6b", "--dp", "2"]
 MODEL = "name: m\nparams:\n- {name: w1, shape: [64, 64], tp_dim: 0}\n- {name: w2, shape: [64, 128], tp_dim: 1}\n"
-
-
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def one_line_error(err: str, *needles: str) -> None:

@@ -12,24 +12,10 @@ import pytest
 
 from canzona.cli.main import app, main
 from canzona.schedules.library import library_root
+from cli_run import refused, run
 
 NAME = "qwen3-8b/muon-tp2-dp4"
 OTHER = "qwen3-8b/muon-tp4-dp16"
-
-
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def refused(args: list[str], capsys: pytest.CaptureFixture[str], *needles: str) -> str:
-    code, out, err = run(args, capsys)
-    assert code == 2 and out == "", (code, out, err)
-    assert err.startswith("canzona: error: ") and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 def command_names() -> list[str]:

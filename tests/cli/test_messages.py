@@ -14,24 +14,10 @@ import pytest
 from canzona.cli import progress as progress_module
 from canzona.cli.main import main
 from canzona.cli.wording import duration, percent, plural, table_unit
+from cli_run import refused, run
 
 NAME = "qwen3-8b/muon-tp2-dp4"
 BIG = "qwen3-8b/muon-tp8-dp32"  # 256 devices
-
-
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def one_line(args: list[str], capsys: pytest.CaptureFixture[str], *needles: str) -> str:
-    code, out, err = run(args, capsys)
-    assert code == 2 and out == "" and err.startswith("canzona: error: ") and err.count("\n") == 1, (code, out, err)
-    assert "Errno" not in err and "Traceback" not in err and ".canzona-tmp" not in err, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,17 +57,17 @@ def test_simulated_hours_are_printed_in_hours(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize("text", ["{{{garbage", "a: [1, 2\n b: c\n", "\t- x\n", '"unterminated\n', "- 3\n", "{}\n"])
-def test_calibrate_garbage_shapes_is_one_line(text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibrate_garbage_shapes_is_refused(text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shapes = tmp_path / "garbage.json"
     shapes.write_text(text)
-    one_line(["calibrate", "--shapes", str(shapes), "-o", str(tmp_path / "p.yaml")], capsys, "garbage.json")
+    refused(["calibrate", "--shapes", str(shapes), "-o", str(tmp_path / "p.yaml")], capsys, "garbage.json")
 
 
 @pytest.mark.parametrize(("value", "needle"), [("-1", "--group-mb must be > 0 MiB, got -1 MiB"),
                                                ("0", "> 0 MiB"), ("nan", "finite number of MiB"),
                                                ("1e-9", "at least one byte"), ("1e30", "MiB, got 1e+30 MiB")])
 def test_group_mb_errors_speak_mib(value: str, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
-    err = one_line(["plan", "--model", "qwen3-0.6b", "--group-mb", value], capsys, needle)
+    err = refused(["plan", "--model", "qwen3-0.6b", "--group-mb", value], capsys, needle)
     assert "bytes" not in err and "capacity" not in err
 
 
@@ -89,8 +75,8 @@ def test_output_paths_get_plain_messages(tmp_path: Path, capsys: pytest.CaptureF
     afile = tmp_path / "afile"
     afile.write_text("x\n")
     for command in (["plan", "--model", "qwen3-0.6b"], ["render", NAME], ["calibrate", "--quick"]):
-        one_line([*command, "-o", ""], capsys, "--output is empty")
-        one_line([*command, "-o", str(afile / "x.yaml")], capsys, f"{str(afile)!r} is not a folder")
+        refused([*command, "-o", ""], capsys, "--output is empty")
+        refused([*command, "-o", str(afile / "x.yaml")], capsys, f"{str(afile)!r} is not a folder")
     assert afile.read_text() == "x\n"
 
 
@@ -109,7 +95,7 @@ def test_failed_writes_name_the_path_once(code: int, reason: str, tmp_path: Path
     if find_spec("matplotlib") is not None:
         targets.append((["render", NAME], tmp_path / "p.png"))
     for command, target in targets:
-        err = one_line([*command, "-o", str(target)], capsys, f"cannot write {str(target)!r}: {reason}")
+        err = refused([*command, "-o", str(target)], capsys, f"cannot write {str(target)!r}: {reason}")
         assert err.count(str(target)) == 1 and "raw errno text" not in err
 
 
@@ -121,7 +107,7 @@ def test_render_says_what_it_wrote_and_makes_folders(tmp_path: Path, capsys: pyt
     assert code == 0 and out == "wrote plan.png\n" and Path("plan.png").is_file() and not Path("plan").exists()
     code, out, _ = run(["render", NAME, "-o", "new/folder/p.svg"], capsys)
     assert code == 0 and out == "wrote new/folder/p.svg\n"
-    one_line(["render", NAME, "-o", "p.xyz"], capsys, "not an image format", ".png, .svg or .pdf")
+    refused(["render", NAME, "-o", "p.xyz"], capsys, "not an image format", ".png, .svg or .pdf")
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,7 +128,7 @@ def test_plan_warns_when_most_ranks_have_nothing_to_update(tmp_path: Path, capsy
 
 
 def test_huge_dp_fails_fast(capsys: pytest.CaptureFixture[str]) -> None:
-    one_line(["plan", "--model", "qwen3-0.6b", "--dp", "100000"], capsys, "maximum of 8192 DP ranks")
+    refused(["plan", "--model", "qwen3-0.6b", "--dp", "100000"], capsys, "maximum of 8192 DP ranks")
 
 
 def test_auto_searches_report_each_candidate(tmp_path: Path, capsys: pytest.CaptureFixture[str],
