@@ -14,7 +14,8 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from canzona.schedules.files import write_atomic
+from canzona.cli.options import SCHEDULE_HELP, library_hint, load_schedule, write_output
+from canzona.cli.wording import percent, plural
 from canzona.schedules.format import (
     Request,
     Schedule,
@@ -23,8 +24,8 @@ from canzona.schedules.format import (
     parse_schedule,
     read_request,
     read_schedule,
-    write_schedule,
 )
+from canzona.schedules.library import resolve_schedule
 from canzona.schedules.limits import MAX_SCHEDULE_BYTES
 from canzona.schedules.reading import UnsafeDocument, read_text
 
@@ -110,8 +111,9 @@ def _format(value: float | None) -> str:
 
 
 def diff_text(old_path: str, new_path: str, rows: list[Row]) -> str:
-    """The side-by-side table."""
-    header = ["metric", Path(old_path).name, Path(new_path).name, "delta", "verdict"]
+    """The side-by-side table (columns named by file name, or in full where those are equal)."""
+    names = [Path(old_path).name, Path(new_path).name]
+    header = ["metric", *(names if names[0] != names[1] else [old_path, new_path]), "delta", "verdict"]
     body = [[r.name, _format(r.old), _format(r.new), "-" if r.delta is None else f"{r.delta:+.4g}", r.verdict]
             for r in rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
@@ -119,8 +121,8 @@ def diff_text(old_path: str, new_path: str, rows: list[Row]) -> str:
 
 
 def diff(
-    old: Annotated[Path, typer.Argument(help="Baseline schedule.")],
-    new: Annotated[Path, typer.Argument(help="Candidate schedule.")],
+    old: Annotated[str, typer.Argument(metavar="OLD", help="Baseline: " + SCHEDULE_HELP)],
+    new: Annotated[str, typer.Argument(metavar="NEW", help="Candidate: " + SCHEDULE_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     max_imbalance_increase: Annotated[float, typer.Option(help="Allowed absolute increase of DP/device imbalance.")] = 0.0,
     max_gap_increase: Annotated[float, typer.Option(help="Allowed absolute increase of the DP gap.")] = 0.0,
@@ -131,7 +133,7 @@ def diff(
     for name, value in (("imbalance", max_imbalance_increase), ("gap", max_gap_increase), ("memory", max_memory_increase)):
         if not math.isfinite(value) or value < 0:
             raise ScheduleError(f"--max-{name}-increase must be a finite number >= 0, got {value}")
-    before, after = read_schedule(old), read_schedule(new)
+    before, after = load_schedule(old), load_schedule(new)
     # The model's identity, not the fingerprint: TP size changes the padded vocab shapes.
     if same_model and before.request.model != after.request.model:
         raise ScheduleError(f"different models: {before.request.model.name} vs {after.request.model.name}")
@@ -140,7 +142,7 @@ def diff(
     if as_json:
         typer.echo(json.dumps([vars(row) for row in rows], indent=2))
     else:
-        typer.echo(diff_text(str(old), str(new), rows))
+        typer.echo(diff_text(old, new, rows))
     failed = [row for row in rows if row.verdict == "REGRESSION"]
     for row in failed:
         typer.echo(f"canzona: regression: {row.name} {_format(row.old)} -> {_format(row.new)}", err=True)
@@ -153,17 +155,19 @@ SKIPPED_FOLDERS = {"profiles"}  # calibration profiles live next to the schedule
 
 
 def schedule_files(paths: list[Path]) -> list[Path]:
-    """Files named directly, plus every *.yaml below named folders (profiles excluded)."""
+    """Files named directly (or by library name), plus every *.yaml below named folders
+    (profiles excluded)."""
     found: list[Path] = []
     for path in paths:
         if path.is_dir():
             found += sorted(
                 p for p in path.rglob("*.yaml") if not SKIPPED_FOLDERS & set(p.relative_to(path).parts[:-1])
             )
-        elif path.exists():
-            found.append(path)
+        elif resolve_schedule(path).exists():
+            found.append(resolve_schedule(path))
         else:
-            raise ScheduleError(f"no such schedule or folder: {str(path)!r}")
+            raise ScheduleError(f"no such schedule or folder, nor a library schedule: {str(path)!r}"
+                                + library_hint(str(path)))
     return found
 
 
@@ -228,23 +232,40 @@ def check_file(path: Path) -> tuple[str | None, Schedule]:
     return reason, new
 
 
-def library_table(files: list[Path], root: Path) -> str:
-    """Markdown table of schedules' headline metrics (what `canzona table` prints)."""
+def library_rows(files: list[Path], root: Path) -> list[dict[str, Any]]:
+    """Each schedule's headline metrics (what `canzona table` shows), named below `root`."""
+    rows = []
+    for path in files:
+        s = read_schedule(path)
+        r, dp = s.request, s.metrics.dp
+        rows.append({
+            "schedule": path.relative_to(root).with_suffix("").as_posix(), "model": r.model.name, "tp": r.tp,
+            "dp": r.dp, "ep": r.ep, "optimizer": r.optimizer.name, "alpha": r.alpha, "dp_imbalance": dp.imbalance,
+            "gap": dp.gap, "padding_overhead": dp.padding_overhead, "tp_efficiency": s.metrics.tp.efficiency,
+            "num_groups": s.metrics.tp.num_groups, "max_state_gib": _max_device(s, "state_bytes") / GIB,
+        })
+    return rows
+
+
+def library_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of `library_rows`."""
     lines = [
         "| schedule | model | layout | optimizer | alpha | DP imbalance | gap | padding | TP efficiency | groups | max state GiB/device |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for path in files:
-        s = read_schedule(path)
-        r, dp = s.request, s.metrics.dp
-        layout = f"tp{r.tp} dp{r.dp}" + (f" ep{r.ep}" if r.ep > 1 else "")
-        name = path.relative_to(root).with_suffix("").as_posix()
+    for r in rows:
+        layout = f"tp{r['tp']} dp{r['dp']}" + (f" ep{r['ep']}" if r["ep"] > 1 else "")
         lines.append(
-            f"| `{name}` | {r.model.name} | {layout} | {r.optimizer.name} | {r.alpha:g} | {dp.imbalance:.4f} "
-            f"| {100 * dp.gap:.2f}% | {dp.padding_overhead:.2f}x | {s.metrics.tp.efficiency:.3f} "
-            f"| {s.metrics.tp.num_groups} | {_max_device(s, 'state_bytes') / GIB:.2f} |"
+            f"| `{r['schedule']}` | {r['model']} | {layout} | {r['optimizer']} | {r['alpha']:g} | {r['dp_imbalance']:.4f} "
+            f"| {percent(r['gap'])} | {r['padding_overhead']:.2f}x | {r['tp_efficiency']:.3f} "
+            f"| {r['num_groups']} | {r['max_state_gib']:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def folder_table(folder: Path) -> str:
+    """The markdown table of every schedule below `folder`."""
+    return library_table(library_rows(schedule_files([folder]), folder))
 
 
 TABLE_BEGIN = "<!-- canzona table: begin (generated by `canzona table schedules --update`) -->"
@@ -261,51 +282,65 @@ def _with_table(readme: str, table: str) -> str:
 def table(
     folder: Annotated[Path, typer.Argument(help="Schedule library folder.")] = Path("schedules"),
     update: Annotated[bool, typer.Option("--update", help=f"Rewrite the table inside FOLDER/{LIBRARY_README}.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON (not with --update).")] = False,
 ) -> None:
     """Print the library's metrics table (markdown), or update it in the library README."""
     if not folder.is_dir():
         raise ScheduleError(f"table reads a folder of schedules; {str(folder)!r} is {'a file' if folder.exists() else 'missing'}")
+    if update and as_json:
+        raise ScheduleError("--json prints the table; --update writes it into the README: give one")
     readme = folder / LIBRARY_README
     if update and not readme.is_file():
         raise ScheduleError(f"--update rewrites the table inside {str(readme)!r}, which does not exist")
-    text = library_table(schedule_files([folder]), folder)
-    if not update:
-        typer.echo(text, nl=False)
-        return
-    write_atomic(readme, _with_table(readme.read_text(encoding="utf-8"), text))
-    typer.echo(f"updated {readme}")
+    rows = library_rows(schedule_files([folder]), folder)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+    elif not update:
+        typer.echo(library_table(rows), nl=False)
+    else:
+        write_output(readme, _with_table(readme.read_text(encoding="utf-8"), library_table(rows)))
+        typer.echo(f"updated {readme}")
 
 
 def check(
-    paths: Annotated[Optional[list[Path]], typer.Argument(help="Schedules or folders (default: schedules).")] = None,
+    paths: Annotated[Optional[list[Path]], typer.Argument(metavar="[SCHEDULE|FOLDER]...", help="Schedules (files or library names) or folders (default: schedules).")] = None,
     fix: Annotated[bool, typer.Option("--fix", help="Rewrite stale files (atomically).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON report: every file's status and reason.")] = False,
 ) -> None:
     """Regenerate each schedule from its recorded request and compare bytes; exit 1 if any
     differs (content, formatting, or a file that no longer validates)."""
     roots = paths or [Path("schedules")]
-    stale = 0
-    for path in schedule_files(roots):
-        reason, new = check_file(path)
-        if reason is None:
-            typer.echo(f"fresh  {path}")
-            continue
-        if fix:
-            write_schedule(new, path)
-            typer.echo(f"fixed  {path}: {reason}")
-        else:
-            stale += 1
-            typer.echo(f"STALE  {path}: {reason}")
-    for root in roots:
-        readme = root / LIBRARY_README
-        if root.is_dir() and readme.exists():
-            wanted = _with_table(readme.read_text(encoding="utf-8"), library_table(schedule_files([root]), root))
-            if wanted != readme.read_text(encoding="utf-8"):
-                if fix:
-                    write_atomic(readme, wanted)
-                    typer.echo(f"fixed  {readme}: metrics table")
-                else:
-                    stale += 1
-                    typer.echo(f"STALE  {readme}: metrics table differs from `canzona table`")
+    results = [_check_one(path, fix) for path in schedule_files(roots)]
+    results += [result for root in roots if (result := _check_readme(root, fix)) is not None]
+    stale = sum(1 for result in results if result["status"] == "stale")
+    if as_json:
+        typer.echo(json.dumps({"files": results, "stale": stale, "fixed": sum(r["status"] == "fixed" for r in results)},
+                              indent=2))
+    else:
+        for result in results:
+            label = {"fresh": "fresh ", "stale": "STALE ", "fixed": "fixed "}[result["status"]]
+            typer.echo(f"{label} {result['path']}" + (f": {result['reason']}" if result["reason"] else ""))
     if stale:
-        typer.echo(f"canzona: {stale} stale file(s); run `canzona check --fix`", err=True)
+        typer.echo(f"canzona: {plural(stale, 'stale file')}; run `canzona check --fix`", err=True)
         raise typer.Exit(EXIT_REGRESSION)
+
+
+def _check_one(path: Path, fix: bool) -> dict[str, Any]:
+    reason, new = check_file(path)
+    if reason is not None and fix:
+        write_output(path, dump_schedule(new))
+    return {"path": str(path), "status": "fresh" if reason is None else "fixed" if fix else "stale", "reason": reason}
+
+
+def _check_readme(root: Path, fix: bool) -> dict[str, Any] | None:
+    readme = root / LIBRARY_README
+    if not (root.is_dir() and readme.exists()):
+        return None
+    text = readme.read_text(encoding="utf-8")
+    wanted = _with_table(text, folder_table(root))
+    if wanted == text:
+        return {"path": str(readme), "status": "fresh", "reason": None}
+    if fix:
+        write_output(readme, wanted)
+        return {"path": str(readme), "status": "fixed", "reason": "metrics table"}
+    return {"path": str(readme), "status": "stale", "reason": "metrics table differs from `canzona table`"}

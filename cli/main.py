@@ -8,6 +8,7 @@ Set CANZONA_DEBUG=1 to get tracebacks instead of one-line errors.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -19,16 +20,29 @@ from typing import Annotated, Optional
 
 import typer
 
-from canzona.cli import compare, describe_cmd, render, report, reshard_cmd, simulate_cmd
+from canzona.cli import calibrate_cmd, compare, describe_cmd, render, report, reshard_cmd, simulate_cmd
+from canzona.cli.options import (
+    DEVICE_HELP,
+    SCHEDULE_HELP,
+    device_file,
+    device_option,
+    load_schedule,
+    output_path,
+    refuse_unless,
+    refuse_unused_settings,
+    write_output,
+)
+from canzona.cli.progress import progress, warn
 from canzona.cli.sources import load_source, source_files
+from canzona.cli.wording import plural
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB
 from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
-from canzona.planner.spec import ModelOptions, PlanError
-from canzona.schedules.format import ScheduleError, read_schedule, write_schedule
+from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec, PlanError
 from canzona.schedules.files import OutputError, check_output
-from canzona.schedules.limits import MAX_GROUP_BYTES, PROFILE_PREFIX, finite_problem
+from canzona.schedules.format import Schedule, ScheduleError, dump_schedule
+from canzona.schedules.limits import MAX_GROUP_BYTES, PROFILE_PREFIX
 
 try:  # typer >= 0.20 vendors click
     from typer._click.exceptions import ClickException
@@ -41,12 +55,33 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 KNOWN_ERRORS = (PlanError, ScheduleError, OutputError)
 
+MIB = 1 << 20
+
 app = typer.Typer(
     add_completion=False,
-    no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="Plan and inspect canzona schedules for matrix optimizers under DP x TP.",
+    # Plain help text: rich markup would eat "[rows, cols]" and print flags as "<bool>".
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Plan and inspect canzona schedules for matrix optimizers under DP x TP. "
+    "Concepts and file format: docs/README.md.",
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"canzona {version('canzona')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print canzona's version and exit.")] = False,
+) -> None:
+    """Plan and inspect canzona schedules for matrix optimizers under DP x TP."""
 
 
 class Optimizer(str, Enum):
@@ -133,13 +168,13 @@ def plan(
     optimizer: Annotated[Optimizer, typer.Option(help="Matrix optimizer.")] = Optimizer.muon,
     cost: Annotated[str, typer.Option(help="Cost model balanced across ranks: numel, flops, or profile:FILE.")] = "flops",
     alpha: Annotated[str, typer.Option(help="In [0, 1] (1 balances compute, 0 keeps slices equal), or auto.")] = "1",
-    device: Annotated[str, typer.Option(help="--alpha/--bucket-size auto: device model h100, h200, a100, cpu, or a profile.")] = "h100",
+    device: Annotated[str, typer.Option(help=DEVICE_HELP + " Only with --alpha auto or --bucket-size auto.")] = "h100",
     bucket_size: Annotated[str, typer.Option(help="Bucket size in elements, or auto (the simulator's fastest iteration).")] = str(DEFAULT_BUCKET_SIZE),
     global_batch: Annotated[int, typer.Option(help="auto searches: sequences per optimizer step, over all DP ranks.")] = DEFAULT_GLOBAL_BATCH,
     seq_len: Annotated[int, typer.Option(help="auto searches: tokens per sequence.")] = DEFAULT_SEQ_LEN,
     micro_batches: Annotated[Optional[int], typer.Option(help="auto searches: micro-batches per DP rank (default: global batch / dp).")] = None,
     split_qkv: Annotated[QkvSplit, typer.Option(help="How QKV is orthogonalised.")] = QkvSplit.qkv,
-    split_fc1: Annotated[bool, typer.Option("--split-fc1", help="Update fc1 gate and up halves separately.")] = False,
+    split_fc1: Annotated[bool, typer.Option("--split-fc1/--no-split-fc1", help="Update fc1 gate and up halves separately.")] = False,
     router_optimizer: Annotated[RouterOptimizer, typer.Option(help="Optimizer of MoE routers.")] = RouterOptimizer.matrix,
     names: Annotated[Names, typer.Option(help="Parameter names of a preset or HF config: megatron, hf (transformers), torchtitan; auto: hf for a config.json, megatron for a preset.")] = Names.auto,
     sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Every norm's gradient is a partial sum over TP, which the optimizer sums (leave off if the model reduces them itself).")] = False,
@@ -151,66 +186,110 @@ def plan(
     group_mb: Annotated[float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")] = DEFAULT_GROUP_MB,
     ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
     solver: Annotated[Solver, typer.Option(help="greedy, or ilp: refine with CP-SAT (needs ortools).")] = Solver.greedy,
-    time_limit: Annotated[float, typer.Option(help="CP-SAT budget in deterministic seconds.")] = 10.0,
-    seed: Annotated[int, typer.Option(help="CP-SAT random seed.")] = 0,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Schedule file to write.")] = None,
+    time_limit: Annotated[float, typer.Option(help="--solver ilp: CP-SAT budget in deterministic seconds.")] = 10.0,
+    seed: Annotated[int, typer.Option(help="--solver ilp: CP-SAT random seed.")] = 0,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="FILE", help="Schedule file to write (default: schedules/<model>/<name>.yaml).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Solve the DP partition for a model and layout, and write the schedule file."""
-    from canzona.planner.predict.auto_alpha import plan_for_request
     from dataclasses import replace
 
     from canzona.planner.compile import compile_schedule
     from canzona.planner.plan import PlanRequest, TrainingSetup
+    from canzona.planner.predict.auto_alpha import plan_for_request, search_steps
 
     started = time.perf_counter()
-    problem = finite_problem("--group-mb", group_mb, 0.0, MAX_GROUP_BYTES / (1 << 20), low_open=True)
-    if problem:
-        raise PlanError(problem)
-    options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value, names.value, sequence_parallel)
-    settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
+    _check_group_mb(group_mb)
     auto = alpha.strip().lower() == "auto"
     size = _bucket_size(bucket_size)
     searching = auto or size is None
+    refuse_unless(searching, ("device", "global_batch", "seq_len", "micro_batches"),
+                  "it sets up the simulation that --alpha auto and --bucket-size auto search with")
+    refuse_unless(solver == Solver.ilp, ("time_limit", "seed"), "it applies to --solver ilp")
+    refuse_unused_settings([optimizer.value])
+    searched_on = device_option(device) if searching else None
+    options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value, names.value, sequence_parallel)
+    settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
     request = PlanRequest(
         model, tp, dp, settings, cost, 1.0 if auto else _alpha(alpha), DEFAULT_BUCKET_SIZE if size is None else size, options,
-        mode.value, int(group_mb * (1 << 20)), ep, solver.value, time_limit, seed, device if auto else None,
-        device if size is None else None, TrainingSetup(global_batch, seq_len, micro_batches) if searching else None,
+        mode.value, int(group_mb * MIB), ep, solver.value, time_limit, seed, searched_on if auto else None,
+        searched_on if size is None else None, TrainingSetup(global_batch, seq_len, micro_batches) if searching else None,
     )
     request.validate()
     inputs = [*source_files(model), cost.removeprefix(PROFILE_PREFIX) if cost.startswith(PROFILE_PREFIX) else None,
-              device if auto else None]
-    if output is not None:
-        check_output(output, inputs, "--output")
+              device_file(searched_on or "")]
+    target = None if output is None else output_path(output)
+    if target is not None:
+        check_output(target, inputs, "--output")
     spec = load_source(model, tp, options)
     request = replace(request, options=replace(options, names=spec.names))  # auto resolved by the source
-    label = "auto" if auto else request.alpha
-    path = output or default_output(spec.name, optimizer.value, tp, dp, label, cost, ep)
+    path = target or default_output(spec.name, optimizer.value, tp, dp, "auto" if auto else request.alpha, cost, ep)
     check_output(path, inputs, "output")
-    the_plan, search = plan_for_request(spec, request)
-    schedule = compile_schedule(the_plan, search)
-    try:
-        write_schedule(schedule, path)
-    except OSError as error:
-        raise PlanError(f"cannot write {str(path)!r}: {error.strerror or error}") from error
-    elapsed = time.perf_counter() - started
-    summary = report.plan_summary(schedule, str(path), elapsed)
+    warned = _warn_few_matrices(spec, dp, ep)
+    steps = search_steps(request)
+    with progress(f"planning {spec.name} tp {tp} x dp {dp}", steps or None) as step:
+        the_plan, search = plan_for_request(spec, request, progress=step if steps else None)
+        schedule = compile_schedule(the_plan, search)
+    write_output(path, dump_schedule(schedule))
+    summary = report.plan_summary(schedule, str(path), time.perf_counter() - started)
     typer.echo(json.dumps(summary, indent=2) if as_json else report.summary_text(summary))
+    if not warned:
+        _warn_idle_ranks(schedule)
+
+
+def _check_group_mb(group_mb: float) -> None:
+    """--group-mb is a finite number of MiB, at least one byte; errors speak MiB, as the option."""
+    problem = None
+    if not math.isfinite(group_mb):
+        problem = f"--group-mb must be a finite number of MiB, got {group_mb}"
+    elif group_mb <= 0:
+        problem = f"--group-mb must be > 0 MiB, got {group_mb:g} MiB"
+    elif group_mb > MAX_GROUP_BYTES / MIB:
+        problem = f"--group-mb must be <= {MAX_GROUP_BYTES / MIB:g} MiB, got {group_mb:g} MiB"
+    elif int(group_mb * MIB) < 1:
+        problem = f"--group-mb must be at least one byte ({1 / MIB:.3g} MiB), got {group_mb:g} MiB"
+    if problem:
+        raise PlanError(problem)
+
+
+IDLE_SHARE = 0.5  # warn when more than this share of DP ranks has no matrix to update
+
+
+def _warn_few_matrices(spec: ModelSpec, dp: int, ep: int) -> bool:
+    """Warn before planning when the model has too few matrices for most DP ranks to get one
+    (matrices are never split between DP ranks). True if it warned."""
+    matrices = sum(1 for p in spec.params if p.optimizer == MATRIX)
+    if ep != 1 or matrices >= dp * (1 - IDLE_SHARE):
+        return False
+    warn(f"{spec.name} has {plural(matrices, 'matrix', 'matrices')} for {dp} DP ranks: at least "
+         f"{dp - matrices} ranks will have nothing to update and the busiest rank sets the step; "
+         "a smaller --dp (or a larger --tp) balances better")
+    return True
+
+
+def _warn_idle_ranks(schedule: Schedule) -> None:
+    """Warn after planning when most DP ranks own no matrix."""
+    loads = schedule.metrics.dp.load
+    idle = sum(1 for load in loads if load == 0)
+    if idle > IDLE_SHARE * len(loads):
+        warn(f"{idle} of {len(loads)} DP ranks own no matrix to update (DP imbalance "
+             f"{schedule.metrics.dp.imbalance:.1f}); a smaller --dp (or a larger --tp) balances better")
 
 
 @app.command()
 def show(
-    file: Annotated[Path, typer.Argument(help="Schedule file.")],
+    file: Annotated[str, typer.Argument(metavar="SCHEDULE", help=SCHEDULE_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     rank: Annotated[Optional[int], typer.Option(help="Show one device (global rank = dp_rank * tp + tp_rank).")] = None,
 ) -> None:
     """Show a schedule: per-rank loads as bars, imbalance, gap, memory, baselines, TP modes."""
-    schedule = read_schedule(file)
+    schedule = load_schedule(file)
     if rank is not None:
         world = schedule.request.tp * schedule.request.dp
         if not 0 <= rank < world:
             raise ScheduleError(f"rank {rank} is outside the world of {world} devices")
-        typer.echo(report.rank_text(schedule, rank))
+        part = report.rank_part(schedule, rank)
+        typer.echo(json.dumps(part, indent=2) if as_json else report.rank_text(part))
     elif as_json:
         data = {"request": schedule.request.model_dump(mode="json"), "metrics": schedule.metrics.model_dump(mode="json")}
         typer.echo(json.dumps(data, indent=2))
@@ -224,7 +303,7 @@ app.command()(compare.check)
 app.command()(compare.table)
 app.command()(render.render)
 app.command()(simulate_cmd.simulate)
-app.command()(simulate_cmd.calibrate)
+app.command()(calibrate_cmd.calibrate)
 app.command("reshard-check")(reshard_cmd.reshard_check)
 
 
@@ -237,11 +316,13 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI on `argv`; return the exit code instead of exiting."""
+    """Run the CLI on `argv` (default: the process's arguments); return the exit code instead
+    of exiting. No arguments at all print the help."""
     debug = os.environ.get("CANZONA_DEBUG") == "1"
+    args = sys.argv[1:] if argv is None else list(argv)
     previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     try:
-        result = app(args=argv, prog_name="canzona", standalone_mode=False)
+        result = app(args=args or ["--help"], prog_name="canzona", standalone_mode=False)
     except ClickException as error:
         typer.echo(f"canzona: error: {error.format_message()}", err=True)
         return EXIT_BAD_INPUT

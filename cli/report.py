@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
+from canzona.cli.wording import duration, percent, plural
 from canzona.planner.sources.catalog import Architecture
 from canzona.schedules.format import Schedule
 
 BAR_WIDTH = 40
-MAX_BAR_ROWS = 64
+MAX_BAR_ROWS = 32  # up to this many ranks get a row each; more are shown as RANGE_ROWS ranges
+RANGE_ROWS = 16
 GIB = 1 << 30
 
 
@@ -82,25 +85,25 @@ def summary_text(summary: dict[str, Any]) -> str:
         f"wrote {summary['output']}",
         f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  "
         f"cost {summary['cost']}  alpha {summary['alpha']:g}",
-        f"{summary['num_matrix_params']} matrix params in {summary['num_buckets']} buckets, "
+        f"{plural(summary['num_matrix_params'], 'matrix parameter')} in {plural(summary['num_buckets'], 'bucket')}, "
         f"method {summary['method']}",
-        f"DP imbalance {summary['imbalance']:.4f}  gap {100 * summary['gap']:.2f}% above the lower bound  "
+        f"DP imbalance {summary['imbalance']:.4f}  gap {percent(summary['gap'])} above the lower bound  "
         f"padding overhead {summary['padding_overhead']:.2f}x",
         "baselines, max load / lower bound: "
         + ", ".join(f"{name} {1 + b['gap']:.3f}" for name, b in summary["baselines"].items()),
-        f"TP {summary['tp_mode']}: {summary['num_groups']} micro-groups, efficiency "
+        f"TP {summary['tp_mode']}: {plural(summary['num_groups'], 'micro-group')}, efficiency "
         f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}",
-        f"planned in {summary['seconds']:.2f} s",
+        f"planned in {duration(summary['seconds'])}",
     ]
     if summary["alpha_search"]:
         objective = "iteration" if summary["alpha_search"][0].get("predicted_iteration_s") is not None else "step"
-        tried = ", ".join(f"{t['alpha']:g}: {1e3 * t[f'predicted_{objective}_s']:.1f} ms" for t in summary["alpha_search"])
+        tried = ", ".join(f"{t['alpha']:g}: {duration(t[f'predicted_{objective}_s'])}" for t in summary["alpha_search"])
         lines.insert(2, f"alpha chosen by the simulator on {summary['alpha_device']} (predicted {objective}: {tried})")
     if summary["bucket_search"]:
         from canzona.planner.predict.auto_bucket import size_label
 
         search = summary["bucket_search"]
-        tried = ", ".join(f"{size_label(t['bucket_size'])}: {1e3 * t['predicted_iteration_s']:.1f} ms" for t in search["trials"])
+        tried = ", ".join(f"{size_label(t['bucket_size'])}: {duration(t['predicted_iteration_s'])}" for t in search["trials"])
         lines.insert(2, f"bucket size chosen by the simulator on {summary['bucket_device']}: {search['reason']} "
                         f"(predicted iteration: {tried})")
     solver = summary["solver"]
@@ -108,23 +111,32 @@ def summary_text(summary: dict[str, Any]) -> str:
         lines.insert(-1, (
             f"CP-SAT: DP {solver['dp_status']} (objective {solver['dp_objective']:.4g}, bound "
             f"{solver['dp_bound']:.4g}, {'accepted' if solver['dp_accepted'] else 'greedy kept'}); "
-            f"TP hosts improved in {solver['tp_groups_improved']} of {solver['tp_groups_refined']} groups"
+            f"TP hosts improved in {solver['tp_groups_improved']} of {plural(solver['tp_groups_refined'], 'group')}"
         ))
     return "\n".join(lines)
 
 
-def _bars(values: list[float], reference: float) -> list[str]:
-    """Rows of `rank  bar  value/reference`; ranges of ranks (their max) when there are many."""
-    step = -(-len(values) // MAX_BAR_ROWS)
-    rows = []
-    for start in range(0, len(values), step):
-        chunk = values[start : start + step]
-        label = str(start) if step == 1 else f"{start}-{start + len(chunk) - 1}"
-        top = max(chunk)
-        ratio = top / reference if reference else 0.0
-        filled = round(BAR_WIDTH * min(ratio, 2.0) / 2.0)
-        rows.append(f"{label:>9}  {'#' * filled:<{BAR_WIDTH}}  {ratio:.3f}")
-    return rows
+def _bar(label: str, ratio: float) -> str:
+    filled = round(BAR_WIDTH * min(ratio, 2.0) / 2.0)
+    return f"{label:>9}  {'#' * filled:<{BAR_WIDTH}}  {ratio:.3f}"
+
+
+def _bars(values: list[float], reference: float, what: str) -> list[str]:
+    """A bar per rank, `value / reference` (full bar = 2x), under a title naming `what`; past
+    MAX_BAR_ROWS ranks, RANGE_ROWS ranges of ranks, each drawn at its maximum, and a summary."""
+    ratios = [value / reference if reference else 0.0 for value in values]
+    if len(ratios) <= MAX_BAR_ROWS:
+        return [f"{what} (1.000 = mean, full bar = 2x mean):"] + [_bar(str(i), r) for i, r in enumerate(ratios)]
+    step = -(-len(ratios) // RANGE_ROWS)
+    lines = [f"{what} (1.000 = mean, full bar = 2x mean), {step} ranks a row, each row the maximum of its range; "
+             "--rank R shows one device:"]
+    for start in range(0, len(ratios), step):
+        chunk = ratios[start : start + step]
+        lines.append(_bar(f"{start}-{start + len(chunk) - 1}", max(chunk)))
+    idle = sum(1 for value in values if value == 0)
+    lines.append(f"{'':>9}  min {min(ratios):.3f}, median {statistics.median(ratios):.3f}, max {max(ratios):.3f}"
+                 + (f"; {idle} of {len(ratios)} idle" if idle else ""))
+    return lines
 
 
 def show_text(schedule: Schedule) -> str:
@@ -134,12 +146,10 @@ def show_text(schedule: Schedule) -> str:
         f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  "
         f"alpha {req.alpha:g}  method {dp.method}"
     )
-    ideal = dp.mean
-    lines = [header, "", "compute load per DP rank (1.000 = mean, full bar = 2x mean):"]
-    lines += _bars(dp.load, ideal)
+    lines = [header, "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
     lines += [
         "",
-        f"imbalance {dp.imbalance:.4f}  gap {100 * dp.gap:.2f}% above lower bound {dp.lower_bound:.4g}",
+        f"imbalance {dp.imbalance:.4f}  gap {percent(dp.gap)} above lower bound {dp.lower_bound:.4g}",
         f"padding overhead {dp.padding_overhead:.2f}x (worst bucket {dp.max_padding_overhead:.2f}x)",
         f"gradient slice per rank: max {max(dp.slice_bytes) / GIB:.3f} GiB, "
         f"min {min(dp.slice_bytes) / GIB:.3f} GiB",
@@ -164,9 +174,8 @@ def _tp_lines(schedule: Schedule) -> list[str]:
         for mode, s in tp.modes.items()
     ]
     lines.append(_table(["mode", "groups", "efficiency", "critical/bound", "device imbalance", "max saturation"], rows))
-    lines += ["", "compute load per device (1.000 = mean):"]
     loads = [d.load for d in devices]
-    lines += _bars(loads, sum(loads) / len(loads))
+    lines += ["", *_bars(loads, sum(loads) / len(loads), "compute load per device")]
     lines.append(
         f"per device: state max {max(d.state_bytes for d in devices) / GIB:.2f} GiB, "
         f"sent max {max(d.bytes_sent for d in devices) / GIB:.2f} GiB, "
@@ -175,29 +184,47 @@ def _tp_lines(schedule: Schedule) -> list[str]:
     return lines
 
 
-def rank_text(schedule: Schedule, rank: int) -> str:
-    """One device's part of the schedule: owned slices, hosted groups and tasks, bytes."""
+def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
+    """One device's part of the schedule as plain data: owned matrices and buffer slices,
+    hosted tasks per micro-group, load, state and bytes per step."""
     req = schedule.request
     dp_rank, tp_rank = divmod(rank, req.tp)
     device = schedule.metrics.device[rank]
-    owned = [p for p in schedule.params if p.owner == dp_rank]
-    lines = [
-        f"device {rank} = dp rank {dp_rank}, tp rank {tp_rank} of {req.model.name} tp {req.tp} x dp {req.dp}",
-        f"compute load {device.load:.4g}  state {device.state_bytes / GIB:.3f} GiB  "
-        f"sent {device.bytes_sent / GIB:.3f} GiB  received {device.bytes_received / GIB:.3f} GiB per step",
-        "",
-        f"owns {len(owned)} matrices; slices of the matrix buffer:",
+    slices = [
+        {"bucket": bucket.index, "start": bucket.cuts[dp_rank], "stop": bucket.cuts[dp_rank + 1],
+         "elements": bucket.cuts[dp_rank + 1] - bucket.cuts[dp_rank]}
+        for bucket in schedule.dp.buckets if bucket.cuts[dp_rank + 1] > bucket.cuts[dp_rank]
     ]
-    for bucket in schedule.dp.buckets:
-        start, stop = bucket.cuts[dp_rank], bucket.cuts[dp_rank + 1]
-        if stop > start:
-            lines.append(f"  bucket {bucket.index}: [{start}, {stop})  {stop - start} elements")
+    groups = [
+        {"index": group.index, "tasks": len(group.params), "makespan": group.makespan, "saturation": group.saturation,
+         "hosted": [name for name, host in zip(group.params, group.hosts) if host == tp_rank]}
+        for group in schedule.tp.ranks[dp_rank].groups
+    ]
+    return {
+        "rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
+        "load": device.load, "state_bytes": device.state_bytes, "bytes_sent": device.bytes_sent,
+        "bytes_received": device.bytes_received,
+        "owned": [p.name for p in schedule.params if p.owner == dp_rank], "slices": slices, "groups": groups,
+    }
+
+
+def rank_text(part: dict[str, Any]) -> str:
+    """`rank_part` for the terminal."""
+    lines = [
+        f"device {part['rank']} = dp rank {part['dp_rank']}, tp rank {part['tp_rank']} of {part['model']} "
+        f"tp {part['tp']} x dp {part['dp']}",
+        f"compute load {part['load']:.4g}  state {part['state_bytes'] / GIB:.3f} GiB  "
+        f"sent {part['bytes_sent'] / GIB:.3f} GiB  received {part['bytes_received'] / GIB:.3f} GiB per step",
+        "",
+        f"owns {plural(len(part['owned']), 'matrix', 'matrices')}; slices of the matrix buffer:",
+    ]
+    lines += [f"  bucket {s['bucket']}: [{s['start']}, {s['stop']})  {plural(s['elements'], 'element')}"
+              for s in part["slices"]]
     lines += ["", "micro-groups (tasks hosted here marked *):"]
-    for group in schedule.tp.ranks[dp_rank].groups:
-        mine = [name for name, host in zip(group.params, group.hosts) if host == tp_rank]
+    for group in part["groups"]:
         lines.append(
-            f"  group {group.index}: {len(group.params)} tasks, makespan {group.makespan:.4g}, "
-            f"saturation {group.saturation:.2f}, hosts {len(mine)} here"
+            f"  group {group['index']}: {plural(group['tasks'], 'task')}, makespan {group['makespan']:.4g}, "
+            f"saturation {group['saturation']:.2f}, {len(group['hosted'])} hosted here"
         )
-        lines += [f"    * {name}" for name in mine]
+        lines += [f"    * {name}" for name in group["hosted"]]
     return "\n".join(lines)

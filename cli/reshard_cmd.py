@@ -11,8 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
-from canzona.schedules.format import Schedule, read_schedule
-from canzona.schedules.library import resolve_schedule
+from canzona.cli.options import SCHEDULE_HELP, load_schedule
+from canzona.schedules.format import Schedule
 from canzona.schedules.reshard import ReshardReport, reshard_report
 
 EXIT_INCOMPATIBLE = 1
@@ -76,13 +76,13 @@ def report_text(data: dict[str, Any]) -> str:
 
 
 def reshard_check(
-    old: Annotated[str, typer.Argument(help="Schedule the checkpoint was saved under (file or library name).")],
-    new: Annotated[str, typer.Argument(help="Schedule to load it under (file or library name).")],
+    old: Annotated[str, typer.Argument(metavar="OLD", help="The schedule the checkpoint was saved under. " + SCHEDULE_HELP)],
+    new: Annotated[str, typer.Argument(metavar="NEW", help="The schedule to load it under. " + SCHEDULE_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Say whether an optimizer checkpoint saved under OLD loads under NEW, and the bytes of
     optimizer state each rank writes, reads and receives from another rank; exit 1 if it cannot."""
-    before, after = read_schedule(resolve_schedule(old)), read_schedule(resolve_schedule(new))
+    before, after = load_schedule(old), load_schedule(new)
     report = reshard_report(before, after)
     data = report_json(before, after, report)
     typer.echo(json.dumps(data, indent=2) if as_json else report_text(data))

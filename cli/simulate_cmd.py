@@ -1,35 +1,26 @@
-"""`canzona simulate` and `canzona calibrate` (registered in `canzona.cli.main`).
+"""`canzona simulate` (registered in `canzona.cli.main`): predict one optimizer step and one
+training iteration of a schedule and of every baseline on a hardware model.
 
-simulate: predict one optimizer step and one training iteration of a schedule and of every
-baseline on a hardware model.
-calibrate: time the real kernels with torch on this machine and write a profile.
+Times are printed in one unit per table, the one its largest value reads best in (ms, s, min
+or h), so a CPU prediction of hours is not a column of millions of milliseconds.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict
-from enum import Enum
-from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
+from canzona.cli.options import DEVICE_HELP, SCHEDULE_HELP, device_option, load_schedule, refuse_unless
+from canzona.cli.wording import table_unit
+from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
-from canzona.planner.predict.hardware import CPU_GPUS_PER_NODE
+from canzona.planner.predict.hardware import CPU_GPUS_PER_NODE, Device
 from canzona.planner.predict.simulate import Simulation
-from canzona.schedules.files import check_output, write_atomic
-from canzona.schedules.limits import bounded_int_problem, settings_problem
-
-MS = 1e3
-
-
-class CalibrateDevice(str, Enum):
-    cpu = "cpu"
-    cuda = "cuda"
-
+from canzona.schedules.format import Schedule
 
 STEP_FIELDS = ("name", "description", "step", "compute", "comm", "exposed_comm", "dp_comm", "tp_comm", "critical_device")
 
@@ -91,11 +82,13 @@ def _header(sim: Simulation) -> list[str]:
 
 def _step_table(sim: Simulation) -> str:
     ratios = sim.ratios()
-    header = ["strategy", "step ms", "compute ms", "comm ms", "exposed ms", "DP comm ms", "optimizer ms",
-              "vs canzona", "critical device"]
+    unit, scale = table_unit(max(s.step for s in sim.strategies))
+    header = [f"strategy", f"step {unit}", f"compute {unit}", f"comm {unit}", f"exposed {unit}", f"DP comm {unit}",
+              f"optimizer {unit}", "vs canzona", "critical device"]
     rows = [
-        [s.name, f"{s.step * MS:.3f}", f"{s.compute * MS:.3f}", f"{s.comm * MS:.3f}", f"{s.exposed_comm * MS:.3f}",
-         f"{s.dp_comm * MS:.3f}", f"{s.optimizer_stage * MS:.3f}", f"{ratios[s.name]:.2f}x", str(s.critical_device)]
+        [s.name, *(f"{value / scale:.3f}" for value in (s.step, s.compute, s.comm, s.exposed_comm, s.dp_comm,
+                                                        s.optimizer_stage)),
+         f"{ratios[s.name]:.2f}x", str(s.critical_device)]
         for s in sim.strategies
     ]
     return _table(header, rows)
@@ -103,12 +96,13 @@ def _step_table(sim: Simulation) -> str:
 
 def _iteration_table(sim: Simulation) -> str:
     ratios = sim.iteration_ratios()
-    header = ["strategy", "iteration ms", "fwd+bwd ms", "exposed reduce ms", "optimizer ms", "exposed gather ms",
-              "vs canzona", "overlap (grad, param)"]
+    unit, scale = table_unit(max(it.iteration for it in sim.iterations))
+    header = ["strategy", f"iteration {unit}", f"fwd+bwd {unit}", f"exposed reduce {unit}", f"optimizer {unit}",
+              f"exposed gather {unit}", "vs canzona", "overlap (grad, param)"]
     rows = [
-        [it.name, f"{it.iteration * MS:.3f}", f"{it.forward_backward * MS:.3f}", f"{it.exposed_reduce * MS:.3f}",
-         f"{it.optimizer * MS:.3f}", f"{it.exposed_gather * MS:.3f}", f"{ratios[it.name]:.2f}x",
-         f"{'yes' if it.overlap_grad else 'no'}, {'yes' if it.overlap_param else 'no'}"]
+        [it.name, *(f"{value / scale:.3f}" for value in (it.iteration, it.forward_backward, it.exposed_reduce,
+                                                         it.optimizer, it.exposed_gather)),
+         f"{ratios[it.name]:.2f}x", f"{'yes' if it.overlap_grad else 'no'}, {'yes' if it.overlap_param else 'no'}"]
         for it in sim.iterations
     ]
     return _table(header, rows)
@@ -118,7 +112,7 @@ def simulation_text(sim: Simulation) -> str:
     """The `canzona simulate` report: the optimizer step, then (with a training setup) the iteration."""
     lines = _header(sim) + ["optimizer step (nothing overlapped):", _step_table(sim)]
     lines += ["", "compute/comm/exposed: the critical device's (exposed = step - compute); optimizer = step "
-              "without DP collectives."]
+              "without DP collectives; vs canzona: this strategy's time over canzona's (above 1: canzona is faster)."]
     if sim.iterations:
         lines += ["", "training iteration (DP collectives overlapped as each strategy runs them):", _iteration_table(sim),
                   "", "optimizer: fetches + optimizer stage + publishing broadcasts, which nothing overlaps; "
@@ -139,9 +133,35 @@ def _check_network(gpus_per_node: int | None, intra_gbps: float | None, inter_gb
         raise PlanError(f"--latency-us must be a finite number >= 0, got {latency_us}")
 
 
+def schedule_device(schedule: Schedule, device: str, network: tuple[float | None, float | None, int | None, float | None] = (None,) * 4,
+                    train_tflops: float | None = None) -> Device:
+    """The device (`--device` value) a schedule is priced on, with the network overrides (intra
+    and inter GB/s, GPUs per node, latency µs) and training rate given; a CPU profile is shared
+    by every rank of the schedule's layout."""
+    from dataclasses import replace
+
+    from canzona.planner.predict.hardware import resolve_device, shared_host
+
+    chosen = resolve_device(device, *network)
+    if train_tflops is not None:
+        hw = chosen.hardware
+        chosen = replace(chosen, hardware=replace(hw, train_flops=train_tflops * 1e12,
+                                                  source=f"{hw.source}; overridden: train_flops={train_tflops:g}e12"))
+    if chosen.profile is not None and chosen.profile.device == "cpu":
+        # Every rank of a CPU run shares this host: the profile's measured contention applies.
+        chosen = shared_host(chosen, schedule.request.tp * schedule.request.dp)
+    return chosen
+
+
+def optimizer_config(schedule: Schedule) -> OptimizerConfig:
+    """The planner's view of the schedule's optimizer settings."""
+    opt = schedule.request.optimizer
+    return OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+
+
 def simulate(
-    file: Annotated[Path, typer.Argument(help="Schedule file.")],
-    device: Annotated[str, typer.Option(help="h100, h200, a100, cpu, or a profile file from `canzona calibrate`.")] = "h100",
+    file: Annotated[str, typer.Argument(metavar="SCHEDULE", help=SCHEDULE_HELP)],
+    device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "h100",
     intra_gbps: Annotated[Optional[float], typer.Option(help="Intra-node bandwidth, GB/s (gigabytes) per direction per device.")] = None,
     inter_gbps: Annotated[Optional[float], typer.Option(help="Inter-node bandwidth, GB/s (gigabytes) per direction per device.")] = None,
     gpus_per_node: Annotated[Optional[int], typer.Option(help="Devices per node.")] = None,
@@ -159,176 +179,29 @@ def simulate(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Predict the optimizer step and the training iteration of the schedule and of every baseline."""
-    from dataclasses import replace
-
-    from canzona.planner.partition.costs import OptimizerConfig
     from canzona.planner.plan import TrainingSetup
-    from canzona.planner.predict.hardware import resolve_device, shared_host
     from canzona.planner.predict.simulate import simulate as run_simulation
     from canzona.planner.spec import PlanError
-    from canzona.schedules.format import read_schedule
 
     _check_network(gpus_per_node, intra_gbps, inter_gbps, latency_us, train_tflops)
     if dp_collectives not in ("rooted", "all_to_all"):
         raise PlanError(f"--dp-collectives must be rooted or all_to_all, got {dp_collectives!r}")
-    schedule = read_schedule(file)
+    refuse_unless(not step_only, ("global_batch", "seq_len", "micro_batches", "overlap_grad_reduce",
+                                  "overlap_param_gather", "train_tflops", "routed_fraction"),
+                  "--step-only predicts no training iteration")
+    device = device_option(device)
+    schedule = load_schedule(file)
+    if routed_fraction is not None:
+        from canzona.planner.predict.iteration import expert_indices
+
+        refuse_unless(bool(expert_indices(schedule)), ("routed_fraction",),
+                      f"{schedule.request.model.name} has no MoE experts")
     training = None if step_only else TrainingSetup(global_batch, seq_len, micro_batches)
     if training is not None:
         training.validate(schedule.request.dp)
-    chosen = resolve_device(device, intra_gbps, inter_gbps, gpus_per_node, latency_us)
-    if train_tflops is not None:
-        hw = chosen.hardware
-        chosen = replace(chosen, hardware=replace(hw, train_flops=train_tflops * 1e12,
-                                                  source=f"{hw.source}; overridden: train_flops={train_tflops:g}e12"))
-    if chosen.profile is not None and chosen.profile.device == "cpu":
-        # Every rank of a CPU run shares this host: the profile's measured contention applies.
-        chosen = shared_host(chosen, schedule.request.tp * schedule.request.dp)
-    opt = schedule.request.optimizer
-    config = OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+    chosen = schedule_device(schedule, device, (intra_gbps, inter_gbps, gpus_per_node, latency_us), train_tflops)
+    config = optimizer_config(schedule)
     sim = run_simulation(schedule, chosen.hardware, chosen.time_model(config), fused=fused,
                          rooted=dp_collectives == "rooted", training=training, overlap_grad_reduce=overlap_grad_reduce,
                          overlap_param_gather=overlap_param_gather, routed_fraction=routed_fraction)
     typer.echo(json.dumps(simulation_dict(sim), indent=2) if as_json else simulation_text(sim))
-
-
-def read_shapes(path: Path) -> dict[str, list[tuple[int, int]]]:
-    """A shapes file: a YAML/JSON list of [rows, cols] or {rows, cols, optimizers: [...]}
-    (default every matrix optimizer). Returns optimizer → shapes."""
-    from canzona.planner.partition.costs import OPTIMIZERS
-    from canzona.planner.spec import PlanError
-    from canzona.schedules.limits import MAX_MODEL_FILE_BYTES
-    from canzona.schedules.reading import UnsafeDocument, read_text, safe_load
-
-    try:
-        data = safe_load(read_text(path, MAX_MODEL_FILE_BYTES))
-    except UnsafeDocument as error:
-        raise PlanError(f"cannot read shapes file {str(path)!r}: {error}") from None
-    if not isinstance(data, list) or not data:
-        raise PlanError(f"{path}: expected a non-empty list of [rows, cols] or {{rows, cols, optimizers}}")
-    plan: dict[str, list[tuple[int, int]]] = {name: [] for name in OPTIMIZERS}
-    for index, item in enumerate(data):
-        if isinstance(item, dict):
-            shape, names = (item.get("rows"), item.get("cols")), item.get("optimizers", list(OPTIMIZERS))
-        else:
-            shape, names = tuple(item) if isinstance(item, list) else (None, None), list(OPTIMIZERS)
-        if len(shape) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape):
-            raise PlanError(f"{path}: entry {index} is not a shape of two positive integers")
-        if not isinstance(names, list) or any(name not in OPTIMIZERS for name in names):
-            raise PlanError(f"{path}: entry {index}: optimizers must be a list from {', '.join(OPTIMIZERS)}")
-        for name in names:
-            plan[name].append((int(shape[0]), int(shape[1])))
-    return {name: shapes for name, shapes in plan.items() if shapes}
-
-
-def model_shapes(model: str) -> list[tuple[int, int]]:
-    """Distinct submatrix shapes of a model's matrix-optimizer parameters (full, unsharded)."""
-    from canzona.planner.sources.load import load_model
-    from canzona.planner.spec import MATRIX
-
-    spec = load_model(model, 1)
-    shapes = [s for p in spec.params if p.optimizer == MATRIX for s in p.submatrices]
-    return list(dict.fromkeys((int(r), int(c)) for r, c in shapes))
-
-
-def training_shapes(model: str) -> list[tuple[int, int]]:
-    """Full shapes of a model's 2-D parameters (every matmul weight, whichever its optimizer),
-    once per parameter, in registration order: what its forward and backward multiply by."""
-    from canzona.planner.sources.load import load_model
-
-    return [(p.shape[0], p.shape[1]) for p in load_model(model, 1).params if len(p.shape) == 2]
-
-
-def grid_shapes(max_side: int) -> list[tuple[int, int]]:
-    """A sampled grid: sides 128 .. max_side (powers of 2), aspect ratios 1, 2 and 4."""
-    sides = [1 << k for k in range(7, 20) if 1 << k <= max_side]
-    return [(a, b) for a in sides for b in sides if a <= b <= 4 * a]
-
-
-def calibrate(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Profile file to write.")],
-    device: Annotated[CalibrateDevice, typer.Option(help="Where to time the kernels.")] = CalibrateDevice.cpu,
-    model: Annotated[Optional[str], typer.Option(help="Time this model's distinct matrix shapes (preset or file).")] = None,
-    shapes: Annotated[Optional[Path], typer.Option(help="YAML/JSON list of [rows, cols] or {rows, cols, optimizers}.")] = None,
-    optimizer: Annotated[Optional[list[str]], typer.Option(help="Matrix optimizer(s) to time (default all three).")] = None,
-    repeats: Annotated[int, typer.Option(help="Timed repeats per kernel (median).")] = 5,
-    warmup: Annotated[int, typer.Option(help="Untimed warm-up calls per kernel.")] = 2,
-    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
-    comm_ranks: Annotated[int, typer.Option(help="Also fit gloo all-to-all among this many local processes (0: no).")] = 0,
-    train_tokens: Annotated[int, typer.Option(help="Also time training forward+backward on this many tokens (0: no): one matmul per 2-D weight of --model, else per timed shape.")] = 0,
-    max_side: Annotated[int, typer.Option(help="Largest side of the default grid.")] = 1024,
-    ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
-    block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
-    precondition_frequency: Annotated[int, typer.Option(help="Shampoo/SOAP refresh every N steps.")] = 10,
-    max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
-) -> None:
-    """Time Newton-Schulz, Shampoo, SOAP and AdamW with torch on this device; write a profile
-    for `plan --cost profile:FILE` and `simulate --device FILE`."""
-    from canzona.planner.partition.costs import OPTIMIZERS
-    from canzona.planner.predict.profile_cost import Profile, dump_profile
-    from canzona.planner.spec import PlanError
-
-    if model is not None and shapes is not None:
-        raise PlanError("give --model or --shapes, not both")
-    problem = calibrate_problem(repeats, warmup, threads, comm_ranks, max_side,
-                                (ns_steps, block_size, precondition_frequency, max_precond_dim))
-    if problem:
-        raise PlanError(problem)
-    if train_tokens < 0:
-        raise PlanError(f"--train-tokens must be >= 0, got {train_tokens}")
-    check_output(output, [shapes, model], "--output")
-    names = optimizer or list(OPTIMIZERS)
-    unknown = [name for name in names if name not in OPTIMIZERS]
-    if unknown:
-        raise PlanError(f"unknown optimizer {unknown[0]!r}; choose from {', '.join(OPTIMIZERS)}")
-    if shapes is not None:
-        plan = {name: todo for name, todo in read_shapes(shapes).items() if name in names}
-    else:
-        todo = model_shapes(model) if model is not None else grid_shapes(max_side)
-        plan = {name: todo for name in names}
-    if not plan:
-        raise PlanError("nothing to time: no shape is asked for with the chosen optimizers")
-    train = (training_shapes(model) if model is not None else list(dict.fromkeys(s for todo in plan.values() for s in todo)),
-             train_tokens)
-    profile = _run_calibration(plan, device.value, repeats, warmup, threads, comm_ranks,
-                               (ns_steps, block_size, precondition_frequency, max_precond_dim), train)
-    validated = Profile.model_validate(profile)
-    write_atomic(output, dump_profile(validated))
-    typer.echo(f"wrote {output}: {len(validated.rows)} rows on {validated.device_name}")
-
-
-MAX_REPEATS = 1000
-MAX_COMM_RANKS = 64  # local processes (the contention probe runs twice as many)
-MAX_GRID_SIDE = 16384  # a 16384 x 16384 fp32 matrix is 1 GiB
-
-
-def calibrate_problem(repeats: int, warmup: int, threads: int | None, comm_ranks: int, max_side: int,
-                      settings: tuple[int, int, int, int]) -> str | None:
-    """What is wrong with `calibrate`'s arguments, found before any timing (None: nothing)."""
-    cpus = os.cpu_count() or 1
-    return (
-        bounded_int_problem("--repeats", repeats, MAX_REPEATS, "repeats")
-        or bounded_int_problem("--warmup", warmup, MAX_REPEATS, "calls", minimum=0)
-        or (bounded_int_problem("--threads", threads, cpus, f"threads (this machine has {cpus} CPUs)")
-            if threads is not None else None)
-        or (f"--comm-ranks must be 0 or >= 2, got {comm_ranks}" if comm_ranks == 1 or comm_ranks < 0 else None)
-        or bounded_int_problem("--comm-ranks", comm_ranks, MAX_COMM_RANKS, "local processes", minimum=0)
-        or bounded_int_problem("--max-side", max_side, MAX_GRID_SIDE, "rows or columns", minimum=128)
-        or settings_problem("muon", *settings)
-    )
-
-
-def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeats: int, warmup: int,
-                     threads: int | None, comm_ranks: int, settings: tuple[int, int, int, int],
-                     train: tuple[list[tuple[int, int]], int] = ([], 0)) -> dict[str, Any]:
-    from canzona.planner.spec import PlanError
-
-    try:
-        from canzona.runtime.calibrate import Settings
-        from canzona.runtime.calibrate import calibrate as run
-    except ImportError as error:  # torch is an optional dependency of the planner CLI
-        raise PlanError(f"calibrate needs torch (pip install 'canzona[runtime]'): {error}") from error
-    try:
-        return run([], Settings(*settings), device, repeats, warmup, plan, threads=threads, comm_ranks=comm_ranks,
-                   progress=lambda line: typer.echo(line, err=True), train_shapes=train[0], train_tokens=train[1])
-    except ValueError as error:
-        raise PlanError(str(error)) from error

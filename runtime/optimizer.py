@@ -1,5 +1,5 @@
 """`CanzonaOptimizer`: a `torch.optim.Optimizer` that executes a schedule every step under
-torch.distributed (DESIGN §7).
+torch.distributed (docs/runtime.md).
 
 One step: reduce the gradients (pack in fp32, uneven reduce-scatter over DP: the mean); the TP
 micro-group pipeline for the matrices this DP rank owns; AdamW on this rank's equal slices;

@@ -18,7 +18,7 @@ at the chosen bucket size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from canzona.planner.compile import compile_schedule
@@ -51,11 +51,12 @@ def choose_alpha(
     fused: bool = False,
     rooted: bool = True,
     training: TrainingSetup | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Plan, list[SearchTrial]]:
     """Plan `model` at every α in `alphas` (the rest of `request` unchanged), simulate each
     schedule on `hardware` (`time_model`, `fused`, `rooted`, `training`: as `simulate` takes
     them), and return the plan with the smallest predicted canzona iteration (step, without
-    `training`) and every trial, in the order given."""
+    `training`) and every trial, in the order given. `progress` hears of each finished trial."""
     candidates = sorted(set(float(a) for a in alphas))
     if not candidates:
         raise PlanError("alpha auto needs at least one candidate alpha")
@@ -67,6 +68,8 @@ def choose_alpha(
     for alpha in candidates:
         plan = make_plan(model, replace(request, alpha=alpha))
         tried[alpha] = result = trial(plan, alpha, hardware, time_model, training, fused, rooted)
+        if progress:
+            progress(f"alpha {alpha:g}")
         if best is None or result.iteration_s <= best[0] * (1 + TIE_TOLERANCE):
             best = (min(result.iteration_s, best[0]) if best else result.iteration_s, plan)
     assert best is not None
@@ -93,9 +96,19 @@ def search_device(name: str, request: PlanRequest) -> Device:
     return device
 
 
-def plan_for_request(model: ModelSpec, request: PlanRequest) -> tuple[Plan, AutoSearch | None]:
+def search_steps(request: PlanRequest) -> int:
+    """How many candidates `plan_for_request` plans and simulates for `request` (0: none)."""
+    from canzona.planner.predict.auto_bucket import DEFAULT_BUCKET_SIZES
+
+    return (len(DEFAULT_BUCKET_SIZES) if request.bucket_device is not None else 0) + (
+        len(DEFAULT_ALPHAS) if request.alpha_device is not None else 0)
+
+
+def plan_for_request(model: ModelSpec, request: PlanRequest,
+                     progress: Callable[[str], None] | None = None) -> tuple[Plan, AutoSearch | None]:
     """The plan a request asks for: its fixed α and bucket size, or those the simulator
-    predicts fastest (`bucket_device`, `alpha_device`); then what the searches tried."""
+    predicts fastest (`bucket_device`, `alpha_device`); then what the searches tried.
+    `progress` hears of each candidate the searches finish (`search_steps` of them)."""
     if request.alpha_device is None and request.bucket_device is None:
         return make_plan(model, request), None
     from canzona.planner.predict.auto_bucket import choose_bucket_size
@@ -107,13 +120,13 @@ def plan_for_request(model: ModelSpec, request: PlanRequest) -> tuple[Plan, Auto
         device = search_device(request.bucket_device, request)
         start = replace(request, alpha=1.0) if request.alpha_device is not None else request
         plan, trials, reason = choose_bucket_size(model, start, device.hardware, device.time_model(request.optimizer),
-                                                  training)
+                                                  training, progress=progress)
         request = replace(request, bucket_size=plan.request.bucket_size)
         search = replace(search, bucket=tuple(trials), bucket_reason=reason)
     if request.alpha_device is not None:
         device = search_device(request.alpha_device, request)
         plan, alphas = choose_alpha(model, request, device.hardware, time_model=device.time_model(request.optimizer),
-                                    training=training)
+                                    training=training, progress=progress)
         search = replace(search, alpha=tuple(alphas))
     assert plan is not None
     return plan, search

@@ -15,7 +15,7 @@ choice:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from canzona.planner.partition.costs import CostModel
@@ -55,17 +55,21 @@ def choose_bucket_size(
     time_model: CostModel | None = None,
     training: TrainingSetup = TrainingSetup(),
     sizes: Sequence[int] = DEFAULT_BUCKET_SIZES,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Plan, list[SearchTrial], str]:
     """Plan `model` at every bucket size in `sizes` (the rest of `request` unchanged), predict
     canzona's iteration on `hardware` with `training`, and return the chosen plan, every
-    trial (in the order given) and why it won."""
+    trial (in the order given) and why it won. `progress` hears of each finished trial."""
     candidates = list(dict.fromkeys(int(size) for size in sizes))
     if not candidates:
         raise PlanError("bucket size auto needs at least one candidate size")
     if min(candidates) < 1:
         raise PlanError(f"bucket size must be >= 1, got {min(candidates)}")
-    trials = [trial(make_plan(model, replace(request, bucket_size=size)), size, hardware, time_model, training)
-              for size in candidates]
+    trials = []
+    for size in candidates:
+        trials.append(trial(make_plan(model, replace(request, bucket_size=size)), size, hardware, time_model, training))
+        if progress:
+            progress(f"bucket size {size_label(size)}")
     chosen, reason = pick(trials)
     # Planning is deterministic: plan the winner again rather than hold every candidate's plan.
     return make_plan(model, replace(request, bucket_size=int(chosen.value))), trials, reason

@@ -16,6 +16,7 @@ import canzona.schedules
 from canzona.planner.partition.costs import CostModel, FlopsCost, OptimizerConfig
 from canzona.planner.predict.profile_cost import Profile, ProfileCost, read_profile
 from canzona.planner.spec import PlanError
+from canzona.schedules.limits import PROFILE_PREFIX
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 param, grad, m, v read (16) and param, m, v written (12)
 GB = 1e9
@@ -231,13 +232,16 @@ def resolve_device(
     gpus_per_node: int | None = None,
     latency_us: float | None = None,
 ) -> Device:
-    """A built-in device (h100, h200, a100, cpu) or a profile file, with optional network
-    overrides (GB/s per direction per device, microseconds per collective step)."""
+    """A built-in device (h100, h200, a100, cpu) or a profile file (`profile:FILE`, as the CLI
+    spells it, or a bare path), with optional network overrides (GB/s per direction per device,
+    microseconds per collective step)."""
     key = spec.strip().lower()
     if key in BUILTIN:
         device = Device(BUILTIN[key])
     elif key == "cpu":
         device = profile_device(CPU_PROFILE, "cpu")
+    elif spec.startswith(PROFILE_PREFIX):
+        device = profile_device(spec.removeprefix(PROFILE_PREFIX))
     elif Path(spec).suffix.lower() in (".yaml", ".yml") or Path(spec).exists():
         device = profile_device(spec)
     else:

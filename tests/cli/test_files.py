@@ -18,15 +18,10 @@ from canzona.cli.main import main
 from canzona.schedules import files
 from canzona.schedules.files import TEMP_SUFFIX, write_atomic
 from canzona.schedules.library import library_root
+from cli_run import run
 
 PLAN = ["plan", "--model", "qwen3-0.6b", "--dp", "2"]
 MODEL = "name: m\nparams:\n- {name: w1, shape: [64, 64], tp_dim: 0}\n- {name: w2, shape: [64, 128], tp_dim: 1}\n"
-
-
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def one_line_error(err: str, *needles: str) -> None:
@@ -125,12 +120,12 @@ def test_an_output_that_is_an_input_is_refused(tmp_path: Path, capsys: pytest.Ca
 
 def test_calibrate_checks_its_output_before_timing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from canzona.cli import simulate_cmd
+    from canzona.cli import calibrate_cmd
 
     def never(*args: object, **kwargs: object) -> None:
         raise AssertionError("timing started")
 
-    monkeypatch.setattr(simulate_cmd, "_run_calibration", never)
+    monkeypatch.setattr(calibrate_cmd, "_run_calibration", never)
     shapes = tmp_path / "s.yaml"
     shapes.write_text("- [8, 8]\n")
     for output, needle in ((shapes, "is also an input"), (tmp_path, "folder"), (shapes / "x.yaml", "not a folder")):

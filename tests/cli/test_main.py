@@ -12,27 +12,22 @@ import pytest
 
 from canzona.cli.main import default_output, main
 from canzona.schedules.format import read_schedule
-
-
-def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(args)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+from cli_run import run
 
 
 def test_models_lists_every_preset_with_counts(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_cli(["models", "--json"], capsys)
+    code, out, _ = run(["models", "--json"], capsys)
     assert code == 0
     rows = {row["name"]: row for row in json.loads(out)}
     assert rows["qwen3-32b"]["params_b"] == pytest.approx(32.762, abs=1e-3)
     assert rows["deepseek-v3"]["experts"] == 256
-    code, out, _ = run_cli(["models"], capsys)
+    code, out, _ = run(["models"], capsys)
     assert code == 0 and "qwen3-235b-a22b" in out and "235.094B" in out
 
 
 def test_plan_writes_a_valid_schedule_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "plan.yaml"
-    code, out, err = run_cli(["plan", "--model", "qwen3-0.6b", "--tp", "2", "--dp", "4", "-o", str(target), "--json"], capsys)
+    code, out, err = run(["plan", "--model", "qwen3-0.6b", "--tp", "2", "--dp", "4", "-o", str(target), "--json"], capsys)
     assert code == 0, err
     summary = json.loads(out)
     assert summary["output"] == str(target) and summary["tp"] == 2 and summary["dp"] == 4
@@ -44,7 +39,7 @@ def test_plan_writes_a_valid_schedule_and_summary(tmp_path: Path, capsys: pytest
 
 def test_plan_default_output_path(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    code, out, _ = run_cli(["plan", "--model", "qwen3-0.6b", "--dp", "2", "--alpha", "0.5"], capsys)
+    code, out, _ = run(["plan", "--model", "qwen3-0.6b", "--dp", "2", "--alpha", "0.5"], capsys)
     assert code == 0
     expected = Path("schedules/qwen3-0.6b/muon-tp1-dp2-alpha0.5.yaml")
     assert (tmp_path / expected).is_file() and str(expected) in out
@@ -54,7 +49,7 @@ def test_plan_default_output_path(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_plan_is_byte_identical_when_repeated(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
     for target in (first, second):
-        assert run_cli(["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4", "-o", str(target)], capsys)[0] == 0
+        assert run(["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4", "-o", str(target)], capsys)[0] == 0
     assert first.read_bytes() == second.read_bytes()
 
 
@@ -85,7 +80,7 @@ def test_bad_input_is_one_line_and_exit_2(
     args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(args, capsys)
+    code, out, err = run(args, capsys)
     assert code == 2
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("canzona: error: ")
@@ -97,19 +92,19 @@ def test_malformed_files_are_one_line_errors(tmp_path: Path, capsys: pytest.Capt
     broken = tmp_path / "broken.yaml"
     broken.write_text("params: [\n")
     for args in (["show", str(broken)], ["plan", "--model", str(broken)]):
-        code, _, err = run_cli(args, capsys)
+        code, _, err = run(args, capsys)
         assert code == 2 and err.count("\n") == 1 and "broken.yaml" in err
     unknown = tmp_path / "config.json"
     unknown.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    code, _, err = run_cli(["plan", "--model", str(unknown)], capsys)
+    code, _, err = run(["plan", "--model", str(unknown)], capsys)
     assert code == 2 and "GPT2LMHeadModel" in err
 
 
 def test_failed_plan_never_overwrites_a_good_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "good.yaml"
-    assert run_cli(["plan", "--model", "qwen3-0.6b", "--dp", "2", "-o", str(target)], capsys)[0] == 0
+    assert run(["plan", "--model", "qwen3-0.6b", "--dp", "2", "-o", str(target)], capsys)[0] == 0
     before = target.read_bytes()
-    code, _, _ = run_cli(["plan", "--model", "qwen3-0.6b", "--tp", "3", "-o", str(target)], capsys)
+    code, _, _ = run(["plan", "--model", "qwen3-0.6b", "--tp", "3", "-o", str(target)], capsys)
     assert code == 2
     assert target.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.yaml"]
@@ -117,17 +112,17 @@ def test_failed_plan_never_overwrites_a_good_schedule(tmp_path: Path, capsys: py
 
 def test_show_text_json_and_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "s.yaml"
-    assert run_cli(["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4", "-o", str(target)], capsys)[0] == 0
-    code, out, _ = run_cli(["show", str(target)], capsys)
+    assert run(["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4", "-o", str(target)], capsys)[0] == 0
+    code, out, _ = run(["show", str(target)], capsys)
     assert code == 0
     for needle in ("imbalance", "start-owner", "layer-wise", "rollback", "sorted", "heap", "compute load per device"):
         assert needle in out
-    code, out, _ = run_cli(["show", str(target), "--json"], capsys)
+    code, out, _ = run(["show", str(target), "--json"], capsys)
     data = json.loads(out)
     assert code == 0 and data["request"]["dp"] == 4 and len(data["metrics"]["device"]) == 8
-    code, out, _ = run_cli(["show", str(target), "--rank", "3"], capsys)
+    code, out, _ = run(["show", str(target), "--rank", "3"], capsys)
     assert code == 0 and out.startswith("device 3 = dp rank 1, tp rank 1")
-    code, _, err = run_cli(["show", str(target), "--rank", "8"], capsys)
+    code, _, err = run(["show", str(target), "--rank", "8"], capsys)
     assert code == 2 and "outside the world of 8 devices" in err
 
 
@@ -136,7 +131,7 @@ def test_internal_errors_are_one_line_unless_debug(monkeypatch: pytest.MonkeyPat
         raise RuntimeError("boom")
 
     monkeypatch.setattr("canzona.planner.sources.load.load_model", explode)
-    code, _, err = run_cli(["plan", "--model", "qwen3-8b"], capsys)
+    code, _, err = run(["plan", "--model", "qwen3-8b"], capsys)
     assert code == 1 and err.count("\n") == 1 and "internal error" in err and "boom" in err
     monkeypatch.setenv("CANZONA_DEBUG", "1")
     with pytest.raises(RuntimeError, match="boom"):

@@ -71,7 +71,7 @@ def test_gloo_fit_on_two_processes() -> None:
 
 
 def test_calibrate_command_writes_a_profile(tmp_path) -> None:
-    from canzona.cli.simulate_cmd import calibrate as calibrate_command
+    from canzona.cli.calibrate_cmd import calibrate as calibrate_command
     from canzona.planner.predict.profile_cost import read_profile
 
     shapes = tmp_path / "shapes.yaml"
@@ -89,8 +89,8 @@ def test_calibrate_command_writes_a_profile(tmp_path) -> None:
 
 
 def test_calibrate_command_bad_input(tmp_path) -> None:
-    from canzona.cli.simulate_cmd import calibrate as calibrate_command
-    from canzona.cli.simulate_cmd import grid_shapes, model_shapes, read_shapes
+    from canzona.cli.calibrate_cmd import calibrate as calibrate_command
+    from canzona.cli.calibrate_cmd import grid_shapes, model_shapes, read_shapes
     from canzona.planner.spec import PlanError
 
     bad = tmp_path / "bad.yaml"
