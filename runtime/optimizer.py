@@ -150,7 +150,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p] + resolved.problems
         if model is not None:
             inside = {id(p) for p in model.parameters()}
-            outside = [n for g in resolved.groups for n, t in zip(g["param_names"], g["params"]) if id(t) not in inside]
+            outside = [name for group in resolved.groups for name, tensor in group["params"] if id(tensor) not in inside]
             problems += [f"{name}: not a parameter of the model given as model=" for name in outside[:3]]
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""

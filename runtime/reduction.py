@@ -61,6 +61,7 @@ class Round:
         self.stale = False  # a gradient changed after its bucket was launched: redo at the step
         self.failure: CollectiveError | None = None
         self.closed = False  # the backward that filled it has ended
+        self.early = 0  # buckets launched by backward's own hooks (the rest at its end or the step)
 
     def fail(self, problem: str) -> None:
         """Record the first rank-local problem of the round."""
@@ -142,6 +143,7 @@ class Round:
     def close(self) -> None:
         """The end of the backward that filled the round: launch the rest (never raises)."""
         self.closed = True
+        self.early = self.launched
         self.launch_rest()
 
     def wait(self) -> Tensor:
@@ -179,17 +181,18 @@ def _on_grad(ref: Any, index: int) -> Any:
 
 def arrived(opt: CanzonaOptimizer, index: int) -> None:
     """Parameter `index` has its gradient for this backward. Inside `no_sync()` nothing is
-    launched (a round already launched is marked stale: its gradients changed). Otherwise the
-    first gradient of a backward opens a round (finishing one an earlier backward left
-    unstepped), whose end-of-backward callback launches whatever backward did not produce."""
+    launched (a round already launched is marked stale: its gradients changed, so the step
+    redoes it). After `clip_grad_norm_` / `reduce_gradients` nothing is launched either: the
+    coming step uses that reduction, as it would without overlap. Otherwise the first gradient
+    of a backward opens a round (finishing one an earlier backward left unstepped), whose
+    end-of-backward callback launches whatever backward did not produce."""
     current = opt._round
-    if not opt._syncing:
+    if not opt._syncing or opt._reduced is not None:
         if current is not None:
             current.stale = True
         return
     if current is None or current.closed:
         opt._round = opened = Round(opt, launching=True)
-        opt._reduced = None  # new gradients: a reduction not yet stepped is out of date
         if current is not None:
             try:
                 current.drain()
