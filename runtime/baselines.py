@@ -1,4 +1,4 @@
-"""The baselines canzona is measured against (DESIGN §1), behind the same API and math.
+"""The baselines canzona is measured against, behind the same API and math.
 
 - `TpScOptimizer` (TP-SC): canzona's DP partition (reduce-scatter at the schedule's cuts,
   all-gather after), but each owned matrix is all-gathered over TP and every TP rank updates

@@ -1,5 +1,5 @@
 """Time the real optimizer kernels with torch on this device: the measurements behind the
-planner's `profile:` cost model (DESIGN §4).
+planner's `profile:` cost model.
 
 Each matrix row times the runtime's own `matrix_update` (momentum + Newton–Schulz for Muon;
 statistics, inverse roots and preconditioning for Shampoo; statistics, eigenbasis refresh and

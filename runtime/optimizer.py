@@ -1,5 +1,5 @@
 """`CanzonaOptimizer`: a `torch.optim.Optimizer` that executes a schedule every step under
-torch.distributed (DESIGN §7).
+torch.distributed.
 
 One step: reduce the gradients (pack in fp32, per bucket an uneven reduce-scatter over DP: the
 mean), started from backward's gradient hooks when `overlap_grad_reduce` (`reduction.py`); the

@@ -1,4 +1,4 @@
-"""The TP micro-group pipeline (DESIGN §6): per group, one fused all-to-all gathers every shard to
+"""The TP micro-group pipeline: per group, one fused all-to-all gathers every shard to
 its host, each host updates the full matrices it hosts, one fused all-to-all sends the result
 shards back, every rank applies its own. Group g+1's gather is in flight while g computes,
 and group g's scatter while g+1 computes.
