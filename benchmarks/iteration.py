@@ -3,9 +3,9 @@ the example model on 4 gloo ranks, canzona with overlap off and on against DP-SC
 DDP-like) and DDP + torch.optim.AdamW, measured in one run, next to the simulator's
 prediction of the same runs.
 
-Run:  python benchmarks/iteration.py                    (TP 2 x DP 2 and DP 4, a few minutes)
+Run:  python benchmarks/iteration.py                    (TP 2 x DP 2 and DP 4, about 2 minutes)
       python benchmarks/iteration.py --layout dp4 --quick
-      python benchmarks/iteration.py --write BENCHMARKS.md
+      python benchmarks/iteration.py --write BENCHMARKS.md   (replaces its section: keep the prose by hand)
 
 Strategies, each on its own copy of the model (examples/tiny_qwen3.py, Qwen3-style, fp32):
 
