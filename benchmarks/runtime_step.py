@@ -47,8 +47,8 @@ MODEL = {
 }
 LAYOUTS = [(2, 1), (1, 2), (2, 2), (4, 1)]  # (dp, tp)
 STRATEGIES = {
-    "canzona": CanzonaOptimizer,
-    "canzona-rooted": partial(CanzonaOptimizer, dp_collectives="rooted"),  # reduce/broadcast per slice
+    "canzona": CanzonaOptimizer,  # rooted DP collectives (the default): a reduce / broadcast per slice
+    "canzona-a2a": partial(CanzonaOptimizer, dp_collectives="all_to_all"),  # one all_to_all per bucket
     "tp-sc": TpScOptimizer,
     "dp-sc": DpScOptimizer,
 }
@@ -133,12 +133,12 @@ def table(rows: list[tuple[str, int, int, int, int, dict[str, float]]], optimize
         "there count total CPU work. Absolute times move with machine load; the ratios (steps interleaved) are "
         "the stable part.",
         "",
-        "| params | ranks | layout | micro-groups/rank | canzona ms | canzona rooted ms | TP-SC ms | DP-SC ms "
-        "| DP-SC / canzona | TP-SC / canzona | rooted / all_to_all |",
+        "| params | ranks | layout | micro-groups/rank | canzona ms | canzona all_to_all ms | TP-SC ms | DP-SC ms "
+        "| DP-SC / canzona | TP-SC / canzona | all_to_all / rooted |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for dtype, world, dp, tp, groups, medians in rows:
-        c, r, t, d = (medians[k] * 1e3 for k in ("canzona", "canzona-rooted", "tp-sc", "dp-sc"))
+        c, r, t, d = (medians[k] * 1e3 for k in ("canzona", "canzona-a2a", "tp-sc", "dp-sc"))
         lines.append(
             f"| {dtype} | {world} | DP {dp} x TP {tp} | {groups} | {c:.1f} | {r:.1f} | {t:.1f} | {d:.1f} | {d / c:.2f}x "
             f"| {t / c:.2f}x | {r / c:.2f}x |"

@@ -193,13 +193,13 @@ def scale_table(layouts: list[tuple[str, int, int, int]] = SCALE) -> None:
 def cpu_predictions(schedule: Schedule) -> dict[str, float]:
     """Predicted step seconds of canzona, TP-SC and DP-SC for a runtime-benchmark schedule on
     this CPU: the checked-in profile (one thread per rank), its measured contention for this
-    many ranks, its gloo fit, and runtime_step.py's execution (one fused all_to_all DP exchange
-    each way, fp32)."""
+    many ranks, its gloo fit, and the runtime's execution (per bucket, rooted DP collectives: the
+    default; fp32 gathers)."""
     world = schedule.request.dp * schedule.request.tp
     device = shared_host(resolve_device("cpu"), world)
     opt = schedule.request.optimizer
     config = OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
-    sim = simulate(schedule, device.hardware, device.time_model(config), fused=True, publish_bytes=4, rooted=False)
+    sim = simulate(schedule, device.hardware, device.time_model(config), publish_bytes=4)
     return {name: sim.get(name).step for name in ("canzona", "tp-sc", "dp-sc")}
 
 

@@ -199,41 +199,68 @@ class Layer(nn.Module):
         return x + self.mlp(x)
 
 
+class FinalNorm(_Norm):
+    """The last RMSNorm, called as a module (so hooks on it see its weight)."""
+
+    def __init__(self, cfg: TinyConfig, tp: Tp) -> None:
+        super().__init__(cfg.hidden)
+        self.eps, self.tp = cfg.eps, tp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.tp.copy(_norm(x, self.weight, self.eps))
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: TinyConfig, tp: Tp) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Layer(cfg, tp) for _ in range(cfg.layers))
-        self.final_layernorm = _Norm(cfg.hidden)
+        self.final_layernorm = FinalNorm(cfg, tp)
 
 
 class Embedding(nn.Module):
+    """Vocab-parallel embedding: each TP rank looks up its rows, the sum over TP completes it."""
+
     def __init__(self, cfg: TinyConfig, tp: Tp) -> None:
         super().__init__()
+        self.tp = tp
         self.word_embeddings = _Linear(cfg.vocab // tp.size, cfg.hidden, 0)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        weight = self.word_embeddings.weight
+        local = tokens - self.tp.rank * weight.size(0)
+        inside = (local >= 0) & (local < weight.size(0))
+        return self.tp.reduce(F.embedding(local.clamp(0, weight.size(0) - 1), weight) * inside[..., None])
+
+
+class OutputLayer(_Linear):
+    """Vocab-parallel output projection, gathered over TP."""
+
+    def __init__(self, cfg: TinyConfig, tp: Tp) -> None:
+        super().__init__(cfg.vocab // tp.size, cfg.hidden, 0)
+        self.tp = tp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.tp.gather(x @ self.weight.T)
 
 
 class TinyQwen3(nn.Module):
-    """The model; `forward(tokens)` returns the mean next-token cross-entropy."""
+    """The model; `forward(tokens)` returns the mean next-token cross-entropy. Every parameter
+    is used inside the forward of the module holding it (or of its nearest ancestor with a
+    forward, for weight holders), as forward pre-hooks such as canzona's gather overlap need."""
 
     def __init__(self, cfg: TinyConfig, tp_group: Any = None) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, Tp(tp_group)
         self.embedding = Embedding(cfg, self.tp)
         self.decoder = Decoder(cfg, self.tp)
-        self.output_layer = _Linear(cfg.vocab // self.tp.size, cfg.hidden, 0)
+        self.output_layer = OutputLayer(cfg, self.tp)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        cfg = self.cfg
-        rows = cfg.vocab // self.tp.size
-        local = tokens[:, :-1] - self.tp.rank * rows
-        inside = (local >= 0) & (local < rows)
-        x = F.embedding(local.clamp(0, rows - 1), self.embedding.word_embeddings.weight) * inside[..., None]
-        x = self.tp.reduce(x)
+        x = self.embedding(tokens[:, :-1])
         for layer in self.decoder.layers:
             x = layer(x)
-        x = self.tp.copy(_norm(x, self.decoder.final_layernorm.weight, cfg.eps))
-        logits = self.tp.gather(x @ self.output_layer.weight.T)
-        return F.cross_entropy(logits.reshape(-1, cfg.vocab).float(), tokens[:, 1:].reshape(-1))
+        logits = self.output_layer(self.decoder.final_layernorm(x))
+        return F.cross_entropy(logits.reshape(-1, self.cfg.vocab).float(), tokens[:, 1:].reshape(-1))
 
 
 def _is_fc1(name: str) -> bool:

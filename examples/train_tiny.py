@@ -1,14 +1,17 @@
 """Train the tiny Qwen3-style model under DP x TP with canzona, on synthetic data, the way a
 training script uses any torch.optim optimizer: bf16 parameters (the schedule's dtype; the
 optimizer keeps fp32 main copies), no weight decay for 1-D parameters and embeddings, linear
-warm-up then cosine decay of every group's learning rate, global gradient-norm clipping.
+warm-up then cosine decay of every group's learning rate, global gradient-norm clipping,
+gradient accumulation over micro-batches (`no_sync()` on all but the last), the gradient
+reduction overlapped with backward and the parameter gather with the next forward.
 
     canzona plan --model examples/tiny_qwen3.yaml --tp 2 --dp 2 --bucket-size 20000 \\
         --group-mb 0.03 -o /tmp/tiny.yaml
     torchrun --nproc-per-node 4 examples/train_tiny.py --tp 2 --dp 2 --schedule /tmp/tiny.yaml
 
 Global rank = dp_rank * tp + tp_rank. Prints the DP-mean loss, the gradient norm and the
-optimizer time (clip + step); `--strategy dp-sc|tp-sc` runs a baseline with the same math.
+iteration time (forward, backward, clip and step); `--strategy dp-sc|tp-sc` runs a baseline
+with the same math; `--no-overlap` turns both overlaps off.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", default=str(Path(__file__).with_name("tiny_qwen3.json")), help="model shapes (HF config)")
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="canzona")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per DP rank")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per DP rank (all micro-batches)")
+    parser.add_argument("--micro-batches", type=int, default=2, help="split each batch, accumulating gradients")
+    parser.add_argument("--no-overlap", action="store_true", help="reduce and gather inside step() only")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--adamw-lr", type=float, default=3e-3)
@@ -87,28 +92,40 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[load_schedule(args.schedule).params[0].dtype]
     model = TinyQwen3(cfg, tp_group).to(dtype)
     model.load_state_dict(shard_state(init_full_state(cfg), args.tp, tp_rank))
+    overlap = not args.no_overlap
     optimizer = STRATEGIES[args.strategy](param_groups(model, args.weight_decay), args.schedule, dp_group=dp_group,
-                                          tp_group=tp_group, lr=args.lr, adamw_lr=args.adamw_lr)
+                                          tp_group=tp_group, lr=args.lr, adamw_lr=args.adamw_lr, model=model,
+                                          overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     scheduler = warmup_cosine(optimizer, args.warmup, args.steps)
     times, first = [], None
     for step in range(args.steps):
-        loss = model(synthetic_batch(cfg, args.batch, args.seq, seed=step * args.dp + dp_rank))
-        loss.backward()
         started = time.perf_counter()
-        norm = optimizer.clip_grad_norm_(args.max_norm)  # reduces over DP first: the true global norm
-        optimizer.step()
+        batch = synthetic_batch(cfg, args.batch, args.seq, seed=step * args.dp + dp_rank)
+        loss = torch.zeros(())
+        for part, tokens in enumerate(batch.chunk(args.micro_batches)):
+            micro = model(tokens) / args.micro_batches  # waits, module by module, for the last gather
+            if part < args.micro_batches - 1:
+                with optimizer.no_sync():  # accumulate: no reduction yet
+                    micro.backward()
+            else:
+                micro.backward()  # the reduction starts bucket by bucket during this backward
+            loss += micro.detach().float()
+        norm = optimizer.clip_grad_norm_(args.max_norm)  # waits for the reduction: the true global norm
+        optimizer.step()  # returns with the parameter gathers in flight
         times.append(time.perf_counter() - started)
         optimizer.zero_grad()
         scheduler.step()
-        mean = loss.detach().float().clone()
+        mean = loss.clone()
         dist.all_reduce(mean, group=dp_group)
         mean = float(mean) / args.dp
         first = mean if first is None else first
         if dist.get_rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {mean:.4f}  grad norm {float(norm):.3f}  lr {optimizer.param_groups[0]['lr']:.4f}  "
-                  f"optimizer {times[-1] * 1e3:.1f} ms", flush=True)
+                  f"iteration {times[-1] * 1e3:.1f} ms", flush=True)
+    optimizer.finish_gather()  # before using the parameters outside the model's forward
     if dist.get_rank() == 0:
-        print(f"{args.strategy}: loss {first:.4f} -> {mean:.4f}; median step {statistics.median(times) * 1e3:.1f} ms", flush=True)
+        print(f"{args.strategy}: loss {first:.4f} -> {mean:.4f}; median iteration {statistics.median(times) * 1e3:.1f} ms",
+              flush=True)
     dist.destroy_process_group()
 
 

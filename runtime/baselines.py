@@ -3,8 +3,9 @@
 - `TpScOptimizer` (TP-SC): canzona's DP partition (reduce-scatter at the schedule's cuts,
   all-gather after), but each owned matrix is all-gathered over TP and every TP rank updates
   the full matrix and keeps its shard: P-fold redundant compute and full-size state.
-- `DpScOptimizer` (DP-SC): all-reduce over DP, every DP rank updates every parameter (each
-  matrix TP-SC style), no DP all-gather: D·P-fold redundant matrix compute.
+- `DpScOptimizer` (DP-SC): all-reduce over DP (per bucket, overlapped with backward as DDP
+  does), every DP rank updates every parameter (each matrix TP-SC style), no DP all-gather:
+  D·P-fold redundant matrix compute.
 
 Both give the same result as `CanzonaOptimizer`, which the tests check.
 """
@@ -53,6 +54,7 @@ class DpScOptimizer(TpScOptimizer):
     """DP-SC: all-reduce gradients over DP and update everything on every rank."""
 
     strategy = "dp-sc"
+    gathers = False
 
     def _updated_ranks(self) -> list[int]:
         return list(range(self.dp_size))
@@ -62,9 +64,6 @@ class DpScOptimizer(TpScOptimizer):
 
     def _writes_adamw(self, replicated: bool) -> bool:
         return self.dp_rank == 0 and super()._writes_adamw(replicated)
-
-    def _reduce_grads(self) -> Tensor:
-        return comm.all_reduce_mean(self._send.clone(), self.dp_group, self.timeout)
 
     def _publish(self, out: Tensor, active: list[bool]) -> None:
         comm.unpack(self.layout.pieces, out, self._targets(active))

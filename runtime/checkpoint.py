@@ -230,6 +230,7 @@ def save_checkpoint(opt: CanzonaOptimizer, path: str | os.PathLike[str], *, proc
     """Save `opt`'s logical state to the folder `path` (collective; every rank passes the same
     path on a shared file system). Atomic: until it returns, `path` holds the previous
     checkpoint. Returns the data folder written. CheckpointError on every rank on failure."""
+    opt.finish_gather()
     root, group = Path(path), _check_group(opt, process_group)
     leader = _grid_rank(opt) == 0
     folder, problem = _attempt(_prepare_folder, root, opt.step_count) if leader else (None, None)
@@ -307,6 +308,7 @@ def load_checkpoint(opt: CanzonaOptimizer, path: str | os.PathLike[str], *, veri
     `param_groups` also restores every group's hyperparameters, as `load_state_dict` does.
     `verify` checks the files' checksums first (each rank reads a share). Returns the commit
     record. On any problem every rank raises CheckpointError and `opt` is unchanged."""
+    opt.finish_gather()
     root, group = Path(path), _check_group(opt, process_group)
     what = f"loading checkpoint {str(root)!r}"
     manifest, problem = _attempt(_check_record, opt, root, param_groups)

@@ -1,7 +1,9 @@
-"""Collectives the runtime needs, built from `all_to_all_single` (works on gloo and NCCL).
+"""Collectives the runtime needs (gloo and NCCL alike).
 
-Uneven reduce-scatter / all-gather over DP at the schedule's cuts, and an asynchronous
-all-to-all for the TP micro-group gather and scatter. A group of size 1 never communicates.
+Per DP bucket, asynchronous: the gradient reduction (`start_reduce`) and the parameter gather
+(`start_gather`), in one of three forms (`DP_COLLECTIVES` and DP-SC's all-reduce); an
+asynchronous all-to-all for the TP micro-group gather and scatter. A group of size 1 never
+communicates.
 Every buffer is created on the device (and in the dtype) of the tensor it receives for, so the
 same code runs on gloo with CPU tensors and on NCCL with CUDA tensors.
 Every collective waits at most `timeout` (None: the process group's own timeout) and raises
@@ -10,7 +12,7 @@ Every collective waits at most `timeout` (None: the process group's own timeout)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import wait
-from canzona.runtime.layout import Piece
+from canzona.runtime.layout import DpBucket, Piece
 
 
 def pack(pieces: Sequence[Piece], sources: Sequence[Tensor | None], out: Tensor, base: int = 0,
@@ -45,87 +47,94 @@ def unpack(pieces: Sequence[Piece], buffer: Tensor, targets: Sequence[Tensor | N
             target[piece.src : piece.src + piece.length].copy_(buffer[piece.dst - base : piece.dst - base + piece.length])
 
 
-def reduce_scatter_mean(send: Tensor, sizes: Sequence[int], rank: int, group: dist.ProcessGroup,
-                        timeout: timedelta | None = None) -> Tensor:
-    """Uneven reduce-scatter: rank k receives the DP mean of region k (`sizes[k]` elements) of
-    `send`. One all_to_all_single with split sizes, then a local sum."""
-    world = len(sizes)
+DP_COLLECTIVES = ("rooted", "all_to_all")
+ALL_REDUCE = "all_reduce"  # DP-SC: every rank keeps the whole mean
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Pending:
+    """A bucket's collectives in flight: wait for `works` (at most `timeout`), then `land()`
+    puts the result where it belongs. `keep` holds send buffers alive until then."""
+
+    works: list[dist.Work]
+    land: Callable[[], None] = _nothing
+    keep: list[Tensor] = field(default_factory=list)
+
+    def wait(self, timeout: timedelta | None, what: str) -> None:
+        """Block until the bucket is done, then land it (once)."""
+        works, self.works = self.works, []
+        for work in works:
+            wait(work, timeout, what)
+        land, self.land = self.land, _nothing
+        land()
+        self.keep.clear()
+
+
+def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: dist.ProcessGroup,
+                 ranks: Sequence[int], dests: dict[int, Tensor]) -> Pending:
+    """Launch the DP mean of one bucket of the bucket buffer `send` (reduced in place).
+
+    `dests` maps a DP rank to where this rank keeps the mean of that rank's slice (its own
+    slice; every slice for DP-SC's `all_reduce`); `ranks` are the DP ranks' global ranks.
+    `rooted`: one reduce to each non-empty slice's owner (a native reduce-scatter when the
+    slices are equal); `all_to_all`: one all_to_all_single, summed here in rank order;
+    `all_reduce`: one all-reduce of the bucket."""
+    chunk = send[bucket.base : bucket.base + bucket.numel]
+    world, cuts = len(bucket.slices), bucket.cuts
+
+    def land_slices() -> None:  # the (reduced) slices of `chunk` into their destinations
+        for r, dest in dests.items():
+            dest.copy_(chunk[cuts[r] : cuts[r + 1]]).div_(world)
+
     if world == 1:
-        return send.clone()
-    mine = sizes[rank]
-    received = torch.empty(world * mine, dtype=send.dtype, device=send.device)
-    work = dist.all_to_all_single(received, send, [mine] * world, list(sizes), group=group, async_op=True)
-    wait(work, timeout, "the DP reduce-scatter of gradients")
-    return received.view(world, mine).sum(0).div_(world)
+        return Pending([], land_slices)
+    if mode == ALL_REDUCE:
+        return Pending([dist.all_reduce(chunk, group=group, async_op=True)], land_slices)
+    if mode == "all_to_all":
+        mine = bucket.slices[rank]
+        received = torch.empty(world * mine, dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(received, chunk, [mine] * world, list(bucket.slices), group=group, async_op=True)
+
+        def land_sum() -> None:
+            dests[rank].copy_(received.view(world, mine).sum(0)).div_(world)
+
+        return Pending([work], land_sum, [received])
+    if bucket.equal:
+        work = dist.reduce_scatter_single(dests[rank], chunk, group=group, async_op=True)
+
+        def land_mean() -> None:
+            dests[rank].div_(world)
+
+        return Pending([work], land_mean)
+    works = [dist.reduce(chunk[cuts[r] : cuts[r + 1]], dst=ranks[r], group=group, async_op=True)
+             for r in range(world) if cuts[r + 1] > cuts[r]]
+    return Pending(works, land_slices)
 
 
-def all_gather_uneven(mine: Tensor, sizes: Sequence[int], group: dist.ProcessGroup,
-                      timeout: timedelta | None = None) -> Tensor:
-    """Uneven all-gather: the concatenation of every rank's region (rank k holds `sizes[k]`)."""
-    world = len(sizes)
+def start_gather(gathered: Tensor, mine: Tensor, bucket: DpBucket, mode: str, rank: int,
+                 group: dist.ProcessGroup, ranks: Sequence[int]) -> Pending:
+    """Launch the gather of one bucket into the bucket buffer `gathered`: every rank's slice,
+    this rank's being `mine`. `rooted`: one broadcast from each non-empty slice's owner (a
+    native all-gather when the slices are equal); `all_to_all`: one all_to_all_single."""
+    chunk = gathered[bucket.base : bucket.base + bucket.numel]
+    world, cuts = len(bucket.slices), bucket.cuts
     if world == 1:
-        return mine
-    received = torch.empty(sum(sizes), dtype=mine.dtype, device=mine.device)
-    work = dist.all_to_all_single(received, mine.repeat(world), list(sizes), [mine.numel()] * world, group=group, async_op=True)
-    wait(work, timeout, "the DP all-gather of updated parameters")
-    return received
-
-
-DP_COLLECTIVES = ("all_to_all", "rooted")
-
-
-def _regions(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + size)
-    return [(starts[k], starts[k] + sizes[k]) for k in range(len(sizes))]
-
-
-def reduce_scatter_rooted(send: Tensor, sizes: Sequence[int], rank: int, group: dist.ProcessGroup,
-                          timeout: timedelta | None = None) -> Tensor:
-    """Uneven reduce-scatter as one rooted reduce per non-empty region, to its owner.
-
-    With all_to_all the owner of a large region receives world − 1 copies of it over its own
-    link; a (pipelined) rooted reduce moves the region over every link about once, which is
-    what matters when matrix-atomic cuts make regions very uneven."""
-    if len(sizes) == 1:
-        return send.clone()
-    scratch = send.clone()  # reduce overwrites its input on the way
-    works = [
-        dist.reduce(scratch[start:stop], dst=dist.get_global_rank(group, owner), group=group, async_op=True)
-        for owner, (start, stop) in enumerate(_regions(sizes)) if stop > start
-    ]
-    for work in works:
-        wait(work, timeout, "the DP reduce-scatter of gradients (rooted reduces)")
-    start, stop = _regions(sizes)[rank]
-    return scratch[start:stop].div_(len(sizes))
-
-
-def all_gather_rooted(mine: Tensor, sizes: Sequence[int], group: dist.ProcessGroup,
-                      timeout: timedelta | None = None) -> Tensor:
-    """Uneven all-gather as one broadcast per non-empty region, from its owner."""
-    if len(sizes) == 1:
-        return mine
-    rank = dist.get_rank(group)
-    out = torch.empty(sum(sizes), dtype=mine.dtype, device=mine.device)
-    regions = _regions(sizes)
-    out[regions[rank][0] : regions[rank][1]].copy_(mine)
-    works = [
-        dist.broadcast(out[start:stop], src=dist.get_global_rank(group, owner), group=group, async_op=True)
-        for owner, (start, stop) in enumerate(regions) if stop > start
-    ]
-    for work in works:
-        wait(work, timeout, "the DP all-gather of updated parameters (broadcasts)")
-    return out
-
-
-def all_reduce_mean(buffer: Tensor, group: dist.ProcessGroup, timeout: timedelta | None = None) -> Tensor:
-    """In-place DP mean of `buffer` (the DP-SC baseline)."""
-    world = dist.get_world_size(group)
-    if world > 1:
-        wait(dist.all_reduce(buffer, group=group, async_op=True), timeout, "the DP all-reduce of gradients")
-        buffer.div_(world)
-    return buffer
+        chunk.copy_(mine)
+        return Pending([])
+    if mode == "all_to_all":
+        send = mine.repeat(world)
+        work = dist.all_to_all_single(chunk, send, list(bucket.slices), [mine.numel()] * world, group=group, async_op=True)
+        return Pending([work], keep=[send])
+    if bucket.equal:
+        return Pending([dist.all_gather_single(chunk, mine, group=group, async_op=True)], keep=[mine])
+    chunk[cuts[rank] : cuts[rank + 1]].copy_(mine)
+    works = [dist.broadcast(chunk[cuts[r] : cuts[r + 1]], src=ranks[r], group=group, async_op=True)
+             for r in range(world) if cuts[r + 1] > cuts[r]]
+    return Pending(works)
 
 
 @dataclass

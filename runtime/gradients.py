@@ -1,11 +1,11 @@
-"""The first phase of a step: gradients packed (fp32), agreed on, and reduced over DP.
+"""The reduced gradients of a step, and the global gradient norm for clipping.
 
-`reduce_gradients` runs it: local checks (hyperparameters, gradients), one safe point that
+`CanzonaOptimizer.reduce_gradients` produces them (packing and the per-bucket reduction are
+`canzona.runtime.reduction`): local checks (hyperparameters, gradients), one safe point that
 also agrees which parameters have a gradient on some rank (a per-parameter MAX riding on the
-safe-point all-reduce) and whether main copies must be rebuilt, then the DP reduce-scatter. Its
+safe-point all-reduce) and whether main copies must be rebuilt, and the DP reduction. Its
 result is kept until the step consumes it, so `clip_grad_norm_` can run it first and see the
-true, DP-reduced gradient. (A later version can start the reduction bucket by bucket from
-backward hooks; the packing below already works piece by piece.)
+true, DP-reduced gradient.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime import comm
 from canzona.runtime.faults import wait
 
 if TYPE_CHECKING:
@@ -33,28 +32,6 @@ class Reduced:
 
     grads: Tensor
     active: list[bool]
-
-
-def pack_gradients(opt: CanzonaOptimizer) -> tuple[str | None, list[bool]]:
-    """Pack this rank's gradients (cast to fp32 once) into the exchange buffer. Returns a
-    problem (a missing `grad_attr`, a wrong shape, a non-finite value with `check_finite`) as
-    one line, and per schedule parameter whether this rank has a gradient for it."""
-    grads: list[Tensor | None] = [None] * len(opt.names)
-    for index in opt._managed_indices:
-        param = opt._param(index)
-        if not hasattr(param, opt.grad_attr):
-            return f"grad_attr {opt.grad_attr!r}: no such attribute on {opt.names[index]}", []
-        grad = getattr(param, opt.grad_attr)
-        if grad is None:
-            continue
-        if tuple(grad.shape) != tuple(param.shape):
-            return f"the gradient of {opt.names[index]} has shape {list(grad.shape)}, the parameter {list(param.shape)}", []
-        grads[index] = grad.detach().reshape(-1)
-    comm.pack(opt._managed_pieces, grads, opt._send)
-    if opt.check_finite and not bool(torch.isfinite(opt._send).all()):
-        bad = [opt.names[i] for i, g in enumerate(grads) if g is not None and not bool(torch.isfinite(g).all())]
-        return f"non-finite gradient in {', '.join(bad[:3]) or 'the gradient buffer'}", []
-    return None, [grad is not None for grad in grads]
 
 
 def norm_runs(opt: CanzonaOptimizer) -> list[tuple[int, int]]:

@@ -1,16 +1,27 @@
 """Index arithmetic of a schedule: where every element travels. No tensors, no collectives.
 
-The DP exchange buffer concatenates, rank by rank, that rank's slice of every bucket (matrix
-buckets first, then AdamW buckets). Reduce-scatter sends region k of it to DP rank k; the
-all-gather receives region k from DP rank k. A `Piece` is a run of one parameter's local
-(TP-shard) elements that is contiguous both in the parameter and in that buffer: a matrix
-parameter is one piece (cuts lie on parameter boundaries), an AdamW one may be split by cuts.
+Two coordinate systems. The *bucket* buffer is Megatron's gradient buffer: every DP bucket
+(matrix buckets, then AdamW buckets) whole, one after the other; each parameter's local
+(TP-shard) elements are one contiguous run at `DpLayout.flat[param]`. Gradients are packed and
+reduced there, bucket by bucket, and updated values gathered there. The *region* buffer
+concatenates, rank by rank, that rank's slice of every bucket (matrix slices first, then
+AdamW slices): region k is what DP rank k updates, so the reduced gradients and the new values
+of a rank are one contiguous region. A `Piece` is a run of one parameter's elements that is
+contiguous both in the parameter and in the region buffer: a matrix parameter is one piece
+(cuts lie on parameter boundaries), an AdamW one may be split by cuts.
+
+`DpBucket.reduce_key` / `gather_key` order the buckets the way the collectives are issued (and
+the simulator prices them): reductions in the order backward makes buckets ready (the bucket
+whose first-registered parameter is registered latest first; ties by buffer, then bucket),
+gathers in the order the next forward needs them (the reverse).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
 
 from canzona.schedules.format import Schedule
 from canzona.runtime.schedule import ADAMW, MATRIX, local_shape
@@ -27,15 +38,73 @@ class Piece:
     length: int
 
 
+BUFFER_ORDER = {MATRIX: 0, ADAMW: 2}  # the simulator's order of buffers (dense, expert, AdamW)
+
+
+@dataclass(frozen=True)
+class DpBucket:
+    """One DP bucket: its buffer (`kind`) and index there, where it starts in the bucket
+    buffer, its D + 1 cuts (bucket coordinates), where each rank's slice of it starts in the
+    region buffer, and the registration indices of its parameters."""
+
+    kind: str
+    index: int
+    base: int
+    cuts: tuple[int, ...]
+    region_starts: tuple[int, ...]
+    params: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the bucket (padded)."""
+        return self.cuts[-1]
+
+    @property
+    def slices(self) -> tuple[int, ...]:
+        """Elements of each rank's slice."""
+        return tuple(self.cuts[r + 1] - self.cuts[r] for r in range(len(self.cuts) - 1))
+
+    @property
+    def equal(self) -> bool:
+        """Whether every slice has the same size (a native reduce-scatter / all-gather fits)."""
+        return len(set(self.slices)) == 1
+
+    @property
+    def first(self) -> int:
+        """The smallest registration index in the bucket: backward makes its gradient last and
+        the next forward uses it first (0 for a bucket without parameters)."""
+        return min(self.params, default=0)
+
+    def reduce_key(self) -> tuple[int, int, int]:
+        """Sort key of the reduction order (readiness during backward)."""
+        return -self.first, BUFFER_ORDER[self.kind], self.index
+
+    def gather_key(self) -> tuple[int, int, int]:
+        """Sort key of the gather order (first needed by the next forward first)."""
+        return self.first, BUFFER_ORDER[self.kind], self.index
+
+
 @dataclass(frozen=True)
 class DpLayout:
-    """The DP exchange buffer: per-rank region sizes and starts, and every piece in it."""
+    """The DP buffers: per-rank region sizes and starts and every piece in the region buffer;
+    the buckets, each parameter's start in the bucket buffer and its bucket (position in
+    `buckets`), and the positions of the buckets in reduction and in gather order."""
 
     sizes: tuple[int, ...]
     starts: tuple[int, ...]
     matrix_sizes: tuple[int, ...]
     pieces: tuple[Piece, ...]
     rank_pieces: tuple[tuple[Piece, ...], ...]
+    buckets: tuple[DpBucket, ...] = ()
+    flat: tuple[int, ...] = ()
+    bucket_of: tuple[int, ...] = ()
+    reduce_order: tuple[int, ...] = ()
+    gather_order: tuple[int, ...] = ()
+
+    @cached_property
+    def reduce_position(self) -> dict[int, int]:
+        """Each bucket's position in the reduction order."""
+        return {bucket: position for position, bucket in enumerate(self.reduce_order)}
 
     @property
     def total(self) -> int:
@@ -61,6 +130,7 @@ def build_dp_layout(schedule: Schedule) -> DpLayout:
             if kind == MATRIX:
                 matrix_sizes[rank] = sizes[rank]
     starts = [sum(sizes[:rank]) for rank in range(dp)]
+    buckets, flat, bucket_of = _buckets(schedule, buffers, segment, starts)
     pieces: list[list[Piece]] = [[] for _ in range(dp)]
     for entry in schedule.params:
         cuts = buffers[entry.optimizer][entry.bucket].cuts
@@ -77,7 +147,35 @@ def build_dp_layout(schedule: Schedule) -> DpLayout:
         matrix_sizes=tuple(matrix_sizes),
         pieces=tuple(p for rank in pieces for p in rank),
         rank_pieces=tuple(tuple(rank) for rank in pieces),
+        buckets=buckets,
+        flat=flat,
+        bucket_of=bucket_of,
+        reduce_order=tuple(sorted(range(len(buckets)), key=lambda b: buckets[b].reduce_key())),
+        gather_order=tuple(sorted(range(len(buckets)), key=lambda b: buckets[b].gather_key())),
     )
+
+
+def _buckets(schedule: Schedule, buffers: dict[str, Any], segment: dict[tuple[str, int, int], int],
+             starts: list[int]) -> tuple[tuple[DpBucket, ...], tuple[int, ...], tuple[int, ...]]:
+    """Every DP bucket in buffer order, each parameter's start in the bucket buffer and the
+    position of its bucket."""
+    dp = schedule.request.dp
+    members: dict[tuple[str, int], list[int]] = {}
+    for entry in schedule.params:
+        members.setdefault((entry.optimizer, entry.bucket), []).append(entry.index)
+    out, base, position = [], 0, {}
+    for kind in (MATRIX, ADAMW):
+        for index, bucket in enumerate(buffers[kind]):
+            position[(kind, index)] = len(out)
+            out.append(DpBucket(kind, index, base, tuple(bucket.cuts),
+                                tuple(starts[r] + segment[(kind, index, r)] for r in range(dp)),
+                                tuple(sorted(members.get((kind, index), [])))))
+            base += bucket.cuts[-1]
+    flat, bucket_of = [0] * len(schedule.params), [0] * len(schedule.params)
+    for entry in schedule.params:
+        bucket_of[entry.index] = position[(entry.optimizer, entry.bucket)]
+        flat[entry.index] = out[bucket_of[entry.index]].base + entry.offset
+    return tuple(out), tuple(flat), tuple(bucket_of)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """`CanzonaOptimizer`: a `torch.optim.Optimizer` that executes a schedule every step under
 torch.distributed (docs/runtime.md).
 
-One step: reduce the gradients (pack in fp32, uneven reduce-scatter over DP: the mean); the TP
-micro-group pipeline for the matrices this DP rank owns; AdamW on this rank's equal slices;
-uneven all-gather of the updated parameter values over DP (in the model dtype), written back in
-place. Low-precision parameters are updated through fp32 main copies (`canzona.runtime.precision`).
+One step: reduce the gradients (pack in fp32, per bucket an uneven reduce-scatter over DP: the
+mean), started from backward's gradient hooks when `overlap_grad_reduce` (`reduction.py`); the
+TP micro-group pipeline for the matrices this DP rank owns; AdamW on this rank's equal slices;
+per bucket an uneven all-gather of the updated values over DP (in the model dtype), written back
+in place, optionally overlapped with the next forward (`gather.py`). Low-precision parameters
+are updated through fp32 main copies (`canzona.runtime.precision`).
 
 A step is a transaction: updates and new state are computed into scratch, every rank agrees
 that nobody failed (a safe point before the first data collective and one before applying),
@@ -15,10 +17,11 @@ on every rank and changes nothing; a collective that fails or times out raises `
 from __future__ import annotations
 
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import timedelta
 from functools import cached_property
 from typing import Any
@@ -30,22 +33,19 @@ from torch.utils.hooks import RemovableHandle
 
 from canzona.schedules.format import Schedule, ScheduleError
 from canzona.schedules.reshard import StateLayout, incompatibilities, state_layout
-from canzona.runtime import comm, gradients, precision, state as logical
+from canzona.runtime import comm, gradients, precision, reduction, state as logical
 from canzona.runtime.faults import CollectiveError, as_timedelta, settle
+from canzona.runtime.gather import ForwardHooks, ParamGather
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
 from canzona.runtime.layout import Task, build_dp_layout, matrix_tasks, micro_groups
-from canzona.runtime.optimizers import Hyperparameters, MatrixRule, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.optimizers import Hyperparameters, State, make_rule
 from canzona.runtime.pipeline import MicroGroupPipeline
 from canzona.runtime.process_groups import resolve_process_groups
 from canzona.runtime.schedule import DTYPES, Verdict, agree, layout_problem, load_schedule, plan_digest, summary
+from canzona.runtime.update import Transaction, UpdateStage, problem_line
 
 STATE_FORMAT = "canzona-logical/1"
 PreHook = Callable[..., Any]
-
-
-def _problem(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _widest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
@@ -55,25 +55,7 @@ def _widest(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     return found.pop() if len(found) == 1 else torch.float32
 
 
-@dataclass
-class _Pending:
-    """What one step has computed but not applied."""
-
-    step: int
-    active: list[bool]
-    hps: list[Hyperparameters]
-    rules: dict[int, MatrixRule]
-    problem: str | None = None
-    matrix: dict[int, list[State]] = field(default_factory=dict)
-    main: dict[int, Tensor] = field(default_factory=dict)
-    adamw: dict[str, Tensor] | None = None
-
-    def fail(self, problem: str) -> None:
-        """Record the first problem of the step."""
-        self.problem = self.problem or problem
-
-
-class CanzonaOptimizer(torch.optim.Optimizer):
+class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
     """Canzona's optimizer step for the live, TP-sharded local parameters of this rank; a
     drop-in `torch.optim.Optimizer` (param_groups, LR schedulers, closures, hooks).
 
@@ -86,33 +68,45 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     groups and the other ranks, and raises `ScheduleMismatchError` on every rank if anything is
     wrong. `timeout` (seconds or a timedelta) bounds every collective of a step (None: the
     process groups' own); `check_finite` makes a non-finite local gradient fail the step on
-    every rank. `dp_collectives`: "all_to_all" (default: one fused all_to_all each way, summed
-    in rank order, so results match the single-process reference bit for bit in order) or
-    "rooted" (one reduce to and one broadcast from each slice's owner: every link carries a
-    slice about once however uneven the cuts are; the backend's summation order differs, which
-    Shampoo/SOAP amplify beyond rtol 1e-5 at DP 4). Other keywords are the defaults of every
-    group: see `canzona.runtime.optimizers.Hyperparameters` (matrix settings default to the
-    schedule's)."""
+    every rank. `dp_collectives`, per bucket: "rooted" (default: one reduce to and one
+    broadcast from each non-empty slice's owner, a native reduce-scatter / all-gather where the
+    slices are equal: every link carries a bucket about once however uneven the cuts; the
+    backend's summation order) or "all_to_all" (one all_to_all_single each way, summed here in
+    rank order). `overlap_grad_reduce` (default on): each bucket's reduction starts from
+    backward as soon as its gradients exist (gradient hooks; `no_sync()` for accumulation);
+    `overlap_param_gather` (default off; needs `model`): the step returns with its parameter
+    gathers in flight and each module of `model` waits for its own before its forward. Other
+    keywords are the defaults of every group: see `canzona.runtime.optimizers.Hyperparameters`
+    (matrix settings default to the schedule's)."""
 
     strategy = "canzona"
+    gathers = True  # whether the strategy gathers parameters over DP after its update
 
     def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *,
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
                  mesh: Any = None, timeout: float | timedelta | None = None, check_finite: bool = False,
-                 dp_collectives: str = "all_to_all", grad_attr: str = "grad", **defaults: Any) -> None:
+                 dp_collectives: str = "rooted", grad_attr: str = "grad", overlap_grad_reduce: bool = True,
+                 overlap_param_gather: bool = False, model: torch.nn.Module | None = None, **defaults: Any) -> None:
         given = list(params)
         if dp_collectives not in comm.DP_COLLECTIVES:
             raise ValueError(f"dp_collectives must be one of {', '.join(comm.DP_COLLECTIVES)}, got {dp_collectives!r}")
         if not isinstance(grad_attr, str) or not grad_attr.isidentifier():
             raise ValueError(f"grad_attr must be an attribute name such as 'grad' or 'main_grad', got {grad_attr!r}")
-        self.rooted = dp_collectives == "rooted"
+        for name, flag in (("overlap_grad_reduce", overlap_grad_reduce), ("overlap_param_gather", overlap_param_gather)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if overlap_param_gather and not isinstance(model, torch.nn.Module):
+            raise ValueError("overlap_param_gather=True needs model=<the torch.nn.Module whose parameters are optimized>")
+        self.dp_collectives = dp_collectives
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
         self.timeout = as_timedelta(timeout)
         self.check_finite = check_finite
         self.grad_attr = grad_attr
         self.dp_group, self.tp_group = resolve_process_groups(dp_group, tp_group, mesh)
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
-        loaded, resolved, problem = self._prepare(given, schedule, defaults)
+        loaded, resolved, problem = self._prepare(given, schedule, defaults, model)
         verdict = Verdict(
             rank=dist.get_rank(), dp_rank=self.dp_rank, tp_rank=self.tp_rank, problem=problem,
             fingerprint=loaded.fingerprint if loaded else None,
@@ -130,13 +124,17 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self.state = logical.StateView(self)  # type: ignore[assignment]
         self._pre_hooks: OrderedDict[int, PreHook] = OrderedDict()  # RemovableHandle needs a weak reference
         self._broken: str | None = None
-        self._pending: _Pending | None = None
+        self._pending: Transaction | None = None
         self._reduced: gradients.Reduced | None = None
+        self._round: reduction.Round | None = None
+        self._gather: ParamGather | None = None
+        self._syncing = True
         self._setup()
+        self._install_hooks(model)
         self._ready = True
 
-    def _prepare(self, given: list[Any], schedule: Schedule | str | os.PathLike[str],
-                 defaults: dict[str, Any]) -> tuple[Schedule | None, ResolvedGroups | None, str | None]:
+    def _prepare(self, given: list[Any], schedule: Schedule | str | os.PathLike[str], defaults: dict[str, Any],
+                 model: torch.nn.Module | None) -> tuple[Schedule | None, ResolvedGroups | None, str | None]:
         """Load and check locally; every failure becomes this rank's verdict, not an exception."""
         try:
             loaded = schedule if isinstance(schedule, Schedule) else load_schedule(schedule)
@@ -150,6 +148,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         entries = {e.name: e for e in loaded.params}
         resolved = resolve_param_groups(given, entries, loaded.request.tp, rule, self.hp, self.grad_attr)
         problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p] + resolved.problems
+        if model is not None:
+            inside = {id(p) for p in model.parameters()}
+            outside = [name for group in resolved.groups for name, tensor in group["params"] if id(tensor) not in inside]
+            problems += [f"{name}: not a parameter of the model given as model=" for name in outside[:3]]
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             return loaded, resolved, "parameters do not match the schedule: " + "; ".join(problems[:3]) + more
@@ -175,11 +177,11 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._wire_dtype = _widest(self._dtypes)
         self.param_steps = [0] * len(entries)
         self.layout = build_dp_layout(self.schedule)
-        self._managed_pieces = [p for p in self.layout.pieces if self._managed[p.param]]
         self.rule = make_rule(self.schedule.request.optimizer.name, self.hp)
         self.step_count = 0
         self.matrix_state: dict[int, list[State]] = {}
-        self._send = torch.zeros(self.layout.total, dtype=torch.float32, device=self.device)
+        self._send = torch.zeros(self.layout.total, dtype=torch.float32, device=self.device)  # the bucket buffer
+        self._dp_ranks = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
         self._flat_params = [None if p is None else p.detach().view(-1) for p in self._params]
         self._ranks = self._updated_ranks()
         self._base = self.layout.starts[self._ranks[0]]
@@ -254,14 +256,17 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every optimized parameter (`.grad`; a Megatron `.main_grad`
-        buffer is its owner's to zero) and drop gradients reduced but not yet stepped."""
+        buffer is its owner's to zero) and drop gradients reduced but not yet stepped (a
+        reduction backward launched is finished first: collective, as backward was)."""
         self._reduced = None
+        self._drop_round()
         super().zero_grad(set_to_none)
 
     def reload_model_params(self) -> None:
         """Rebuild the fp32 main copies from the parameters at the next step (after loading
         model weights into the parameters, e.g. from a model checkpoint). Local; the rebuild
         itself is agreed by every rank at the next step's first safe point."""
+        self.finish_gather()
         self.main.stale = True
 
     @contextmanager
@@ -294,26 +299,42 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     def reduce_gradients(self, problem: str | None = None) -> None:
         """The first phase of a step (collective): check, pack and reduce this rank's gradients
         over DP, keeping the result for the step. `step()` and `clip_grad_norm_()` call it;
-        a second call before the step does nothing. StepFailedError on every rank if any rank
-        has a problem (nothing changes)."""
+        a second call before the step does nothing. With `overlap_grad_reduce` backward has
+        already launched (most of) the reduction: this waits for it. StepFailedError on every
+        rank if any rank has a problem (nothing changes)."""
         if self._reduced is not None:
             return
         step = self.step_count + 1
         with self._collectives():
+            self.finish_gather()
             problem = problem or self._hyperparameters()[1]
-            has_grad: list[bool] = []
+            hooked, self._round = self._round, None
+            if hooked is not None:  # launched from backward: wait, then agree
+                hooked.launch_rest()
+                grads = hooked.wait()
+                agreed = self._agree(problem or hooked.problem, step, "after reducing its gradients", hooked)
+                if not agreed[1]:
+                    self._reduced = gradients.Reduced(grads, [bool(flag) for flag in agreed[2:]])
+                    return
+            fresh = reduction.Round(self, launching=False)
             if problem is None:
-                try:
-                    problem, has_grad = gradients.pack_gradients(self)
-                except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
-                    problem = f"packing gradients: {_problem(error)}"
-            flags = torch.tensor([int(self.main.stale)] + [int(h) for h in has_grad or [False] * len(self.names)],
-                                 dtype=torch.int32, device=self.device)
-            agreed = self._settle(problem, step, before_collectives=True, flags=flags).tolist()
-            if agreed[0]:
-                precision.rebuild(self, self.main.stale)
-            grads = self._reduce_grads()
-        self._reduced = gradients.Reduced(grads, [bool(flag) for flag in agreed[1:]])
+                fresh.pack_rest()
+            agreed = self._agree(problem or fresh.problem, step, "before its first collective", fresh)
+            fresh.launch_rest()
+            grads = fresh.wait()
+        self._reduced = gradients.Reduced(grads, [bool(flag) for flag in agreed[2:]])
+
+    def _agree(self, problem: str | None, step: int, where: str, done: reduction.Round) -> list[int]:
+        """The safe point of the reduction: every rank's problem, and agreed flags [main copies
+        stale, round to redo, has a gradient per parameter...]; rebuilds stale main copies."""
+        flags = torch.tensor([int(self.main.stale), int(done.stale)] + [int(h) for h in done.has_grad],
+                             dtype=torch.int32, device=self.device)
+        failure = f"step {step} failed {where}, nothing was applied on any rank"
+        agreed = settle(problem, (self.tp_group, self.dp_group), self.timeout, f"the safe point of step {step} {where}",
+                        failure, self.device, flags=flags).tolist()
+        if agreed[0]:
+            precision.rebuild(self, self.main.stale)
+        return agreed
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -342,7 +363,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 if result is not None:
                     args, kwargs = result
         except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
-            return closure, _problem(error)
+            return closure, problem_line(error)
         return kwargs.get("closure", args[1] if len(args) > 1 else None), None
 
     def _run_closure(self, closure: Callable[[], Any] | None, problem: str | None) -> tuple[Any, str | None]:
@@ -354,7 +375,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 return closure(), problem
         except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
-            return None, problem or f"the closure raised {_problem(error)}"
+            return None, problem or f"the closure raised {problem_line(error)}"
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -370,7 +391,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             reduced = self._reduced
             assert reduced is not None
             hps, hp_problem = self._hyperparameters()
-            pending = _Pending(self.step_count + 1, reduced.active, hps,
+            pending = Transaction(self.step_count + 1, reduced.active, hps,
                                {g: self._group_rule(hps[g]) for g, group in enumerate(self.param_groups) if group["kind"] == "matrix"})
             pending.problem = problem or hp_problem
             with self._collectives():
@@ -380,146 +401,91 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._commit(pending)
         return loss
 
-    def _group_rule(self, hp: Hyperparameters) -> MatrixRule:
-        return make_rule(self.schedule.request.optimizer.name, hp)
+    def _start_reduce(self, bucket: int, grads: Tensor) -> comm.Pending:
+        """Launch the DP mean of one bucket of `_send` into `grads` (region coordinates)."""
+        b = self.layout.buckets[bucket]
+        dests = {r: grads[b.region_starts[r] - self._base : b.region_starts[r] - self._base + b.slices[r]] for r in self._ranks}
+        mode = self.dp_collectives if self.gathers else comm.ALL_REDUCE
+        return comm.start_reduce(self._send, b, mode, self.dp_rank, self.dp_group, self._dp_ranks, dests)
 
-    def _update(self, grads: Tensor, pending: _Pending) -> None:
-        values = torch.empty(self._size, dtype=torch.float32, device=self.device)
-        out = torch.empty(self._size, dtype=self._wire_dtype, device=self.device)
-        self._pack_values(values)
-        self._pending = pending
-        try:
-            self._update_matrices(grads, values, out)
-        finally:
-            self._pending = None
-        self._update_adamw(grads, values, pending)
-        for start, stop in self._adamw_spans():
-            out[start:stop].copy_(values[start:stop])
-        self._settle(pending.problem, pending.step, before_collectives=False)
-        self._publish(out, pending.active)
-        if self.main.adamw is not None:
-            offset = 0
-            for start, stop in self._adamw_spans():
-                self.main.adamw[offset : offset + stop - start].copy_(values[start:stop])
-                offset += stop - start
-
-    def _adamw_spans(self) -> list[tuple[int, int]]:
-        """[start, stop) of every AdamW region this rank updates, in its buffer coordinates."""
-        return [tuple(s - self._base for s in self.layout.adamw_region(r)) for r in self._ranks]  # type: ignore[misc]
-
-    def _pack_values(self, values: Tensor) -> None:
-        """Current fp32 values of what this rank updates: main copies of low-precision AdamW
-        elements, the parameters themselves for fp32 ones (low-precision matrices come from
-        their hosts' main copies)."""
-        if self.main.adamw is not None:
-            offset = 0
-            for start, stop in self._adamw_spans():
-                values[start:stop].copy_(self.main.adamw[offset : offset + stop - start])
-                offset += stop - start
-        comm.pack(self._fp32_pieces, self._flat_params, values, self._base, zero_missing=False)
-
-    def _commit(self, pending: _Pending) -> None:
-        self.matrix_state.update(pending.matrix)
-        self.main.matrices.update(pending.main)
-        if pending.adamw is not None:
-            self.adamw_state = pending.adamw
-        for index, active in enumerate(pending.active):
-            if active and self._managed[index]:
-                self.param_steps[index] += 1
-        self.step_count = pending.step
-
-    def _reduce_grads(self) -> Tensor:
-        reduce = comm.reduce_scatter_rooted if self.rooted else comm.reduce_scatter_mean
-        return reduce(self._send, self.layout.sizes, self.dp_rank, self.dp_group, self.timeout)
+    def _start_gather(self, bucket: int, gathered: Tensor, out: Tensor) -> comm.Pending:
+        """Launch the gather of one bucket of the new values `out` (region coordinates)."""
+        b = self.layout.buckets[bucket]
+        start = b.region_starts[self.dp_rank] - self._base
+        mine = out[start : start + b.slices[self.dp_rank]]
+        return comm.start_gather(gathered, mine, b, self.dp_collectives, self.dp_rank, self.dp_group, self._dp_ranks)
 
     def _targets(self, active: list[bool]) -> list[Tensor | None]:
         return [flat if active[i] else None for i, flat in enumerate(self._flat_params)]
 
     def _publish(self, out: Tensor, active: list[bool]) -> None:
-        gather = comm.all_gather_rooted if self.rooted else comm.all_gather_uneven
-        gathered = gather(out, self.layout.sizes, self.dp_group, self.timeout)
-        comm.unpack(self.layout.pieces, gathered, self._targets(active))
+        """Launch every bucket's gather; wait for all of them unless the model's forward hooks
+        will (then only for buckets no module's hook covers)."""
+        gather = self._gather = ParamGather(self, out, active)
+        if self._forward_hooks is None:
+            gather.finish()
+        else:
+            gather.wait([b for b in self.layout.gather_order if b in self._forward_hooks.eager])
+        if gather.done:
+            self._gather = None
 
-    def _local(self, buffer: Tensor, task: Task) -> Tensor:
-        start = self._offsets[task.param]
-        return buffer[start : start + task.numel].view(task.local_shape)
+    def _install_hooks(self, model: torch.nn.Module | None) -> None:
+        self._grad_hooks = reduction.install_grad_hooks(self) if self.overlap_grad_reduce and self.grad_attr == "grad" else []
+        self._forward_hooks: ForwardHooks | None = None
+        if self.overlap_param_gather and model is not None and self.gathers:
+            bucket_of = {id(self._param(i)): self.layout.bucket_of[i] for i in self._managed_indices}
+            self._forward_hooks = ForwardHooks(self, model, bucket_of)
 
-    def _host_update(self, task: Task, full_grad: Tensor) -> Tensor:
-        """The host's result for a matrix (an fp32 update, or the new values in the model dtype
-        from its fp32 main copy), computed on copies of its state; a failure is recorded (and a
-        zero result keeps the collectives going) for the next safe point."""
-        pending = self._pending
-        assert pending is not None
-        if pending.problem is None:
-            try:
-                return self._matrix_result(task, full_grad, pending)
-            except Exception as error:  # noqa: BLE001
-                pending.fail(f"updating {self.names[task.param]}: {_problem(error)}")
-        return torch.zeros(task.shape, dtype=self._dtypes[task.param], device=self.device)
+    def weak(self) -> weakref.ref[CanzonaOptimizer]:
+        """A weak reference to this optimizer (hooks hold these, so they never keep it alive)."""
+        return weakref.ref(self)
 
-    def _matrix_result(self, task: Task, full_grad: Tensor, pending: _Pending) -> Tensor:
-        group = self._group_of[task.param]
-        rule, hp = pending.rules[group], pending.hps[group]
-        current = self.matrix_state.get(task.param)
-        states = logical.clone_states(current) if current else init_matrix_state(rule, task.shape, task.row_blocks, self.device)
-        update = matrix_update(rule, states, full_grad, task.row_blocks, self.param_steps[task.param] + 1)
-        pending.matrix[task.param] = states
-        if not self._lowp[task.param]:
-            return update
-        main = self.main.matrices[task.param].clone()
-        apply_update(main, update, hp.lr, hp.weight_decay)
-        pending.main[task.param] = main
-        return main.to(self._dtypes[task.param])
+    def grad_ready(self, param: Tensor) -> None:
+        """Tell the optimizer that `param`'s gradient (its `grad_attr`) is final for this
+        backward, so its bucket's reduction may start. `.grad` users never need this (gradient
+        hooks call it); with `grad_attr="main_grad"` call it from the hook that accumulates
+        `.main_grad` (as Megatron's DDP does before it marks a parameter ready). Ignored
+        inside `no_sync()` and without `overlap_grad_reduce`."""
+        index = self._index_of_tensor.get(id(param))
+        if index is None:
+            raise ValueError("grad_ready: not a parameter this optimizer updates")
+        if self.overlap_grad_reduce:
+            reduction.arrived(self, index)
 
-    def _apply(self, values: Tensor, out: Tensor, task: Task, shard: Tensor) -> None:
-        """Write this rank's shard of a matrix's result into the outgoing buffer."""
-        if self._lowp[task.param]:
-            self._local(out, task).copy_(shard)
-            return
-        pending = self._pending
-        assert pending is not None
-        hp = pending.hps[self._group_of[task.param]]
-        value = self._local(values, task)
-        apply_update(value, shard, hp.lr, hp.weight_decay)
-        self._local(out, task).copy_(value)
-
-    def _active_task(self, task: Task) -> bool:
-        pending = self._pending
-        return pending is not None and pending.active[task.param] and self._managed[task.param]
-
-    def _update_matrices(self, grads: Tensor, values: Tensor, out: Tensor) -> None:
-        self.pipeline.run(
-            grad_of=lambda task: self._local(grads, task),
-            update_of=self._host_update,
-            apply=lambda task, shard: self._apply(values, out, task, shard),
-            active=self._active_task,
-        )
-
-    def _adamw_runs_now(self, active: list[bool]) -> list[tuple[int, int, int, int, int]]:
-        """(group, param step, buffer start, state offset, length) of every contiguous run of
-        stepped AdamW elements that share a group and a step count."""
-        runs: list[list[int]] = []
-        for piece, offset in self._adamw_pieces:
-            if not active[piece.param]:
-                continue
-            key = (self._group_of[piece.param], self.param_steps[piece.param])
-            start = piece.dst - self._base
-            if runs and (runs[-1][0], runs[-1][1]) == key and runs[-1][2] + runs[-1][4] == start and runs[-1][3] + runs[-1][4] == offset:
-                runs[-1][4] += piece.length
-            else:
-                runs.append([*key, start, offset, piece.length])
-        return [tuple(run) for run in runs]  # type: ignore[misc]
-
-    def _update_adamw(self, grads: Tensor, values: Tensor, pending: _Pending) -> None:
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside this context launch no reduction
+        (their gradients accumulate as usual); the next backward outside it (the last
+        micro-batch) reduces the accumulated gradients. Like DDP's `no_sync`."""
+        previous, self._syncing = self._syncing, False
         try:
-            moments = {key: value.clone() for key, value in self.adamw_state.items()}
-            for group, steps, start, offset, length in self._adamw_runs_now(pending.active):
-                adamw_(values[start : start + length], grads[start : start + length],
-                       moments["exp_avg"][offset : offset + length], moments["exp_avg_sq"][offset : offset + length],
-                       steps + 1, pending.hps[group])
-            pending.adamw = moments
-        except Exception as error:  # noqa: BLE001
-            pending.fail(f"AdamW: {_problem(error)}")
+            yield
+        finally:
+            self._syncing = previous
+
+    def finish_gather(self) -> None:
+        """Wait for every parameter gather still in flight (`overlap_param_gather`): call it
+        before reading or writing the parameters outside the model's forward (the step,
+        state dicts and checkpoints do it themselves). Collective only in that it waits."""
+        if self._gather is not None:
+            with self._collectives():
+                self._gather.finish()
+            self._gather = None
+
+    def wait_gather(self, buckets: list[int]) -> None:
+        """Wait for the gathers of `buckets` (a module's forward pre-hook calls this)."""
+        if self._gather is not None:
+            with self._collectives():
+                self._gather.wait(buckets)
+            if self._gather.done:
+                self._gather = None
+
+    def _drop_round(self) -> None:
+        """Finish and forget a reduction nobody will step (every rank launches the same)."""
+        current, self._round = self._round, None
+        if current is not None:
+            with self._collectives():
+                current.drain()
 
     def state_layout(self) -> StateLayout:
         """What decides the logical state's keys and shapes (model, optimizer, shapes)."""
@@ -535,6 +501,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         schedule fingerprint. Any optimizer of the same model can load a set of these that
         covers what it holds (`load_state_dict`), whatever its schedule. Not torch.optim's
         format: checkpoint through `canzona.runtime.save_checkpoint`."""
+        self.finish_gather()
         return logical.LogicalStateDict({
             "format": STATE_FORMAT,
             "strategy": self.strategy,
@@ -555,6 +522,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         model, and the groups' hyperparameters (the groups must list the same parameters).
         ValueError, with nothing changed, if it is another model's or lacks what this rank
         holds. Missing main copies are rebuilt from the parameters at the next step."""
+        self.finish_gather()
         state = state_dict
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__

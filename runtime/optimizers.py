@@ -2,8 +2,9 @@
 
 Shared by the distributed runtime (on the hosts) and the single-process reference, so the oracle
 and the runtime evaluate the same formulas; what the reference checks is everything around them
-(packing, reduction, ownership, gather/scatter, row blocks). Everything is computed in fp32, on
-the device of the tensors given (state is created on the `device` the caller names).
+(packing, reduction, ownership, gather/scatter, row blocks). Everything is computed in fp32 (the
+runtime; fp64 when given fp64 gradients and state, as the fp64 reference does), on the device of
+the tensors given (state is created on the `device`, in the `dtype`, the caller names).
 
 A matrix rule turns the gradient of one (sub)matrix into an update direction `u`; the caller
 applies it as ``p ← p·(1 − lr·wd) − lr·u`` (decoupled weight decay).
@@ -116,10 +117,16 @@ def _check_range(name: str, value: Any, low: float, high: float, closed: bool) -
         raise ValueError(f"{name} must be {bound}, got {value!r}")
 
 
+def compute_dtype(tensor: Tensor) -> torch.dtype:
+    """The dtype the math runs in for `tensor`: fp32, or fp64 for fp64 input."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
 def newton_schulz(grad: Tensor, steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7) -> Tensor:
-    """Approximately orthogonalise `grad` (the quintic iteration of Muon), in fp32."""
+    """Approximately orthogonalise `grad` (the quintic iteration of Muon), in fp32 (fp64 for
+    an fp64 `grad`)."""
     a, b, c = coefficients
-    x = grad.float()
+    x = grad.to(compute_dtype(grad))
     transposed = x.size(0) > x.size(1)
     if transposed:
         x = x.T
@@ -150,8 +157,8 @@ def inverse_root(matrix: Tensor, root: int, eps: float) -> Tensor:
 class MatrixRule(Protocol):
     """One matrix optimizer: fresh state for a rows×cols matrix, and one step of it."""
 
-    def init_state(self, rows: int, cols: int, device: torch.device) -> State:
-        """The state of a new rows×cols matrix, on `device`."""
+    def init_state(self, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32) -> State:
+        """The state of a new rows×cols matrix, on `device`, in `dtype`."""
         ...
 
     def update(self, state: State, grad: Tensor, step: int) -> Tensor:
@@ -165,9 +172,9 @@ class Muon:
 
     hp: Hyperparameters
 
-    def init_state(self, rows: int, cols: int, device: torch.device) -> State:
+    def init_state(self, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32) -> State:
         """A zero momentum buffer."""
-        return {"momentum": torch.zeros(rows, cols, device=device)}
+        return {"momentum": torch.zeros(rows, cols, dtype=dtype, device=device)}
 
     def update(self, state: State, grad: Tensor, step: int) -> Tensor:
         """Moonlight/Megatron form: buf ← μ·buf + g; orthogonalise g + μ·buf (Nesterov) or buf."""
@@ -191,7 +198,7 @@ class Shampoo:
 
     hp: Hyperparameters
 
-    def init_state(self, rows: int, cols: int, device: torch.device) -> State:
+    def init_state(self, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32) -> State:
         """Zero statistics and identity roots per block, and a momentum buffer."""
         assert self.hp.block_size is not None
         blocks = []
@@ -199,10 +206,10 @@ class Shampoo:
             for c0, c1 in _spans(cols, self.hp.block_size):
                 m, n = r1 - r0, c1 - c0
                 blocks.append({
-                    "L": torch.zeros(m, m, device=device), "R": torch.zeros(n, n, device=device),
-                    "L_root": torch.eye(m, device=device), "R_root": torch.eye(n, device=device),
+                    "L": torch.zeros(m, m, dtype=dtype, device=device), "R": torch.zeros(n, n, dtype=dtype, device=device),
+                    "L_root": torch.eye(m, dtype=dtype, device=device), "R_root": torch.eye(n, dtype=dtype, device=device),
                 })
-        return {"blocks": blocks, "momentum": torch.zeros(rows, cols, device=device)}
+        return {"blocks": blocks, "momentum": torch.zeros(rows, cols, dtype=dtype, device=device)}
 
     def update(self, state: State, grad: Tensor, step: int) -> Tensor:
         """One Shampoo step on `grad`."""
@@ -235,15 +242,15 @@ class Soap:
 
     hp: Hyperparameters
 
-    def init_state(self, rows: int, cols: int, device: torch.device) -> State:
+    def init_state(self, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32) -> State:
         """Zero moments and statistics; no basis until the first step."""
         limit = self.hp.max_precond_dim
         assert limit is not None
         return {
-            "exp_avg": torch.zeros(rows, cols, device=device),
-            "exp_avg_sq": torch.zeros(rows, cols, device=device),
-            "L": torch.zeros(rows, rows, device=device) if rows <= limit else None,
-            "R": torch.zeros(cols, cols, device=device) if cols <= limit else None,
+            "exp_avg": torch.zeros(rows, cols, dtype=dtype, device=device),
+            "exp_avg_sq": torch.zeros(rows, cols, dtype=dtype, device=device),
+            "L": torch.zeros(rows, rows, dtype=dtype, device=device) if rows <= limit else None,
+            "R": torch.zeros(cols, cols, dtype=dtype, device=device) if cols <= limit else None,
             "QL": None,
             "QR": None,
         }
@@ -301,15 +308,15 @@ def submatrix_shapes(shape: tuple[int, int], row_blocks: list[RowBlock] | None) 
 
 
 def init_matrix_state(rule: MatrixRule, shape: tuple[int, int], row_blocks: list[RowBlock] | None,
-                      device: torch.device) -> list[State]:
-    """Fresh state of every submatrix of one matrix, on `device`."""
-    return [rule.init_state(rows, cols, device) for rows, cols in submatrix_shapes(shape, row_blocks)]
+                      device: torch.device, dtype: torch.dtype = torch.float32) -> list[State]:
+    """Fresh state of every submatrix of one matrix, on `device`, in `dtype`."""
+    return [rule.init_state(rows, cols, device, dtype) for rows, cols in submatrix_shapes(shape, row_blocks)]
 
 
 def matrix_update(rule: MatrixRule, states: list[State], grad: Tensor, row_blocks: list[RowBlock] | None, step: int) -> Tensor:
     """The update of a whole matrix: each submatrix (its rows gathered from `row_blocks`, in
     order) is updated on its own and the result written back to the same rows."""
-    grad = grad.float()
+    grad = grad.to(compute_dtype(grad))
     if not row_blocks:
         return rule.update(states[0], grad, step)
     out = torch.empty_like(grad)

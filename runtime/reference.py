@@ -2,7 +2,9 @@
 
 It applies the same formulas (`canzona.runtime.optimizers`) to the full parameters with the
 full (already averaged) gradients, with no buffers, cuts, hosts or collectives, so agreement
-with `CanzonaOptimizer` checks the whole distributed machinery. It takes the same parameter
+with `CanzonaOptimizer` checks the whole distributed machinery. With `dtype=torch.float64` it
+computes everything in fp64 (gradients, state and main copies of every parameter), the yardstick
+the runtime's fp32 rounding is measured against. It takes the same parameter
 groups (so LR schedulers drive it the same way), keeps an fp32 main copy of every bf16/fp16
 parameter (made from its value at construction), skips a parameter without a gradient (no
 decay, no state change, its step count stays) and clips like `torch.nn.utils.clip_grad_norm_`.
@@ -40,9 +42,11 @@ class ReferenceOptimizer(torch.optim.Optimizer):
     not the gathered one (e.g. an unsharded fc1 stored as [gate; up])."""
 
     def __init__(self, params: Iterable[Any], schedule: Schedule,
-                 row_blocks: Mapping[str, list[RowBlock] | None] | None = None, **defaults: Any) -> None:
+                 row_blocks: Mapping[str, list[RowBlock] | None] | None = None, dtype: torch.dtype = torch.float32,
+                 **defaults: Any) -> None:
         entries = {e.name: e for e in schedule.params}
         self.rule_name = schedule.request.optimizer.name
+        self.dtype = dtype
         self.hp = Hyperparameters.from_kwargs(defaults).resolved(schedule.request.optimizer)
         resolved = resolve_param_groups(list(params), entries, 1, self.rule_name, self.hp)
         if resolved.problems:
@@ -55,8 +59,8 @@ class ReferenceOptimizer(torch.optim.Optimizer):
             for name, tensor in zip(group["param_names"], group["params"]):
                 state = self.state[tensor]
                 state["step"] = 0
-                if tensor.dtype != torch.float32:
-                    state["main"] = tensor.detach().float().clone()
+                if tensor.dtype != dtype:
+                    state["main"] = tensor.detach().to(dtype).clone()
         self.step_count = 0
 
     def _named(self) -> Iterable[tuple[dict[str, Any], str, Tensor]]:
@@ -74,7 +78,7 @@ class ReferenceOptimizer(torch.optim.Optimizer):
                         norm_type: float = 2.0) -> Tensor:
         """torch's clip_grad_norm_ over `grads` (by name, scaled in place) or the `.grad`s."""
         found = self._grads(grads)
-        norms = [torch.linalg.vector_norm(g.float(), norm_type) for g in found.values()]
+        norms = [torch.linalg.vector_norm(g.to(self.dtype), norm_type) for g in found.values()]
         if math.isinf(norm_type):
             total = torch.stack(norms).max()
         else:
@@ -96,18 +100,19 @@ class ReferenceOptimizer(torch.optim.Optimizer):
             hp = group_hyperparameters(group, self.hp, self.rule_name)
             state = self.state[tensor]
             state["step"] += 1
-            grad = found[name].float()
+            grad = found[name].to(self.dtype)
             value = state["main"] if "main" in state else tensor.detach()
             if self.matrix[name]:
                 rule = make_rule(self.rule_name, hp)
                 if "matrix" not in state:
-                    state["matrix"] = init_matrix_state(rule, (tensor.shape[0], tensor.shape[1]), self.blocks[name], tensor.device)
+                    state["matrix"] = init_matrix_state(rule, (tensor.shape[0], tensor.shape[1]), self.blocks[name], tensor.device,
+                                                        self.dtype)
                 update = matrix_update(rule, state["matrix"], grad, self.blocks[name], state["step"])
                 apply_update(value, update, hp.lr, hp.weight_decay)
             else:
                 if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
-                    state["exp_avg_sq"] = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
+                    state["exp_avg"] = torch.zeros(tensor.numel(), dtype=self.dtype, device=tensor.device)
+                    state["exp_avg_sq"] = torch.zeros(tensor.numel(), dtype=self.dtype, device=tensor.device)
                 adamw_(value.view(-1), grad.reshape(-1), state["exp_avg"], state["exp_avg_sq"], state["step"], hp)
             if "main" in state:
                 tensor.copy_(value)

@@ -20,6 +20,19 @@ from rt_harness import make_groups
 
 STRATEGIES = {"canzona": CanzonaOptimizer, "tp-sc": TpScOptimizer, "dp-sc": DpScOptimizer}
 
+# DP 4 in the backend's order: (schedule settings, hyperparameters, rtol; atol = rtol / 10).
+# Measured (benchmarks/numerics.py, 6 steps; the rtol the check needs against the fp32
+# reference, and the fp32 reference's own against fp64): Muon 3.3e-7 (4.5e-7); Shampoo with
+# matrix_eps 1e-3: 1.2e-5 (1.1e-5); SOAP with max_precond_dim 16: 1.4e-4, DP-SC 7.4e-4 (4.2e-4).
+# The tests' own Shampoo/SOAP settings are ill-conditioned (rank-deficient statistics: a 5e-8
+# change of the mean gradient moves Shampoo by 4e-3 and SOAP by O(1), and the fp32 reference is
+# as far from fp64), so no tolerance under O(1) would mean anything there.
+DP4: dict[str, tuple[dict[str, Any], dict[str, Any], float]] = {
+    "muon": ({}, {}, 1e-5),
+    "shampoo": ({"block_size": 16, "precondition_frequency": 2}, {"matrix_eps": 1e-3}, 5e-5),
+    "soap": ({"precondition_frequency": 2, "max_precond_dim": 16}, {}, 2e-3),
+}
+
 
 def _generator(*key: Any) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
@@ -121,6 +134,8 @@ class Scenario:
     unit_norms: bool = False  # 1-D parameters start at 1.0, as real norm weights do
     meta: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    backward: bool = False  # gradients from a real backward through `GradModel` (gradient hooks fire)
+    no_sync: bool = True  # with backward: the first micro-batches inside optimizer.no_sync()
 
 
 def scenario_init(scenario: Scenario) -> dict[str, torch.Tensor]:
@@ -150,6 +165,78 @@ def rank_grad(scenario: Scenario, entry: ParamEntry, step: int, dp_rank: int) ->
     return total
 
 
+class Leaf(torch.nn.Module):
+    """Holds one parameter; its forward contributes (w · g).sum(), whose gradient is g exactly."""
+
+    def __init__(self, param: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = param
+
+    def forward(self, grad: torch.Tensor) -> torch.Tensor:
+        return (self.weight * grad).sum().float()
+
+
+class GradModel(torch.nn.Module):
+    """A model whose backward produces chosen gradients: one `Leaf` per parameter, run in
+    registration order, so backward reaches the last-registered parameters first, like a real
+    network's, and each module's forward pre-hook sees its own parameter."""
+
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        super().__init__()
+        self.leaves = torch.nn.ModuleList(Leaf(param) for _, param in params)
+
+    def forward(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        total = torch.zeros((), device="cpu")
+        for leaf, grad in zip(self.leaves, grads):
+            if grad is not None and leaf.weight.requires_grad:
+                total = total + leaf(grad)
+        return total
+
+
+def _micro_grads(scenario: Scenario, step: int, micro: int, dp_rank: int, tp_rank: int) -> list[torch.Tensor | None]:
+    """This rank's local gradient of every parameter in micro-batch `micro` (None: none)."""
+    tp = scenario.schedule.request.tp
+    out: list[torch.Tensor | None] = []
+    for entry in ordered(scenario.schedule):
+        present = _present(scenario, entry.name, step, dp_rank)
+        grad = full_grad(entry, step * 100 + micro, dp_rank) if present else None
+        out.append(None if grad is None else shard(grad, entry, tp_rank, tp))
+    return out
+
+
+def emulate_megatron_main_grad(optimizer: Any, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """What Megatron's DDP does after each backward of a parameter: add `.grad` into the fp32
+    `.main_grad`, drop `.grad`, and mark the parameter ready (here: `optimizer.grad_ready`)."""
+    def hook(param: torch.nn.Parameter) -> None:
+        grad = param.grad.float()
+        param.main_grad = grad if param.main_grad is None else param.main_grad + grad  # type: ignore[attr-defined]
+        param.grad = None
+        optimizer.grad_ready(param)
+
+    for _, param in params:
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(hook)
+
+
+def _backward_grads(scenario: Scenario, model: GradModel, optimizer: Any, step: int, dp_rank: int, tp_rank: int) -> None:
+    """The step's micro-batches through a real backward (the first ones inside no_sync)."""
+    params = [leaf.weight for leaf in model.leaves]
+    if scenario.grad_attr == "main_grad":
+        for param in params:
+            param.main_grad = None  # type: ignore[attr-defined]  # the buffers' owner zeroes them
+    for micro in range(scenario.micro_batches):
+        with torch.device("cpu"):  # the test's own tensors, also under a meta default device
+            grads = _micro_grads(scenario, step, micro, dp_rank, tp_rank)
+        last = micro == scenario.micro_batches - 1
+        if not any(g is not None for g in grads):
+            continue
+        if scenario.no_sync and not last:
+            with optimizer.no_sync():
+                model(grads).backward()
+        else:
+            model(grads).backward()
+
+
 def _set_grads(scenario: Scenario, params: list[tuple[str, torch.nn.Parameter]], step: int, dp_rank: int, tp_rank: int) -> None:
     tp = scenario.schedule.request.tp
     with torch.device("cpu"):  # the test's own tensors, also under a meta default device
@@ -175,24 +262,35 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
             param.main_grad = None  # type: ignore[attr-defined]
     initial = {name: p.detach().clone() for name, p in params}
     given = scenario.groups(params) if scenario.groups else params
+    model = GradModel(params) if scenario.backward else None
+    options = {**scenario.options, **({"model": model} if scenario.options.get("overlap_param_gather") else {})}
     if scenario.meta:
         torch.set_default_device("meta")
     try:
         optimizer = STRATEGIES[scenario.strategy](given, schedule, dp_group=dp_group, tp_group=tp_group,
-                                                  grad_attr=scenario.grad_attr, **scenario.hp, **scenario.options)
+                                                  grad_attr=scenario.grad_attr, **scenario.hp, **options)
+        if model is not None and scenario.grad_attr == "main_grad":
+            emulate_megatron_main_grad(optimizer, params)
         scheduler = scenario.scheduler(optimizer) if scenario.scheduler else None
-        norms, lrs, skipped_changed = [], [], []
+        norms, lrs, skipped_changed, rounds, gathers = [], [], [], [], []
         for step in range(scenario.steps):
-            _set_grads(scenario, params, step, dp_rank, tp_rank)
+            if model is not None:
+                _backward_grads(scenario, model, optimizer, step, dp_rank, tp_rank)
+            else:
+                _set_grads(scenario, params, step, dp_rank, tp_rank)
+            hooked = optimizer._round
+            rounds.append(None if hooked is None else (hooked.early, hooked.launched, hooked.closed))
             if scenario.max_norm is not None:
                 norms.append(float(optimizer.clip_grad_norm_(scenario.max_norm)))
             skipped = [(n, p.detach().clone()) for n, p in params if not any(_present(scenario, n, step, d) for d in range(dp))]
             optimizer.step()
+            gathers.append(0 if optimizer._gather is None else len(optimizer._gather.pending))
             optimizer.zero_grad()
             skipped_changed += [f"{n} at step {step}" for n, before in skipped if not torch.equal(before, dict(params)[n])]
             lrs.append([group["lr"] for group in optimizer.param_groups])
             if scheduler is not None:
                 scheduler.step()
+        optimizer.finish_gather()
         state = optimizer.state_dict()
     finally:
         if scenario.meta:
@@ -206,6 +304,8 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
         "kinds": [group["kind"] for group in optimizer.param_groups],
         "main": {key: value for key, value in state["tensors"].items() if key.startswith("main/")},
         "param_steps": state["param_steps"],
+        "rounds": rounds,  # per step, the reduction backward launched: (by its hooks, in all, closed)
+        "gathers": gathers,  # per step, bucket gathers still in flight when step() returned
     }
 
 

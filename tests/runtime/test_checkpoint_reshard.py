@@ -185,7 +185,10 @@ def test_training_continues_exactly_under_another_schedule(optimizer: str, via: 
     assert report.compatible and len(report.notes) == 2, report.notes  # embedding and output: 384 <-> 512 rows
     folder = str(tmp_path / "checkpoint") if via == "dcp" else None
     strategies = ("canzona", "canzona") if strategy == "canzona" else ("tp-sc", "dp-sc")
-    results = run_ranks(_reshard_worker, 4, first, second, folder, HP, strategies)
+    # all_to_all sums the DP 4 gradients in rank order, as the reference does: the comparison is
+    # exact, so it checks the resharding alone. The backend's order (rooted, the default) on these
+    # ill-conditioned Shampoo/SOAP settings moves results by up to 4e-3 / O(1) (benchmarks/numerics.py).
+    results = run_ranks(_reshard_worker, 4, first, second, folder, {**HP, "dp_collectives": "all_to_all"}, strategies)
     dp_per_step = [first.request.dp] * K + [second.request.dp] * M
     reference = reference_run(make_schedule(MODEL, 1, 1, optimizer=optimizer, dtype=dtype, **settings), dp_per_step, HP)
     tp = second.request.tp

@@ -1,4 +1,4 @@
-"""The rest of the public API on real ranks: the uneven collectives, a DeviceMesh instead of
+"""The rest of the public API on real ranks: the per-bucket DP collectives, a DeviceMesh instead of
 groups, and checkpointing the optimizer state mid-run."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from canzona.runtime import CanzonaOptimizer
-from canzona.runtime.comm import all_gather_rooted, all_gather_uneven, reduce_scatter_mean, reduce_scatter_rooted
+from canzona.runtime import comm
+from canzona.runtime.comm import ALL_REDUCE
+from canzona.runtime.layout import DpBucket
 from canzona.schedules.format import Schedule
 
 from rt_harness import DATA, make_groups, make_schedule, run_ranks
@@ -20,27 +22,34 @@ from rt_oracle import compare, full_grad, full_params, ordered, reference_run, s
 MODEL = DATA / "tiny_moe.json"
 
 
-def _collectives(rank: int, world: int, sizes: list[int], rooted: bool) -> tuple[list[float], list[float]]:
-    send = torch.arange(sum(sizes), dtype=torch.float32) * (rank + 1)
-    reduce, gather = (reduce_scatter_rooted, all_gather_rooted) if rooted else (reduce_scatter_mean, all_gather_uneven)
-    mean = reduce(send, sizes, rank, dist.group.WORLD)
-    gathered = gather(torch.full((sizes[rank],), float(rank)), sizes, dist.group.WORLD)
-    assert send.tolist() == (torch.arange(sum(sizes), dtype=torch.float32) * (rank + 1)).tolist()  # input kept
-    return mean.tolist(), gathered.tolist()
+def _collectives(rank: int, world: int, cuts: list[int], mode: str) -> tuple[list[float], list[float]]:
+    bucket = DpBucket("matrix", 0, 2, tuple(cuts), tuple(range(world)), ())
+    send = torch.cat([torch.full((2,), -1.0), torch.arange(cuts[-1], dtype=torch.float32) * (rank + 1)])
+    mine = bucket.slices[rank]
+    dests = {r: torch.full((bucket.slices[r],), float("nan")) for r in (range(world) if mode == ALL_REDUCE else [rank])}
+    comm.start_reduce(send, bucket, mode, rank, dist.group.WORLD, list(range(world)), dests).wait(None, "test")
+    gathered = torch.full((2 + cuts[-1],), -1.0)
+    if mode != ALL_REDUCE:  # DP-SC gathers nothing
+        mine_values = torch.full((mine,), float(rank))
+        comm.start_gather(gathered, mine_values, bucket, mode, rank, dist.group.WORLD, list(range(world))).wait(None, "test")
+    assert send[:2].tolist() == [-1.0, -1.0]  # only the bucket moves
+    return torch.cat([dests[r] for r in sorted(dests)]).tolist(), gathered.tolist()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("rooted", [False, True])
-def test_uneven_reduce_scatter_and_all_gather(rooted: bool) -> None:
-    sizes = [3, 0, 5, 1]
-    results = run_ranks(_collectives, 4, sizes, rooted)
+@pytest.mark.parametrize("cuts", [[0, 3, 3, 8, 9], [0, 3, 6, 9, 12]], ids=["uneven", "equal"])
+@pytest.mark.parametrize("mode", ["rooted", "all_to_all", ALL_REDUCE])
+def test_per_bucket_reduction_and_gather(mode: str, cuts: list[int]) -> None:
+    """Each form of the per-bucket collectives gives every rank the DP mean of its slice (every
+    slice for all_reduce) and gathers every rank's slice; an empty slice is fine."""
+    results = run_ranks(_collectives, 4, cuts, mode)
     factor = sum(r + 1 for r in range(4)) / 4
-    start = 0
     for rank, (mean, gathered) in enumerate(results):
-        assert mean == [factor * i for i in range(start, start + sizes[rank])]
-        assert gathered == [float(r) for r in range(4) for _ in range(sizes[r])]
-        start += sizes[rank]
+        low, high = (0, cuts[-1]) if mode == ALL_REDUCE else (cuts[rank], cuts[rank + 1])
+        assert mean == [factor * i for i in range(low, high)]
+        if mode != ALL_REDUCE:
+            assert gathered == [-1.0, -1.0] + [float(r) for r in range(4) for _ in range(cuts[r], cuts[r + 1])]
 
 
 def _train(optimizer: CanzonaOptimizer, schedule: Schedule, params: list[tuple[str, Any]], steps: range, dp_rank: int, tp_rank: int) -> None:

@@ -1,6 +1,13 @@
 """After several steps, every rank's every parameter equals the single-process reference on the
 unsharded tensors (fp32, rtol 1e-5): canzona and both baselines, Muon / Shampoo / SOAP with
-AdamW on the rest, α = 0 and α = 1, TP 2 x DP 2, DP-only and TP-only, several micro-groups."""
+AdamW on the rest, α = 0 and α = 1, TP 2 x DP 2, DP-only and TP-only, several micro-groups.
+
+At DP 2 every reduction sums two values, the same in any order, so results are exact. At DP 4
+the default rooted reductions sum in the backend's order, not the reference's rank order:
+Muon keeps rtol 1e-5; Shampoo and SOAP amplify the difference (measured against an fp64
+reference by benchmarks/numerics.py, table in docs/runtime.md), so they run well-conditioned
+settings there with the tolerances `DP4` states. `all_to_all` (rank order) is exact at DP 4 on
+every setting, and the same job run twice is bit-identical."""
 
 from __future__ import annotations
 
@@ -8,8 +15,10 @@ from typing import Any
 
 import pytest
 
+import torch
+
 from rt_harness import DATA, make_schedule, run_ranks
-from rt_oracle import compare, reference_run, train_worker
+from rt_oracle import DP4, compare, reference_run, train_worker
 
 STEPS = 6
 LAYOUTS = {"tp2xdp2": (2, 2), "dp2": (1, 2), "tp2": (2, 1)}
@@ -76,11 +85,36 @@ def test_alpha_changes_the_cuts() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("optimizer", ["muon", "soap"])
-@pytest.mark.parametrize("layout", ["tp2xdp2", "dp2"])
-def test_rooted_dp_collectives_match_reference(layout: str, optimizer: str) -> None:
-    schedules = _schedules(*LAYOUTS[layout], optimizer)
-    tp, dp = LAYOUTS[layout]
-    results = run_ranks(train_worker, tp * dp, schedules, STEPS, "canzona", {**HP, "dp_collectives": "rooted"})
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo", "soap"])
+def test_dp4_in_the_backends_order_matches_reference_within_measured_tolerance(optimizer: str) -> None:
+    settings, extra, rtol = DP4[optimizer]
+    hp = {**HP, **extra}
+    schedules = [make_schedule(MODEL, 1, 4, optimizer=optimizer, alpha=alpha, **settings) for alpha in (0.0, 1.0)]
+    for strategy in ("canzona", "dp-sc"):
+        results = run_ranks(train_worker, 4, schedules, STEPS, strategy, hp)
+        for index, schedule in enumerate(schedules):
+            compare(schedule, [rank[index] for rank in results], reference_run(schedule, STEPS, hp), rtol=rtol, atol=rtol / 10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo", "soap"])
+def test_dp4_all_to_all_sums_in_rank_order_exactly(optimizer: str) -> None:
+    schedules = _schedules(1, 4, optimizer)
+    results = run_ranks(train_worker, 4, schedules, STEPS, "canzona", {**HP, "dp_collectives": "all_to_all"})
     for index, schedule in enumerate(schedules):
-        compare(schedule, [rank[index] for rank in results], reference_run(schedule, STEPS, HP))
+        reference = reference_run(schedule, STEPS, HP)
+        for rank in results:
+            assert all(torch.equal(rank[index][name], value) for name, value in reference.items())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_same_job_twice_is_bit_identical() -> None:
+    """SOAP at DP 4 in the backend's order: its O(1) amplification would show any change in
+    the summation order from one run to the next."""
+    schedules = _schedules(1, 4, "soap")
+    first, second = (run_ranks(train_worker, 4, schedules, STEPS, "canzona", HP) for _ in range(2))
+    for a, b in zip(first, second):
+        for index in range(len(schedules)):
+            assert all(torch.equal(a[index][name], b[index][name]) for name in a[index])

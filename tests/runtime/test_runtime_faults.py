@@ -75,8 +75,8 @@ class _FailingRule:
     def __init__(self, rule: Any) -> None:
         self.rule = rule
 
-    def init_state(self, rows: int, cols: int, device: torch.device) -> Any:
-        return self.rule.init_state(rows, cols, device)
+    def init_state(self, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Any:
+        return self.rule.init_state(rows, cols, device, dtype)
 
     def update(self, state: Any, grad: torch.Tensor, step: int) -> torch.Tensor:
         raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
