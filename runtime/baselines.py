@@ -28,7 +28,7 @@ class TpScOptimizer(CanzonaOptimizer):
     strategy = "tp-sc"
 
     def _setup_matrices(self) -> None:
-        self.tasks = owned_tasks(self.schedule, self._ranks)
+        self.tasks = owned_tasks(self.schedule, self._ranks, self.ep_rank)
         self._hosted = [t.param for t in self.tasks]
 
     def _group_tasks(self) -> list[Task]:

@@ -33,11 +33,11 @@ from torch.utils.hooks import RemovableHandle
 
 from canzona.schedules.format import Schedule, ScheduleError
 from canzona.schedules.reshard import StateLayout, incompatibilities, state_layout
-from canzona.runtime import comm, gradients, precision, reduction, state as logical
+from canzona.runtime import comm, experts, gradients, precision, reduction, state as logical
 from canzona.runtime.faults import CollectiveError, as_timedelta, settle
 from canzona.runtime.gather import ForwardHooks, ParamGather
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
-from canzona.runtime.layout import Task, build_dp_layout, matrix_tasks, micro_groups
+from canzona.runtime.layout import EXPERT, DpBucket, Task, build_dp_layout, local_entries, matrix_tasks, micro_groups
 from canzona.runtime.optimizers import Hyperparameters, State, make_rule
 from canzona.runtime.pipeline import MicroGroupPipeline
 from canzona.runtime.process_groups import resolve_process_groups
@@ -84,7 +84,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *,
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 mesh: Any = None, timeout: float | timedelta | None = None, check_finite: bool = False,
+                 mesh: Any = None, expert_dp_group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None, check_finite: bool = False,
                  dp_collectives: str = "rooted", grad_attr: str = "grad", overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = False, model: torch.nn.Module | None = None, **defaults: Any) -> None:
         given = list(params)
@@ -103,8 +103,9 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self.timeout = as_timedelta(timeout)
         self.check_finite = check_finite
         self.grad_attr = grad_attr
-        self.dp_group, self.tp_group = resolve_process_groups(dp_group, tp_group, mesh)
+        self.dp_group, self.tp_group, self.expert_dp_group = resolve_process_groups(dp_group, tp_group, mesh, expert_dp_group)
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self._dp_ranks = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
         loaded, resolved, problem = self._prepare(given, schedule, defaults, model)
         verdict = Verdict(
@@ -140,12 +141,18 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
             loaded = schedule if isinstance(schedule, Schedule) else load_schedule(schedule)
         except ScheduleError as error:
             return None, None, str(error)
-        rule = loaded.request.optimizer.name
+        rule, self.ep = loaded.request.optimizer.name, loaded.request.ep
+        self.ep_rank = experts.ep_rank_of(self.dp_rank, self.ep)
+        expert_problem = (experts.expert_group_problem(loaded, self.dp_rank, self._dp_ranks, self.expert_dp_group)
+                          if self.dp_size == loaded.request.dp else None)
+        expert_problem = expert_problem or experts.foreign_experts(loaded, experts.given_names(given), self.dp_rank)
+        if expert_problem:
+            return loaded, None, expert_problem
         try:
             self.hp = Hyperparameters.from_kwargs(defaults).resolved(loaded.request.optimizer)
         except (TypeError, ValueError) as error:
             return loaded, None, f"bad hyperparameters: {error}"
-        entries = {e.name: e for e in loaded.params}
+        entries = {e.name: e for e in local_entries(loaded, self.ep_rank)}  # dense and this EP rank's experts
         resolved = resolve_param_groups(given, entries, loaded.request.tp, rule, self.hp, self.grad_attr)
         problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p] + resolved.problems
         if model is not None:
@@ -176,12 +183,17 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self.device = self._param(self._managed_indices[0]).device
         self._wire_dtype = _widest(self._dtypes)
         self.param_steps = [0] * len(entries)
-        self.layout = build_dp_layout(self.schedule)
+        self.layout = build_dp_layout(self.schedule, self.ep_rank)
+        local = {e.index for e in local_entries(self.schedule, self.ep_rank)}
+        # step counts of every parameter but the frozen ones (another EP rank's experts too: the
+        # ranks agree on which parameters had a gradient, so every rank counts alike)
+        self._counted = [self._managed[i] or i not in local for i in range(len(entries))]
         self.rule = make_rule(self.schedule.request.optimizer.name, self.hp)
         self.step_count = 0
         self.matrix_state: dict[int, list[State]] = {}
         self._send = torch.zeros(self.layout.total, dtype=torch.float32, device=self.device)  # the bucket buffer
-        self._dp_ranks = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
+        self._edp_ranks = ([dist.get_global_rank(self.expert_dp_group, r) for r in range(dist.get_world_size(self.expert_dp_group))]
+                           if self.ep > 1 else [])
         self._flat_params = [None if p is None else p.detach().view(-1) for p in self._params]
         self._ranks = self._updated_ranks()
         self._base = self.layout.starts[self._ranks[0]]
@@ -401,19 +413,30 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self._commit(pending)
         return loss
 
+    def _bucket_group(self, b: DpBucket) -> tuple[dist.ProcessGroup, list[int], int]:
+        """A bucket's process group (expert buckets: the expert-DP group), its ranks' global
+        ranks, and this rank's rank in it."""
+        if b.kind == EXPERT:
+            return self.expert_dp_group, self._edp_ranks, b.dp_ranks.index(self.dp_rank)
+        return self.dp_group, self._dp_ranks, self.dp_rank
+
     def _start_reduce(self, bucket: int, grads: Tensor) -> comm.Pending:
-        """Launch the DP mean of one bucket of `_send` into `grads` (region coordinates)."""
+        """Launch the DP mean of one bucket of `_send` into `grads` (region coordinates): summed
+        over its group, divided by the DP size (see `canzona.runtime.experts` for experts)."""
         b = self.layout.buckets[bucket]
-        dests = {r: grads[b.region_starts[r] - self._base : b.region_starts[r] - self._base + b.slices[r]] for r in self._ranks}
+        group, ranks, rank = self._bucket_group(b)
+        dests = {p: grads[b.region_starts[p] - self._base : b.region_starts[p] - self._base + b.slices[p]]
+                 for p, r in enumerate(b.dp_ranks) if r in self._ranks}
         mode = self.dp_collectives if self.gathers else comm.ALL_REDUCE
-        return comm.start_reduce(self._send, b, mode, self.dp_rank, self.dp_group, self._dp_ranks, dests)
+        return comm.start_reduce(self._send, b, mode, rank, group, ranks, dests, self.dp_size)
 
     def _start_gather(self, bucket: int, gathered: Tensor, out: Tensor) -> comm.Pending:
         """Launch the gather of one bucket of the new values `out` (region coordinates)."""
         b = self.layout.buckets[bucket]
-        start = b.region_starts[self.dp_rank] - self._base
-        mine = out[start : start + b.slices[self.dp_rank]]
-        return comm.start_gather(gathered, mine, b, self.dp_collectives, self.dp_rank, self.dp_group, self._dp_ranks)
+        group, ranks, rank = self._bucket_group(b)
+        start = b.region_starts[rank] - self._base
+        mine = out[start : start + b.slices[rank]]
+        return comm.start_gather(gathered, mine, b, self.dp_collectives, rank, group, ranks)
 
     def _targets(self, active: list[bool]) -> list[Tensor | None]:
         return [flat if active[i] else None for i, flat in enumerate(self._flat_params)]

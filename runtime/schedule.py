@@ -57,8 +57,6 @@ def check_schedule(schedule: Schedule, origin: str = "<schedule>") -> None:
 
 def _runtime_problem(schedule: Schedule) -> str | None:
     req = schedule.request
-    if req.ep > 1:
-        return f"expert parallelism (ep {req.ep}) is planned but not yet executed by this runtime"
     if req.optimizer.name not in MATRIX_OPTIMIZERS:
         return f"unknown matrix optimizer {req.optimizer.name!r}"
     sliced = next((e for e in schedule.params if e.param is not None), None)
@@ -104,7 +102,8 @@ def layout_problem(schedule: Schedule, dp_size: int, tp_size: int) -> str | None
 def summary(schedule: Schedule) -> str:
     """A short description of the plan, for error messages."""
     req = schedule.request
-    return f"model {req.model.name}, DP {req.dp} x TP {req.tp}, {req.optimizer.name}, alpha {req.alpha:g}, buckets {req.bucket_size}"
+    ep = f" (EP {req.ep})" if req.ep > 1 else ""
+    return f"model {req.model.name}, DP {req.dp}{ep} x TP {req.tp}, {req.optimizer.name}, alpha {req.alpha:g}, buckets {req.bucket_size}"
 
 
 @dataclass(frozen=True)

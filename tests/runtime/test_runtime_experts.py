@@ -1,0 +1,95 @@
+"""Expert parallelism: after several steps every expert and dense parameter equals the
+single-process reference, at EP 2 x DP 2 (expert-DP 1), EP 2 x DP 4 (expert-DP 2) and TP 2 x
+EP 2; Muon and Shampoo with AdamW on the rest (the router is a matrix, as the planner records
+it). Dense buckets at DP 4 sum in the backend's order, so every layout runs the settings and
+tolerances `DP4` states (measured against fp64, docs/runtime.md). An expert's gradient is the
+sum over the expert-DP ranks holding it divided by the DP size (`rt_oracle.dp_mean`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from rt_harness import DATA, make_schedule, run_ranks
+from rt_oracle import DP4, Scenario, assemble_main, compare, ordered, reference_run, scenario_reference, scenario_worker, shard, train_worker
+
+STEPS = 5
+MODEL = DATA / "tiny_moe4.json"  # 4 experts, top-2; layer 0 dense
+LAYOUTS = {"ep2xdp2": (1, 2, 2), "ep2xdp4": (1, 4, 2), "tp2xep2": (2, 2, 2)}  # (tp, dp, ep)
+HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 0.01}
+
+
+def ep_schedule(tp: int, dp: int, ep: int, optimizer: str = "muon", **options: Any) -> Any:
+    """A schedule of the tiny MoE with several dense and expert buckets."""
+    schedule = make_schedule(MODEL, tp, dp, optimizer=optimizer, ep=ep, bucket_size=1500 // tp, **{**DP4[optimizer][0], **options})
+    assert len(schedule.dp.expert_buckets) > 1 and len(schedule.dp.buckets) > 1
+    return schedule
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_experts_and_dense_match_reference(layout: str, optimizer: str) -> None:
+    tp, dp, ep = LAYOUTS[layout]
+    schedule = ep_schedule(tp, dp, ep, optimizer)
+    rtol, hp = DP4[optimizer][2], {**HP, **DP4[optimizer][1]}
+    reference = reference_run(schedule, STEPS, hp)
+    for strategy in ("canzona", "dp-sc", "tp-sc") if optimizer == "muon" else ("canzona",):
+        (results,) = zip(*run_ranks(train_worker, tp * dp, [schedule], STEPS, strategy, hp))
+        compare(schedule, list(results), reference, rtol=rtol, atol=rtol / 10)
+
+
+EXPERT = "decoder.layers.1.mlp.experts.linear_fc1.weight2"  # on EP rank 1
+NO_GRAD_AT = {(EXPERT, 1), ("decoder.layers.1.mlp.router.weight", 2), ("decoder.final_layernorm.weight", 3)}
+
+
+def _gaps(name: str, step: int, dp_rank: int) -> bool:
+    return (name, step) not in NO_GRAD_AT
+
+
+def ep_scenarios(tp: int, dp: int, ep: int) -> dict[str, Scenario]:
+    """Clipping (the global norm counts every expert once, at the DP-mean scale: a wrong expert
+    divisor shows here, where Muon and Shampoo updates are scale-free), gradient gaps on an
+    expert, and bf16 experts through a real backward with both overlaps; all under a meta
+    default device, so the EP path names every tensor's device."""
+    return {
+        "clip-gaps": Scenario(ep_schedule(tp, dp, ep), steps=5, hp=HP, max_norm=5.0, has_grad=_gaps, meta=True),
+        "bf16-backward-overlap": Scenario(ep_schedule(tp, dp, ep, dtype="bf16"), steps=5, hp=HP, max_norm=5.0, meta=True,
+                                          backward=True, micro_batches=2, options={"overlap_param_gather": True}),
+    }
+
+
+def _check_scenario(name: str, scenario: Scenario, results: list[dict[str, Any]]) -> None:
+    schedule, tp = scenario.schedule, scenario.schedule.request.tp
+    reference = scenario_reference(scenario)
+    if schedule.params[0].dtype == "fp32":
+        compare(schedule, [r["params"] for r in results], reference["params"], rtol=DP4["muon"][2], atol=DP4["muon"][2] / 10)
+    else:  # main copies equal the reference's; each bf16 parameter is its main copy rounded
+        main = assemble_main(schedule, results)
+        assert set(main) == {e.name for e in schedule.params}
+        for param, expected in reference["main"].items():
+            torch.testing.assert_close(main[param], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: main copy of {param}: {m}")
+        for rank, result in enumerate(results):
+            for entry in ordered(schedule, rank // tp):
+                rounded = shard(main[entry.name], entry, rank % tp, tp).to(torch.bfloat16)
+                assert torch.equal(result["params"][entry.name], rounded), f"{name}: {entry.name} on rank {rank}"
+    steps = {n: s for n, s in reference["param_steps"].items() if s != scenario.steps}
+    for rank, result in enumerate(results):
+        assert result["norms"] == pytest.approx(reference["norms"], rel=1e-5), f"{name} rank {rank}: clip norms"
+        assert result["skipped_changed"] == [], f"{name} rank {rank}"
+        assert result["param_steps"] == steps, f"{name} rank {rank}: step counts (another EP rank's experts too)"
+    assert any(norm > scenario.max_norm for norm in reference["norms"]), f"{name}: clipping should bite"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["ep2xdp4", "tp2xep2"])
+def test_training_recipes_under_expert_parallelism(layout: str) -> None:
+    tp, dp, ep = LAYOUTS[layout]
+    cases = ep_scenarios(tp, dp, ep)
+    results = run_ranks(scenario_worker, tp * dp, list(cases.values()), timeout=150)
+    for index, (name, scenario) in enumerate(cases.items()):
+        _check_scenario(name, scenario, [rank[index] for rank in results])
