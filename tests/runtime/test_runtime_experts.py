@@ -93,3 +93,62 @@ def test_training_recipes_under_expert_parallelism(layout: str) -> None:
     results = run_ranks(scenario_worker, tp * dp, list(cases.values()), timeout=150)
     for index, (name, scenario) in enumerate(cases.items()):
         _check_scenario(name, scenario, [rank[index] for rank in results])
+
+
+def _mismatches_then_mesh(rank: int, world: int, schedule: Any, steps: int) -> dict[str, Any]:
+    """Each mismatch raises on every rank (in one spawn: a refused construction leaves the
+    groups usable); then the optimizer built from a DeviceMesh with an EP dim trains."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime import CanzonaOptimizer
+    from canzona.runtime.process_groups import make_groups as runtime_make_groups
+    from rt_harness import GROUP_TIMEOUT
+    from rt_oracle import full_grad, full_params
+
+    req = schedule.request
+    full = full_params(schedule)
+
+    def params_of(dp_rank: int) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(e.name, torch.nn.Parameter(full[e.name].clone())) for e in ordered(schedule, dp_rank)]
+
+    dp_group, tp_group, expert_group = runtime_make_groups(req.dp, req.tp, GROUP_TIMEOUT, ep=req.ep)
+    _, _, ep4_group = runtime_make_groups(req.dp, req.tp, GROUP_TIMEOUT, ep=4)
+    cases = {
+        "ep size": (params_of(rank), {"expert_dp_group": ep4_group}),
+        "no expert group": (params_of(rank), {}),
+        "wrong rank": (params_of(0 if rank == 1 else rank), {"expert_dp_group": expert_group}),
+    }
+    errors = {}
+    for name, (params, extra) in cases.items():
+        try:
+            CanzonaOptimizer(params, schedule, dp_group=dp_group, tp_group=tp_group, **extra)
+            errors[name] = "built"
+        except Exception as error:  # noqa: BLE001 - the message is the result
+            errors[name] = f"{type(error).__name__}: {error}"
+    mesh = init_device_mesh("cpu", (req.dp // req.ep, req.ep, req.tp), mesh_dim_names=("edp", "ep", "tp"))
+    params = params_of(rank)
+    optimizer = CanzonaOptimizer(params, schedule, mesh=mesh, **HP)
+    for step in range(steps):
+        for (name, param), entry in zip(params, ordered(schedule, rank)):
+            param.grad = full_grad(entry, step, rank)
+        optimizer.step()
+    return {"errors": errors, "params": {name: p.detach().clone() for name, p in params}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_mismatches_fail_on_every_rank_and_a_mesh_with_an_ep_dim_works() -> None:
+    schedule = ep_schedule(1, 4, 2)
+    results = run_ranks(_mismatches_then_mesh, 4, schedule, STEPS)
+    expected = {
+        "ep size": "the schedule is for EP 2 (expert-DP 2), but the expert-DP group has 1 ranks (EP 4)",
+        "no expert group": "the schedule is for expert parallelism (ep 2): pass expert_dp_group=",
+        "wrong rank": "rank 1: experts on the wrong rank: this is EP rank 1 (DP rank 1 = expert-DP rank 0 x ep 2 + EP rank 1), "
+                      "but it was given decoder.layers.1.mlp.experts.linear_fc1.weight0 (EP rank 0)",
+    }
+    for rank, result in enumerate(results):
+        for name, fragment in expected.items():
+            message = result["errors"][name]
+            assert message.startswith("ScheduleMismatchError: canzona: the schedule does not fit this run") and fragment in message, \
+                f"rank {rank} {name}: {message}"
+    compare(schedule, [r["params"] for r in results], reference_run(schedule, STEPS, HP), rtol=DP4["muon"][2], atol=DP4["muon"][2] / 10)
