@@ -536,6 +536,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
             "param_steps": logical.export_steps(self),
             "hyperparameters": asdict(self.hp),
             "param_groups": self._saved_groups(),
+            "ep_experts": logical.ep_experts(self),
             "tensors": logical.export_state(self, writers_only=False, clone=True),
         })
 
@@ -554,7 +555,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         problems = incompatibilities(StateLayout.from_json(state["layout"]), self.state_layout())
         if problems:
             raise ValueError("the optimizer state does not fit this model: " + "; ".join(problems))
-        groups = logical.check_groups(self, state.get("param_groups"))
+        groups = logical.check_groups(self, state.get("param_groups"), state.get("ep_experts", ()))
         tensors = state["tensors"]
         dest = logical.plan_import(self, {key: tuple(value.size) for key, value in tensors.items()})
         logical.fill_from(dest, tensors)

@@ -288,18 +288,29 @@ def install(opt: CanzonaOptimizer, dest: Destination, step: int, param_steps: Ma
         opt.main.stale = True
 
 
-def check_groups(opt: CanzonaOptimizer, saved: Any) -> list[dict[str, Any]] | None:
+def ep_experts(opt: CanzonaOptimizer) -> list[str]:
+    """The experts the schedule places by expert parallelism (each rank's groups list only its
+    own EP rank's, so group membership is compared without them)."""
+    return [e.name for e in opt.schedule.params if e.ep_rank is not None]
+
+
+def check_groups(opt: CanzonaOptimizer, saved: Any, saved_experts: Any = ()) -> list[dict[str, Any]] | None:
     """The saved groups' hyperparameters, checked against the optimizer's groups (the same
-    parameters, group by group, and usable values); ValueError if they do not fit. None when
-    the state has none."""
+    parameters, group by group, leaving out the experts placed by expert parallelism on either
+    side, `saved_experts` and this schedule's; and usable values); ValueError if they do not
+    fit. None when the state has none."""
     if saved is None:
         return None
     if not isinstance(saved, list) or len(saved) != len(opt.param_groups):
         found = len(saved) if isinstance(saved, list) else type(saved).__name__
         raise ValueError(f"the saved state has {found} param groups, this optimizer {len(opt.param_groups)}")
-    rule = opt.schedule.request.optimizer.name
+    rule, placed = opt.schedule.request.optimizer.name, set(ep_experts(opt)) | set(saved_experts or ())
+
+    def members(names: Any) -> list[str]:
+        return [name for name in names if name not in placed]
+
     for position, (group, old) in enumerate(zip(opt.param_groups, saved)):
-        if old.get("kind") != group["kind"] or list(old.get("param_names", [])) != list(group["param_names"]):
+        if old.get("kind") != group["kind"] or members(old.get("param_names", [])) != members(group["param_names"]):
             raise ValueError(f"param_groups[{position}] holds other parameters in the saved state (the groups must be built the same way)")
         try:
             group_hyperparameters({**group, **old}, opt.hp, rule)

@@ -23,8 +23,9 @@ HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 
 
 def ep_schedule(tp: int, dp: int, ep: int, optimizer: str = "muon", **options: Any) -> Any:
     """A schedule of the tiny MoE with several dense and expert buckets."""
-    schedule = make_schedule(MODEL, tp, dp, optimizer=optimizer, ep=ep, bucket_size=1500 // tp, **{**DP4[optimizer][0], **options})
-    assert len(schedule.dp.expert_buckets) > 1 and len(schedule.dp.buckets) > 1
+    settings = {"bucket_size": 1500 // tp, **DP4[optimizer][0], **options}
+    schedule = make_schedule(MODEL, tp, dp, optimizer=optimizer, ep=ep, **settings)
+    assert schedule.dp.expert_buckets and len(schedule.dp.buckets) > 1
     return schedule
 
 
@@ -35,6 +36,7 @@ def ep_schedule(tp: int, dp: int, ep: int, optimizer: str = "muon", **options: A
 def test_experts_and_dense_match_reference(layout: str, optimizer: str) -> None:
     tp, dp, ep = LAYOUTS[layout]
     schedule = ep_schedule(tp, dp, ep, optimizer)
+    assert len(schedule.dp.expert_buckets) > 1
     rtol, hp = DP4[optimizer][2], {**HP, **DP4[optimizer][1]}
     reference = reference_run(schedule, STEPS, hp)
     for strategy in ("canzona", "dp-sc", "tp-sc") if optimizer == "muon" else ("canzona",):
@@ -152,3 +154,59 @@ def test_mismatches_fail_on_every_rank_and_a_mesh_with_an_ep_dim_works() -> None
             assert message.startswith("ScheduleMismatchError: canzona: the schedule does not fit this run") and fragment in message, \
                 f"rank {rank} {name}: {message}"
     compare(schedule, [r["params"] for r in results], reference_run(schedule, STEPS, HP), rtol=DP4["muon"][2], atol=DP4["muon"][2] / 10)
+
+
+def _ep_move_worker(rank: int, world: int, first: Any, second: Any, folder: str, hp: dict[str, Any], steps: tuple[int, int]) -> dict[str, Any]:
+    """K steps under `first`, save, gather the parameters, load under `second` (another EP
+    size: experts change ranks), M more steps."""
+    import torch.distributed as dist
+
+    from canzona.runtime import CanzonaOptimizer, load_checkpoint, save_checkpoint
+    from rt_harness import optimizer_groups
+    from rt_oracle import full_grad, full_params
+
+    def train(optimizer: Any, schedule: Any, params: list[tuple[str, Any]], span: range) -> None:
+        for step in span:
+            for (_, param), entry in zip(params, ordered(schedule, rank)):
+                param.grad = full_grad(entry, step, rank)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    k, m = steps
+    full = full_params(first)
+    params = [(e.name, torch.nn.Parameter(full[e.name].clone())) for e in ordered(first, rank)]
+    optimizer = CanzonaOptimizer(params, first, **optimizer_groups(first), **hp)
+    train(optimizer, first, params, range(k))
+    save_checkpoint(optimizer, folder)
+    held: list[Any] = [None] * world
+    dist.all_gather_object(held, {name: p.detach().clone() for name, p in params})
+    for values in held:
+        full.update(values)
+    params = [(e.name, torch.nn.Parameter(full[e.name].clone())) for e in ordered(second, rank)]
+    resumed = CanzonaOptimizer(params, second, **optimizer_groups(second), **hp)
+    assert load_checkpoint(resumed, folder)["step"] == k
+    train(resumed, second, params, range(k, k + m))
+    return {name: p.detach().clone() for name, p in params}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo"])
+def test_a_checkpoint_moves_from_ep2_to_ep4(optimizer: str, tmp_path: Any) -> None:
+    """The DP 4 gradients are summed in rank order (all_to_all) as the reference sums them, so
+    the comparison checks the move alone (rtol 1e-5)."""
+    from canzona.runtime.reference import ReferenceOptimizer
+    from canzona.schedules.reshard import reshard_report
+    from rt_oracle import dp_mean, full_grad, full_params
+
+    first, second = ep_schedule(1, 4, 2, optimizer, alpha=0.0), ep_schedule(1, 4, 4, optimizer, bucket_size=1000)
+    assert reshard_report(first, second).notes == ["experts: EP 2 -> EP 4, 6 of 8 expert matrices change EP rank"]
+    hp, k, m = {**HP, **DP4[optimizer][1]}, 3, 3
+    results = run_ranks(_ep_move_worker, 4, first, second, str(tmp_path / "checkpoint"), {**hp, "dp_collectives": "all_to_all"}, (k, m))
+    full = full_params(first)
+    params = [(e.name, torch.nn.Parameter(full[e.name])) for e in ordered(first)]
+    reference = ReferenceOptimizer(params, second, **hp)
+    for step in range(k + m):
+        schedule = first if step < k else second
+        reference.step({e.name: dp_mean(schedule, e, [full_grad(e, step, d) for d in range(4)]) for e in ordered(schedule)})
+    compare(second, results, {name: p.detach() for name, p in params})
