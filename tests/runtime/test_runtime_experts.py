@@ -191,16 +191,18 @@ def _ep_move_worker(rank: int, world: int, first: Any, second: Any, folder: str,
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("optimizer", ["muon", "shampoo"])
-def test_a_checkpoint_moves_from_ep2_to_ep4(optimizer: str, tmp_path: Any) -> None:
-    """The DP 4 gradients are summed in rank order (all_to_all) as the reference sums them, so
-    the comparison checks the move alone (rtol 1e-5)."""
+@pytest.mark.parametrize(("optimizer", "ep"), [("muon", 4), ("shampoo", 4), ("muon", 1)])
+def test_a_checkpoint_moves_from_ep2_to_another_ep_size(optimizer: str, ep: int, tmp_path: Any) -> None:
+    """EP 2 x DP 4 to EP 4 x DP 4 (and to no EP). The DP 4 gradients are summed in rank order
+    (all_to_all) as the reference sums them, so the comparison checks the move alone (rtol 1e-5)."""
     from canzona.runtime.reference import ReferenceOptimizer
     from canzona.schedules.reshard import reshard_report
     from rt_oracle import dp_mean, full_grad, full_params
 
-    first, second = ep_schedule(1, 4, 2, optimizer, alpha=0.0), ep_schedule(1, 4, 4, optimizer, bucket_size=1000)
-    assert reshard_report(first, second).notes == ["experts: EP 2 -> EP 4, 6 of 8 expert matrices change EP rank"]
+    first = ep_schedule(1, 4, 2, optimizer, alpha=0.0)
+    second = ep_schedule(1, 4, 4, optimizer, bucket_size=1000) if ep == 4 else make_schedule(MODEL, 1, 4, optimizer=optimizer, **DP4[optimizer][0])
+    moved = 6 if ep == 4 else 8  # at EP 4 only expert 0 (its fc1 and fc2) keeps its EP rank
+    assert reshard_report(first, second).notes == [f"experts: EP 2 -> EP {ep}, {moved} of 8 expert matrices change EP rank"]
     hp, k, m = {**HP, **DP4[optimizer][1]}, 3, 3
     results = run_ranks(_ep_move_worker, 4, first, second, str(tmp_path / "checkpoint"), {**hp, "dp_collectives": "all_to_all"}, (k, m))
     full = full_params(first)
