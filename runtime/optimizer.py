@@ -188,6 +188,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         # step counts of every parameter but the frozen ones (another EP rank's experts too: the
         # ranks agree on which parameters had a gradient, so every rank counts alike)
         self._counted = [self._managed[i] or i not in local for i in range(len(entries))]
+        self._expert = [e.ep_rank is not None for e in entries]
         self.rule = make_rule(self.schedule.request.optimizer.name, self.hp)
         self.step_count = 0
         self.matrix_state: dict[int, list[State]] = {}
@@ -234,8 +235,8 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         """Full fp32 matrices of `tasks` on the ranks that update them (collective over TP)."""
         return self.pipeline.gather_full(tasks, shard_of)
 
-    def _writes_matrix(self) -> bool:
-        """Whether this rank saves the matrix state it holds (one copy of each replica)."""
+    def _writes_matrix(self, param: int) -> bool:
+        """Whether this rank saves the state of matrix `param` it holds (one copy of each replica)."""
         return True
 
     def _writes_adamw(self, replicated: bool) -> bool:

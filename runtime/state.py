@@ -141,8 +141,8 @@ def _export_main(opt: CanzonaOptimizer, writers_only: bool, clone: bool, out: di
     them from)."""
     if opt.main.stale:
         return
-    if opt._writes_matrix() or not writers_only:
-        for param, tensor in opt.main.matrices.items():
+    for param, tensor in opt.main.matrices.items():
+        if opt._writes_matrix(param) or not writers_only:
             canonical = to_canonical(tensor, opt._tasks[param])
             out[main_key(opt.names[param])] = LogicalTensor(tuple(tensor.shape), [((0, 0), canonical)])
     assert opt.main.adamw is not None or not _main_runs(opt)
@@ -158,13 +158,14 @@ def export_state(opt: CanzonaOptimizer, writers_only: bool, clone: bool) -> dict
     """The logical state this rank holds (`writers_only`: one copy of every redundant replica,
     as a checkpoint saves it). Matrices not yet stepped export their initial state."""
     out: dict[str, LogicalTensor] = {}
-    if opt._writes_matrix() or not writers_only:
-        for param in opt._hosted:
-            states = opt.matrix_state.get(param) or _matrix_template(opt, param)
-            for path, tensor in state_leaves(states).items():
-                if tensor is not None:
-                    data = tensor.clone() if clone else tensor
-                    out[matrix_key(opt.names[param], path)] = LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), data)])
+    for param in opt._hosted:
+        if not (opt._writes_matrix(param) or not writers_only):
+            continue
+        states = opt.matrix_state.get(param) or _matrix_template(opt, param)
+        for path, tensor in state_leaves(states).items():
+            if tensor is not None:
+                data = tensor.clone() if clone else tensor
+                out[matrix_key(opt.names[param], path)] = LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), data)])
     for run in opt._adamw_runs:
         if writers_only and not opt._writes_adamw(opt._tp_dims[run.param] is None):
             continue
