@@ -1,8 +1,8 @@
 """Index arithmetic of a schedule: where every element travels. No tensors, no collectives.
 
 Two coordinate systems. The *bucket* buffer is Megatron's gradient buffer: every DP bucket
-(dense matrix buckets, expert buckets, then AdamW buckets) whole, one after the other; each parameter's local
-(TP-shard) elements are one contiguous run at `DpLayout.flat[param]`. Gradients are packed and
+(dense matrix buckets, expert buckets, then AdamW buckets) whole, one after the other; each
+parameter's local (TP-shard) elements are one contiguous run at `DpLayout.flat[param]`. Gradients are packed and
 reduced there, bucket by bucket, and updated values gathered there. The *region* buffer
 concatenates, rank by rank, that rank's slice of every bucket (matrix slices first, then
 AdamW slices): region k is what DP rank k updates, so the reduced gradients and the new values
@@ -29,8 +29,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from canzona.schedules.format import Schedule
-from canzona.schedules.format import ParamEntry
+from canzona.schedules.format import ParamEntry, Schedule
 from canzona.runtime.schedule import ADAMW, MATRIX, local_shape
 
 EXPERT = "expert"  # the expert buffer (a matrix buffer cut over the expert-DP group)
@@ -196,7 +195,8 @@ def build_dp_layout(schedule: Schedule, ep_rank: int = 0) -> DpLayout:
 
 
 def _buckets(schedule: Schedule, entries: list[ParamEntry], buffers: dict[str, Any], members: dict[str, tuple[int, ...]],
-             segment: dict[tuple[str, int, int], int], starts: list[int]) -> tuple[tuple[DpBucket, ...], tuple[int, ...], tuple[int, ...]]:
+             segment: dict[tuple[str, int, int], int],
+             starts: list[int]) -> tuple[tuple[DpBucket, ...], tuple[int, ...], tuple[int, ...]]:
     """Every DP bucket in buffer order, each parameter's start in the bucket buffer and the
     position of its bucket (0 for another EP rank's experts, which are not in the layout)."""
     params: dict[tuple[str, int], list[int]] = {}

@@ -64,7 +64,10 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
     split into matrix and AdamW groups; parameters with `requires_grad=False`, or not passed,
     are never changed). `schedule`: a `Schedule`, a path or a library name. Gradients are this
     rank's own (not reduced over DP), read from `.grad` or, with `grad_attr="main_grad"`, from
-    Megatron's fp32 `.main_grad`. Construction checks the schedule against the parameters, the
+    Megatron's fp32 `.main_grad`. Under expert parallelism (schedule `ep` > 1) a rank passes
+    the dense parameters and its EP rank's experts, and `expert_dp_group` (or a 3-D `mesh` with
+    dims edp, ep, tp) is the group its experts' buckets are reduced over (docs/runtime.md,
+    "Expert parallelism"). Construction checks the schedule against the parameters, the
     groups and the other ranks, and raises `ScheduleMismatchError` on every rank if anything is
     wrong. `timeout` (seconds or a timedelta) bounds every collective of a step (None: the
     process groups' own); `check_finite` makes a non-finite local gradient fail the step on
@@ -84,7 +87,8 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *,
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 mesh: Any = None, expert_dp_group: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None, check_finite: bool = False,
+                 mesh: Any = None, expert_dp_group: dist.ProcessGroup | None = None,
+                 timeout: float | timedelta | None = None, check_finite: bool = False,
                  dp_collectives: str = "rooted", grad_attr: str = "grad", overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = False, model: torch.nn.Module | None = None, **defaults: Any) -> None:
         given = list(params)
@@ -193,8 +197,8 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self.step_count = 0
         self.matrix_state: dict[int, list[State]] = {}
         self._send = torch.zeros(self.layout.total, dtype=torch.float32, device=self.device)  # the bucket buffer
-        self._edp_ranks = ([dist.get_global_rank(self.expert_dp_group, r) for r in range(dist.get_world_size(self.expert_dp_group))]
-                           if self.ep > 1 else [])
+        edp_size = dist.get_world_size(self.expert_dp_group) if self.ep > 1 else 0
+        self._edp_ranks = [dist.get_global_rank(self.expert_dp_group, r) for r in range(edp_size)]
         self._flat_params = [None if p is None else p.detach().view(-1) for p in self._params]
         self._ranks = self._updated_ranks()
         self._base = self.layout.starts[self._ranks[0]]
