@@ -55,7 +55,9 @@ class DpBucket:
     buffer, its n + 1 cuts (bucket coordinates) over the n ranks of its group, where each
     group rank's slice of it starts in the region buffer, the registration indices of its
     parameters, and the DP ranks of its group in group-rank order (every DP rank; for an
-    expert bucket the expert-DP group)."""
+    expert bucket the expert-DP group). `lead`: the registration index that orders an expert
+    bucket, that of EP rank 0's expert at its start, so that every EP rank issues the buckets
+    in one order (the simulator's)."""
 
     kind: str
     index: int
@@ -64,6 +66,7 @@ class DpBucket:
     region_starts: tuple[int, ...]
     params: tuple[int, ...]
     dp_ranks: tuple[int, ...] = ()
+    lead: int | None = None
 
     @property
     def numel(self) -> int:
@@ -82,9 +85,10 @@ class DpBucket:
 
     @property
     def first(self) -> int:
-        """The smallest registration index in the bucket: backward makes its gradient last and
-        the next forward uses it first (0 for a bucket without parameters)."""
-        return min(self.params, default=0)
+        """The smallest registration index in the bucket (EP rank 0's for an expert bucket):
+        backward makes its gradient last and the next forward uses it first (0 for a bucket
+        without parameters)."""
+        return self.lead if self.lead is not None else min(self.params, default=0)
 
     def reduce_key(self) -> tuple[int, int, int]:
         """Sort key of the reduction order (readiness during backward)."""
@@ -202,6 +206,10 @@ def _buckets(schedule: Schedule, entries: list[ParamEntry], buffers: dict[str, A
     params: dict[tuple[str, int], list[int]] = {}
     for entry in entries:
         params.setdefault((buffer_of(entry), entry.bucket), []).append(entry.index)
+    leads: dict[int, int] = {}
+    for entry in schedule.params:
+        if entry.ep_rank == 0:
+            leads[entry.bucket] = min(leads.get(entry.bucket, entry.index), entry.index)
     out, base, position = [], 0, {}
     for kind in (MATRIX, EXPERT, ADAMW):
         ranks = members[kind]
@@ -209,7 +217,8 @@ def _buckets(schedule: Schedule, entries: list[ParamEntry], buffers: dict[str, A
             position[(kind, index)] = len(out)
             out.append(DpBucket(kind, index, base, tuple(bucket.cuts),
                                 tuple(starts[r] + segment[(kind, index, r)] for r in ranks),
-                                tuple(sorted(params.get((kind, index), []))), ranks))
+                                tuple(sorted(params.get((kind, index), []))), ranks,
+                                leads.get(index) if kind == EXPERT else None))
             base += bucket.cuts[-1]
     flat, bucket_of = [0] * len(schedule.params), [0] * len(schedule.params)
     for entry in entries:

@@ -218,3 +218,31 @@ def test_a_checkpoint_moves_from_ep2_to_another_ep_size(optimizer: str, ep: int,
     # DP-SC all-reduces in the backend's order: its first k steps take DP 4's measured tolerance
     rtol = 1e-5 if strategy == "canzona" else DP4[optimizer][2]
     compare(second, results, {name: p.detach() for name, p in params}, rtol=rtol, atol=rtol / 10)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_ep_rank_lays_out_its_own_experts_over_its_expert_dp_group(layout: str) -> None:
+    from canzona.runtime.layout import EXPERT, build_dp_layout, local_entries
+
+    tp, dp, ep = LAYOUTS[layout]
+    schedule = ep_schedule(tp, dp, ep)
+    orders = set()
+    for ep_rank in range(ep):
+        built = build_dp_layout(schedule, ep_rank)
+        local = {e.index: e for e in local_entries(schedule, ep_rank)}
+        assert {e.ep_rank for e in local.values()} == {None, ep_rank}
+        covered: dict[int, list[tuple[int, int]]] = {}
+        for rank, pieces in enumerate(built.rank_pieces):
+            for piece in pieces:
+                covered.setdefault(piece.param, []).append((piece.src, piece.src + piece.length))
+                if local[piece.param].ep_rank is not None:
+                    assert rank % ep == ep_rank, f"expert {local[piece.param].name} sliced to DP rank {rank}"
+        for index, entry in local.items():  # every local element exactly once
+            spans = sorted(covered[index])
+            assert spans[0][0] == 0 and spans[-1][1] == entry.numel and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert built.total == sum(b.numel for b in built.buckets)
+        experts = [b for b in built.buckets if b.kind == EXPERT]
+        assert experts and all(b.dp_ranks == tuple(o * ep + ep_rank for o in range(dp // ep)) for b in experts)
+        assert all(local[p].ep_rank == ep_rank for b in experts for p in b.params)
+        orders.add(tuple((built.buckets[b].kind, built.buckets[b].index) for b in built.reduce_order + built.gather_order))
+    assert len(orders) == 1, "every EP rank issues the buckets in one order"
