@@ -44,6 +44,22 @@ def test_experts_and_dense_match_reference(layout: str, optimizer: str) -> None:
         compare(schedule, list(results), reference, rtol=rtol, atol=rtol / 10)
 
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["ep2xdp4", "tp2xep2"])
+def test_shared_experts_and_an_adamw_router_as_the_planner_records_them(layout: str) -> None:
+    """A parameter list with a shared expert (dense matrices: reduced over all of DP) and the
+    router on AdamW (an AdamW bucket) beside 4 routed experts with fused [gate; up] fc1 rows."""
+    tp, dp, ep = LAYOUTS[layout]
+    schedule = make_schedule(DATA / "tiny_moe_shared.yaml", tp, dp, ep=ep, bucket_size=1200 // tp)
+    entries = {e.name: e for e in schedule.params}
+    assert entries["decoder.layers.0.mlp.router.weight"].optimizer == "adamw"
+    assert entries["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].ep_rank is None and schedule.dp.expert_buckets
+    (results,) = zip(*run_ranks(train_worker, tp * dp, [schedule], STEPS, "canzona", HP))
+    compare(schedule, list(results), reference_run(schedule, STEPS, HP), rtol=DP4["muon"][2], atol=DP4["muon"][2] / 10)
+
+
 EXPERT = "decoder.layers.1.mlp.experts.linear_fc1.weight2"  # on EP rank 1
 NO_GRAD_AT = {(EXPERT, 1), ("decoder.layers.1.mlp.router.weight", 2), ("decoder.final_layernorm.weight", 3)}
 
