@@ -1,9 +1,12 @@
 """Expert parallelism: after several steps every expert and dense parameter equals the
 single-process reference, at EP 2 x DP 2 (expert-DP 1), EP 2 x DP 4 (expert-DP 2) and TP 2 x
-EP 2; Muon and Shampoo with AdamW on the rest (the router is a matrix, as the planner records
-it). Dense buckets at DP 4 sum in the backend's order, so every layout runs the settings and
-tolerances `DP4` states (measured against fp64, docs/runtime.md). An expert's gradient is the
-sum over the expert-DP ranks holding it divided by the DP size (`rt_oracle.dp_mean`)."""
+EP 2; Muon, Shampoo and SOAP with AdamW on the rest (the router is a matrix, as the planner
+records it; shared experts and an AdamW router in a parameter list). Dense buckets at DP 4 sum
+in the backend's order, so every layout runs the settings and tolerances `DP4` states (measured
+against fp64, docs/runtime.md). An expert's gradient is the sum over the DP ranks holding it
+divided by the DP size (`rt_oracle.dp_mean`). Also: clipping, gradient gaps, bf16 through a real
+backward with both overlaps, all under a meta default device; the construction mismatches; a
+DeviceMesh with an EP dim; checkpoints moving from EP 2 to EP 4 and EP 1; the layout per EP rank."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def ep_schedule(tp: int, dp: int, ep: int, optimizer: str = "muon", **options: A
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("optimizer", ["muon", "shampoo"])
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo", "soap"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_experts_and_dense_match_reference(layout: str, optimizer: str) -> None:
     tp, dp, ep = LAYOUTS[layout]
