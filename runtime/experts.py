@@ -14,10 +14,11 @@ every rank raise the same error before any collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch.distributed as dist
+from torch import Tensor
 
 from canzona.schedules.format import Schedule
 
@@ -27,6 +28,18 @@ MAX_LISTED = 3
 def ep_rank_of(dp_rank: int, ep: int) -> int:
     """The EP rank of a DP rank (dp_rank mod ep)."""
     return dp_rank % ep
+
+
+def materialized(given: Sequence[Any]) -> list[Any]:
+    """`given` with every group's "params" iterable turned into a list (copies of the group
+    dicts), so that reading the names here does not use up a generator the groups hold."""
+    out = []
+    for item in given:
+        params = item.get("params") if isinstance(item, dict) else None
+        if params is not None and not isinstance(params, (Tensor, str, dict, list)) and isinstance(params, Iterable):
+            item = {**item, "params": list(params)}
+        out.append(item)
+    return out
 
 
 def given_names(given: Sequence[Any]) -> list[str]:

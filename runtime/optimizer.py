@@ -91,7 +91,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
                  timeout: float | timedelta | None = None, check_finite: bool = False,
                  dp_collectives: str = "rooted", grad_attr: str = "grad", overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = False, model: torch.nn.Module | None = None, **defaults: Any) -> None:
-        given = list(params)
+        given = experts.materialized(list(params))
         if dp_collectives not in comm.DP_COLLECTIVES:
             raise ValueError(f"dp_collectives must be one of {', '.join(comm.DP_COLLECTIVES)}, got {dp_collectives!r}")
         if not isinstance(grad_attr, str) or not grad_attr.isidentifier():
