@@ -112,12 +112,15 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self._dp_ranks = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
         loaded, resolved, problem = self._prepare(given, schedule, defaults, model)
+        placed = {e.name for e in loaded.params if e.ep_rank is not None} if loaded else set()
         verdict = Verdict(
             rank=dist.get_rank(), dp_rank=self.dp_rank, tp_rank=self.tp_rank, problem=problem,
             fingerprint=loaded.fingerprint if loaded else None,
             digest=plan_digest(loaded) if loaded else None,
             summary=summary(loaded) if loaded else "no schedule",
-            frozen=", ".join(resolved.frozen) if resolved else None,
+            frozen=", ".join(n for n in resolved.frozen if n not in placed) if resolved else None,
+            frozen_experts=", ".join(n for n in resolved.frozen if n in placed) if resolved else None,
+            ep=loaded.request.ep if loaded else 1,
         )
         agree(verdict, self.dp_group, self.tp_group)
         assert loaded is not None and resolved is not None and verdict.digest is not None

@@ -310,7 +310,7 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
             torch.set_default_device(None)
     return {
         "params": {name: p.detach().clone() for name, p in params},
-        "frozen_changed": [n for n in scenario.frozen if not torch.equal(initial[n], dict(params)[n])],
+        "frozen_changed": [n for n in scenario.frozen if n in initial and not torch.equal(initial[n], dict(params)[n])],
         "skipped_changed": skipped_changed,
         "norms": norms,
         "lrs": lrs,

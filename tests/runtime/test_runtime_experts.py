@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from rt_harness import DATA, make_schedule, run_ranks
-from rt_oracle import DP4, Scenario, assemble_main, compare, ordered, reference_run, scenario_reference, scenario_worker, shard, train_worker
+from rt_oracle import (DP4, Scenario, assemble_main, compare, ordered, reference_run, scenario_reference, scenario_worker,
+                       shard, train_worker)
 
 STEPS = 5
 MODEL = DATA / "tiny_moe4.json"  # 4 experts, top-2; layer 0 dense
@@ -65,6 +66,8 @@ def test_shared_experts_and_an_adamw_router_as_the_planner_records_them(layout: 
 
 EXPERT = "decoder.layers.1.mlp.experts.linear_fc1.weight2"  # on EP rank 1
 NO_GRAD_AT = {(EXPERT, 1), ("decoder.layers.1.mlp.router.weight", 2), ("decoder.final_layernorm.weight", 3)}
+FROZEN = frozenset({"decoder.layers.1.mlp.experts.linear_fc2.weight0", "decoder.layers.1.mlp.experts.linear_fc1.weight3",
+                    "decoder.layers.0.mlp.linear_fc2.weight"})  # experts of both EP ranks (on every rank holding them)
 
 
 def _gaps(name: str, step: int, dp_rank: int) -> bool:
@@ -74,10 +77,11 @@ def _gaps(name: str, step: int, dp_rank: int) -> bool:
 def ep_scenarios(tp: int, dp: int, ep: int) -> dict[str, Scenario]:
     """Clipping (the global norm counts every expert once, at the DP-mean scale: a wrong expert
     divisor shows here, where Muon and Shampoo updates are scale-free), gradient gaps on an
-    expert, and bf16 experts through a real backward with both overlaps; all under a meta
+    expert, frozen experts, and bf16 experts through a real backward with both overlaps; all under a meta
     default device, so the EP path names every tensor's device."""
     return {
-        "clip-gaps": Scenario(ep_schedule(tp, dp, ep), steps=5, hp=HP, max_norm=5.0, has_grad=_gaps, meta=True),
+        "clip-gaps-frozen": Scenario(ep_schedule(tp, dp, ep), steps=5, hp=HP, max_norm=5.0, has_grad=_gaps, frozen=FROZEN,
+                                     meta=True),
         "bf16-backward-overlap": Scenario(ep_schedule(tp, dp, ep, dtype="bf16"), steps=5, hp=HP, max_norm=5.0, meta=True,
                                           backward=True, micro_batches=2, options={"overlap_param_gather": True}),
     }
@@ -90,7 +94,7 @@ def _check_scenario(name: str, scenario: Scenario, results: list[dict[str, Any]]
         compare(schedule, [r["params"] for r in results], reference["params"], rtol=DP4["muon"][2], atol=DP4["muon"][2] / 10)
     else:  # main copies equal the reference's; each bf16 parameter is its main copy rounded
         main = assemble_main(schedule, results)
-        assert set(main) == {e.name for e in schedule.params}
+        assert set(main) == {e.name for e in schedule.params if e.name not in scenario.frozen}
         for param, expected in reference["main"].items():
             torch.testing.assert_close(main[param], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: main copy of {param}: {m}")
         for rank, result in enumerate(results):
@@ -99,9 +103,11 @@ def _check_scenario(name: str, scenario: Scenario, results: list[dict[str, Any]]
                 assert torch.equal(result["params"][entry.name], rounded), f"{name}: {entry.name} on rank {rank}"
     steps = {n: s for n, s in reference["param_steps"].items() if s != scenario.steps}
     for rank, result in enumerate(results):
+        assert result["frozen_changed"] == [], f"{name} rank {rank}: frozen parameters moved"
         assert result["norms"] == pytest.approx(reference["norms"], rel=1e-5), f"{name} rank {rank}: clip norms"
         assert result["skipped_changed"] == [], f"{name} rank {rank}"
-        assert result["param_steps"] == steps, f"{name} rank {rank}: step counts (another EP rank's experts too)"
+        counted = {n: s for n, s in result["param_steps"].items() if n not in scenario.frozen}
+        assert counted == steps, f"{name} rank {rank}: step counts (another EP rank's experts too)"
     assert any(norm > scenario.max_norm for norm in reference["norms"]), f"{name}: clipping should bite"
 
 
@@ -140,7 +146,8 @@ def _mismatches_then_mesh(rank: int, world: int, schedule: Any, steps: int) -> d
         "wrong rank": (params_of(0 if rank == 1 else rank), {"expert_dp_group": expert_group}),
         "frozen expert": (params_of(rank), {"expert_dp_group": expert_group}),
     }
-    next(p for n, p in cases["frozen expert"][0] if ".experts." in n).requires_grad_(False)  # not supported yet
+    if rank == 1:  # rank 3, of the same EP rank, does not freeze it
+        next(p for n, p in cases["frozen expert"][0] if ".experts." in n).requires_grad_(False)
     errors = {}
     for name, (params, extra) in cases.items():
         try:
@@ -168,7 +175,8 @@ def test_mismatches_fail_on_every_rank_and_a_mesh_with_an_ep_dim_works() -> None
         "no expert group": "the schedule is for expert parallelism (ep 2): pass expert_dp_group=",
         "wrong rank": "rank 1: experts on the wrong rank: this is EP rank 1 (DP rank 1 = expert-DP rank 0 x ep 2 + EP rank 1), "
                       "but it was given decoder.layers.1.mlp.experts.linear_fc1.weight0 (EP rank 0)",
-        "frozen expert": "ranks optimize different parameters",
+        "frozen expert": "ranks optimize different parameters (not optimized: "
+                         "decoder.layers.1.mlp.experts.linear_fc1.weight2 on rank 1; none on rank 3)",
     }
     for rank, result in enumerate(results):
         for name, fragment in expected.items():
