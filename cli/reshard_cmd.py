@@ -29,7 +29,7 @@ def human_bytes(count: int) -> str:
 
 def _describe(schedule: Schedule) -> dict[str, Any]:
     req = schedule.request
-    return {"model": req.model.name, "optimizer": req.optimizer.name, "dp": req.dp, "tp": req.tp, "alpha": req.alpha,
+    return {"model": req.model.name, "optimizer": req.optimizer.name, "dp": req.dp, "tp": req.tp, "ep": req.ep, "alpha": req.alpha,
             "bucket_size": req.bucket_size, "fingerprint": schedule.fingerprint}
 
 
@@ -63,7 +63,9 @@ def report_text(data: dict[str, Any]) -> str:
     """The human-readable report."""
     def layout(side: dict[str, Any]) -> str:
         """One schedule in a line."""
-        return f"{side['model']}, {side['optimizer']}, DP {side['dp']} x TP {side['tp']}, alpha {side['alpha']:g}, buckets {side['bucket_size']}"
+        ep = f" (EP {side['ep']})" if side.get("ep", 1) > 1 else ""
+        return (f"{side['model']}, {side['optimizer']}, DP {side['dp']}{ep} x TP {side['tp']}, alpha {side['alpha']:g}, "
+                f"buckets {side['bucket_size']}")
 
     lines = [f"compatible: {'yes' if data['compatible'] else 'no'}", f"old: {layout(data['old'])}", f"new: {layout(data['new'])}"]
     lines += [f"problem: {problem}" for problem in data["problems"]]

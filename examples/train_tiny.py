@@ -9,9 +9,16 @@ reduction overlapped with backward and the parameter gather with the next forwar
         --group-mb 0.03 -o /tmp/tiny.yaml
     torchrun --nproc-per-node 4 examples/train_tiny.py --tp 2 --dp 2 --schedule /tmp/tiny.yaml
 
-Global rank = dp_rank * tp + tp_rank. Prints the DP-mean loss, the gradient norm and the
-iteration time (forward, backward, clip and step); `--strategy dp-sc|tp-sc` runs a baseline
-with the same math; `--no-overlap` turns both overlaps off.
+The MoE variant (tiny_qwen3_moe.py: 4 experts, top-2 routing) under expert parallelism:
+
+    canzona plan --model examples/tiny_qwen3_moe.json --names megatron --tp 1 --dp 4 --ep 2 \
+        --bucket-size 3000 --group-mb 0.01 -o /tmp/tiny_moe.yaml
+    torchrun --nproc-per-node 4 examples/train_tiny.py --tp 1 --dp 4 --ep 2 \
+        --config examples/tiny_qwen3_moe.json --schedule /tmp/tiny_moe.yaml
+
+Global rank = dp_rank * tp + tp_rank; under expert parallelism dp_rank = expert_dp_rank * ep +
+ep_rank. Prints the DP-mean loss, the gradient norm and the iteration time (forward, backward,
+clip and step); `--strategy dp-sc|tp-sc` runs a baseline with the same math; `--no-overlap` turns both overlaps off.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_qwen3 import TinyConfig, TinyQwen3, init_full_state, shard_state, synthetic_batch  # noqa: E402
+import tiny_qwen3_moe as moe  # noqa: E402
 
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, load_schedule, make_groups  # noqa: E402
 from canzona.runtime.schedule import DTYPES  # noqa: E402
@@ -46,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dp", type=int, required=True)
     parser.add_argument("--schedule", required=True, help="schedule file from `canzona plan`")
     parser.add_argument("--config", default=str(Path(__file__).with_name("tiny_qwen3.json")), help="model shapes (HF config)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (a MoE config, e.g. tiny_qwen3_moe.json)")
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="canzona")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8, help="sequences per DP rank (all micro-batches)")
@@ -79,6 +88,22 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, steps: int) -> 
 
 
 
+def build_model(config: dict[str, Any], args: argparse.Namespace, tp_rank: int) -> tuple[Any, dict[str, Any]]:
+    """The TP-sharded model (the MoE variant for a config with experts: this EP rank's experts)
+    with its initial weights, and the optimizer's process-group keywords."""
+    if "num_experts" not in config:
+        dp_group, tp_group = make_groups(args.dp, args.tp, TIMEOUT)
+        cfg = TinyConfig.from_hf(config)
+        model = TinyQwen3(cfg, tp_group)
+        model.load_state_dict(shard_state(init_full_state(cfg), args.tp, tp_rank))
+        return model, {"dp_group": dp_group, "tp_group": tp_group}
+    dp_group, tp_group, expert_dp_group = make_groups(args.dp, args.tp, TIMEOUT, ep=args.ep)
+    moe_cfg = moe.MoeConfig.from_hf(config)
+    model = moe.TinyQwen3Moe(moe_cfg, tp_group, moe.make_ep_group(args.dp, args.tp, args.ep, TIMEOUT))
+    model.load_state_dict(moe.shard_state(moe.init_full_state(moe_cfg), args.tp, tp_rank, model.ep.local))
+    return model, {"dp_group": dp_group, "tp_group": tp_group, "expert_dp_group": expert_dp_group}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Train and report."""
     args = parse_args(argv)
@@ -86,15 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", timeout=TIMEOUT)
     if dist.get_world_size() != args.dp * args.tp:
         raise SystemExit(f"world size {dist.get_world_size()} is not dp {args.dp} x tp {args.tp}")
-    dp_group, tp_group = make_groups(args.dp, args.tp, TIMEOUT)
     dp_rank, tp_rank = divmod(dist.get_rank(), args.tp)
-    cfg = TinyConfig.from_hf(json.loads(Path(args.config).read_text()))
     dtype = DTYPES[load_schedule(args.schedule).params[0].dtype]
-    model = TinyQwen3(cfg, tp_group).to(dtype)
-    model.load_state_dict(shard_state(init_full_state(cfg), args.tp, tp_rank))
+    model, groups = build_model(json.loads(Path(args.config).read_text()), args, tp_rank)
+    model = model.to(dtype)
+    cfg, dp_group = model.cfg, groups["dp_group"]
     overlap = not args.no_overlap
-    optimizer = STRATEGIES[args.strategy](param_groups(model, args.weight_decay), args.schedule, dp_group=dp_group,
-                                          tp_group=tp_group, lr=args.lr, adamw_lr=args.adamw_lr, model=model,
+    optimizer = STRATEGIES[args.strategy](param_groups(model, args.weight_decay), args.schedule, **groups, lr=args.lr, adamw_lr=args.adamw_lr, model=model,
                                           overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     scheduler = warmup_cosine(optimizer, args.warmup, args.steps)
     times, first = [], None

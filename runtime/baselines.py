@@ -28,7 +28,7 @@ class TpScOptimizer(CanzonaOptimizer):
     strategy = "tp-sc"
 
     def _setup_matrices(self) -> None:
-        self.tasks = owned_tasks(self.schedule, self._ranks)
+        self.tasks = owned_tasks(self.schedule, self._ranks, self.ep_rank)
         self._hosted = [t.param for t in self.tasks]
 
     def _group_tasks(self) -> list[Task]:
@@ -37,7 +37,7 @@ class TpScOptimizer(CanzonaOptimizer):
     def _gather_full(self, tasks: list[Task], shard_of: Callable[[Task], Tensor]) -> dict[int, Tensor]:
         return gather_replicated(tasks, self.tp_group, shard_of, self.device, self.timeout)
 
-    def _writes_matrix(self) -> bool:
+    def _writes_matrix(self, param: int) -> bool:
         return self.tp_rank == 0
 
     def _update_matrices(self, grads: Tensor, values: Tensor, out: Tensor) -> None:
@@ -59,8 +59,10 @@ class DpScOptimizer(TpScOptimizer):
     def _updated_ranks(self) -> list[int]:
         return list(range(self.dp_size))
 
-    def _writes_matrix(self) -> bool:
-        return self.dp_rank == 0 and self.tp_rank == 0
+    def _writes_matrix(self, param: int) -> bool:
+        # one replica per matrix: DP rank 0 for a dense one, the expert-DP group's first rank
+        # (DP rank = EP rank) for an expert
+        return self.tp_rank == 0 and self.dp_rank == (self.ep_rank if self._expert[param] else 0)
 
     def _writes_adamw(self, replicated: bool) -> bool:
         return self.dp_rank == 0 and super()._writes_adamw(replicated)

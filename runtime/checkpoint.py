@@ -214,6 +214,7 @@ def _manifest(opt: CanzonaOptimizer, folder: str, files: dict[str, str]) -> dict
         "param_steps": logical.export_steps(opt), "strategy": opt.strategy, "layout": opt.state_layout().to_json(),
         "fingerprint": opt.schedule.fingerprint, "digest": opt.digest, "world": opt.dp_size * opt.tp_size,
         "hyperparameters": asdict(opt.hp), "param_groups": _json_groups(opt), "files": files,
+        "ep_experts": logical.ep_experts(opt),
     }
 
 
@@ -279,7 +280,7 @@ def _check_record(opt: CanzonaOptimizer, root: Path, param_groups: bool) -> dict
         raise CheckpointError("the checkpoint does not fit this optimizer: " + "; ".join(problems))
     if param_groups:
         try:
-            manifest["param_groups"] = logical.check_groups(opt, manifest.get("param_groups"))
+            manifest["param_groups"] = logical.check_groups(opt, manifest.get("param_groups"), manifest.get("ep_experts", ()))
         except ValueError as error:
             raise CheckpointError(f"the checkpoint's param groups do not fit ({error}); load with param_groups=False "
                                   "to keep this optimizer's") from error

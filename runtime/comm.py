@@ -75,20 +75,23 @@ class Pending:
 
 
 def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: dist.ProcessGroup,
-                 ranks: Sequence[int], dests: dict[int, Tensor]) -> Pending:
-    """Launch the DP mean of one bucket of the bucket buffer `send` (reduced in place).
+                 ranks: Sequence[int], dests: dict[int, Tensor], divisor: int | None = None) -> Pending:
+    """Launch the DP mean of one bucket of the bucket buffer `send` (reduced in place): the sum
+    over `group` divided by `divisor` (default: the group's size; an expert bucket, reduced
+    over the expert-DP group, is divided by the DP size).
 
-    `dests` maps a DP rank to where this rank keeps the mean of that rank's slice (its own
-    slice; every slice for DP-SC's `all_reduce`); `ranks` are the DP ranks' global ranks.
+    `dests` maps a group rank to where this rank keeps the mean of that rank's slice (its own
+    slice; every slice for DP-SC's `all_reduce`); `ranks` are the group ranks' global ranks.
     `rooted`: one reduce to each non-empty slice's owner (a native reduce-scatter when the
     slices are equal); `all_to_all`: one all_to_all_single, summed here in rank order;
     `all_reduce`: one all-reduce of the bucket."""
     chunk = send[bucket.base : bucket.base + bucket.numel]
     world, cuts = len(bucket.slices), bucket.cuts
+    scale = divisor or world
 
     def land_slices() -> None:  # the (reduced) slices of `chunk` into their destinations
         for r, dest in dests.items():
-            dest.copy_(chunk[cuts[r] : cuts[r + 1]]).div_(world)
+            dest.copy_(chunk[cuts[r] : cuts[r + 1]]).div_(scale)
 
     if world == 1:
         return Pending([], land_slices)
@@ -100,14 +103,14 @@ def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: di
         work = dist.all_to_all_single(received, chunk, [mine] * world, list(bucket.slices), group=group, async_op=True)
 
         def land_sum() -> None:
-            dests[rank].copy_(received.view(world, mine).sum(0)).div_(world)
+            dests[rank].copy_(received.view(world, mine).sum(0)).div_(scale)
 
         return Pending([work], land_sum, [received])
     if bucket.equal:
         work = dist.reduce_scatter_single(dests[rank], chunk, group=group, async_op=True)
 
         def land_mean() -> None:
-            dests[rank].div_(world)
+            dests[rank].div_(scale)
 
         return Pending([work], land_mean)
     works = [dist.reduce(chunk[cuts[r] : cuts[r + 1]], dst=ranks[r], group=group, async_op=True)

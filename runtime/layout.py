@@ -1,14 +1,20 @@
 """Index arithmetic of a schedule: where every element travels. No tensors, no collectives.
 
 Two coordinate systems. The *bucket* buffer is Megatron's gradient buffer: every DP bucket
-(matrix buckets, then AdamW buckets) whole, one after the other; each parameter's local
-(TP-shard) elements are one contiguous run at `DpLayout.flat[param]`. Gradients are packed and
+(dense matrix buckets, expert buckets, then AdamW buckets) whole, one after the other; each
+parameter's local (TP-shard) elements are one contiguous run at `DpLayout.flat[param]`. Gradients are packed and
 reduced there, bucket by bucket, and updated values gathered there. The *region* buffer
 concatenates, rank by rank, that rank's slice of every bucket (matrix slices first, then
 AdamW slices): region k is what DP rank k updates, so the reduced gradients and the new values
 of a rank are one contiguous region. A `Piece` is a run of one parameter's elements that is
 contiguous both in the parameter and in the region buffer: a matrix parameter is one piece
 (cuts lie on parameter boundaries), an AdamW one may be split by cuts.
+
+Under expert parallelism (schedule `ep` > 1) a layout is built for one EP rank: its expert
+buffer holds that EP rank's experts only (every EP rank lays its experts out alike), each expert
+bucket is cut over the expert-data-parallel group, the DP ranks `o · ep + ep_rank` for
+expert-DP rank o, and region k holds expert slice k // ep when k is in that group (nothing for
+the other EP ranks' DP ranks). Other EP ranks' experts are not in the layout.
 
 `DpBucket.reduce_key` / `gather_key` order the buckets the way the collectives are issued (and
 the simulator prices them): reductions in the order backward makes buckets ready (the bucket
@@ -23,8 +29,10 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from canzona.schedules.format import Schedule
+from canzona.schedules.format import ParamEntry, Schedule
 from canzona.runtime.schedule import ADAMW, MATRIX, local_shape
+
+EXPERT = "expert"  # the expert buffer (a matrix buffer cut over the expert-DP group)
 
 
 @dataclass(frozen=True)
@@ -38,14 +46,18 @@ class Piece:
     length: int
 
 
-BUFFER_ORDER = {MATRIX: 0, ADAMW: 2}  # the simulator's order of buffers (dense, expert, AdamW)
+BUFFER_ORDER = {MATRIX: 0, EXPERT: 1, ADAMW: 2}  # the simulator's order of buffers (dense, expert, AdamW)
 
 
 @dataclass(frozen=True)
 class DpBucket:
     """One DP bucket: its buffer (`kind`) and index there, where it starts in the bucket
-    buffer, its D + 1 cuts (bucket coordinates), where each rank's slice of it starts in the
-    region buffer, and the registration indices of its parameters."""
+    buffer, its n + 1 cuts (bucket coordinates) over the n ranks of its group, where each
+    group rank's slice of it starts in the region buffer, the registration indices of its
+    parameters, and the DP ranks of its group in group-rank order (every DP rank; for an
+    expert bucket the expert-DP group). `lead`: the registration index that orders an expert
+    bucket, that of EP rank 0's expert at its start, so that every EP rank issues the buckets
+    in one order (the simulator's)."""
 
     kind: str
     index: int
@@ -53,6 +65,8 @@ class DpBucket:
     cuts: tuple[int, ...]
     region_starts: tuple[int, ...]
     params: tuple[int, ...]
+    dp_ranks: tuple[int, ...] = ()
+    lead: int | None = None
 
     @property
     def numel(self) -> int:
@@ -71,9 +85,10 @@ class DpBucket:
 
     @property
     def first(self) -> int:
-        """The smallest registration index in the bucket: backward makes its gradient last and
-        the next forward uses it first (0 for a bucket without parameters)."""
-        return min(self.params, default=0)
+        """The smallest registration index in the bucket (EP rank 0's for an expert bucket):
+        backward makes its gradient last and the next forward uses it first (0 for a bucket
+        without parameters)."""
+        return self.lead if self.lead is not None else min(self.params, default=0)
 
     def reduce_key(self) -> tuple[int, int, int]:
         """Sort key of the reduction order (readiness during backward)."""
@@ -116,30 +131,58 @@ class DpLayout:
         return self.starts[rank] + self.matrix_sizes[rank], self.starts[rank] + self.sizes[rank]
 
 
-def build_dp_layout(schedule: Schedule) -> DpLayout:
-    """The exchange buffer of `schedule` (bucket cuts of both buffers)."""
+def buffer_of(entry: ParamEntry) -> str:
+    """The DP buffer a parameter lives in: dense matrices, experts (EP rank set) or AdamW."""
+    if entry.optimizer == ADAMW:
+        return ADAMW
+    return MATRIX if entry.ep_rank is None else EXPERT
+
+
+def local_entries(schedule: Schedule, ep_rank: int = 0) -> list[ParamEntry]:
+    """The parameters a rank of EP rank `ep_rank` holds: every dense one and its own experts."""
+    return [e for e in schedule.params if e.ep_rank is None or e.ep_rank == ep_rank]
+
+
+def group_dp_ranks(schedule: Schedule, kind: str, ep_rank: int) -> tuple[int, ...]:
+    """The DP ranks a bucket of buffer `kind` is cut over, in group-rank order."""
+    dp, ep = schedule.request.dp, schedule.request.ep
+    if kind == EXPERT:
+        return tuple(o * ep + ep_rank for o in range(dp // ep))
+    return tuple(range(dp))
+
+
+def build_dp_layout(schedule: Schedule, ep_rank: int = 0) -> DpLayout:
+    """The exchange buffer of `schedule` (bucket cuts of every buffer) on a rank of EP rank
+    `ep_rank` (0 without expert parallelism)."""
     dp = schedule.request.dp
-    buffers = {MATRIX: schedule.dp.buckets, ADAMW: schedule.dp.adamw_buckets}
+    buffers = {MATRIX: schedule.dp.buckets, EXPERT: schedule.dp.expert_buckets, ADAMW: schedule.dp.adamw_buckets}
+    members = {kind: group_dp_ranks(schedule, kind, ep_rank) for kind in buffers}
+    position_of = {kind: {r: p for p, r in enumerate(ranks)} for kind, ranks in members.items()}
     segment: dict[tuple[str, int, int], int] = {}
     sizes, matrix_sizes = [0] * dp, [0] * dp
     for rank in range(dp):
-        for kind in (MATRIX, ADAMW):
+        for kind in (MATRIX, EXPERT, ADAMW):
+            where = position_of[kind].get(rank)
             for position, bucket in enumerate(buffers[kind]):
                 segment[(kind, position, rank)] = sizes[rank]
-                sizes[rank] += bucket.cuts[rank + 1] - bucket.cuts[rank]
-            if kind == MATRIX:
+                if where is not None:
+                    sizes[rank] += bucket.cuts[where + 1] - bucket.cuts[where]
+            if kind == EXPERT:
                 matrix_sizes[rank] = sizes[rank]
     starts = [sum(sizes[:rank]) for rank in range(dp)]
-    buckets, flat, bucket_of = _buckets(schedule, buffers, segment, starts)
+    entries = local_entries(schedule, ep_rank)
+    buckets, flat, bucket_of = _buckets(schedule, entries, buffers, members, segment, starts)
     pieces: list[list[Piece]] = [[] for _ in range(dp)]
-    for entry in schedule.params:
-        cuts = buffers[entry.optimizer][entry.bucket].cuts
+    for entry in entries:
+        kind = buffer_of(entry)
+        cuts, ranks = buffers[kind][entry.bucket].cuts, members[kind]
         first = max(0, bisect_right(cuts, entry.offset) - 1)
-        last = min(dp, bisect_left(cuts, entry.offset + entry.numel))
-        for rank in range(first, last):
-            low, high = max(entry.offset, cuts[rank]), min(entry.offset + entry.numel, cuts[rank + 1])
+        last = min(len(ranks), bisect_left(cuts, entry.offset + entry.numel))
+        for where in range(first, last):
+            low, high = max(entry.offset, cuts[where]), min(entry.offset + entry.numel, cuts[where + 1])
             if low < high:
-                dst = starts[rank] + segment[(entry.optimizer, entry.bucket, rank)] + low - cuts[rank]
+                rank = ranks[where]
+                dst = starts[rank] + segment[(kind, entry.bucket, rank)] + low - cuts[where]
                 pieces[rank].append(Piece(entry.index, low - entry.offset, dst, high - low))
     return DpLayout(
         sizes=tuple(sizes),
@@ -155,25 +198,31 @@ def build_dp_layout(schedule: Schedule) -> DpLayout:
     )
 
 
-def _buckets(schedule: Schedule, buffers: dict[str, Any], segment: dict[tuple[str, int, int], int],
+def _buckets(schedule: Schedule, entries: list[ParamEntry], buffers: dict[str, Any], members: dict[str, tuple[int, ...]],
+             segment: dict[tuple[str, int, int], int],
              starts: list[int]) -> tuple[tuple[DpBucket, ...], tuple[int, ...], tuple[int, ...]]:
     """Every DP bucket in buffer order, each parameter's start in the bucket buffer and the
-    position of its bucket."""
-    dp = schedule.request.dp
-    members: dict[tuple[str, int], list[int]] = {}
+    position of its bucket (0 for another EP rank's experts, which are not in the layout)."""
+    params: dict[tuple[str, int], list[int]] = {}
+    for entry in entries:
+        params.setdefault((buffer_of(entry), entry.bucket), []).append(entry.index)
+    leads: dict[int, int] = {}
     for entry in schedule.params:
-        members.setdefault((entry.optimizer, entry.bucket), []).append(entry.index)
+        if entry.ep_rank == 0:
+            leads[entry.bucket] = min(leads.get(entry.bucket, entry.index), entry.index)
     out, base, position = [], 0, {}
-    for kind in (MATRIX, ADAMW):
+    for kind in (MATRIX, EXPERT, ADAMW):
+        ranks = members[kind]
         for index, bucket in enumerate(buffers[kind]):
             position[(kind, index)] = len(out)
             out.append(DpBucket(kind, index, base, tuple(bucket.cuts),
-                                tuple(starts[r] + segment[(kind, index, r)] for r in range(dp)),
-                                tuple(sorted(members.get((kind, index), [])))))
+                                tuple(starts[r] + segment[(kind, index, r)] for r in ranks),
+                                tuple(sorted(params.get((kind, index), []))), ranks,
+                                leads.get(index) if kind == EXPERT else None))
             base += bucket.cuts[-1]
     flat, bucket_of = [0] * len(schedule.params), [0] * len(schedule.params)
-    for entry in schedule.params:
-        bucket_of[entry.index] = position[(entry.optimizer, entry.bucket)]
+    for entry in entries:
+        bucket_of[entry.index] = position[(buffer_of(entry), entry.bucket)]
         flat[entry.index] = out[bucket_of[entry.index]].base + entry.offset
     return tuple(out), tuple(flat), tuple(bucket_of)
 
@@ -222,7 +271,16 @@ def micro_groups(schedule: Schedule, dp_rank: int) -> list[tuple[Task, ...]]:
     ]
 
 
-def owned_tasks(schedule: Schedule, dp_ranks: list[int]) -> list[Task]:
-    """Every matrix owned by one of `dp_ranks`, in buffer order (for the baselines)."""
-    tasks = matrix_tasks(schedule)
-    return [tasks[e.name] for e in schedule.params if e.optimizer == MATRIX and e.owner in dp_ranks]
+def updating_dp_rank(entry: ParamEntry, ep: int) -> int | None:
+    """The DP rank whose micro-groups update a matrix (owner · ep + ep_rank for an expert)."""
+    if entry.owner is None or entry.ep_rank is None:
+        return entry.owner
+    return entry.owner * ep + entry.ep_rank
+
+
+def owned_tasks(schedule: Schedule, dp_ranks: list[int], ep_rank: int = 0) -> list[Task]:
+    """Every matrix held at EP rank `ep_rank` and updated by one of `dp_ranks`, in buffer
+    order (for the baselines)."""
+    tasks, ep = matrix_tasks(schedule), schedule.request.ep
+    return [tasks[e.name] for e in local_entries(schedule, ep_rank)
+            if e.optimizer == MATRIX and updating_dp_rank(e, ep) in dp_ranks]

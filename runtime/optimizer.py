@@ -33,11 +33,11 @@ from torch.utils.hooks import RemovableHandle
 
 from canzona.schedules.format import Schedule, ScheduleError
 from canzona.schedules.reshard import StateLayout, incompatibilities, state_layout
-from canzona.runtime import comm, gradients, precision, reduction, state as logical
+from canzona.runtime import comm, experts, gradients, precision, reduction, state as logical
 from canzona.runtime.faults import CollectiveError, as_timedelta, settle
 from canzona.runtime.gather import ForwardHooks, ParamGather
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
-from canzona.runtime.layout import Task, build_dp_layout, matrix_tasks, micro_groups
+from canzona.runtime.layout import EXPERT, DpBucket, Task, build_dp_layout, local_entries, matrix_tasks, micro_groups
 from canzona.runtime.optimizers import Hyperparameters, State, make_rule
 from canzona.runtime.pipeline import MicroGroupPipeline
 from canzona.runtime.process_groups import resolve_process_groups
@@ -64,7 +64,10 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
     split into matrix and AdamW groups; parameters with `requires_grad=False`, or not passed,
     are never changed). `schedule`: a `Schedule`, a path or a library name. Gradients are this
     rank's own (not reduced over DP), read from `.grad` or, with `grad_attr="main_grad"`, from
-    Megatron's fp32 `.main_grad`. Construction checks the schedule against the parameters, the
+    Megatron's fp32 `.main_grad`. Under expert parallelism (schedule `ep` > 1) a rank passes
+    the dense parameters and its EP rank's experts, and `expert_dp_group` (or a 3-D `mesh` with
+    dims edp, ep, tp) is the group its experts' buckets are reduced over (docs/runtime.md,
+    "Expert parallelism"). Construction checks the schedule against the parameters, the
     groups and the other ranks, and raises `ScheduleMismatchError` on every rank if anything is
     wrong. `timeout` (seconds or a timedelta) bounds every collective of a step (None: the
     process groups' own); `check_finite` makes a non-finite local gradient fail the step on
@@ -84,10 +87,11 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *,
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 mesh: Any = None, timeout: float | timedelta | None = None, check_finite: bool = False,
+                 mesh: Any = None, expert_dp_group: dist.ProcessGroup | None = None,
+                 timeout: float | timedelta | None = None, check_finite: bool = False,
                  dp_collectives: str = "rooted", grad_attr: str = "grad", overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = False, model: torch.nn.Module | None = None, **defaults: Any) -> None:
-        given = list(params)
+        given = experts.materialized(list(params))
         if dp_collectives not in comm.DP_COLLECTIVES:
             raise ValueError(f"dp_collectives must be one of {', '.join(comm.DP_COLLECTIVES)}, got {dp_collectives!r}")
         if not isinstance(grad_attr, str) or not grad_attr.isidentifier():
@@ -103,16 +107,20 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self.timeout = as_timedelta(timeout)
         self.check_finite = check_finite
         self.grad_attr = grad_attr
-        self.dp_group, self.tp_group = resolve_process_groups(dp_group, tp_group, mesh)
+        self.dp_group, self.tp_group, self.expert_dp_group = resolve_process_groups(dp_group, tp_group, mesh, expert_dp_group)
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self._dp_ranks = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
         self.tp_size, self.tp_rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
         loaded, resolved, problem = self._prepare(given, schedule, defaults, model)
+        placed = {e.name for e in loaded.params if e.ep_rank is not None} if loaded else set()
         verdict = Verdict(
             rank=dist.get_rank(), dp_rank=self.dp_rank, tp_rank=self.tp_rank, problem=problem,
             fingerprint=loaded.fingerprint if loaded else None,
             digest=plan_digest(loaded) if loaded else None,
             summary=summary(loaded) if loaded else "no schedule",
-            frozen=", ".join(resolved.frozen) if resolved else None,
+            frozen=", ".join(n for n in resolved.frozen if n not in placed) if resolved else None,
+            frozen_experts=", ".join(n for n in resolved.frozen if n in placed) if resolved else None,
+            ep=loaded.request.ep if loaded else 1,
         )
         agree(verdict, self.dp_group, self.tp_group)
         assert loaded is not None and resolved is not None and verdict.digest is not None
@@ -140,12 +148,18 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
             loaded = schedule if isinstance(schedule, Schedule) else load_schedule(schedule)
         except ScheduleError as error:
             return None, None, str(error)
-        rule = loaded.request.optimizer.name
+        rule, self.ep = loaded.request.optimizer.name, loaded.request.ep
+        self.ep_rank = experts.ep_rank_of(self.dp_rank, self.ep)
+        expert_problem = (experts.expert_group_problem(loaded, self.dp_rank, self._dp_ranks, self.expert_dp_group)
+                          if self.dp_size == loaded.request.dp else None)
+        expert_problem = expert_problem or experts.foreign_experts(loaded, experts.given_names(given), self.dp_rank)
+        if expert_problem:
+            return loaded, None, expert_problem
         try:
             self.hp = Hyperparameters.from_kwargs(defaults).resolved(loaded.request.optimizer)
         except (TypeError, ValueError) as error:
             return loaded, None, f"bad hyperparameters: {error}"
-        entries = {e.name: e for e in loaded.params}
+        entries = {e.name: e for e in local_entries(loaded, self.ep_rank)}  # dense and this EP rank's experts
         resolved = resolve_param_groups(given, entries, loaded.request.tp, rule, self.hp, self.grad_attr)
         problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p] + resolved.problems
         if model is not None:
@@ -176,12 +190,18 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self.device = self._param(self._managed_indices[0]).device
         self._wire_dtype = _widest(self._dtypes)
         self.param_steps = [0] * len(entries)
-        self.layout = build_dp_layout(self.schedule)
+        self.layout = build_dp_layout(self.schedule, self.ep_rank)
+        local = {e.index for e in local_entries(self.schedule, self.ep_rank)}
+        # step counts of every parameter but the frozen ones (another EP rank's experts too: the
+        # ranks agree on which parameters had a gradient, so every rank counts alike)
+        self._counted = [self._managed[i] or i not in local for i in range(len(entries))]
+        self._expert = [e.ep_rank is not None for e in entries]
         self.rule = make_rule(self.schedule.request.optimizer.name, self.hp)
         self.step_count = 0
         self.matrix_state: dict[int, list[State]] = {}
         self._send = torch.zeros(self.layout.total, dtype=torch.float32, device=self.device)  # the bucket buffer
-        self._dp_ranks = [dist.get_global_rank(self.dp_group, r) for r in range(self.dp_size)]
+        edp_size = dist.get_world_size(self.expert_dp_group) if self.ep > 1 else 0
+        self._edp_ranks = [dist.get_global_rank(self.expert_dp_group, r) for r in range(edp_size)]
         self._flat_params = [None if p is None else p.detach().view(-1) for p in self._params]
         self._ranks = self._updated_ranks()
         self._base = self.layout.starts[self._ranks[0]]
@@ -222,8 +242,8 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         """Full fp32 matrices of `tasks` on the ranks that update them (collective over TP)."""
         return self.pipeline.gather_full(tasks, shard_of)
 
-    def _writes_matrix(self) -> bool:
-        """Whether this rank saves the matrix state it holds (one copy of each replica)."""
+    def _writes_matrix(self, param: int) -> bool:
+        """Whether this rank saves the state of matrix `param` it holds (one copy of each replica)."""
         return True
 
     def _writes_adamw(self, replicated: bool) -> bool:
@@ -401,19 +421,30 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self._commit(pending)
         return loss
 
+    def _bucket_group(self, b: DpBucket) -> tuple[dist.ProcessGroup, list[int], int]:
+        """A bucket's process group (expert buckets: the expert-DP group), its ranks' global
+        ranks, and this rank's rank in it."""
+        if b.kind == EXPERT:
+            return self.expert_dp_group, self._edp_ranks, b.dp_ranks.index(self.dp_rank)
+        return self.dp_group, self._dp_ranks, self.dp_rank
+
     def _start_reduce(self, bucket: int, grads: Tensor) -> comm.Pending:
-        """Launch the DP mean of one bucket of `_send` into `grads` (region coordinates)."""
+        """Launch the DP mean of one bucket of `_send` into `grads` (region coordinates): summed
+        over its group, divided by the DP size (see `canzona.runtime.experts` for experts)."""
         b = self.layout.buckets[bucket]
-        dests = {r: grads[b.region_starts[r] - self._base : b.region_starts[r] - self._base + b.slices[r]] for r in self._ranks}
+        group, ranks, rank = self._bucket_group(b)
+        dests = {p: grads[b.region_starts[p] - self._base : b.region_starts[p] - self._base + b.slices[p]]
+                 for p, r in enumerate(b.dp_ranks) if r in self._ranks}
         mode = self.dp_collectives if self.gathers else comm.ALL_REDUCE
-        return comm.start_reduce(self._send, b, mode, self.dp_rank, self.dp_group, self._dp_ranks, dests)
+        return comm.start_reduce(self._send, b, mode, rank, group, ranks, dests, self.dp_size)
 
     def _start_gather(self, bucket: int, gathered: Tensor, out: Tensor) -> comm.Pending:
         """Launch the gather of one bucket of the new values `out` (region coordinates)."""
         b = self.layout.buckets[bucket]
-        start = b.region_starts[self.dp_rank] - self._base
-        mine = out[start : start + b.slices[self.dp_rank]]
-        return comm.start_gather(gathered, mine, b, self.dp_collectives, self.dp_rank, self.dp_group, self._dp_ranks)
+        group, ranks, rank = self._bucket_group(b)
+        start = b.region_starts[rank] - self._base
+        mine = out[start : start + b.slices[rank]]
+        return comm.start_gather(gathered, mine, b, self.dp_collectives, rank, group, ranks)
 
     def _targets(self, active: list[bool]) -> list[Tensor | None]:
         return [flat if active[i] else None for i, flat in enumerate(self._flat_params)]
@@ -513,6 +544,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
             "param_steps": logical.export_steps(self),
             "hyperparameters": asdict(self.hp),
             "param_groups": self._saved_groups(),
+            "ep_experts": logical.ep_experts(self),
             "tensors": logical.export_state(self, writers_only=False, clone=True),
         })
 
@@ -531,7 +563,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         problems = incompatibilities(StateLayout.from_json(state["layout"]), self.state_layout())
         if problems:
             raise ValueError("the optimizer state does not fit this model: " + "; ".join(problems))
-        groups = logical.check_groups(self, state.get("param_groups"))
+        groups = logical.check_groups(self, state.get("param_groups"), state.get("ep_experts", ()))
         tensors = state["tensors"]
         dest = logical.plan_import(self, {key: tuple(value.size) for key, value in tensors.items()})
         logical.fill_from(dest, tensors)

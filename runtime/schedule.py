@@ -57,8 +57,6 @@ def check_schedule(schedule: Schedule, origin: str = "<schedule>") -> None:
 
 def _runtime_problem(schedule: Schedule) -> str | None:
     req = schedule.request
-    if req.ep > 1:
-        return f"expert parallelism (ep {req.ep}) is planned but not yet executed by this runtime"
     if req.optimizer.name not in MATRIX_OPTIMIZERS:
         return f"unknown matrix optimizer {req.optimizer.name!r}"
     sliced = next((e for e in schedule.params if e.param is not None), None)
@@ -104,7 +102,8 @@ def layout_problem(schedule: Schedule, dp_size: int, tp_size: int) -> str | None
 def summary(schedule: Schedule) -> str:
     """A short description of the plan, for error messages."""
     req = schedule.request
-    return f"model {req.model.name}, DP {req.dp} x TP {req.tp}, {req.optimizer.name}, alpha {req.alpha:g}, buckets {req.bucket_size}"
+    ep = f" (EP {req.ep})" if req.ep > 1 else ""
+    return f"model {req.model.name}, DP {req.dp}{ep} x TP {req.tp}, {req.optimizer.name}, alpha {req.alpha:g}, buckets {req.bucket_size}"
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,9 @@ class Verdict:
     fingerprint: str | None
     digest: str | None
     summary: str
-    frozen: str | None = None  # the schedule parameters this rank does not optimize
+    frozen: str | None = None  # the schedule parameters this rank does not optimize (but its experts)
+    frozen_experts: str | None = None  # those of its EP rank's experts (expert parallelism)
+    ep: int = 1  # the EP size: experts' freezing must agree among the ranks of an EP rank
 
 
 def agree(verdict: Verdict, dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> None:
@@ -162,14 +163,24 @@ def disagreement(grid: list[list[Verdict]]) -> str | None:
     if len(digests) > 1:
         parts = [f"{vs[0].summary} [{(d or '?')[:12]}] on {_ranks(vs)}" for d, vs in digests.items()]
         return "canzona: ranks were given different schedules: " + "; ".join(parts)
-    frozen = _by(flat, "frozen")
-    if len(frozen) > 1:
-        parts = [f"{_clip(names or 'none')} on {_ranks(vs)}" for names, vs in frozen.items()]
-        return "canzona: ranks optimize different parameters (not optimized: " + "; ".join(parts) + ")"
+    by_ep_rank = _by_ep_rank(flat)
+    for key, group in [("frozen", flat)] + [("frozen_experts", vs) for vs in by_ep_rank]:
+        frozen = _by(group, key)
+        if len(frozen) > 1:
+            parts = [f"{_clip(names or 'none')} on {_ranks(vs)}" for names, vs in frozen.items()]
+            return "canzona: ranks optimize different parameters (not optimized: " + "; ".join(parts) + ")"
     for d, row in enumerate(grid):
         if any(v.dp_rank != d or v.tp_rank != t for t, v in enumerate(row)):
             return "canzona: the DP and TP process groups do not form a DP x TP grid"
     return None
+
+
+def _by_ep_rank(verdicts: list[Verdict]) -> list[list[Verdict]]:
+    """The verdicts of each EP rank's ranks (dp_rank mod ep), which hold the same experts."""
+    groups: dict[int, list[Verdict]] = {}
+    for v in verdicts:
+        groups.setdefault(v.dp_rank % max(1, v.ep), []).append(v)
+    return list(groups.values())
 
 
 def _clip(text: str, limit: int = 120) -> str:

@@ -141,8 +141,8 @@ def _export_main(opt: CanzonaOptimizer, writers_only: bool, clone: bool, out: di
     them from)."""
     if opt.main.stale:
         return
-    if opt._writes_matrix() or not writers_only:
-        for param, tensor in opt.main.matrices.items():
+    for param, tensor in opt.main.matrices.items():
+        if opt._writes_matrix(param) or not writers_only:
             canonical = to_canonical(tensor, opt._tasks[param])
             out[main_key(opt.names[param])] = LogicalTensor(tuple(tensor.shape), [((0, 0), canonical)])
     assert opt.main.adamw is not None or not _main_runs(opt)
@@ -158,13 +158,14 @@ def export_state(opt: CanzonaOptimizer, writers_only: bool, clone: bool) -> dict
     """The logical state this rank holds (`writers_only`: one copy of every redundant replica,
     as a checkpoint saves it). Matrices not yet stepped export their initial state."""
     out: dict[str, LogicalTensor] = {}
-    if opt._writes_matrix() or not writers_only:
-        for param in opt._hosted:
-            states = opt.matrix_state.get(param) or _matrix_template(opt, param)
-            for path, tensor in state_leaves(states).items():
-                if tensor is not None:
-                    data = tensor.clone() if clone else tensor
-                    out[matrix_key(opt.names[param], path)] = LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), data)])
+    for param in opt._hosted:
+        if not (opt._writes_matrix(param) or not writers_only):
+            continue
+        states = opt.matrix_state.get(param) or _matrix_template(opt, param)
+        for path, tensor in state_leaves(states).items():
+            if tensor is not None:
+                data = tensor.clone() if clone else tensor
+                out[matrix_key(opt.names[param], path)] = LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), data)])
     for run in opt._adamw_runs:
         if writers_only and not opt._writes_adamw(opt._tp_dims[run.param] is None):
             continue
@@ -288,18 +289,29 @@ def install(opt: CanzonaOptimizer, dest: Destination, step: int, param_steps: Ma
         opt.main.stale = True
 
 
-def check_groups(opt: CanzonaOptimizer, saved: Any) -> list[dict[str, Any]] | None:
+def ep_experts(opt: CanzonaOptimizer) -> list[str]:
+    """The experts the schedule places by expert parallelism (each rank's groups list only its
+    own EP rank's, so group membership is compared without them)."""
+    return [e.name for e in opt.schedule.params if e.ep_rank is not None]
+
+
+def check_groups(opt: CanzonaOptimizer, saved: Any, saved_experts: Any = ()) -> list[dict[str, Any]] | None:
     """The saved groups' hyperparameters, checked against the optimizer's groups (the same
-    parameters, group by group, and usable values); ValueError if they do not fit. None when
-    the state has none."""
+    parameters, group by group, leaving out the experts placed by expert parallelism on either
+    side, `saved_experts` and this schedule's; and usable values); ValueError if they do not
+    fit. None when the state has none."""
     if saved is None:
         return None
     if not isinstance(saved, list) or len(saved) != len(opt.param_groups):
         found = len(saved) if isinstance(saved, list) else type(saved).__name__
         raise ValueError(f"the saved state has {found} param groups, this optimizer {len(opt.param_groups)}")
-    rule = opt.schedule.request.optimizer.name
+    rule, placed = opt.schedule.request.optimizer.name, set(ep_experts(opt)) | set(saved_experts or ())
+
+    def members(names: Any) -> list[str]:
+        return [name for name in names if name not in placed]
+
     for position, (group, old) in enumerate(zip(opt.param_groups, saved)):
-        if old.get("kind") != group["kind"] or list(old.get("param_names", [])) != list(group["param_names"]):
+        if old.get("kind") != group["kind"] or members(old.get("param_names", [])) != members(group["param_names"]):
             raise ValueError(f"param_groups[{position}] holds other parameters in the saved state (the groups must be built the same way)")
         try:
             group_hyperparameters({**group, **old}, opt.hp, rule)

@@ -94,7 +94,7 @@ class UpdateStage:
         if pending.adamw is not None:
             self.adamw_state = pending.adamw
         for index, active in enumerate(pending.active):
-            if active and self._managed[index]:
+            if active and self._counted[index]:
                 self.param_steps[index] += 1
         self.step_count = pending.step
 

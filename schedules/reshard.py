@@ -355,8 +355,6 @@ def _check_structure(schedule: Schedule, which: str) -> None:
 
 
 def _runtime_problem(schedule: Schedule, which: str) -> str | None:
-    if schedule.request.ep > 1:
-        return f"{which}: expert parallelism (ep {schedule.request.ep}) is not executed by the runtime, so it has no checkpoints"
     if any(e.param is not None for e in schedule.params):
         return f"{which}: grouped expert tensors are not executed by the runtime, so it has no checkpoints"
     if any(e.grad_reduce is not None for e in schedule.params):
@@ -391,6 +389,18 @@ def _adamw_moves(old: Schedule, new: Schedule, a: ParamEntry, b: ParamEntry, led
             index += 1
 
 
+def expert_notes(old: Schedule, new: Schedule) -> list[str]:
+    """Under expert parallelism on either side: how many expert matrices change EP rank (their
+    whole state moves to the new holder's DP ranks; keys are the experts' global names)."""
+    a, b = old.request.ep, new.request.ep
+    if a == 1 and b == 1:
+        return []
+    old_rank = {e.name: e.ep_rank for e in old.params if e.optimizer == MATRIX}
+    experts = [e for e in new.params if e.ep_rank is not None or old_rank.get(e.name) is not None]
+    moved = sum(old_rank.get(e.name) != e.ep_rank for e in experts)
+    return [f"experts: EP {a} -> EP {b}, {moved} of {len(experts)} expert matrices change EP rank"]
+
+
 def reshard_report(old: Schedule, new: Schedule) -> ReshardReport:
     """Whether optimizer state saved under `old` loads under `new` (CanzonaOptimizer's
     placement), and the bytes each rank writes, reads and exchanges. ScheduleError if a
@@ -417,7 +427,7 @@ def reshard_report(old: Schedule, new: Schedule) -> ReshardReport:
         else:
             _adamw_moves(old, new, a, b, ledger)
     return ReshardReport(
-        True, [], padding_notes(old_layout, new_layout) + fusion_notes(old, new), sum(old_layout.nbytes(p) for p in old_layout.params),
+        True, [], padding_notes(old_layout, new_layout) + fusion_notes(old, new) + expert_notes(old, new), sum(old_layout.nbytes(p) for p in old_layout.params),
         ledger.loads, ledger.moved_in, ledger.writes, ledger.moved_out,
         sorted((s, t, n) for (s, t), n in ledger.flows.items()),
     )

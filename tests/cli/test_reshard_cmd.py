@@ -70,3 +70,15 @@ def test_exit_codes_through_main(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 def test_human_bytes() -> None:
     assert [human_bytes(n) for n in (0, 1023, 1536, 3 << 20, 5 << 30)] == ["0 B", "1023 B", "1.50 KiB", "3.00 MiB", "5.00 GiB"]
+
+
+def test_expert_parallel_layouts_say_which_experts_move(capsys: pytest.CaptureFixture[str]) -> None:
+    """The library's Qwen3-30B-A3B schedules at EP 8 (TP 2 x DP 16 -> TP 4 x DP 32)."""
+    old, new = "qwen3-30b-a3b/muon-tp2-dp16-ep8", "qwen3-30b-a3b/muon-tp4-dp32-ep8"
+    reshard_check(old, new, as_json=True)
+    data = json.loads(capsys.readouterr().out)
+    assert data["compatible"] is True and (data["old"]["ep"], data["new"]["ep"]) == (8, 8)
+    assert any(note.startswith("experts: EP 8 -> EP 8, 0 of ") for note in data["notes"]), data["notes"]
+    reshard_check(old, new)
+    text = capsys.readouterr().out
+    assert "old: qwen3-30b-a3b, muon, DP 16 (EP 8) x TP 2" in text and "note: experts: EP 8 -> EP 8" in text

@@ -27,10 +27,21 @@ DATA = Path(__file__).parent / "data"
 GROUP_TIMEOUT = timedelta(seconds=30)
 
 
-def make_groups(dp: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def make_groups(dp: int, tp: int) -> tuple[dist.ProcessGroup, ...]:
     """This rank's DP and TP groups (global rank = dp_rank · tp + tp_rank), with the tests'
     timeout so a broken collective fails instead of hanging."""
     return runtime_make_groups(dp, tp, GROUP_TIMEOUT)
+
+
+def optimizer_groups(schedule: Schedule) -> dict[str, Any]:
+    """The process-group keywords of an optimizer for `schedule` (dp_group, tp_group and, under
+    expert parallelism, expert_dp_group), with the tests' timeout."""
+    req = schedule.request
+    if req.ep == 1:
+        dp_group, tp_group = runtime_make_groups(req.dp, req.tp, GROUP_TIMEOUT)
+        return {"dp_group": dp_group, "tp_group": tp_group}
+    dp_group, tp_group, expert_group = runtime_make_groups(req.dp, req.tp, GROUP_TIMEOUT, ep=req.ep)
+    return {"dp_group": dp_group, "tp_group": tp_group, "expert_dp_group": expert_group}
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -107,9 +118,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
 
 def make_schedule(model: str | Path, tp: int, dp: int, *, optimizer: str = "muon", alpha: float = 1.0,
                   bucket_size: int = 4000, group_bytes: int = 4096, dtype: str = "fp32",
-                  split_fc1: bool = False, **settings: Any) -> Schedule:
+                  split_fc1: bool = False, ep: int = 1, **settings: Any) -> Schedule:
     """A planner-made schedule for `model` (a file), with small buckets and micro-groups,
-    its parameters' dtype set to `dtype`."""
+    its parameters' dtype set to `dtype` (`ep`: expert parallelism)."""
     from canzona.planner.compile import compile_schedule
     from canzona.planner.partition.costs import OptimizerConfig
     from canzona.planner.sources.load import load_model
@@ -121,6 +132,6 @@ def make_schedule(model: str | Path, tp: int, dp: int, *, optimizer: str = "muon
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype=dtype) for p in spec.params))
     request = PlanRequest(
         model=str(model), tp=tp, dp=dp, optimizer=OptimizerConfig(optimizer, **settings), alpha=alpha,
-        bucket_size=bucket_size, options=options, group_bytes=group_bytes,
+        bucket_size=bucket_size, options=options, group_bytes=group_bytes, ep=ep,
     )
     return compile_schedule(make_plan(spec, request))

@@ -16,7 +16,7 @@ from canzona.runtime.reference import ReferenceOptimizer
 from canzona.runtime.schedule import DTYPES
 from canzona.schedules.format import ParamEntry, Schedule
 
-from rt_harness import make_groups
+from rt_harness import optimizer_groups
 
 STRATEGIES = {"canzona": CanzonaOptimizer, "tp-sc": TpScOptimizer, "dp-sc": DpScOptimizer}
 
@@ -56,9 +56,23 @@ def shard(full: torch.Tensor, entry: ParamEntry, tp_rank: int, tp: int) -> torch
     return full if entry.tp_dim is None else full.chunk(tp, dim=entry.tp_dim)[tp_rank].contiguous()
 
 
-def ordered(schedule: Schedule) -> list[ParamEntry]:
-    """The schedule's parameters in registration order."""
-    return sorted(schedule.params, key=lambda e: e.index)
+def ordered(schedule: Schedule, dp_rank: int | None = None) -> list[ParamEntry]:
+    """The schedule's parameters in registration order (those DP rank `dp_rank` holds: every
+    dense one and its EP rank's experts)."""
+    return sorted((e for e in schedule.params if dp_rank is None or holds(schedule, e, dp_rank)), key=lambda e: e.index)
+
+
+def holds(schedule: Schedule, entry: ParamEntry, dp_rank: int) -> bool:
+    """Whether DP rank `dp_rank` holds `entry` (an expert: only at its EP rank, dp_rank mod ep)."""
+    return entry.ep_rank is None or entry.ep_rank == dp_rank % schedule.request.ep
+
+
+def dp_mean(schedule: Schedule, entry: ParamEntry, grads: list[torch.Tensor | None]) -> torch.Tensor:
+    """The gradient the step sees, from every DP rank's own (None: none): the fp32 sum over the
+    ranks holding the parameter, divided by the DP size (an expert's too, Megatron's scaling)."""
+    held = [torch.zeros(entry.shape) if g is None else g.float()
+            for d, g in enumerate(grads) if holds(schedule, entry, d)]
+    return torch.stack(held).sum(0) / schedule.request.dp
 
 
 def train_worker(rank: int, world: int, schedules: list[Schedule], steps: int, strategy: str, hp: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
@@ -68,11 +82,11 @@ def train_worker(rank: int, world: int, schedules: list[Schedule], steps: int, s
         dp, tp = schedule.request.dp, schedule.request.tp
         assert world == dp * tp
         dp_rank, tp_rank = divmod(rank, tp)
-        dp_group, tp_group = make_groups(dp, tp)
+        groups = optimizer_groups(schedule)
         full = full_params(schedule)
-        entries = ordered(schedule)
+        entries = ordered(schedule, dp_rank)
         params = [(e.name, torch.nn.Parameter(shard(full[e.name], e, tp_rank, tp))) for e in entries]
-        optimizer = STRATEGIES[strategy](params, schedule, dp_group=dp_group, tp_group=tp_group, **hp)
+        optimizer = STRATEGIES[strategy](params, schedule, **groups, **hp)
         for step in range(steps):
             for entry, (_, param) in zip(entries, params):
                 param.grad = shard(full_grad(entry, step, dp_rank), entry, tp_rank, tp)
@@ -91,7 +105,7 @@ def reference_run(schedule: Schedule, steps: int, hp: dict[str, Any]) -> dict[st
     params = [(e.name, torch.nn.Parameter(full[e.name].clone())) for e in entries]
     optimizer = ReferenceOptimizer(params, schedule, **hp)
     for step in range(steps):
-        grads = {e.name: torch.stack([full_grad(e, step, d).float() for d in range(dp)]).sum(0) / dp for e in entries}
+        grads = {e.name: dp_mean(schedule, e, [full_grad(e, step, d) for d in range(dp)]) for e in entries}
         optimizer.step(grads)
     return {name: param.detach() for name, param in params}
 
@@ -102,7 +116,7 @@ def compare(schedule: Schedule, results: list[dict[str, torch.Tensor]], referenc
     tp = schedule.request.tp
     for rank, shards in enumerate(results):
         tp_rank = rank % tp
-        for entry in ordered(schedule):
+        for entry in ordered(schedule, rank // tp):
             expected = shard(reference[entry.name], entry, tp_rank, tp)
             got = shards[entry.name]
             torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank} {entry.name}: {m}")
@@ -197,7 +211,7 @@ def _micro_grads(scenario: Scenario, step: int, micro: int, dp_rank: int, tp_ran
     """This rank's local gradient of every parameter in micro-batch `micro` (None: none)."""
     tp = scenario.schedule.request.tp
     out: list[torch.Tensor | None] = []
-    for entry in ordered(scenario.schedule):
+    for entry in ordered(scenario.schedule, dp_rank):
         present = _present(scenario, entry.name, step, dp_rank)
         grad = full_grad(entry, step * 100 + micro, dp_rank) if present else None
         out.append(None if grad is None else shard(grad, entry, tp_rank, tp))
@@ -240,7 +254,7 @@ def _backward_grads(scenario: Scenario, model: GradModel, optimizer: Any, step: 
 def _set_grads(scenario: Scenario, params: list[tuple[str, torch.nn.Parameter]], step: int, dp_rank: int, tp_rank: int) -> None:
     tp = scenario.schedule.request.tp
     with torch.device("cpu"):  # the test's own tensors, also under a meta default device
-        for entry, (_, param) in zip(ordered(scenario.schedule), params):
+        for entry, (_, param) in zip(ordered(scenario.schedule, dp_rank), params):
             grad = rank_grad(scenario, entry, step, dp_rank)
             local = None if grad is None else shard(grad, entry, tp_rank, tp)
             if scenario.grad_attr == "main_grad":
@@ -253,9 +267,9 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
     schedule = scenario.schedule
     dp, tp = schedule.request.dp, schedule.request.tp
     dp_rank, tp_rank = divmod(rank, tp)
-    dp_group, tp_group = make_groups(dp, tp)
+    groups = optimizer_groups(schedule)
     full = scenario_init(scenario)
-    params = [(e.name, torch.nn.Parameter(shard(full[e.name], e, tp_rank, tp))) for e in ordered(schedule)]
+    params = [(e.name, torch.nn.Parameter(shard(full[e.name], e, tp_rank, tp))) for e in ordered(schedule, dp_rank)]
     for name, param in params:
         param.requires_grad_(name not in scenario.frozen)
         if scenario.grad_attr == "main_grad":
@@ -267,8 +281,7 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
     if scenario.meta:
         torch.set_default_device("meta")
     try:
-        optimizer = STRATEGIES[scenario.strategy](given, schedule, dp_group=dp_group, tp_group=tp_group,
-                                                  grad_attr=scenario.grad_attr, **scenario.hp, **options)
+        optimizer = STRATEGIES[scenario.strategy](given, schedule, **groups, grad_attr=scenario.grad_attr, **scenario.hp, **options)
         if model is not None and scenario.grad_attr == "main_grad":
             emulate_megatron_main_grad(optimizer, params)
         scheduler = scenario.scheduler(optimizer) if scenario.scheduler else None
@@ -297,7 +310,7 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
             torch.set_default_device(None)
     return {
         "params": {name: p.detach().clone() for name, p in params},
-        "frozen_changed": [n for n in scenario.frozen if not torch.equal(initial[n], dict(params)[n])],
+        "frozen_changed": [n for n in scenario.frozen if n in initial and not torch.equal(initial[n], dict(params)[n])],
         "skipped_changed": skipped_changed,
         "norms": norms,
         "lrs": lrs,
@@ -331,8 +344,8 @@ def scenario_reference(scenario: Scenario) -> dict[str, Any]:
         grads = {}
         for entry in ordered(schedule):
             per_rank = [rank_grad(scenario, entry, step, d) for d in range(dp)]
-            if any(g is not None for g in per_rank):
-                grads[entry.name] = torch.stack([torch.zeros(entry.shape) if g is None else g.float() for g in per_rank]).sum(0) / dp
+            if any(g is not None for d, g in enumerate(per_rank) if holds(schedule, entry, d)):
+                grads[entry.name] = dp_mean(schedule, entry, per_rank)
         if scenario.max_norm is not None:
             norms.append(float(optimizer.clip_grad_norm_(scenario.max_norm, grads)))
         optimizer.step(grads)

@@ -147,5 +147,5 @@ def test_load_schedule_by_library_name_and_errors() -> None:
     assert (schedule.request.model.name, schedule.request.tp, schedule.request.dp) == ("qwen3-32b", 8, 32)
     with pytest.raises(ScheduleError, match="cannot read schedule 'qwen3-32b/nope'"):
         load_schedule("qwen3-32b/nope")
-    with pytest.raises(ScheduleError, match=r"expert parallelism \(ep 8\) is planned but not yet executed"):
-        load_schedule("qwen3-30b-a3b/muon-tp2-dp16-ep8")
+    moe = load_schedule("qwen3-30b-a3b/muon-tp2-dp16-ep8")  # expert parallelism loads (and executes)
+    assert moe.request.ep == 8 and moe.dp.expert_buckets

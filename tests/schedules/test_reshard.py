@@ -156,11 +156,16 @@ def test_layout_rules_by_hand() -> None:
         StateLayout.from_json({"model": {}})
 
 
-def test_expert_parallel_and_inconsistent_schedules() -> None:
+def test_expert_parallel_layouts_move_their_experts_and_inconsistent_schedules_fail() -> None:
     base = plan(TINY, 2, 2)
-    ep = base.model_copy(update={"request": base.request.model_copy(update={"ep": 2})})
-    report = reshard_report(base, ep)
-    assert not report.compatible and "expert parallelism (ep 2) is not executed by the runtime" in report.problems[0]
+    moe4 = DATA / "tiny_moe4.json"
+    ep2, ep4 = (compile_schedule(make_plan(load_model(str(moe4), 1, ModelOptions()), PlanRequest(
+        str(moe4), 1, 4, ep=ep, bucket_size=2000, group_bytes=4096))) for ep in (2, 4))
+    report = reshard_report(ep2, ep4)
+    assert report.compatible and report.notes == ["experts: EP 2 -> EP 4, 6 of 8 expert matrices change EP rank"]
+    assert 0 < sum(report.moved_in) <= report.state_bytes and report.flows  # experts whose DP rank changes
+    assert reshard_report(ep4, ep4).notes == ["experts: EP 4 -> EP 4, 0 of 8 expert matrices change EP rank"]
+    assert reshard_report(ep4, ep4).flows == []
     hollow = base.model_copy(update={"tp": base.tp.model_copy(update={"ranks": []})})
     with pytest.raises(ScheduleError, match="no micro-group hosts"):
         reshard_report(hollow, base)
