@@ -1,0 +1,121 @@
+"""Real models for the runtime tests, as factories `canzona plan --model py:FILE:FACTORY` reads:
+a tiny transformers Qwen3 and Qwen3-MoE (random init from a config, no downloads) and the
+torchtitan-named model of `titan_model.py`, each plain or under DTensor TP.
+
+The TP plans are the stacks' own styles, runnable on CPU gloo: sequence-parallel norms
+(`SequenceParallel`: replicated DTensor weights, `Partial` gradients), colwise Q/K/V and MLP
+inputs that gather the sequence and hand attention local heads (so q_norm / k_norm, plain
+tensors, see only their TP rank's heads: partial gradients too), rowwise outputs that
+reduce-scatter back to sequence shards, a vocab-sharded embedding and output head. Every norm's
+gradient is then a partial sum over TP, which `--sequence-parallel` records. The `_tp2`
+factories build the same model on a fake 2 x 2 ("dp", "tp") mesh for planning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_model import TitanConfig, TitanModel
+
+QWEN3: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False,
+                             max_position_embeddings=64)
+QWEN3_MOE: dict[str, Any] = dict(QWEN3, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
+                                 norm_topk_prob=True)
+TITAN = TitanConfig(moe_layers=())
+
+
+def make_tiny_hf_qwen3() -> nn.Module:
+    """transformers' Qwen3ForCausalLM, tiny, fp32, eager attention."""
+    import transformers
+
+    config = transformers.Qwen3Config(**QWEN3, attn_implementation="eager")
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def make_tiny_hf_qwen3_moe() -> nn.Module:
+    """transformers' Qwen3MoeForCausalLM, tiny (layer 0 dense, layer 1 with 4 grouped 3-D experts)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**QWEN3_MOE, attn_implementation="eager")
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def make_tiny_titan() -> nn.Module:
+    """The torchtitan-named dense model of `titan_model.py`."""
+    return TitanModel(TITAN)
+
+
+def parallelize_hf_qwen3(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Sequence-parallel TP of the tiny HF Qwen3 (see the module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for n in range(len(model.model.layers)):
+        prefix = f"model.layers.{n}."
+        plan.update({prefix + "input_layernorm": SequenceParallel(), prefix + "post_attention_layernorm": SequenceParallel(),
+                     prefix + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                     prefix + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+        plan.update({prefix + p: ColwiseParallel(input_layouts=Shard(1))
+                     for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")})
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def parallelize_titan(model: TitanModel, tp_mesh: Any) -> TitanModel:
+    """torchtitan's TP plan for the dense model, with attention on local heads."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention.wq": ColwiseParallel(input_layouts=Shard(1)), "attention.wk": ColwiseParallel(input_layouts=Shard(1)),
+            "attention.wv": ColwiseParallel(input_layouts=Shard(1)),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "feed_forward.w1": ColwiseParallel(input_layouts=Shard(1)), "feed_forward.w3": ColwiseParallel(input_layouts=Shard(1)),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
+    return model
+
+
+def _fake_tp_mesh() -> Any:
+    """The "tp" dim of a fake 2 x 2 ("dp", "tp") mesh (planning needs placements, not a cluster)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=4)
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+
+
+def make_tiny_hf_qwen3_tp2() -> nn.Module:
+    """The tiny HF Qwen3 under `parallelize_hf_qwen3` at TP 2 (fake mesh)."""
+    return parallelize_hf_qwen3(make_tiny_hf_qwen3(), _fake_tp_mesh())
+
+
+def make_tiny_titan_tp2() -> nn.Module:
+    """The torchtitan-named model under `parallelize_titan` at TP 2 (fake mesh)."""
+    return parallelize_titan(TitanModel(TITAN), _fake_tp_mesh())
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a causal LM (HF or titan) on `tokens` [batch, seq]."""
+    out = model(tokens)
+    logits = out.logits if hasattr(out, "logits") else out
+    if hasattr(logits, "to_local"):
+        logits = logits.to_local()
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
