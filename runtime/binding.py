@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from canzona.runtime.faults import wait
-from canzona.schedules.format import ParamEntry
+from canzona.schedules.format import ParamEntry, Schedule
 
 if TYPE_CHECKING:
     from canzona.runtime.optimizer import CanzonaOptimizer
@@ -60,6 +60,17 @@ class Bound:
     value: Tensor
     slice: int | None = None
     grad_reduce: str | None = None
+
+
+def unsupported(schedule: Schedule) -> str | None:
+    """Why this binding cannot execute `schedule`, or None: grouped 3-D expert tensors under
+    expert parallelism are not bound yet (each rank would pass its EP rank's experts as a
+    tensor [E / ep, rows, cols])."""
+    grouped = next((e.param for e in schedule.params if e.param is not None), None)
+    if grouped is not None and schedule.request.ep > 1:
+        return (f"grouped 3-D expert tensors ({grouped!r}) under expert parallelism (ep {schedule.request.ep}) are not "
+                "executed by this runtime yet: plan them at --ep 1, or register each expert as its own parameter")
+    return None
 
 
 def local(tensor: Tensor) -> Tensor:

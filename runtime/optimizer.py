@@ -149,6 +149,9 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         except ScheduleError as error:
             return None, None, str(error)
         rule, self.ep = loaded.request.optimizer.name, loaded.request.ep
+        unsupported = binding.unsupported(loaded)
+        if unsupported:
+            return loaded, None, unsupported
         self.ep_rank = experts.ep_rank_of(self.dp_rank, self.ep)
         expert_problem = (experts.expert_group_problem(loaded, self.dp_rank, self._dp_ranks, self.expert_dp_group)
                           if self.dp_size == loaded.request.dp else None)
