@@ -66,7 +66,7 @@ def unsupported(schedule: Schedule) -> str | None:
     """Why this binding cannot execute `schedule`, or None: grouped 3-D expert tensors under
     expert parallelism are not bound yet (each rank would pass its EP rank's experts as a
     tensor [E / ep, rows, cols])."""
-    grouped = next((e.param for e in schedule.params if e.param is not None), None)
+    grouped = next((e.param for e in sorted(schedule.params, key=lambda e: e.index) if e.param is not None), None)
     if grouped is not None and schedule.request.ep > 1:
         return (f"grouped 3-D expert tensors ({grouped!r}) under expert parallelism (ep {schedule.request.ep}) are not "
                 "executed by this runtime yet: plan them at --ep 1, or register each expert as its own parameter")

@@ -155,3 +155,84 @@ def test_real_models_match_the_reference(case: str, tmp_path: Path) -> None:
         assert len(slices) == 4
         keys = {key for result in results for key in result["state_keys"]}
         assert all(any(f"/{name}/" in key for key in keys) for name in slices), sorted(keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mismatches: one error on every rank, no hang
+
+
+def _outcome(action: Any) -> str:
+    try:
+        action()
+    except Exception as error:  # noqa: BLE001 - the test compares every rank's error
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _misplaced(mesh: Any) -> torch.nn.Module:
+    """The HF model with layer 0's q_proj split rowwise (Shard(1)) instead of colwise."""
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    live = models.make_tiny_hf_qwen3()
+    parallelize_module(live, mesh["tp"], {"model.layers.0.self_attn.q_proj": RowwiseParallel()})
+    return live
+
+
+def _forgotten_partial(schedule: Schedule, mesh: Any) -> None:
+    from canzona.runtime import CanzonaOptimizer
+
+    live = build("hf", mesh)
+    optimizer = CanzonaOptimizer(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
+    models.loss_of(live, batches(0, 2)[mesh.get_local_rank("dp")]).backward()
+    optimizer.step()
+
+
+def mismatch_rank(rank: int, world: int, sequence_parallel: Schedule, plain: Schedule, experts: Schedule) -> dict[str, str]:
+    """Every mismatch case on this rank: its error line (or "no error")."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime import CanzonaOptimizer
+
+    mesh = mesh_of(sequence_parallel)
+    wide = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+
+    def construct(schedule: Schedule, named: list[tuple[str, torch.Tensor]]) -> Any:
+        return lambda: CanzonaOptimizer(named, schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
+
+    renamed = [(name.replace("layers.1.", "layers.one."), p) for name, p in build("hf", mesh).named_parameters()]
+    torch.manual_seed(0)
+    tp4 = models.parallelize_hf_qwen3(models.make_tiny_hf_qwen3(), wide)
+    return {
+        "renamed": _outcome(construct(sequence_parallel, renamed)),
+        "placement": _outcome(construct(sequence_parallel, list(_misplaced(mesh).named_parameters()))),
+        "tp size": _outcome(construct(sequence_parallel, list(tp4.named_parameters()))),
+        "forgotten partial": _outcome(lambda: _forgotten_partial(plain, mesh)),
+        "experts under ep": _outcome(construct(experts, list(build("hf_moe").named_parameters()))),
+    }
+
+
+NEEDLES = {
+    "renamed": ("ScheduleMismatchError", "not in the schedule: model.layers.one.self_attn.q_proj.weight"),
+    "placement": ("ScheduleMismatchError", "model.layers.0.self_attn.q_proj.weight: placed Shard(1) over tp, the schedule "
+                  "says Shard(0) (tp_dim 0)"),
+    "tp size": ("ScheduleMismatchError", "its DTensor mesh has tp size 4, the schedule is for TP 2"),
+    "forgotten partial": ("StepFailedError", "is a partial sum over TP (Partial), but the schedule does not sum it"),
+    "experts under ep": ("ScheduleMismatchError", "grouped 3-D expert tensors ('model.layers.1.mlp.experts.gate_up_proj') "
+                         "under expert parallelism (ep 2) are not executed"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_mismatches_raise_one_error_on_every_rank(tmp_path: Path) -> None:
+    sequence_parallel = plan(tmp_path, "hf", 2, 2, "--sequence-parallel")
+    (tmp_path / "plain").mkdir()
+    plain = plan(tmp_path / "plain", "hf", 2, 2)  # no --sequence-parallel: nothing sums the norms' gradients
+    experts = plan(tmp_path, "hf_moe", 1, 4, "--ep", "2")
+    results = run_ranks(mismatch_rank, 4, sequence_parallel, plain, experts, timeout=180)
+    for case, (kind, needle) in NEEDLES.items():
+        lines = {result[case] for result in results}
+        assert len(lines) == 1, f"{case}: the ranks disagree: {lines}"
+        (line,) = lines
+        assert line.startswith(kind) and needle in line and "\n" not in line, f"{case}: {line!s}"[:2000]
