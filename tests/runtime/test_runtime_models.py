@@ -15,6 +15,7 @@ compared with atol 2e-5; every other parameter with atol 1e-6."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import queue
 from pathlib import Path
@@ -33,6 +34,8 @@ import models  # noqa: E402 - needs transformers
 
 MODELS = Path(__file__).parent / "models.py"
 STEPS = 5
+RESUME_AT = 3  # the checkpointed cases save after this step and go on from the checkpoint
+MAX_NORM = 0.5
 HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 0.01}
 MAKE = {"hf": models.make_tiny_hf_qwen3, "hf_moe": models.make_tiny_hf_qwen3_moe, "titan": models.make_tiny_titan}
 PARALLELIZE = {"hf": models.parallelize_hf_qwen3, "titan": models.parallelize_titan}
@@ -91,50 +94,70 @@ def full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
 
 
-def train_rank(rank: int, world: int, model: str, schedule: Schedule) -> dict[str, Any]:
-    """Train `model` under `schedule` (DTensor TP from a ("dp", "tp") mesh); full values after."""
-    from canzona.runtime import CanzonaOptimizer
+def train_rank(rank: int, world: int, model: str, schedule: Schedule, checkpoint: str | None = None) -> dict[str, Any]:
+    """Train `model` under `schedule` (DTensor TP from a ("dp", "tp") mesh), clipping at
+    MAX_NORM, with both overlaps; with `checkpoint`, save there after step RESUME_AT and go on
+    with a new optimizer loaded from it. Full values, clip norms and state keys after."""
+    from canzona.runtime import CanzonaOptimizer, load_checkpoint, save_checkpoint
 
     mesh = mesh_of(schedule)
     live = build(model, mesh)
-    optimizer = CanzonaOptimizer(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
+
+    def make() -> CanzonaOptimizer:
+        return CanzonaOptimizer(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT,
+                                overlap_param_gather=True, model=live, **HP)
+
+    optimizer, norms = make(), []
     dp_rank = mesh.get_local_rank("dp")
     for step in range(STEPS):
         models.loss_of(live, batches(step, schedule.request.dp)[dp_rank]).backward()
+        norms.append(float(optimizer.clip_grad_norm_(MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad()
+        if checkpoint is not None and step + 1 == RESUME_AT:
+            save_checkpoint(optimizer, checkpoint)
+            del optimizer  # its hooks hold weak references: they fall silent
+            gc.collect()
+            optimizer = make()
+            load_checkpoint(optimizer, checkpoint)
+    optimizer.finish_gather()
     keys = sorted(optimizer.state_dict()["tensors"])
-    return {"params": {name: full(p) for name, p in live.named_parameters()}, "state_keys": keys}
+    return {"params": {name: full(p) for name, p in live.named_parameters()}, "norms": norms, "state_keys": keys}
 
 
-def reference(model: str, schedule: Schedule) -> dict[str, torch.Tensor]:
-    """The single-process reference on the unsharded model: the DP-mean loss of every rank's batch."""
+def reference(model: str, schedule: Schedule) -> dict[str, Any]:
+    """The single-process reference on the unsharded model: the DP-mean loss of every rank's
+    batch, clipped at MAX_NORM; final values and clip norms."""
     live = build(model)
     optimizer = ReferenceOptimizer(live.named_parameters(), schedule, **HP)
-    dp = schedule.request.dp
+    dp, norms = schedule.request.dp, []
     for step in range(STEPS):
         tokens = batches(step, dp)
         (sum(models.loss_of(live, tokens[d]) for d in range(dp)) / dp).backward()
+        norms.append(float(optimizer.clip_grad_norm_(MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad()
-    return {name: p.detach() for name, p in live.named_parameters()}
+    return {"params": {name: p.detach() for name, p in live.named_parameters()}, "norms": norms}
 
 
-def check(schedule: Schedule, results: list[dict[str, Any]], expected: dict[str, torch.Tensor]) -> None:
+def check(schedule: Schedule, results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
     adamw = {e.name for e in schedule.params if e.optimizer == "adamw"}
+    assert any(norm > MAX_NORM for norm in expected["norms"]), "clipping should bite"
     for rank, result in enumerate(results):
-        assert list(result["params"]) == list(expected)
+        assert result["norms"] == pytest.approx(expected["norms"], rel=1e-5), f"rank {rank}: clip norms"
+        assert list(result["params"]) == list(expected["params"])
         for name, value in result["params"].items():
             atol = 2e-5 if name in adamw else 1e-6
-            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=atol, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(value, expected["params"][name], rtol=1e-5, atol=atol,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
 
 
-CASES = {  # (model, tp, dp, plan flags)
-    "hf-dp2": ("hf", 1, 2, ()),
-    "hf-tp2xdp2-sp": ("hf", 2, 2, ("--sequence-parallel",)),
-    "hf_moe-dp2": ("hf_moe", 1, 2, ()),
-    "titan-dp2": ("titan", 1, 2, ()),
-    "titan-tp2xdp2-sp": ("titan", 2, 2, ("--sequence-parallel",)),
+CASES = {  # (model, tp, dp, plan flags, resumed from a checkpoint)
+    "hf-dp2": ("hf", 1, 2, (), False),
+    "hf-tp2xdp2-sp": ("hf", 2, 2, ("--sequence-parallel",), True),
+    "hf_moe-dp2": ("hf_moe", 1, 2, (), True),
+    "titan-dp2": ("titan", 1, 2, (), False),
+    "titan-tp2xdp2-sp": ("titan", 2, 2, ("--sequence-parallel",), False),
 }
 
 
@@ -142,13 +165,14 @@ CASES = {  # (model, tp, dp, plan flags)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("case", CASES)
 def test_real_models_match_the_reference(case: str, tmp_path: Path) -> None:
-    model, tp, dp, flags = CASES[case]
+    model, tp, dp, flags, resumed = CASES[case]
     schedule = plan(tmp_path, model, tp, dp, *flags)
     if tp > 1:  # every norm's gradient is partial over TP: q_norm / k_norm (plain) and the sequence-parallel ones (Partial)
         partial = {e.name for e in schedule.params if e.grad_reduce}
         assert partial and all("norm" in name for name in partial)
         assert any(name.endswith("q_norm.weight") for name in partial)
-    results = run_ranks(train_rank, tp * dp, model, schedule, timeout=180)
+    checkpoint = str(tmp_path / "checkpoint") if resumed else None
+    results = run_ranks(train_rank, tp * dp, model, schedule, checkpoint, timeout=180)
     check(schedule, results, reference(model, schedule))
     if model == "hf_moe":  # grouped experts: logical state per expert slice
         slices = [e.name for e in schedule.params if e.param == "model.layers.1.mlp.experts.gate_up_proj"]
