@@ -112,6 +112,38 @@ def make_tiny_titan_tp2() -> nn.Module:
     return parallelize_titan(TitanModel(TITAN), _fake_tp_mesh())
 
 
+class Toy(nn.Module):
+    """A block with every kind of parameter the binding meets: colwise and rowwise matrices, a
+    norm, and grouped 3-D experts [4, 6, 8]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=False)
+        self.norm = nn.RMSNorm(16)
+        self.down = nn.Linear(16, 8, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 6, 8) * 0.1)
+
+
+def make_toy() -> nn.Module:
+    """The plain `Toy`."""
+    return Toy()
+
+
+def parallelize_toy(model: Toy, tp_mesh: Any) -> Toy:
+    """`Toy` as DTensors: up Shard(0), down Shard(1), norm Replicate, experts Shard(1)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for module, name, placement in ((model.up, "weight", Shard(0)), (model.down, "weight", Shard(1)),
+                                    (model.norm, "weight", Replicate()), (model, "experts", Shard(1))):
+        module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name).detach(), tp_mesh, [placement])))
+    return model
+
+
+def make_toy_tp2() -> nn.Module:
+    """`Toy` under `parallelize_toy` at TP 2 (fake mesh)."""
+    return parallelize_toy(Toy(), _fake_tp_mesh())
+
+
 def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a causal LM (HF or titan) on `tokens` [batch, seq]."""
     out = model(tokens)

@@ -40,7 +40,7 @@ HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 
 MAKE = {"hf": models.make_tiny_hf_qwen3, "hf_moe": models.make_tiny_hf_qwen3_moe, "titan": models.make_tiny_titan}
 PARALLELIZE = {"hf": models.parallelize_hf_qwen3, "titan": models.parallelize_titan}
 FACTORY = {("hf", 1): "make_tiny_hf_qwen3", ("hf", 2): "make_tiny_hf_qwen3_tp2", ("hf_moe", 1): "make_tiny_hf_qwen3_moe",
-           ("titan", 1): "make_tiny_titan", ("titan", 2): "make_tiny_titan_tp2"}
+           ("titan", 1): "make_tiny_titan", ("titan", 2): "make_tiny_titan_tp2", ("toy", 2): "make_toy_tp2"}
 
 
 def _cli_child(args: list[str], results: Any) -> None:

@@ -1,0 +1,104 @@
+"""The binding of DTensor parameters (`canzona.runtime.binding`) with gradients set by hand in
+placements that differ from the parameters': a `Replicate` gradient of `Shard(0)`, `Shard(1)`
+and grouped 3-D expert parameters (re-split locally), and `Partial` gradients of a replicated
+norm the schedule sums over TP. After several steps every parameter equals the single-process
+reference fed the full gradients. A gradient that would need communication the schedule does
+not plan fails the step on every rank. Also the pure parts: folding expert slices back into
+the model's tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from canzona.runtime.binding import model_entries, slices_of
+from canzona.runtime.reference import ReferenceOptimizer
+from canzona.schedules.format import Schedule
+
+from rt_harness import GROUP_TIMEOUT, run_ranks
+from test_runtime_models import plan
+
+import models
+
+STEPS = 4
+HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 0.01}
+SHAPES = {"up.weight": (16, 8), "norm.weight": (16,), "down.weight": (8, 16), "experts": (4, 6, 8)}
+
+
+def full_grad(name: str, step: int) -> torch.Tensor:
+    """The full gradient of `name` at `step` (alike on every rank)."""
+    return torch.randn(SHAPES[name], generator=torch.Generator().manual_seed(1000 * step + len(name)))
+
+
+def _set_grads(live: torch.nn.Module, mesh: Any, step: int, bad: bool) -> None:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    tp_rank, tp = mesh.get_local_rank(), mesh.size()
+    for name, param in live.named_parameters():
+        grad = full_grad(name, step)
+        if name == "norm.weight":  # TP rank r holds part r of the sum: Partial
+            part = grad * (tp_rank + 1) / sum(range(1, tp + 1))
+            param.grad = DTensor.from_local(part, mesh, [Partial()])
+        elif bad and name == "up.weight":  # Shard(1) for a Shard(0) parameter: an all-to-all nobody plans
+            param.grad = distribute_tensor(grad, mesh, [Shard(1)])
+        else:
+            param.grad = distribute_tensor(grad, mesh, [Replicate()])
+
+
+def toy_rank(rank: int, world: int, schedule: Schedule) -> dict[str, Any]:
+    """Train the DTensor toy with hand-set gradients; then one step with a bad gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime import CanzonaOptimizer
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    live = models.parallelize_toy(models.make_toy(), mesh["tp"])
+    optimizer = CanzonaOptimizer(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
+    for step in range(STEPS):
+        _set_grads(live, mesh["tp"], step, bad=False)
+        optimizer.step()
+    values = {name: p.full_tensor() for name, p in live.named_parameters()}
+    _set_grads(live, mesh["tp"], STEPS, bad=True)
+    try:
+        optimizer.step()
+        error = "no error"
+    except Exception as failure:  # noqa: BLE001 - compared across ranks
+        error = f"{type(failure).__name__}: {failure}"
+    unchanged = all(torch.equal(p.full_tensor(), values[name]) for name, p in live.named_parameters())
+    return {"params": values, "error": error, "unchanged": unchanged}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dtensor_gradients_in_other_placements(tmp_path: Path) -> None:
+    schedule = plan(tmp_path, "toy", 2, 1, "--sequence-parallel")
+    entries = {e.name: e for e in schedule.params}
+    assert entries["norm.weight"].grad_reduce == "tp" and entries["experts[3]"].tp_dim == 0
+    results = run_ranks(toy_rank, 2, schedule, timeout=90)
+    torch.manual_seed(0)
+    reference_model = models.make_toy()
+    reference = ReferenceOptimizer(reference_model.named_parameters(), schedule, **HP)
+    for step in range(STEPS):
+        reference.step(grads={name: full_grad(name, step) for name in SHAPES})
+    for rank, result in enumerate(results):
+        for name, value in reference_model.named_parameters():
+            torch.testing.assert_close(result["params"][name], value.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+        assert result["unchanged"], f"rank {rank}: a failed step changed parameters"
+    assert len({r["error"] for r in results}) == 1
+    assert results[0]["error"].startswith("StepFailedError") and "only a replicated gradient is re-split locally" in results[0]["error"]
+
+
+def test_expert_slices_fold_into_the_models_tensor(tmp_path: Path) -> None:
+    schedule = plan(tmp_path, "hf_moe", 1, 2)
+    folded = model_entries(schedule.params)
+    gate_up = folded["model.layers.1.mlp.experts.gate_up_proj"]
+    first = next(e for e in schedule.params if e.name == "model.layers.1.mlp.experts.gate_up_proj[0]")
+    assert gate_up.shape == [4, *first.shape] and gate_up.index == first.index and gate_up.param is None
+    assert [e.slice for e in slices_of(schedule.params)["model.layers.1.mlp.experts.gate_up_proj"]] == [0, 1, 2, 3]
+    assert not any("[" in name for name in folded)
+    assert list(folded) == [name for name, _ in models.make_tiny_hf_qwen3_moe().named_parameters()]
