@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from canzona.runtime.faults import wait
-from canzona.schedules.format import ParamEntry, Schedule
+from canzona.schedules.format import ParamEntry
 
 if TYPE_CHECKING:
     from canzona.runtime.optimizer import CanzonaOptimizer
@@ -62,15 +62,16 @@ class Bound:
     grad_reduce: str | None = None
 
 
-def unsupported(schedule: Schedule) -> str | None:
-    """Why this binding cannot execute `schedule`, or None: grouped 3-D expert tensors under
-    expert parallelism are not bound yet (each rank would pass its EP rank's experts as a
-    tensor [E / ep, rows, cols])."""
-    grouped = next((e.param for e in sorted(schedule.params, key=lambda e: e.index) if e.param is not None), None)
-    if grouped is not None and schedule.request.ep > 1:
-        return (f"grouped 3-D expert tensors ({grouped!r}) under expert parallelism (ep {schedule.request.ep}) are not "
-                "executed by this runtime yet: plan them at --ep 1, or register each expert as its own parameter")
-    return None
+def expert_count_problems(pairs: Iterable[tuple[str, Tensor]], held: Iterable[ParamEntry]) -> list[str]:
+    """Grouped tensors passed with another number of experts than this rank holds (under
+    expert parallelism: its EP rank's E / ep experts, as one tensor)."""
+    slices, problems = slices_of(held), []
+    for name, tensor in pairs:
+        if name in slices and tensor.ndim == 3 and tensor.shape[0] != len(slices[name]):
+            mine = slices[name]
+            problems.append(f"{name}: a tensor of {tensor.shape[0]} experts, but this rank holds {len(mine)} (experts "
+                            f"{mine[0].slice}..{mine[-1].slice}): pass its EP rank's experts only, as one tensor")
+    return problems
 
 
 def local(tensor: Tensor) -> Tensor:

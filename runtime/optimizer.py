@@ -149,9 +149,6 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         except ScheduleError as error:
             return None, None, str(error)
         rule, self.ep = loaded.request.optimizer.name, loaded.request.ep
-        unsupported = binding.unsupported(loaded)
-        if unsupported:
-            return loaded, None, unsupported
         self.ep_rank = experts.ep_rank_of(self.dp_rank, self.ep)
         expert_problem = (experts.expert_group_problem(loaded, self.dp_rank, self._dp_ranks, self.expert_dp_group)
                           if self.dp_size == loaded.request.dp else None)
@@ -164,7 +161,11 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
             return loaded, None, f"bad hyperparameters: {error}"
         entries = binding.model_entries(local_entries(loaded, self.ep_rank))  # dense and this EP rank's experts
         resolved = resolve_param_groups(given, entries, loaded.request.tp, rule, self.hp, self.grad_attr)
-        problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p] + resolved.problems
+        problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p]
+        if self.ep > 1:
+            pairs = [pair for group in resolved.groups for pair in group["params"]]
+            problems += binding.expert_count_problems(pairs, local_entries(loaded, self.ep_rank))
+        problems += resolved.problems
         if model is not None:
             inside = {id(p) for p in model.parameters()}
             outside = [name for group in resolved.groups for name, tensor in group["params"] if id(tensor) not in inside]

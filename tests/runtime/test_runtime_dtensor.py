@@ -102,3 +102,50 @@ def test_expert_slices_fold_into_the_models_tensor(tmp_path: Path) -> None:
     assert [e.slice for e in slices_of(schedule.params)["model.layers.1.mlp.experts.gate_up_proj"]] == [0, 1, 2, 3]
     assert not any("[" in name for name in folded)
     assert list(folded) == [name for name, _ in models.make_tiny_hf_qwen3_moe().named_parameters()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped experts under expert parallelism: each rank passes its EP rank's experts as one tensor
+
+
+def rank_grad(name: str, step: int, dp_rank: int) -> torch.Tensor:
+    """DP rank `dp_rank`'s own full gradient of `name` at `step`."""
+    return full_grad(name, step) * (1.0 + dp_rank) + 0.01 * dp_rank
+
+
+def ep_rank_worker(rank: int, world: int, schedule: Schedule) -> dict[str, torch.Tensor]:
+    """Train the plain toy at DP 2 x EP 2: this rank holds experts [2 r, 2 r + 2) as [2, 6, 8]."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime import CanzonaOptimizer
+
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("edp", "ep", "tp"))
+    torch.manual_seed(0)
+    live = models.make_toy()
+    live.experts = torch.nn.Parameter(live.experts.detach()[2 * rank : 2 * rank + 2].clone())
+    optimizer = CanzonaOptimizer(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
+    for step in range(STEPS):
+        for name, param in live.named_parameters():
+            grad = rank_grad(name, step, rank)
+            param.grad = grad[2 * rank : 2 * rank + 2].clone() if name == "experts" else grad
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in live.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_grouped_experts_under_expert_parallelism(tmp_path: Path) -> None:
+    schedule = plan(tmp_path, "toy", 1, 2, "--ep", "2")
+    assert {e.ep_rank for e in schedule.params if e.param == "experts"} == {0, 1}
+    results = run_ranks(ep_rank_worker, 2, schedule, timeout=90)
+    torch.manual_seed(0)
+    reference_model = models.make_toy()
+    reference = ReferenceOptimizer(reference_model.named_parameters(), schedule, **HP)
+    for step in range(STEPS):  # dense: the DP mean; an expert: its one holder's gradient over the DP size
+        grads = {name: sum(rank_grad(name, step, d) for d in range(2)) / 2 for name in SHAPES if name != "experts"}
+        grads["experts"] = torch.cat([rank_grad("experts", step, d)[2 * d : 2 * d + 2] for d in range(2)]) / 2
+        reference.step(grads=grads)
+    for rank, result in enumerate(results):
+        for name, value in reference_model.named_parameters():
+            expected = value.detach()[2 * rank : 2 * rank + 2] if name == "experts" else value.detach()
+            torch.testing.assert_close(result[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")

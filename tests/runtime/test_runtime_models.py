@@ -3,8 +3,8 @@ experts) and a torchtitan-named model, plain over DP and under DTensor TP (`para
 sequence-parallel norms), each planned by one `canzona plan --model py:tests/runtime/models.py:FACTORY`
 command and trained 5 steps on real batches; every parameter equals the single-process reference
 on the unsharded model. Then the mismatches a real run meets (a renamed layer, another TP
-placement, another TP size, a partial gradient the schedule does not sum, grouped experts under
-EP), each one error on every rank.
+placement, another TP size, a partial gradient the schedule does not sum, all of a grouped
+tensor's experts passed under EP), each one error on every rank.
 
 Tolerances: matrices (Muon) rtol 1e-5; under TP the loss and its gradients are computed by
 sharded matmuls, in another summation order than the single-process reference's. Measured
@@ -40,7 +40,8 @@ HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 
 MAKE = {"hf": models.make_tiny_hf_qwen3, "hf_moe": models.make_tiny_hf_qwen3_moe, "titan": models.make_tiny_titan}
 PARALLELIZE = {"hf": models.parallelize_hf_qwen3, "titan": models.parallelize_titan}
 FACTORY = {("hf", 1): "make_tiny_hf_qwen3", ("hf", 2): "make_tiny_hf_qwen3_tp2", ("hf_moe", 1): "make_tiny_hf_qwen3_moe",
-           ("titan", 1): "make_tiny_titan", ("titan", 2): "make_tiny_titan_tp2", ("toy", 2): "make_toy_tp2"}
+           ("titan", 1): "make_tiny_titan", ("titan", 2): "make_tiny_titan_tp2", ("toy", 1): "make_toy",
+           ("toy", 2): "make_toy_tp2"}
 
 
 def _cli_child(args: list[str], results: Any) -> None:
@@ -220,9 +221,10 @@ def mismatch_rank(rank: int, world: int, sequence_parallel: Schedule, plain: Sch
 
     mesh = mesh_of(sequence_parallel)
     wide = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    expert_mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("edp", "ep", "tp"))
 
-    def construct(schedule: Schedule, named: list[tuple[str, torch.Tensor]]) -> Any:
-        return lambda: CanzonaOptimizer(named, schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
+    def construct(schedule: Schedule, named: list[tuple[str, torch.Tensor]], on: Any = mesh) -> Any:
+        return lambda: CanzonaOptimizer(named, schedule, mesh=on, timeout=GROUP_TIMEOUT, **HP)
 
     renamed = [(name.replace("layers.1.", "layers.one."), p) for name, p in build("hf", mesh).named_parameters()]
     torch.manual_seed(0)
@@ -232,7 +234,8 @@ def mismatch_rank(rank: int, world: int, sequence_parallel: Schedule, plain: Sch
         "placement": _outcome(construct(sequence_parallel, list(_misplaced(mesh).named_parameters()))),
         "tp size": _outcome(construct(sequence_parallel, list(tp4.named_parameters()))),
         "forgotten partial": _outcome(lambda: _forgotten_partial(plain, mesh)),
-        "experts under ep": _outcome(construct(experts, list(build("hf_moe").named_parameters()))),
+        # every expert passed, where a rank holds its EP rank's 2 of the 4
+        "experts under ep": _outcome(construct(experts, list(build("hf_moe").named_parameters()), expert_mesh)),
     }
 
 
@@ -242,8 +245,8 @@ NEEDLES = {
                   "says Shard(0) (tp_dim 0)"),
     "tp size": ("ScheduleMismatchError", "its DTensor mesh has tp size 4, the schedule is for TP 2"),
     "forgotten partial": ("StepFailedError", "is a partial sum over TP (Partial), but the schedule does not sum it"),
-    "experts under ep": ("ScheduleMismatchError", "grouped 3-D expert tensors ('model.layers.1.mlp.experts.gate_up_proj') "
-                         "under expert parallelism (ep 2) are not executed"),
+    "experts under ep": ("ScheduleMismatchError", "model.layers.1.mlp.experts.gate_up_proj: a tensor of 4 experts, but "
+                         "this rank holds 2 (experts "),
 }
 
 
