@@ -3,8 +3,9 @@ placements that differ from the parameters': a `Replicate` gradient of `Shard(0)
 and grouped 3-D expert parameters (re-split locally), and `Partial` gradients of a replicated
 norm the schedule sums over TP. After several steps every parameter equals the single-process
 reference fed the full gradients. A gradient that would need communication the schedule does
-not plan fails the step on every rank. Also the pure parts: folding expert slices back into
-the model's tensors."""
+not plan fails the step on every rank. Grouped experts under expert parallelism (each rank
+passes its EP rank's experts as one tensor), and a checkpoint of them moving from EP 1 to EP 2.
+Also the pure part: folding expert slices back into the model's tensors."""
 
 from __future__ import annotations
 
@@ -141,10 +142,64 @@ def test_grouped_experts_under_expert_parallelism(tmp_path: Path) -> None:
     torch.manual_seed(0)
     reference_model = models.make_toy()
     reference = ReferenceOptimizer(reference_model.named_parameters(), schedule, **HP)
-    for step in range(STEPS):  # dense: the DP mean; an expert: its one holder's gradient over the DP size
-        grads = {name: sum(rank_grad(name, step, d) for d in range(2)) / 2 for name in SHAPES if name != "experts"}
-        grads["experts"] = torch.cat([rank_grad("experts", step, d)[2 * d : 2 * d + 2] for d in range(2)]) / 2
-        reference.step(grads=grads)
+    for step in range(STEPS):
+        reference.step(grads=_ep_grads(step))
+    for rank, result in enumerate(results):
+        for name, value in reference_model.named_parameters():
+            expected = value.detach()[2 * rank : 2 * rank + 2] if name == "experts" else value.detach()
+            torch.testing.assert_close(result[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def _ep_grads(step: int) -> dict[str, torch.Tensor]:
+    """The gradients the step sees at DP 2 x EP 2: dense ones the DP mean, an expert its one
+    holder's gradient over the DP size."""
+    grads = {name: sum(rank_grad(name, step, d) for d in range(2)) / 2 for name in SHAPES if name != "experts"}
+    grads["experts"] = torch.cat([rank_grad("experts", step, d)[2 * d : 2 * d + 2] for d in range(2)]) / 2
+    return grads
+
+
+def resharded_worker(rank: int, world: int, dense: Schedule, expert: Schedule, checkpoint: str) -> dict[str, torch.Tensor]:
+    """Two steps at DP 2 with every expert on every rank, a checkpoint, then two more at DP 2 x
+    EP 2 from it (this rank's experts only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from canzona.runtime import CanzonaOptimizer, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    live = models.make_toy()
+    optimizer = CanzonaOptimizer(live.named_parameters(), dense, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")),
+                                 timeout=GROUP_TIMEOUT, **HP)
+    for step in range(RESHARD_AT):
+        for name, param in live.named_parameters():
+            param.grad = rank_grad(name, step, rank)
+        optimizer.step()
+    save_checkpoint(optimizer, checkpoint)
+    live.experts = torch.nn.Parameter(live.experts.detach()[2 * rank : 2 * rank + 2].clone())
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("edp", "ep", "tp"))
+    optimizer = CanzonaOptimizer(live.named_parameters(), expert, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
+    load_checkpoint(optimizer, checkpoint)
+    for step in range(RESHARD_AT, STEPS):
+        for name, param in live.named_parameters():
+            grad = rank_grad(name, step, rank)
+            param.grad = grad[2 * rank : 2 * rank + 2].clone() if name == "experts" else grad
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in live.named_parameters()}
+
+
+RESHARD_AT = 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_grouped_experts_moves_from_ep1_to_ep2(tmp_path: Path) -> None:
+    dense, expert = plan(tmp_path, "toy", 1, 2), plan(tmp_path / "ep2", "toy", 1, 2, "--ep", "2")
+    results = run_ranks(resharded_worker, 2, dense, expert, str(tmp_path / "checkpoint"), timeout=90)
+    torch.manual_seed(0)
+    reference_model = models.make_toy()
+    reference = ReferenceOptimizer(reference_model.named_parameters(), dense, **HP)
+    for step in range(STEPS):
+        mean = {name: sum(rank_grad(name, step, d) for d in range(2)) / 2 for name in SHAPES}
+        reference.step(grads=mean if step < RESHARD_AT else _ep_grads(step))
     for rank, result in enumerate(results):
         for name, value in reference_model.named_parameters():
             expected = value.detach()[2 * rank : 2 * rank + 2] if name == "experts" else value.detach()
