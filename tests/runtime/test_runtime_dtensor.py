@@ -1,5 +1,6 @@
 """The binding of DTensor parameters (`canzona.runtime.binding`) with gradients set by hand in
-placements that differ from the parameters': a `Replicate` gradient of `Shard(0)`, `Shard(1)`
+placements that differ from the parameters' (canzona and the DP-SC / TP-SC baselines): a
+`Replicate` gradient of `Shard(0)`, `Shard(1)`
 and grouped 3-D expert parameters (re-split locally), and `Partial` gradients of a replicated
 norm the schedule sums over TP. After several steps every parameter equals the single-process
 reference fed the full gradients. A gradient that would need communication the schedule does
@@ -49,16 +50,17 @@ def _set_grads(live: torch.nn.Module, mesh: Any, step: int, bad: bool) -> None:
             param.grad = distribute_tensor(grad, mesh, [Replicate()])
 
 
-def toy_rank(rank: int, world: int, schedule: Schedule) -> dict[str, Any]:
+def toy_rank(rank: int, world: int, schedule: Schedule, strategy: str) -> dict[str, Any]:
     """Train the DTensor toy with hand-set gradients; then one step with a bad gradient."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from canzona.runtime import CanzonaOptimizer
+    from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     live = models.parallelize_toy(models.make_toy(), mesh["tp"])
-    optimizer = CanzonaOptimizer(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
+    kind = {"canzona": CanzonaOptimizer, "dp-sc": DpScOptimizer, "tp-sc": TpScOptimizer}[strategy]
+    optimizer = kind(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
     for step in range(STEPS):
         _set_grads(live, mesh["tp"], step, bad=False)
         optimizer.step()
@@ -75,11 +77,12 @@ def toy_rank(rank: int, world: int, schedule: Schedule) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_dtensor_gradients_in_other_placements(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["canzona", "dp-sc", "tp-sc"])
+def test_dtensor_gradients_in_other_placements(strategy: str, tmp_path: Path) -> None:
     schedule = plan(tmp_path, "toy", 2, 1, "--sequence-parallel")
     entries = {e.name: e for e in schedule.params}
     assert entries["norm.weight"].grad_reduce == "tp" and entries["experts[3]"].tp_dim == 0
-    results = run_ranks(toy_rank, 2, schedule, timeout=90)
+    results = run_ranks(toy_rank, 2, schedule, strategy, timeout=90)
     torch.manual_seed(0)
     reference_model = models.make_toy()
     reference = ReferenceOptimizer(reference_model.named_parameters(), schedule, **HP)
