@@ -2,7 +2,8 @@
 placements that differ from the parameters' (canzona and the DP-SC / TP-SC baselines): a
 `Replicate` gradient of `Shard(0)`, `Shard(1)` and grouped 3-D expert parameters (re-split
 locally), and `Partial` gradients of a replicated norm the schedule sums over TP. After several steps every parameter equals the single-process
-reference fed the full gradients. A gradient that would need communication the schedule does
+reference fed the full gradients (the steps under a meta default device). A gradient that
+would need communication the schedule does
 not plan fails the step on every rank. Grouped experts under expert parallelism (each rank
 passes its EP rank's experts as one tensor), and a checkpoint of them moving from EP 1 to EP 2.
 Also the pure part: folding expert slices back into the model's tensors."""
@@ -62,7 +63,8 @@ def toy_rank(rank: int, world: int, schedule: Schedule, strategy: str) -> dict[s
     optimizer = kind(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
     for step in range(STEPS):
         _set_grads(live, mesh["tp"], step, bad=False)
-        optimizer.step()
+        with torch.device("meta"):  # every tensor the step creates names its device
+            optimizer.step()
     values = {name: p.full_tensor() for name, p in live.named_parameters()}
     _set_grads(live, mesh["tp"], STEPS, bad=True)
     try:
