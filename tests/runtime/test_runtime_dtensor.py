@@ -1,12 +1,12 @@
 """The binding of DTensor parameters (`canzona.runtime.binding`) with gradients set by hand in
 placements that differ from the parameters' (canzona and the DP-SC / TP-SC baselines): a
 `Replicate` gradient of `Shard(0)`, `Shard(1)` and grouped 3-D expert parameters (re-split
-locally), and `Partial` gradients of a replicated norm the schedule sums over TP. After several steps every parameter equals the single-process
-reference fed the full gradients (the steps under a meta default device). A gradient that
-would need communication the schedule does
-not plan fails the step on every rank. Grouped experts under expert parallelism (each rank
-passes its EP rank's experts as one tensor), and a checkpoint of them moving from EP 1 to EP 2.
-Also the pure part: folding expert slices back into the model's tensors."""
+locally), and `Partial` gradients of a replicated norm the schedule sums over TP. After several
+steps (under a meta default device) every parameter equals the single-process reference fed the
+full gradients. A gradient that would need communication the schedule does not plan fails the
+step on every rank. Grouped experts under expert parallelism (each rank passes its EP rank's
+experts as one tensor), and a checkpoint of them moving from EP 1 to EP 2. Also the pure part:
+folding expert slices back into the model's tensors."""
 
 from __future__ import annotations
 
