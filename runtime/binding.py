@@ -141,7 +141,7 @@ def placement_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
     for dim, placement in enumerate(placements):
         if dim != axis and not isinstance(placement, Replicate):
             label = (mesh.mesh_dim_names or ())[dim] if mesh.mesh_dim_names else str(dim)
-            problems.append(f"{entry.name}: a DTensor placed {placement} on mesh dim {label!r}; the runtime binds "
+            problems.append(f"{entry.name}: a DTensor placed {placement!r} on mesh dim {label!r}; the runtime binds "
                             f"DTensors split over the {TP_MESH_DIM!r} mesh dim only")
     if axis is None:
         if entry.tp_dim is not None and tp > 1:
@@ -154,7 +154,7 @@ def placement_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
     placement = placements[axis]
     split = _split_dim(placement, tensor.ndim)
     if split is None and not isinstance(placement, Replicate):
-        problems.append(f"{entry.name}: placement {placement} on the {TP_MESH_DIM!r} mesh dim; parameters are Shard or "
+        problems.append(f"{entry.name}: placement {placement!r} on the {TP_MESH_DIM!r} mesh dim; parameters are Shard or "
                         "Replicate there")
     elif size > 1 and split != entry.tp_dim:
         found = f"Shard({split})" if split is not None else "Replicate()"
@@ -181,7 +181,7 @@ def _local_dtensor_grad(bound: Bound, grad: DTensor) -> Tensor:
     partial = axis is not None and isinstance(grad.placements[axis], Partial)
     if bound.grad_reduce == PARTIAL_OVER_TP and axis is not None and grad.device_mesh.size(axis) > 1:
         if not partial:
-            raise ValueError(f"the gradient of {bound.name} is already whole over TP ({grad.placements[axis]}), but the "
+            raise ValueError(f"the gradient of {bound.name} is already whole over TP ({grad.placements[axis]!r}), but the "
                              "schedule sums it over TP (grad_reduce: tp): plan without the partial-gradient flag")
         return grad.to_local()
     if partial:

@@ -35,16 +35,16 @@ def full_grad(name: str, step: int) -> torch.Tensor:
     return torch.randn(SHAPES[name], generator=torch.Generator().manual_seed(1000 * step + len(name)))
 
 
-def _set_grads(live: torch.nn.Module, mesh: Any, step: int, bad: bool) -> None:
+def _set_grads(live: torch.nn.Module, mesh: Any, step: int, bad: str | None) -> None:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     tp_rank, tp = mesh.get_local_rank(), mesh.size()
     for name, param in live.named_parameters():
         grad = full_grad(name, step)
-        if name == "norm.weight":  # TP rank r holds part r of the sum: Partial
+        if name == "norm.weight" and bad != "whole":  # TP rank r holds part r of the sum: Partial
             part = grad * (tp_rank + 1) / sum(range(1, tp + 1))
             param.grad = DTensor.from_local(part, mesh, [Partial()])
-        elif bad and name == "up.weight":  # Shard(1) for a Shard(0) parameter: an all-to-all nobody plans
+        elif bad == "re-split" and name == "up.weight":  # Shard(1) for a Shard(0) parameter: an all-to-all nobody plans
             param.grad = distribute_tensor(grad, mesh, [Shard(1)])
         else:
             param.grad = distribute_tensor(grad, mesh, [Replicate()])
@@ -62,18 +62,20 @@ def toy_rank(rank: int, world: int, schedule: Schedule, strategy: str) -> dict[s
     kind = {"canzona": CanzonaOptimizer, "dp-sc": DpScOptimizer, "tp-sc": TpScOptimizer}[strategy]
     optimizer = kind(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT, **HP)
     for step in range(STEPS):
-        _set_grads(live, mesh["tp"], step, bad=False)
+        _set_grads(live, mesh["tp"], step, bad=None)
         with torch.device("meta"):  # every tensor the step creates names its device
             optimizer.step()
     values = {name: p.full_tensor() for name, p in live.named_parameters()}
-    _set_grads(live, mesh["tp"], STEPS, bad=True)
-    try:
-        optimizer.step()
-        error = "no error"
-    except Exception as failure:  # noqa: BLE001 - compared across ranks
-        error = f"{type(failure).__name__}: {failure}"
+    errors = {}
+    for bad in ("re-split", "whole"):  # a Shard(1) gradient of a Shard(0) parameter; a whole one the schedule sums
+        _set_grads(live, mesh["tp"], STEPS, bad=bad)
+        try:
+            optimizer.step()
+            errors[bad] = "no error"
+        except Exception as failure:  # noqa: BLE001 - compared across ranks
+            errors[bad] = f"{type(failure).__name__}: {failure}"
     unchanged = all(torch.equal(p.full_tensor(), values[name]) for name, p in live.named_parameters())
-    return {"params": values, "error": error, "unchanged": unchanged}
+    return {"params": values, "errors": errors, "unchanged": unchanged}
 
 
 @pytest.mark.slow
@@ -94,8 +96,10 @@ def test_dtensor_gradients_in_other_placements(strategy: str, tmp_path: Path) ->
             torch.testing.assert_close(result["params"][name], value.detach(), rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
         assert result["unchanged"], f"rank {rank}: a failed step changed parameters"
-    assert len({r["error"] for r in results}) == 1
-    assert results[0]["error"].startswith("StepFailedError") and "only a replicated gradient is re-split locally" in results[0]["error"]
+    for bad, needle in (("re-split", "only a replicated gradient is re-split locally"),
+                        ("whole", "the gradient of norm.weight is already whole over TP (Replicate()), but the schedule sums it")):
+        (error,) = {r["errors"][bad] for r in results}
+        assert error.startswith("StepFailedError") and needle in error, error
 
 
 def test_expert_slices_fold_into_the_models_tensor(tmp_path: Path) -> None:
