@@ -67,9 +67,10 @@ def expert_count_problems(pairs: Iterable[tuple[str, Tensor]], held: Iterable[Pa
     expert parallelism: its EP rank's E / ep experts, as one tensor)."""
     slices, problems = slices_of(held), []
     for name, tensor in pairs:
-        if name in slices and tensor.ndim == 3 and tensor.shape[0] != len(slices[name]):
+        count = local(tensor).shape[0] if tensor.ndim == 3 else None
+        if name in slices and count is not None and count != len(slices[name]):
             mine = slices[name]
-            problems.append(f"{name}: a tensor of {tensor.shape[0]} experts, but this rank holds {len(mine)} (experts "
+            problems.append(f"{name}: a tensor of {count} experts, but this rank holds {len(mine)} (experts "
                             f"{mine[0].slice}..{mine[-1].slice}): pass its EP rank's experts only, as one tensor")
     return problems
 
@@ -97,7 +98,7 @@ def model_entries(entries: Iterable[ParamEntry]) -> dict[str, ParamEntry]:
             tp_dim = None if entry.tp_dim is None else entry.tp_dim + 1
             out[entry.param] = entry.model_copy(update={"name": entry.param, "tp_dim": tp_dim, "param": None, "slice": None})
     for parent, count in counts.items():
-        out[parent] = out[parent].model_copy(update={"shape": [count, *out[parent].shape]})
+        out[parent] = out[parent].model_copy(update={"shape": [count, *out[parent].shape], "numel": count * out[parent].numel})
     return out
 
 
