@@ -78,11 +78,17 @@ def toy_rank(rank: int, world: int, schedule: Schedule, strategy: str) -> dict[s
     return {"params": values, "errors": errors, "unchanged": unchanged}
 
 
+@pytest.fixture(scope="module")
+def toy_tp2(tmp_path_factory: pytest.TempPathFactory) -> Schedule:
+    """The DTensor toy's schedule at TP 2 (every strategy's test shares it)."""
+    return plan(tmp_path_factory.mktemp("toy"), "toy", 2, 1, "--sequence-parallel")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["canzona", "dp-sc", "tp-sc"])
-def test_dtensor_gradients_in_other_placements(strategy: str, tmp_path: Path) -> None:
-    schedule = plan(tmp_path, "toy", 2, 1, "--sequence-parallel")
+def test_dtensor_gradients_in_other_placements(strategy: str, toy_tp2: Schedule) -> None:
+    schedule = toy_tp2
     entries = {e.name: e for e in schedule.params}
     assert entries["norm.weight"].grad_reduce == "tp" and entries["experts[3]"].tp_dim == 0
     results = run_ranks(toy_rank, 2, schedule, strategy, timeout=90)
