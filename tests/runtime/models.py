@@ -1,6 +1,7 @@
 """Real models for the runtime tests, as factories `canzona plan --model py:FILE:FACTORY` reads:
-a tiny transformers Qwen3 and Qwen3-MoE (random init from a config, no downloads) and the
-torchtitan-named model of `titan_model.py`, each plain or under DTensor TP.
+a tiny transformers Qwen3 (`examples/hf_qwen3.py`, with its TP plan) and Qwen3-MoE (random init
+from a config, no downloads) and the torchtitan-named model of `titan_model.py`, each plain or
+under DTensor TP.
 
 The TP plans are the stacks' own styles, runnable on CPU gloo: sequence-parallel norms
 (`SequenceParallel`: replicated DTensor weights, `Partial` gradients), colwise Q/K/V and MLP
@@ -13,28 +14,25 @@ factories build the same model on a fake 2 x 2 ("dp", "tp") mesh for planning.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from titan_model import TitanConfig, TitanModel
 
-QWEN3: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False,
-                             max_position_embeddings=64)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import hf_qwen3  # noqa: E402 - the example is the tests' HF model
+
+QWEN3: dict[str, Any] = hf_qwen3.CONFIG
+make_tiny_hf_qwen3 = hf_qwen3.make_model
+parallelize_hf_qwen3 = hf_qwen3.parallelize
+_fake_tp_mesh = hf_qwen3.fake_tp_mesh
 QWEN3_MOE: dict[str, Any] = dict(QWEN3, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
                                  norm_topk_prob=True)
 TITAN = TitanConfig(moe_layers=())
-
-
-def make_tiny_hf_qwen3() -> nn.Module:
-    """transformers' Qwen3ForCausalLM, tiny, fp32, eager attention."""
-    import transformers
-
-    config = transformers.Qwen3Config(**QWEN3, attn_implementation="eager")
-    return transformers.Qwen3ForCausalLM(config)
 
 
 def make_tiny_hf_qwen3_moe() -> nn.Module:
@@ -48,26 +46,6 @@ def make_tiny_hf_qwen3_moe() -> nn.Module:
 def make_tiny_titan() -> nn.Module:
     """The torchtitan-named dense model of `titan_model.py`."""
     return TitanModel(TITAN)
-
-
-def parallelize_hf_qwen3(model: nn.Module, tp_mesh: Any) -> nn.Module:
-    """Sequence-parallel TP of the tiny HF Qwen3 (see the module docstring)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
-
-    plan: dict[str, Any] = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    }
-    for n in range(len(model.model.layers)):
-        prefix = f"model.layers.{n}."
-        plan.update({prefix + "input_layernorm": SequenceParallel(), prefix + "post_attention_layernorm": SequenceParallel(),
-                     prefix + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-                     prefix + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
-        plan.update({prefix + p: ColwiseParallel(input_layouts=Shard(1))
-                     for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")})
-    return parallelize_module(model, tp_mesh, plan)
 
 
 def parallelize_titan(model: TitanModel, tp_mesh: Any) -> TitanModel:
@@ -90,16 +68,6 @@ def parallelize_titan(model: TitanModel, tp_mesh: Any) -> TitanModel:
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         })
     return model
-
-
-def _fake_tp_mesh() -> Any:
-    """The "tp" dim of a fake 2 x 2 ("dp", "tp") mesh (planning needs placements, not a cluster)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=4)
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
 
 
 def make_tiny_hf_qwen3_tp2() -> nn.Module:

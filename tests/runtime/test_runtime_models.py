@@ -33,6 +33,7 @@ pytest.importorskip("transformers")
 import models  # noqa: E402 - needs transformers
 
 MODELS = Path(__file__).parent / "models.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_qwen3.py"
 STEPS = 5
 RESUME_AT = 3  # the checkpointed cases save after this step and go on from the checkpoint
 MAX_NORM = 0.5
@@ -50,12 +51,9 @@ def _cli_child(args: list[str], results: Any) -> None:
     results.put(main(args))
 
 
-def plan(tmp_path: Path, model: str, tp: int, dp: int, *flags: str) -> Schedule:
-    """The schedule of one `canzona plan --model py:tests/runtime/models.py:FACTORY` command, run
-    in a forked child (a `_tp2` factory opens a fake process group, which must not outlive it)."""
-    out = tmp_path / f"{model}-tp{tp}-dp{dp}.yaml"
-    args = ["plan", "--model", f"py:{MODELS}:{FACTORY[model, tp]}", "--tp", str(tp), "--dp", str(dp),
-            "--bucket-size", "20000", "--group-mb", "0.05", "-o", str(out), *flags]
+def canzona(args: list[str]) -> None:
+    """`canzona ARGS` in a forked child (a `_tp2` factory opens a fake process group, which must
+    not outlive it); fails the test unless it exits 0."""
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     child = context.Process(target=_cli_child, args=(args, results))
@@ -67,6 +65,13 @@ def plan(tmp_path: Path, model: str, tp: int, dp: int, *flags: str) -> Schedule:
         pytest.fail(f"canzona {' '.join(args)} did not finish")
     child.join(timeout=30)
     assert code == 0, f"canzona {' '.join(args)} exited {code}"
+
+
+def plan(tmp_path: Path, model: str, tp: int, dp: int, *flags: str) -> Schedule:
+    """The schedule of one `canzona plan --model py:tests/runtime/models.py:FACTORY` command."""
+    out = tmp_path / f"{model}-tp{tp}-dp{dp}.yaml"
+    canzona(["plan", "--model", f"py:{MODELS}:{FACTORY[model, tp]}", "--tp", str(tp), "--dp", str(dp),
+             "--bucket-size", "20000", "--group-mb", "0.05", "-o", str(out), *flags])
     return read_schedule(out)
 
 
@@ -263,3 +268,24 @@ def test_mismatches_raise_one_error_on_every_rank(tmp_path: Path) -> None:
         assert len(lines) == 1, f"{case}: the ranks disagree: {lines}"
         (line,) = lines
         assert line.startswith(kind) and needle in line and "\n" not in line, f"{case}: {line!s}"[:2000]
+
+
+# ---------------------------------------------------------------------------------------------
+# The example: examples/hf_qwen3.py, as its docstring runs it
+
+
+def _example_rank(rank: int, world: int, schedule: str, steps: int) -> list[float]:
+    import hf_qwen3
+
+    return hf_qwen3.train(schedule, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_hf_example_trains_under_tp_and_dp(tmp_path: Path) -> None:
+    schedule = tmp_path / "hf.yaml"
+    canzona(["plan", "--model", f"py:{EXAMPLE}:make_model_tp2", "--tp", "2", "--dp", "2", "--sequence-parallel",
+             "--bucket-size", "20000", "--group-mb", "0.05", "-o", str(schedule)])
+    losses = run_ranks(_example_rank, 4, str(schedule), 12, timeout=150)
+    assert all(result == losses[0] for result in losses)  # the DP-mean loss, alike on every rank
+    assert losses[0][-1] < 0.75 * losses[0][0], losses[0]
