@@ -226,7 +226,9 @@ def _entries(plan: FsdpPlan) -> list[ParamEntry]:
             bucket=0, offset=0, numel=p.local_numel(tp), owner=0 if matrix else None, cost=plan.costs[index],
             row_blocks=[[list(r) for r in block] for block in p.row_blocks] or None,
             param=p.parent, slice=p.expert_index if p.parent is not None else None,
-            grad_reduce=p.grad_reduce if tp > 1 else None,
+            # FSDP2 redistributes every DTensor gradient to its parameter's placements before its
+            # reduce-scatter, which sums a gradient partial over TP: nothing is left to reduce.
+            grad_reduce=None,
         ))
     return entries
 
