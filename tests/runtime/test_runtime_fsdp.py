@@ -114,3 +114,64 @@ def test_hsdp_2x2_equals_the_reference(folder: str) -> None:
 def test_tp2_x_fsdp2_equals_the_reference(folder: str) -> None:
     path = planned("titan_tp2", 2, 2, 1, folder)
     run_ranks(_train, 4, "titan_tp2", path, (2, 2), ("dp", "tp"), timeout=180)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mismatches: one clear error on every rank, no hang
+
+
+def _mismatch(rank: int, world: int, path: str, mesh_shape: tuple[int, ...], names: tuple[str, ...], how: str) -> None:
+    from canzona.runtime import CanzonaOptimizer
+
+    model = fsdp_models.qwen3()
+    if how != "unsharded":
+        _shard(model, mesh_shape, names)
+    params = list(model.named_parameters())
+    if how == "renamed" and rank == 1:
+        params[3] = ("model.layers.0.self_attn.query.weight", params[3][1])
+    if how == "canzona":
+        from rt_harness import make_groups
+
+        dp_group, tp_group = make_groups(world, 1)
+        CanzonaOptimizer(params, read_schedule(path), dp_group=dp_group, tp_group=tp_group)
+    else:
+        FsdpOptimizer(params, read_schedule(path), timeout=GROUP_TIMEOUT)
+
+
+def _replicated_schedule(folder: str) -> str:
+    out = Path(folder) / "qwen3-replicated.yaml"
+    command = [sys.executable, "-m", "canzona.cli", "plan", "--model", "py:fsdp_models.py:qwen3", "--dp", "2", "-o", str(out)]
+    assert subprocess.run(command, cwd=HERE, capture_output=True, timeout=120).returncode == 0
+    return str(out)
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("without-fsdp", "planned without --fsdp"),
+    ("shard-size", "mesh (replicate, shard, tp) [4]"),
+    ("hsdp-on-fsdp", "mesh (replicate, shard, tp) [2, 2]"),
+    ("renamed", "model.layers.0.self_attn.query.weight"),
+    ("unsharded", "no parameter is a DTensor"),
+    ("canzona-on-fsdp-schedule", "execute it with canzona.runtime.FsdpOptimizer"),
+    ("canzona-on-fsdp-model", "sharded by FSDP2 over mesh dim 'dp'"),
+])
+def test_mismatch_raises_on_every_rank(case: str, needle: str, folder: str) -> None:
+    pytest.importorskip("transformers")
+    mesh_shape, names, how = (2,), ("dp",), case
+    if case in ("without-fsdp", "canzona-on-fsdp-model"):
+        path = _replicated_schedule(folder)
+        how = "canzona" if case == "canzona-on-fsdp-model" else case
+    elif case == "shard-size":
+        path = planned("qwen3", 1, 4, 1, folder)
+    elif case == "hsdp-on-fsdp":
+        path, mesh_shape = planned("qwen3", 1, 4, 2, folder), (4,)
+    elif case == "canzona-on-fsdp-schedule":
+        path, how = planned("qwen3", 1, 2, 1, folder), "canzona"
+    else:
+        path = planned("qwen3", 1, 2, 1, folder)
+    world = mesh_shape[0]
+    outcomes = run_ranks_raw(_mismatch, world, path, mesh_shape, names, how, timeout=120)
+    messages = {payload.splitlines()[0] for status, payload in outcomes.values() if status == "error"}
+    assert len(outcomes) == world and all(status == "error" for status, _ in outcomes.values()), outcomes
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert "ScheduleMismatchError" in message and needle in message, message
