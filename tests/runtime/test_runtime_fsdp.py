@@ -8,6 +8,7 @@ schedule raise the same error on every rank."""
 from __future__ import annotations
 
 import copy
+import io
 import subprocess
 import sys
 from functools import lru_cache
@@ -72,23 +73,43 @@ def _dp_rank(mesh: Any) -> int:
     return mesh.get_coordinate()[0] * (mesh.shape[1] if mesh.ndim == 2 else 1) + (mesh.get_coordinate()[1] if mesh.ndim == 2 else 0)
 
 
+def _reloaded(optimizer: FsdpOptimizer, model: torch.nn.Module, schedule: Schedule) -> FsdpOptimizer:
+    """A new optimizer that continues from `optimizer`'s state dict (through torch.save)."""
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    again = FsdpOptimizer(model.named_parameters(), schedule, timeout=GROUP_TIMEOUT, **HP)
+    again.load_state_dict(torch.load(buffer, weights_only=False))
+    return again
+
+
 def _train(rank: int, world: int, factory: str, path: str, mesh_shape: tuple[int, ...],
-           names: tuple[str, ...]) -> float:
-    """Train the FSDP2 model and the reference side by side; the largest relative difference."""
+           names: tuple[str, ...], reload_at: int | None = None) -> float:
+    """Train the FSDP2 model and the reference side by side (LR halved every 2 steps on both;
+    `reload_at`: continue from a state-dict round trip after that many steps); the largest
+    relative difference."""
     model = getattr(fsdp_models, factory.removesuffix("_tp2"))()
     reference = copy.deepcopy(model)
     mesh = _shard(model, mesh_shape, names)
     schedule = read_schedule(path)
     optimizer = FsdpOptimizer(model.named_parameters(), schedule, timeout=GROUP_TIMEOUT, **HP)
     oracle = ReferenceOptimizer(reference.named_parameters(), schedule, **HP)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (optimizer, oracle)]
     dp_rank = _dp_rank(mesh)
     for step in range(STEPS):
+        if step == reload_at:
+            optimizer = _reloaded(optimizer, model, schedule)
+            resumed = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+            resumed.load_state_dict(schedulers[0].state_dict())
+            schedulers[0] = resumed
         tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 * step + dp_rank))
         fsdp_models.loss_of(model, tokens, mesh["tp"] if "tp" in names else None).backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         oracle.step(grads=grads)
+        for lr_scheduler in schedulers:
+            lr_scheduler.step()
     worst = 0.0
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
@@ -103,6 +124,33 @@ def test_fsdp2_equals_the_reference(factory: str, world: int, folder: str) -> No
     pytest.importorskip("transformers")
     path = planned(factory, 1, world, 1, folder)
     run_ranks(_train, world, factory, path, (world,), ("dp",), timeout=180)
+
+
+def test_state_dict_round_trip_continues_the_run(folder: str) -> None:
+    pytest.importorskip("transformers")
+    path = planned("qwen3", 1, 2, 1, folder)
+    assert len(read_schedule(path).tp.ranks[0].groups) > 1  # the pipeline has a next group in flight
+    run_ranks(_train, 2, "qwen3", path, (2,), ("dp",), 2, timeout=180)
+
+
+def _other_layout(rank: int, world: int, path: str, other: str) -> str:
+    model = fsdp_models.qwen3()
+    _shard(model, (2,), ("dp",))
+    saved = FsdpOptimizer(model.named_parameters(), read_schedule(path), timeout=GROUP_TIMEOUT).state_dict()
+    again = FsdpOptimizer(model.named_parameters(), read_schedule(other), timeout=GROUP_TIMEOUT)
+    with pytest.raises(ValueError, match="saved under another FSDP schedule"):
+        again.load_state_dict(saved)
+    return "refused"
+
+
+def test_state_dict_of_another_schedule_is_refused(folder: str) -> None:
+    pytest.importorskip("transformers")
+    path = planned("qwen3", 1, 2, 1, folder)
+    other = str(Path(folder) / "qwen3-soap.yaml")
+    command = [sys.executable, "-m", "canzona.cli", "plan", "--model", "py:fsdp_models.py:qwen3", "--dp", "2", "--fsdp",
+               "--optimizer", "soap", "-o", other]
+    assert subprocess.run(command, cwd=HERE, capture_output=True, timeout=120).returncode == 0
+    assert run_ranks(_other_layout, 2, path, other, timeout=180) == ["refused", "refused"]
 
 
 def test_hsdp_2x2_equals_the_reference(folder: str) -> None:
