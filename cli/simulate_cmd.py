@@ -191,6 +191,9 @@ def simulate(
                   "--step-only predicts no training iteration")
     device = device_option(device)
     schedule = load_schedule(file)
+    if schedule.request.sharding == "fsdp":
+        raise PlanError("simulate does not price FSDP schedules yet (the FSDP2 all-gathers and reduce-scatters and the "
+                        "gather/scatter all-to-alls per micro-group are not modelled); `canzona show` gives its balance")
     if routed_fraction is not None:
         from canzona.planner.predict.iteration import expert_indices
 

@@ -1,0 +1,80 @@
+"""The FSDP mode on the command line: `plan --fsdp` / `--dp-replicate`, and what `show`, `check`,
+`diff`, `simulate` and `reshard-check` make of FSDP schedules."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cli_run import refused, run
+
+
+@pytest.fixture()
+def planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """qwen3-8b planned three ways in tmp_path: replicated, FSDP, FSDP with smaller groups."""
+    os.chdir(tmp_path)
+    for args in (["--dp", "4"], ["--dp", "4", "--fsdp"], ["--dp", "4", "--fsdp", "--group-mb", "512", "-o", "small.yaml"],
+                 ["--tp", "2", "--dp", "8", "--fsdp", "--dp-replicate", "2"]):
+        code, _, err = run(["plan", "--model", "qwen3-8b", *args], capsys)
+        assert code == 0, err
+    return tmp_path / "schedules" / "qwen3-8b"
+
+
+def test_plan_names_the_mode_and_reports_the_hosts(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert sorted(p.name for p in planned.iterdir()) == ["muon-tp1-dp4-fsdp.yaml", "muon-tp1-dp4.yaml",
+                                                          "muon-tp2-dp8-hsdp2.yaml"]
+    code, out, _ = run(["show", str(planned / "muon-tp2-dp8-hsdp2.yaml")], capsys)
+    assert code == 0 and "HSDP 2 replicas x 4 shards: hosts over DP shard x TP = 8 devices" in out.splitlines()[0]
+    code, out, _ = run(["plan", "--model", "qwen3-8b", "--dp", "2", "--fsdp", "--json", "-o", "x.yaml"], capsys)
+    summary = json.loads(out)
+    assert (summary["sharding"], summary["dp_replicate"], summary["num_buckets"]) == ("fsdp", 1, 0)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--dp", "4", "--dp-replicate", "2"], "--dp-replicate has no effect here"),
+    (["--dp", "4", "--fsdp", "--alpha", "0.5"], "which FSDP plans do not have"),
+    (["--dp", "4", "--fsdp", "--bucket-size", "auto"], "--bucket-size auto search"),
+    (["--dp", "4", "--fsdp", "--solver", "ilp"], "--solver ilp is not supported with --fsdp"),
+    (["--dp", "4", "--fsdp", "--dp-replicate", "3"], "dp replicate 3 does not divide dp 4"),
+])
+def test_plan_refusals(args: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    os.chdir(tmp_path)
+    refused(["plan", "--model", "qwen3-8b", *args], capsys, needle)
+
+
+def test_check_regenerates_fsdp_files(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = planned / "muon-tp2-dp8-hsdp2.yaml"
+    code, out, _ = run(["check", str(path)], capsys)
+    assert code == 0 and out.startswith("fresh")
+    text = path.read_text()
+    path.write_text(text.replace('"owner": 0', '"owner": 1', 1))
+    code, out, _ = run(["check", str(path)], capsys)
+    assert code == 1 and "STALE" in out
+    code, _, _ = run(["check", "--fix", str(path)], capsys)
+    assert code == 0 and path.read_text() == text
+
+
+def test_diff_says_when_the_modes_differ(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["diff", str(planned / "muon-tp1-dp4.yaml"), str(planned / "muon-tp1-dp4-fsdp.yaml")], capsys)
+    assert code == 0 and "the sharding modes differ (OLD replicated, NEW fsdp)" in err and "tp groups" in out
+    code, out, err = run(["diff", str(planned / "muon-tp1-dp4-fsdp.yaml"), str(planned.parents[1] / "small.yaml")], capsys)
+    assert code == 0 and err == "" and "tp groups" in out
+
+
+def test_simulate_refuses_fsdp_in_one_line(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    refused(["simulate", str(planned / "muon-tp1-dp4-fsdp.yaml")], capsys, "simulate does not price FSDP schedules yet")
+
+
+def test_reshard_check_reports_the_modes(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fsdp = str(planned / "muon-tp1-dp4-fsdp.yaml")
+    code, out, err = run(["reshard-check", str(planned / "muon-tp1-dp4.yaml"), fsdp], capsys)
+    assert code == 1 and "sharding differs: OLD replicated, NEW fsdp" in err and "FSDP DP 4 x TP 1" in out
+    code, _, err = run(["reshard-check", fsdp, str(planned.parents[1] / "small.yaml")], capsys)
+    assert code == 1 and "both schedules are FSDP but differ" in err
+    code, out, _ = run(["reshard-check", fsdp, fsdp, "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["compatible"] and data["moved_bytes"] == 0
+    assert sum(row["loads"] for row in data["new_ranks"]) == data["state_bytes"] > 0
