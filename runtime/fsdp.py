@@ -63,7 +63,10 @@ class Place:
 
 
 def _mesh_of(params: list[tuple[str, Tensor]]) -> Any:
-    return next((tensor.device_mesh for _, tensor in params if isinstance(tensor, DTensor)), None)
+    """The parameters' widest DeviceMesh: under TP, parameters the TP plan leaves alone are
+    sharded by FSDP2 on its DP mesh only, a sub-mesh of the (dp, tp) one."""
+    meshes = [tensor.device_mesh for _, tensor in params if isinstance(tensor, DTensor)]
+    return max(meshes, key=lambda mesh: mesh.ndim, default=None)
 
 
 def mesh_place(mesh: Any, schedule: Schedule) -> tuple[Place | None, str | None]:
@@ -131,7 +134,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
     `params`: `model.named_parameters()` or groups of (name, tensor) pairs, as for
     `CanzonaOptimizer` (the names are the schedule's). `schedule`: a `Schedule`, a file or a
     library name, planned with `--fsdp`. `mesh`: the DeviceMesh the parameters live on (default:
-    the first DTensor parameter's), dims (replicate, shard, tp) with those of size 1 left out.
+    the DTensor parameters' widest), dims (replicate, shard, tp) with those of size 1 left out.
     `timeout` (seconds) bounds every collective of the fragmentation groups. Hyperparameters as
     for `CanzonaOptimizer`. A mismatch between model, mesh and schedule raises the same
     ScheduleMismatchError on every rank."""

@@ -43,6 +43,11 @@ class LocalAttention(Attention):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
+def qwen3_bf16() -> nn.Module:
+    """The tiny HF Qwen3 with bf16 parameters."""
+    return qwen3().to(torch.bfloat16)
+
+
 def titan() -> nn.Module:
     """The dense torchtitan-named model (fp32, seeded random init); its attention runs on local
     heads under TP (`LocalAttention`, no parameter of its own)."""
@@ -55,15 +60,42 @@ def titan() -> nn.Module:
 
 def titan_tp2() -> nn.Module:
     """The torchtitan model under torchtitan's TP plan at TP 2 (for planning only)."""
+    model = titan()
+    parallelize_titan(model, _fake_tp2_mesh())
+    return model
+
+
+def parallelize_qwen3(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """A DTensor TP plan for transformers' Qwen3 on CPU: q/k/v and gate/up colwise, o and down
+    rowwise, q_norm/k_norm sequence-parallel over the head dim (DTensor then leaves their
+    gradients partial, and FSDP2 sums them when it redistributes); embedding, norms and lm_head
+    stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    for block in blocks(model):
+        parallelize_module(block, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
+        })
+    return model
+
+
+def _fake_tp2_mesh() -> Any:
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
-    model = titan()
-    parallelize_titan(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
-    return model
+    return init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+
+def qwen3_tp2() -> nn.Module:
+    """The HF Qwen3 under `parallelize_qwen3` at TP 2 (for planning only)."""
+    return parallelize_qwen3(qwen3(), _fake_tp2_mesh())
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
