@@ -64,8 +64,17 @@ def test_diff_says_when_the_modes_differ(planned: Path, capsys: pytest.CaptureFi
     assert code == 0 and err == "" and "tp groups" in out
 
 
-def test_simulate_refuses_fsdp_in_one_line(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    refused(["simulate", str(planned / "muon-tp1-dp4-fsdp.yaml")], capsys, "simulate does not price FSDP schedules yet")
+def test_simulate_prices_the_fsdp_step(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("muon-tp1-dp4-fsdp.yaml", "muon-tp2-dp8-hsdp2.yaml"):
+        code, out, _ = run(["simulate", str(planned / name), "--json"], capsys)
+        data = json.loads(out)
+        steps = {s["name"]: s["step"] for s in data["strategies"]}
+        assert code == 0 and data["num_groups"] >= 2
+        assert steps["adamw"] < steps["canzona"] <= steps["canzona (no overlap)"] < steps["redundant"]
+    code, out, _ = run(["simulate", str(planned / "muon-tp1-dp4-fsdp.yaml")], capsys)
+    assert code == 0 and "FSDP tp 1 x dp 4" in out and "redundant" in out
+    refused(["simulate", str(planned / "muon-tp1-dp4-fsdp.yaml"), "--global-batch", "64"], capsys,
+            "--global-batch has no effect here: FSDP schedules are simulated for the optimizer step only")
 
 
 def test_reshard_check_reports_the_modes(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
