@@ -33,7 +33,7 @@ from canzona.runtime.faults import StepFailedError, as_timedelta, gather_objects
 from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
 from canzona.runtime.optimizers import Hyperparameters, MatrixRule, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
 from canzona.runtime.schedule import MATRIX, ScheduleMismatchError, Verdict, disagreement, plan_digest, summary
-from canzona.schedules.format import ParamEntry, Schedule, read_schedule
+from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
 from canzona.schedules.geometry import fsdp_rows
 from canzona.schedules.library import resolve_schedule
@@ -80,6 +80,9 @@ def mesh_place(mesh: Any, schedule: Schedule) -> tuple[Place | None, str | None]
     if mesh is None:
         return None, ("no parameter is a DTensor: shard the model with FSDP2's fully_shard first (a replicated model "
                       "takes CanzonaOptimizer and a schedule planned without --fsdp)")
+    if mesh.mesh.numel() != dist.get_world_size():
+        return None, (f"the parameters' device mesh holds {mesh.mesh.numel()} ranks, but FsdpOptimizer needs one that "
+                      f"spans every rank of the job ({dist.get_world_size()})")
     if list(mesh.shape) != expected:
         names = f" {tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
         return None, (f"the parameters' device mesh{names} has shape {list(mesh.shape)}, but the schedule is for "
@@ -124,6 +127,20 @@ def local_problems(schedule: Schedule, pairs: list[tuple[str, Tensor]], place: P
     return [problem for problem in found if problem][:4]
 
 
+def _agree_on(schedule: Schedule | None, problem: str | None) -> None:
+    """Every rank's verdict over the whole job; the same ScheduleMismatchError on every rank
+    if any rank has a problem or the ranks hold different schedules."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = schedule.request.tp if schedule is not None else 1
+    verdict = Verdict(rank, rank // tp, rank % tp, problem, schedule.fingerprint if schedule else None,
+                      plan_digest(schedule) if schedule else None, summary(schedule) if schedule else "no schedule")
+    flat = gather_objects(verdict, [dist.group.WORLD], "the FSDP schedule check")
+    grid = [flat[start : start + tp] for start in range(0, world, tp)] if world % tp == 0 else [flat]
+    message = disagreement(grid)
+    if message:
+        raise ScheduleMismatchError(message)
+
+
 def _load(schedule: Schedule | str | os.PathLike[str]) -> Schedule:
     return schedule if isinstance(schedule, Schedule) else read_schedule(resolve_schedule(schedule))
 
@@ -141,8 +158,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *, mesh: Any = None,
                  timeout: float | timedelta | None = None, **defaults: Any) -> None:
-        self.schedule = _load(schedule)
         self.timeout = as_timedelta(timeout)
+        try:
+            self.schedule = _load(schedule)
+        except ScheduleError as error:  # a file missing or broken on some ranks only: all of them raise
+            _agree_on(None, str(error))
+            raise
         self.rule_name = self.schedule.request.optimizer.name
         self.hp = Hyperparameters.from_kwargs(defaults).resolved(self.schedule.request.optimizer)
         entries = {e.name: e for e in self.schedule.params}
@@ -150,7 +171,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         pairs = [pair for group in resolved.groups for pair in group["params"]]
         place, mesh_problem = mesh_place(mesh if mesh is not None else _mesh_of(pairs), self.schedule)
         problems = resolved.problems + ([mesh_problem] if mesh_problem else []) + local_problems(self.schedule, pairs, place)
-        self._agree("; ".join(problems) or None)
+        _agree_on(self.schedule, "; ".join(problems) or None)
         assert place is not None
         self.place = place
         self.group = self._fragmentation_group(mesh if mesh is not None else _mesh_of(pairs))
@@ -173,17 +194,6 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     # -----------------------------------------------------------------------------------------
     # Construction: one verdict for every rank, the fragmentation groups
-
-    def _agree(self, problem: str | None) -> None:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        tp = self.schedule.request.tp
-        verdict = Verdict(rank, rank // tp, rank % tp, problem, self.schedule.fingerprint, plan_digest(self.schedule),
-                          summary(self.schedule))
-        flat = gather_objects(verdict, [dist.group.WORLD], "the FSDP schedule check")
-        grid = [flat[start : start + tp] for start in range(0, world, tp)] if world % tp == 0 else [flat]
-        message = disagreement(grid)
-        if message:
-            raise ScheduleMismatchError(message)
 
     def _fragmentation_group(self, mesh: Any) -> dist.ProcessGroup:
         """The devices of this replica (every rank creates every replica's group, in order)."""

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,9 +12,9 @@ from cli_run import refused, run
 
 
 @pytest.fixture()
-def planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
-    """qwen3-8b planned three ways in tmp_path: replicated, FSDP, FSDP with smaller groups."""
-    os.chdir(tmp_path)
+def planned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Path:
+    """qwen3-8b planned four ways in tmp_path: replicated, FSDP, FSDP with smaller groups, HSDP."""
+    monkeypatch.chdir(tmp_path)
     for args in (["--dp", "4"], ["--dp", "4", "--fsdp"], ["--dp", "4", "--fsdp", "--group-mb", "512", "-o", "small.yaml"],
                  ["--tp", "2", "--dp", "8", "--fsdp", "--dp-replicate", "2"]):
         code, _, err = run(["plan", "--model", "qwen3-8b", *args], capsys)
@@ -40,8 +39,9 @@ def test_plan_names_the_mode_and_reports_the_hosts(planned: Path, capsys: pytest
     (["--dp", "4", "--fsdp", "--solver", "ilp"], "--solver ilp is not supported with --fsdp"),
     (["--dp", "4", "--fsdp", "--dp-replicate", "3"], "dp replicate 3 does not divide dp 4"),
 ])
-def test_plan_refusals(args: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    os.chdir(tmp_path)
+def test_plan_refusals(args: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
     refused(["plan", "--model", "qwen3-8b", *args], capsys, needle)
 
 

@@ -106,7 +106,8 @@ def _train(rank: int, world: int, factory: str, path: str, mesh_shape: tuple[int
         tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 * step + dp_rank))
         fsdp_models.loss_of(model, tokens, mesh["tp"] if "tp" in names else None).backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-        optimizer.step()
+        with torch.device("meta"):  # every tensor the step creates names its device
+            optimizer.step()
         optimizer.zero_grad()
         oracle.step(grads=grads)
         for lr_scheduler in schedulers:
@@ -198,13 +199,15 @@ def _mismatch(rank: int, world: int, path: str, mesh_shape: tuple[int, ...], nam
     params = list(model.named_parameters())
     if how == "renamed" and rank == 1:
         params[3] = ("model.layers.0.self_attn.query.weight", params[3][1])
+    if how == "missing" and rank == 1:
+        path += ".missing"
     if how == "canzona":
         from rt_harness import make_groups
 
         dp_group, tp_group = make_groups(world, 1)
         CanzonaOptimizer(params, read_schedule(path), dp_group=dp_group, tp_group=tp_group)
     else:
-        FsdpOptimizer(params, read_schedule(path), timeout=GROUP_TIMEOUT)
+        FsdpOptimizer(params, path, timeout=GROUP_TIMEOUT)
 
 
 def _replicated_schedule(folder: str) -> str:
@@ -221,6 +224,7 @@ def _replicated_schedule(folder: str) -> str:
     ("renamed", "model.layers.0.self_attn.query.weight"),
     ("unsharded", "no parameter is a DTensor"),
     ("canzona-on-fsdp-schedule", "execute it with canzona.runtime.FsdpOptimizer"),
+    ("missing", "rank 1: cannot read schedule"),
     ("canzona-on-fsdp-model", "sharded by FSDP2 over mesh dim 'dp'"),
 ])
 def test_mismatch_raises_on_every_rank(case: str, needle: str, folder: str) -> None:
