@@ -29,9 +29,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from canzona.runtime import comm
-from canzona.runtime.faults import StepFailedError, as_timedelta, gather_objects, wait
+from canzona.runtime.faults import StepFailedError, as_timedelta, gather_objects, settle, wait
 from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
 from canzona.runtime.optimizers import Hyperparameters, MatrixRule, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.state import clone_states
+from canzona.runtime.update import problem_line
 from canzona.runtime.schedule import MATRIX, ScheduleMismatchError, Verdict, disagreement, plan_digest, summary
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
@@ -187,6 +189,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
              for n, h in zip(group.params, group.hosts) if n in position]
             for group in self.schedule.tp.ranks[0].groups
         ]
+        self._problem: str | None = None  # the first failure of the step in progress
+        self._pending: dict[int, list[Any]] = {}  # hosted matrices' new state, until the step commits
         for tensor in self.tensors:
             self.state[tensor]["step"] = 0
             if tensor.dtype != torch.float32:
@@ -218,9 +222,18 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 loss = closure()
         active = self._active()
         hps = [group_hyperparameters(group, self.hp, self.rule_name) for group in self.param_groups]
+        self._problem, self._pending = None, {}
+        received = self._step_matrices(active, hps)
+        # Hosts computed into copies of their state: if any failed, every rank raises here and
+        # nothing (state, parameters, step counts) has changed anywhere.
+        settle(self._problem, [dist.group.WORLD], self.timeout, "the end of the FSDP step",
+               "an FSDP optimizer step failed on some ranks, and no rank applied it", self.device)
         for position in (p for p, on in enumerate(active) if on):
             self.state[self.tensors[position]]["step"] += 1
-        self._step_matrices(active, hps)
+        for position, states in self._pending.items():
+            self.state[self.tensors[position]]["matrix"] = states
+        for group, pieces in received:
+            self._apply(group, pieces, hps)
         self._step_adamw(active, hps)
         return loss
 
@@ -265,7 +278,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
                        state["step"], hps[self.group_of[position]])
                 self._commit(position)
 
-    def _step_matrices(self, active: list[bool], hps: list[Hyperparameters]) -> None:
+    def _step_matrices(self, active: list[bool], hps: list[Hyperparameters]) -> list[tuple[list[Matrix], Tensor]]:
+        """Gather, update on the hosts and scatter every micro-group (the next gather in
+        flight); this device's update pieces per group, not applied yet."""
         groups = [[m for m in group if active[m.position]] for group in self.micro_groups]
         groups = [group for group in groups if group]
         scatters: list[tuple[list[Matrix], comm.InFlight]] = []
@@ -276,8 +291,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             updates = self._host_updates(group, gather.wait(), hps)
             scatters.append((group, self._start_scatter(group, updates)))
             gather = following
-        for group, scatter in scatters:
-            self._apply(group, scatter.wait(), hps)
+        return [(group, scatter.wait()) for group, scatter in scatters]
 
     # -----------------------------------------------------------------------------------------
     # Gather, host update, scatter
@@ -322,15 +336,29 @@ class FsdpOptimizer(torch.optim.Optimizer):
             columns = range(layout.tp) if m.tp_dim is not None else [me % layout.tp]
             parts = [torch.cat([pieces[(m.position, s * layout.tp + t)] for s in range(layout.shards)]) for t in columns]
             full = parts[0] if m.tp_dim is None else torch.cat(parts, dim=m.tp_dim)
-            updates[m.position] = self._matrix_update(m, full, hps[self.group_of[m.position]])
+            updates[m.position] = self._host_update(m, full, hps[self.group_of[m.position]])
         return updates
 
+    def _host_update(self, m: Matrix, grad: Tensor, hp: Hyperparameters) -> Tensor:
+        """A hosted matrix's update; a failure is recorded for the end of the step (a zero
+        update keeps the collectives going meanwhile)."""
+        if self._problem is None:
+            try:
+                return self._matrix_update(m, grad, hp)
+            except Exception as error:  # noqa: BLE001 - reported on every rank by the step's settle
+                self._problem = f"updating {m.name}: {problem_line(error)}"
+        return torch.zeros(m.shape, dtype=torch.float32, device=self.device)
+
     def _matrix_update(self, m: Matrix, grad: Tensor, hp: Hyperparameters) -> Tensor:
-        state = self.state[self.tensors[m.position]]
+        """The update of one matrix, computed on a copy of its state (kept until the step
+        commits)."""
+        current = self.state[self.tensors[m.position]]
         rule: MatrixRule = make_rule(self.rule_name, hp)
-        if "matrix" not in state:
-            state["matrix"] = init_matrix_state(rule, m.shape, m.row_blocks, self.device)
-        return matrix_update(rule, state["matrix"], grad, m.row_blocks, state["step"])
+        states = clone_states(current["matrix"]) if "matrix" in current else init_matrix_state(
+            rule, m.shape, m.row_blocks, self.device)
+        update = matrix_update(rule, states, grad, m.row_blocks, current["step"] + 1)
+        self._pending[m.position] = states
+        return update
 
     def _piece(self, update: Tensor, m: Matrix, fragment: int) -> Tensor:
         """Fragment rank `fragment`'s piece of a whole matrix's update."""

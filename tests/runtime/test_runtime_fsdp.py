@@ -173,6 +173,37 @@ def test_state_dict_of_another_schedule_is_refused(folder: str) -> None:
     assert run_ranks(_other_layout, 2, path, other, timeout=180) == ["refused", "refused"]
 
 
+def _failing_host(rank: int, world: int, path: str) -> str:
+    """Rank 1's host updates raise in step 2: every rank raises, nothing changes, and the next
+    step runs as if the failed one never happened."""
+    from canzona.runtime import StepFailedError
+
+    model = fsdp_models.qwen3()
+    _shard(model, (2,), ("dp",))
+    optimizer = FsdpOptimizer(model.named_parameters(), read_schedule(path), timeout=GROUP_TIMEOUT, **HP)
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    fsdp_models.loss_of(model, tokens).backward()
+    optimizer.step()
+    before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+    states = {name: copy.deepcopy(optimizer.state[p]) for name, p in model.named_parameters()}
+    if rank == 1:
+        optimizer._matrix_update = lambda *args: (_ for _ in ()).throw(RuntimeError("injected"))  # type: ignore[method-assign]
+    with pytest.raises(StepFailedError, match="rank 1: updating .*RuntimeError: injected") as raised:
+        optimizer.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), before[name], rtol=0, atol=0)
+        assert optimizer.state[p]["step"] == states[name]["step"] == 1
+        if "matrix" in states[name]:
+            torch.testing.assert_close(optimizer.state[p]["matrix"][0]["momentum"], states[name]["matrix"][0]["momentum"])
+    return str(raised.value)
+
+
+def test_a_failing_host_fails_the_step_on_every_rank(folder: str) -> None:
+    pytest.importorskip("transformers")
+    messages = run_ranks(_failing_host, 2, planned("qwen3", 1, 2, 1, folder), timeout=180)
+    assert messages[0] == messages[1] and "no rank applied it" in messages[0]
+
+
 def test_hsdp_2x2_equals_the_reference(folder: str) -> None:
     pytest.importorskip("transformers")
     path = planned("qwen3", 1, 4, 2, folder)
