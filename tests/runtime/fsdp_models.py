@@ -14,7 +14,7 @@ from titan_model import Attention, TitanConfig, TitanModel, parallelize_titan
 
 QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=256, tie_word_embeddings=False)
-TITAN = TitanConfig(moe_layers=())
+TITAN = TitanConfig(moe_layers=(), hidden_dim=130)  # w1/w3 rows split unevenly by FSDP2 (33, 33, 33, 31 over 4)
 
 
 def qwen3() -> nn.Module:
@@ -68,18 +68,23 @@ def titan_tp2() -> nn.Module:
 def parallelize_qwen3(model: nn.Module, tp_mesh: Any) -> nn.Module:
     """A DTensor TP plan for transformers' Qwen3 on CPU: q/k/v and gate/up colwise, o and down
     rowwise, q_norm/k_norm sequence-parallel over the head dim (DTensor then leaves their
-    gradients partial, and FSDP2 sums them when it redistributes); embedding, norms and lm_head
-    stay replicated."""
+    gradients partial, and FSDP2 sums them when it redistributes); embedding, norms, lm_head
+    and the last layer's MLP stay replicated over TP (matrices whose host gathers only its TP
+    column's pieces)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-    for block in blocks(model):
-        parallelize_module(block, tp_mesh, {
+    layers = blocks(model)
+    for index, block in enumerate(layers):
+        plan = {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
-        })
+        }
+        if index < len(layers) - 1:
+            plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                         "mlp.down_proj": RowwiseParallel()})
+        parallelize_module(block, tp_mesh, plan)
     return model
 
 

@@ -214,6 +214,10 @@ def test_hsdp_2x2_equals_the_reference(folder: str) -> None:
 def test_tp2_x_fsdp2_equals_the_reference(factory: str, folder: str) -> None:
     pytest.importorskip("transformers")
     path = planned(factory, 2, 2, 1, folder)
+    matrices = [e for e in read_schedule(path).params if e.optimizer == "matrix"]
+    # qwen3: matrices replicated over TP too; titan: TP shards that FSDP2 splits unevenly (65 rows over 2)
+    assert any(e.tp_dim is None for e in matrices) == (factory == "qwen3_tp2")
+    assert any(e.tp_dim == 0 and e.shape[0] // 2 % 2 for e in matrices) == (factory == "titan_tp2")
     run_ranks(_train, 4, factory, path, (2, 2), ("dp", "tp"), timeout=180)
 
 
