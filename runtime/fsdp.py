@@ -129,13 +129,15 @@ def local_problems(schedule: Schedule, pairs: list[tuple[str, Tensor]], place: P
     return [problem for problem in found if problem][:4]
 
 
-def _agree_on(schedule: Schedule | None, problem: str | None) -> None:
+def _agree_on(schedule: Schedule | None, problem: str | None, frozen: str | None = None) -> None:
     """Every rank's verdict over the whole job; the same ScheduleMismatchError on every rank
-    if any rank has a problem or the ranks hold different schedules."""
+    if any rank has a problem, or the ranks hold different schedules or freeze different
+    parameters (their micro-groups would then differ)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = schedule.request.tp if schedule is not None else 1
     verdict = Verdict(rank, rank // tp, rank % tp, problem, schedule.fingerprint if schedule else None,
-                      plan_digest(schedule) if schedule else None, summary(schedule) if schedule else "no schedule")
+                      plan_digest(schedule) if schedule else None, summary(schedule) if schedule else "no schedule",
+                      frozen)
     flat = gather_objects(verdict, [dist.group.WORLD], "the FSDP schedule check")
     grid = [flat[start : start + tp] for start in range(0, world, tp)] if world % tp == 0 else [flat]
     message = disagreement(grid)
@@ -171,12 +173,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
         entries = {e.name: e for e in self.schedule.params}
         resolved = resolve_param_groups(list(params), entries, 1, self.rule_name, self.hp)
         pairs = [pair for group in resolved.groups for pair in group["params"]]
-        place, mesh_problem = mesh_place(mesh if mesh is not None else _mesh_of(pairs), self.schedule)
+        mesh = mesh if mesh is not None else _mesh_of(pairs)
+        place, mesh_problem = mesh_place(mesh, self.schedule)
         problems = resolved.problems + ([mesh_problem] if mesh_problem else []) + local_problems(self.schedule, pairs, place)
-        _agree_on(self.schedule, "; ".join(problems) or None)
+        _agree_on(self.schedule, "; ".join(problems) or None, ", ".join(resolved.frozen) or None)
         assert place is not None
         self.place = place
-        self.group = self._fragmentation_group(mesh if mesh is not None else _mesh_of(pairs))
+        self.group = self._fragmentation_group(mesh)
         super().__init__(resolved.groups, {"lr": self.hp.lr, "weight_decay": self.hp.weight_decay})
         self.device = pairs[0][1].device if pairs else torch.device("cpu")
         self.names = [name for name, _ in pairs]

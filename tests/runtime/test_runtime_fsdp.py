@@ -236,6 +236,8 @@ def _mismatch(rank: int, world: int, path: str, mesh_shape: tuple[int, ...], nam
         params[3] = ("model.layers.0.self_attn.query.weight", params[3][1])
     if how == "missing" and rank == 1:
         path += ".missing"
+    if how == "frozen" and rank == 0:
+        params[2][1].requires_grad_(False)
     if how == "canzona":
         from rt_harness import make_groups
 
@@ -260,6 +262,7 @@ def _replicated_schedule(folder: str) -> str:
     ("unsharded", "no parameter is a DTensor"),
     ("canzona-on-fsdp-schedule", "execute it with canzona.runtime.FsdpOptimizer"),
     ("missing", "rank 1: cannot read schedule"),
+    ("frozen", "ranks optimize different parameters"),
     ("canzona-on-fsdp-model", "sharded by FSDP2 over mesh dim 'dp'"),
 ])
 def test_mismatch_raises_on_every_rank(case: str, needle: str, folder: str) -> None:
