@@ -286,3 +286,25 @@ def test_mismatch_raises_on_every_rank(case: str, needle: str, folder: str) -> N
     assert len(messages) == 1, messages
     (message,) = messages
     assert "ScheduleMismatchError" in message and needle in message, message
+
+
+def test_grouped_experts_are_refused_with_one_line(tmp_path: Path) -> None:
+    """An HF Qwen3-MoE (grouped 3-D experts) plans with --fsdp, and FsdpOptimizer refuses it in
+    one line (a local problem every rank reports at construction)."""
+    transformers = pytest.importorskip("transformers")
+    from canzona.planner.compile import compile_schedule
+    from canzona.planner.fsdp import make_fsdp_plan
+    from canzona.planner.plan import PlanRequest
+    from canzona.planner.sources.load import load_model
+    from canzona.planner.spec import ModelOptions
+    from canzona.runtime.fsdp import local_problems
+
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=256, mlp_only_layers=[0])
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    spec = load_model(str(tmp_path / "config.json"), 1, ModelOptions(names="hf"))
+    schedule = compile_schedule(make_fsdp_plan(spec, PlanRequest(str(tmp_path), 1, 2, sharding="fsdp")))
+    (problem,) = local_problems(schedule, [], None)
+    assert problem.startswith("grouped expert tensors ('model.layers.1.mlp.experts.") and "not yet executed under FSDP" in problem
