@@ -206,6 +206,14 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
     req = schedule.request
     dp_rank, tp_rank = divmod(rank, req.tp)
     device = schedule.metrics.device[rank]
+    if req.sharding == "fsdp":  # one plan for every replica; hosts are fragment ranks (shard · tp + tp rank)
+        host = (dp_rank % (req.dp // req.dp_replicate)) * req.tp + tp_rank
+        groups = [{"index": g.index, "tasks": len(g.params), "makespan": g.makespan, "saturation": g.saturation,
+                   "hosted": [name for name, h in zip(g.params, g.hosts) if h == host]} for g in schedule.tp.ranks[0].groups]
+        return {"rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
+                "load": device.load, "state_bytes": device.state_bytes, "bytes_sent": device.bytes_sent,
+                "bytes_received": device.bytes_received, "owned": [n for g in groups for n in g["hosted"]], "slices": [],
+                "groups": groups, "sharding": req.sharding}
     slices = [
         {"bucket": bucket.index, "start": bucket.cuts[dp_rank], "stop": bucket.cuts[dp_rank + 1],
          "elements": bucket.cuts[dp_rank + 1] - bucket.cuts[dp_rank]}
@@ -234,6 +242,8 @@ def rank_text(part: dict[str, Any]) -> str:
         "",
         f"owns {plural(len(part['owned']), 'matrix', 'matrices')}; slices of the matrix buffer:",
     ]
+    if part.get("sharding") == "fsdp":
+        lines[-1] = f"hosts {plural(len(part['owned']), 'matrix', 'matrices')} (FSDP: no buffer slices)"
     lines += [f"  bucket {s['bucket']}: [{s['start']}, {s['stop']})  {plural(s['elements'], 'element')}"
               for s in part["slices"]]
     lines += ["", "micro-groups (tasks hosted here marked *):"]

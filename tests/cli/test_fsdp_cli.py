@@ -27,6 +27,9 @@ def test_plan_names_the_mode_and_reports_the_hosts(planned: Path, capsys: pytest
                                                           "muon-tp2-dp8-hsdp2.yaml"]
     code, out, _ = run(["show", str(planned / "muon-tp2-dp8-hsdp2.yaml")], capsys)
     assert code == 0 and "HSDP 2 replicas x 4 shards: hosts over DP shard x TP = 8 devices" in out.splitlines()[0]
+    code, out, _ = run(["show", str(planned / "muon-tp2-dp8-hsdp2.yaml"), "--rank", "9"], capsys)
+    assert code == 0 and "hosts " in out and "(FSDP: no buffer slices)" in out  # replica 1's devices host too
+    refused(["render", str(planned / "muon-tp1-dp4-fsdp.yaml"), "-o", "plan.png"], capsys, "for an FSDP schedule see")
     code, out, _ = run(["plan", "--model", "qwen3-8b", "--dp", "2", "--fsdp", "--json", "-o", "x.yaml"], capsys)
     summary = json.loads(out)
     assert (summary["sharding"], summary["dp_replicate"], summary["num_buckets"]) == ("fsdp", 1, 0)
