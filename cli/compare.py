@@ -251,6 +251,7 @@ def library_rows(files: list[Path], root: Path) -> list[dict[str, Any]]:
             "dp": r.dp, "ep": r.ep, "optimizer": r.optimizer.name, "alpha": r.alpha, "dp_imbalance": dp.imbalance,
             "gap": dp.gap, "padding_overhead": dp.padding_overhead, "tp_efficiency": s.metrics.tp.efficiency,
             "num_groups": s.metrics.tp.num_groups, "max_state_gib": _max_device(s, "state_bytes") / GIB,
+            "sharding": r.sharding, "dp_replicate": r.dp_replicate,
         })
     return rows
 
@@ -263,6 +264,8 @@ def library_table(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         layout = f"tp{r['tp']} dp{r['dp']}" + (f" ep{r['ep']}" if r["ep"] > 1 else "")
+        if r["sharding"] == "fsdp":
+            layout += " fsdp" if r["dp_replicate"] == 1 else f" hsdp{r['dp_replicate']}"
         lines.append(
             f"| `{r['schedule']}` | {r['model']} | {layout} | {r['optimizer']} | {r['alpha']:g} | {r['dp_imbalance']:.4f} "
             f"| {percent(r['gap'])} | {r['padding_overhead']:.2f}x | {r['tp_efficiency']:.3f} "

@@ -67,6 +67,11 @@ def test_diff_says_when_the_modes_differ(planned: Path, capsys: pytest.CaptureFi
     assert code == 0 and err == "" and "tp groups" in out
 
 
+def test_table_names_the_mode(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["table", str(planned)], capsys)
+    assert code == 0 and "| tp1 dp4 fsdp |" in out and "| tp2 dp8 hsdp2 |" in out and "| tp1 dp4 |" in out
+
+
 def test_simulate_prices_the_fsdp_step(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("muon-tp1-dp4-fsdp.yaml", "muon-tp2-dp8-hsdp2.yaml"):
         code, out, _ = run(["simulate", str(planned / name), "--json"], capsys)
