@@ -138,6 +138,10 @@ def diff(
     if same_model and before.request.model != after.request.model:
         raise ScheduleError(f"different models: {before.request.model.name} vs {after.request.model.name}")
     limits = {"imbalance": max_imbalance_increase, "gap": max_gap_increase, "memory": max_memory_increase}
+    modes = (before.request.sharding, before.request.dp_replicate), (after.request.sharding, after.request.dp_replicate)
+    if modes[0] != modes[1]:
+        typer.echo(f"canzona: note: the sharding modes differ (OLD {_mode(*modes[0])}, NEW {_mode(*modes[1])}): the DP "
+                   "figures are per DP rank of each mode (owners and buckets vs FSDP hosts)", err=True)
     rows = compare(before, after, limits)
     if as_json:
         typer.echo(json.dumps([vars(row) for row in rows], indent=2))
@@ -148,6 +152,10 @@ def diff(
         typer.echo(f"canzona: regression: {row.name} {_format(row.old)} -> {_format(row.new)}", err=True)
     if failed:
         raise typer.Exit(EXIT_REGRESSION)
+
+
+def _mode(sharding: str, replicate: int) -> str:
+    return f"{sharding}, HSDP {replicate} replicas" if replicate > 1 else sharding
 
 
 LIBRARY_README = "README.md"
@@ -243,6 +251,7 @@ def library_rows(files: list[Path], root: Path) -> list[dict[str, Any]]:
             "dp": r.dp, "ep": r.ep, "optimizer": r.optimizer.name, "alpha": r.alpha, "dp_imbalance": dp.imbalance,
             "gap": dp.gap, "padding_overhead": dp.padding_overhead, "tp_efficiency": s.metrics.tp.efficiency,
             "num_groups": s.metrics.tp.num_groups, "max_state_gib": _max_device(s, "state_bytes") / GIB,
+            "sharding": r.sharding, "dp_replicate": r.dp_replicate,
         })
     return rows
 
@@ -255,6 +264,8 @@ def library_table(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         layout = f"tp{r['tp']} dp{r['dp']}" + (f" ep{r['ep']}" if r["ep"] > 1 else "")
+        if r["sharding"] == "fsdp":
+            layout += " fsdp" if r["dp_replicate"] == 1 else f" hsdp{r['dp_replicate']}"
         lines.append(
             f"| `{r['schedule']}` | {r['model']} | {layout} | {r['optimizer']} | {r['alpha']:g} | {r['dp_imbalance']:.4f} "
             f"| {percent(r['gap'])} | {r['padding_overhead']:.2f}x | {r['tp_efficiency']:.3f} "

@@ -42,7 +42,7 @@ from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
 from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec, PlanError
 from canzona.schedules.files import OutputError, check_output
 from canzona.schedules.format import Schedule, ScheduleError, dump_schedule
-from canzona.schedules.limits import MAX_GROUP_BYTES, PROFILE_PREFIX
+from canzona.schedules.limits import FSDP, MAX_GROUP_BYTES, PROFILE_PREFIX, REPLICATED
 
 try:  # typer >= 0.20 vendors click
     from typer._click.exceptions import ClickException
@@ -138,10 +138,13 @@ def _alpha(text: str) -> float:
 
 
 def default_output(
-    model_name: str, optimizer: str, tp: int, dp: int, alpha: float | str, cost: str, ep: int = 1
+    model_name: str, optimizer: str, tp: int, dp: int, alpha: float | str, cost: str, ep: int = 1, fsdp_replicate: int = 0
 ) -> Path:
-    """schedules/<model>/<optimizer>-tp<T>-dp<D>[-ep<E>][-alpha<A>][-<cost>].yaml"""
+    """schedules/<model>/<optimizer>-tp<T>-dp<D>[-ep<E>][-fsdp|-hsdp<R>][-alpha<A>][-<cost>].yaml
+    (`fsdp_replicate`: 0 without FSDP, else the HSDP replicas, 1 for plain FSDP)."""
     stem = f"{optimizer}-tp{tp}-dp{dp}" + (f"-ep{ep}" if ep > 1 else "")
+    if fsdp_replicate:
+        stem += "-fsdp" if fsdp_replicate == 1 else f"-hsdp{fsdp_replicate}"
     if alpha != 1.0:
         stem += f"-alpha{alpha}" if isinstance(alpha, str) else f"-alpha{alpha:g}"
     if cost.startswith("profile:"):
@@ -185,6 +188,8 @@ def plan(
     mode: Annotated[TpMode, typer.Option(help="TP micro-group scheduler.")] = TpMode.rollback,
     group_mb: Annotated[float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")] = DEFAULT_GROUP_MB,
     ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
+    fsdp: Annotated[bool, typer.Option("--fsdp", help="Parameters are sharded by FSDP2 (fully_shard) over DP: plan hosts over DP shard x TP.")] = False,
+    dp_replicate: Annotated[int, typer.Option(help="--fsdp: HSDP replicas (dp = replicate x shard).")] = 1,
     solver: Annotated[Solver, typer.Option(help="greedy, or ilp: refine with CP-SAT (needs ortools).")] = Solver.greedy,
     time_limit: Annotated[float, typer.Option(help="--solver ilp: CP-SAT budget in deterministic seconds.")] = 10.0,
     seed: Annotated[int, typer.Option(help="--solver ilp: CP-SAT random seed.")] = 0,
@@ -206,6 +211,7 @@ def plan(
     refuse_unless(searching, ("device", "global_batch", "seq_len", "micro_batches"),
                   "it sets up the simulation that --alpha auto and --bucket-size auto search with")
     refuse_unless(solver == Solver.ilp, ("time_limit", "seed"), "it applies to --solver ilp")
+    refuse_unless(fsdp, ("dp_replicate",), "it sets the HSDP replicas of --fsdp")
     refuse_unused_settings([optimizer.value])
     searched_on = device_option(device) if searching else None
     options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value, names.value, sequence_parallel)
@@ -214,6 +220,7 @@ def plan(
         model, tp, dp, settings, cost, 1.0 if auto else _alpha(alpha), DEFAULT_BUCKET_SIZE if size is None else size, options,
         mode.value, int(group_mb * MIB), ep, solver.value, time_limit, seed, searched_on if auto else None,
         searched_on if size is None else None, TrainingSetup(global_batch, seq_len, micro_batches) if searching else None,
+        FSDP if fsdp else REPLICATED, dp_replicate,
     )
     request.validate()
     inputs = [*source_files(model), cost.removeprefix(PROFILE_PREFIX) if cost.startswith(PROFILE_PREFIX) else None,
@@ -223,9 +230,10 @@ def plan(
         check_output(target, inputs, "--output")
     spec = load_source(model, tp, options)
     request = replace(request, options=replace(options, names=spec.names))  # auto resolved by the source
-    path = target or default_output(spec.name, optimizer.value, tp, dp, "auto" if auto else request.alpha, cost, ep)
+    path = target or default_output(spec.name, optimizer.value, tp, dp, "auto" if auto else request.alpha, cost, ep,
+                                    (dp_replicate if fsdp else 0))
     check_output(path, inputs, "output")
-    warned = _warn_few_matrices(spec, dp, ep)
+    warned = fsdp or _warn_few_matrices(spec, dp, ep)
     steps = search_steps(request)
     with progress(f"planning {spec.name} tp {tp} x dp {dp}", steps or None) as step:
         the_plan, search = plan_for_request(spec, request, progress=step if steps else None)

@@ -177,6 +177,9 @@ def render(
     plt = _pyplot()
     kind = _image_format(target)
     schedule = read_schedule(source)
+    if schedule.request.sharding == "fsdp":
+        raise ScheduleError(f"{file}: render draws the DP buckets and TP micro-groups of replicated schedules; for an FSDP "
+                            "schedule see `canzona show` and `canzona simulate`")
     figure, timeline = draw(plt, schedule, device)
     image = io.BytesIO()
     try:

@@ -75,8 +75,17 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
         "bucket_size": req.bucket_size,
         "bucket_search": schedule.metrics.bucket_search.model_dump() if schedule.metrics.bucket_search else None,
         "bucket_device": req.bucket_device,
+        "sharding": req.sharding,
+        "dp_replicate": req.dp_replicate,
         "seconds": round(seconds, 3),
     }
+
+
+def _fsdp_layout(tp: int, dp: int, replicate: int) -> str:
+    """'FSDP 4 shards' or 'HSDP 2 replicas x 2 shards', with the hosts of a matrix."""
+    shards = dp // replicate
+    mode = f"HSDP {replicate} replicas x {shards} shards" if replicate > 1 else f"FSDP {shards} shards"
+    return f"{mode}: hosts over DP shard x TP = {shards * tp} devices"
 
 
 def summary_text(summary: dict[str, Any]) -> str:
@@ -95,6 +104,10 @@ def summary_text(summary: dict[str, Any]) -> str:
         f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}",
         f"planned in {duration(summary['seconds'])}",
     ]
+    if summary.get("sharding") == "fsdp":
+        lines[1] = f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  cost {summary['cost']}"
+        lines[2] = (f"{plural(summary['num_matrix_params'], 'matrix parameter')}, "
+                    + _fsdp_layout(summary["tp"], summary["dp"], summary["dp_replicate"]))
     if summary["alpha_search"]:
         objective = "iteration" if summary["alpha_search"][0].get("predicted_iteration_s") is not None else "step"
         tried = ", ".join(f"{t['alpha']:g}: {duration(t[f'predicted_{objective}_s'])}" for t in summary["alpha_search"])
@@ -146,6 +159,9 @@ def show_text(schedule: Schedule) -> str:
         f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  "
         f"alpha {req.alpha:g}  method {dp.method}"
     )
+    if req.sharding == "fsdp":
+        header = (f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  "
+                  + _fsdp_layout(req.tp, req.dp, req.dp_replicate))
     lines = [header, "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
     lines += [
         "",
@@ -190,6 +206,14 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
     req = schedule.request
     dp_rank, tp_rank = divmod(rank, req.tp)
     device = schedule.metrics.device[rank]
+    if req.sharding == "fsdp":  # one plan for every replica; hosts are fragment ranks (shard · tp + tp rank)
+        host = (dp_rank % (req.dp // req.dp_replicate)) * req.tp + tp_rank
+        groups = [{"index": g.index, "tasks": len(g.params), "makespan": g.makespan, "saturation": g.saturation,
+                   "hosted": [name for name, h in zip(g.params, g.hosts) if h == host]} for g in schedule.tp.ranks[0].groups]
+        return {"rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
+                "load": device.load, "state_bytes": device.state_bytes, "bytes_sent": device.bytes_sent,
+                "bytes_received": device.bytes_received, "owned": [n for g in groups for n in g["hosted"]], "slices": [],
+                "groups": groups, "sharding": req.sharding}
     slices = [
         {"bucket": bucket.index, "start": bucket.cuts[dp_rank], "stop": bucket.cuts[dp_rank + 1],
          "elements": bucket.cuts[dp_rank + 1] - bucket.cuts[dp_rank]}
@@ -218,6 +242,8 @@ def rank_text(part: dict[str, Any]) -> str:
         "",
         f"owns {plural(len(part['owned']), 'matrix', 'matrices')}; slices of the matrix buffer:",
     ]
+    if part.get("sharding") == "fsdp":
+        lines[-1] = f"hosts {plural(len(part['owned']), 'matrix', 'matrices')} (FSDP: no buffer slices)"
     lines += [f"  bucket {s['bucket']}: [{s['start']}, {s['stop']})  {plural(s['elements'], 'element')}"
               for s in part["slices"]]
     lines += ["", "micro-groups (tasks hosted here marked *):"]

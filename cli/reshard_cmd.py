@@ -30,7 +30,8 @@ def human_bytes(count: int) -> str:
 def _describe(schedule: Schedule) -> dict[str, Any]:
     req = schedule.request
     return {"model": req.model.name, "optimizer": req.optimizer.name, "dp": req.dp, "tp": req.tp, "ep": req.ep, "alpha": req.alpha,
-            "bucket_size": req.bucket_size, "fingerprint": schedule.fingerprint}
+            "bucket_size": req.bucket_size, "fingerprint": schedule.fingerprint, "sharding": req.sharding,
+            "dp_replicate": req.dp_replicate}
 
 
 def _rank_rows(loads: list[int], moved: list[int], tp: int, keys: tuple[str, str]) -> list[dict[str, int]]:
@@ -64,6 +65,9 @@ def report_text(data: dict[str, Any]) -> str:
     def layout(side: dict[str, Any]) -> str:
         """One schedule in a line."""
         ep = f" (EP {side['ep']})" if side.get("ep", 1) > 1 else ""
+        if side.get("sharding") == "fsdp":
+            hsdp = f" (HSDP {side['dp_replicate']} replicas)" if side["dp_replicate"] > 1 else ""
+            return f"{side['model']}, {side['optimizer']}, FSDP DP {side['dp']}{hsdp} x TP {side['tp']}"
         return (f"{side['model']}, {side['optimizer']}, DP {side['dp']}{ep} x TP {side['tp']}, alpha {side['alpha']:g}, "
                 f"buckets {side['bucket_size']}")
 

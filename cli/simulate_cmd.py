@@ -191,6 +191,13 @@ def simulate(
                   "--step-only predicts no training iteration")
     device = device_option(device)
     schedule = load_schedule(file)
+    if schedule.request.sharding == "fsdp":
+        refuse_unless(False, ("global_batch", "seq_len", "micro_batches", "overlap_grad_reduce", "overlap_param_gather",
+                              "train_tflops", "routed_fraction", "fused", "dp_collectives"),
+                      "FSDP schedules are simulated for the optimizer step only (FSDP2's own collectives are the same "
+                      "for every optimizer)")
+        _simulate_fsdp(schedule, device, (intra_gbps, inter_gbps, gpus_per_node, latency_us), as_json)
+        return
     if routed_fraction is not None:
         from canzona.planner.predict.iteration import expert_indices
 
@@ -205,3 +212,25 @@ def simulate(
                          rooted=dp_collectives == "rooted", training=training, overlap_grad_reduce=overlap_grad_reduce,
                          overlap_param_gather=overlap_param_gather, routed_fraction=routed_fraction)
     typer.echo(json.dumps(simulation_dict(sim), indent=2) if as_json else simulation_text(sim))
+
+
+def _simulate_fsdp(schedule: Schedule, device: str, network: tuple[Any, ...], as_json: bool) -> None:
+    """The optimizer step of an FSDP schedule and its baselines (`planner/predict/simulate_fsdp.py`)."""
+    from canzona.planner.predict.simulate_fsdp import simulate_fsdp
+
+    chosen = schedule_device(schedule, device, network, None)
+    sim = simulate_fsdp(schedule, chosen.hardware, chosen.time_model(optimizer_config(schedule)))
+    canzona = sim.get("canzona").step
+    if as_json:
+        typer.echo(json.dumps({"model": sim.model, "tp": sim.tp, "dp": sim.dp, "dp_replicate": sim.dp_replicate,
+                               "optimizer": sim.optimizer, "device": sim.hardware.name, "num_groups": sim.num_groups,
+                               "strategies": [asdict(s) for s in sim.strategies]}, indent=2))
+        return
+    hsdp = f" (HSDP {sim.dp_replicate} replicas)" if sim.dp_replicate > 1 else ""
+    lines = [f"{sim.model}  FSDP tp {sim.tp} x dp {sim.dp}{hsdp}  {sim.optimizer}  on {sim.hardware.name}  "
+             f"{sim.num_groups} micro-groups", "predicted optimizer step (FSDP2's own collectives excluded)", ""]
+    unit, scale = table_unit(max(s.step for s in sim.strategies))
+    rows = [[s.name, f"{s.step / scale:.3f}", f"{s.step / canzona:.2f}x" if canzona else "-", s.description]
+            for s in sim.strategies]
+    lines.append(_table(["strategy", f"step {unit}", "vs canzona", "what"], rows))
+    typer.echo("\n".join(lines))

@@ -9,8 +9,9 @@ from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_p
 from canzona.planner.partition.devices import device_figures, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MODES, group_stats
+from canzona.planner.fsdp import FsdpPlan, compile_fsdp
 from canzona.planner.plan import AutoSearch, BufferPlan, Plan, PlanRequest, TrainingSetup
-from canzona.planner.spec import MATRIX, ModelOptions
+from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,
@@ -53,8 +54,8 @@ def _ratio(numerator: float, denominator: float, empty: float) -> float:
     return numerator / denominator if denominator else empty
 
 
-def _request(plan: Plan) -> Request:
-    req, model = plan.request, plan.model
+def request_section(req: PlanRequest, model: ModelSpec) -> Request:
+    """The request section of a schedule: what regenerates it."""
     return Request(
         model=ModelSource(name=model.name, source=model.source, sha256=model.source_sha256),
         tp=req.tp,
@@ -77,6 +78,8 @@ def _request(plan: Plan) -> Request:
         alpha_device=req.alpha_device,
         bucket_device=req.bucket_device,
         training=_training(req),
+        sharding=req.sharding,
+        dp_replicate=req.dp_replicate,
         canzona_version=canzona_version(),
     )
 
@@ -268,9 +271,11 @@ def _searches(search: AutoSearch | None) -> dict[str, object]:
     return out
 
 
-def compile_schedule(plan: Plan, search: AutoSearch | None = None) -> Schedule:
+def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) -> Schedule:
     """The schedule file of a plan (deterministic); `search`: what `--alpha auto` and
     `--bucket-size auto` tried."""
+    if isinstance(plan, FsdpPlan):
+        return compile_fsdp(plan)
     buckets = _buckets(plan.dense)
     expert_buckets = _buckets(plan.expert) if plan.expert is not None else []
     adamw_buckets = [
@@ -282,7 +287,7 @@ def compile_schedule(plan: Plan, search: AutoSearch | None = None) -> Schedule:
     )
     schedule = Schedule(
         schema_version=SCHEMA_VERSION,
-        request=_request(plan),
+        request=request_section(plan.request, plan.model),
         fingerprint=fingerprint,
         digest="",
         params=_param_entries(plan),
@@ -321,4 +326,6 @@ def plan_request(request: Request, model_source: str | None = None) -> PlanReque
         alpha_device=request.alpha_device,
         bucket_device=request.bucket_device,
         training=TrainingSetup(**request.training.model_dump()) if request.training else None,
+        sharding=request.sharding,
+        dp_replicate=request.dp_replicate,
     )

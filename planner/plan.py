@@ -22,7 +22,7 @@ from canzona.planner.partition.dp import (
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, GRAD_BYTES_PER_ELEMENT, BufferLayout, build_buffer
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
-from canzona.schedules.limits import request_problem, settings_problem
+from canzona.schedules.limits import FSDP, REPLICATED, request_problem, settings_problem, sharding_problem
 
 if TYPE_CHECKING:
     from canzona.planner.partition.ilp import SolverReport
@@ -110,6 +110,8 @@ class PlanRequest:
     alpha_device: str | None = None  # set: alpha was chosen by the simulator on this device
     bucket_device: str | None = None  # set: bucket_size was chosen by the simulator on this device
     training: TrainingSetup | None = None  # what those searches assumed (None: the defaults)
+    sharding: str = REPLICATED  # or FSDP: FSDP2 fully_shard (planner/fsdp.py)
+    dp_replicate: int = 1  # HSDP (FSDP only): dp = dp_replicate x shard ranks
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""
@@ -119,10 +121,24 @@ class PlanRequest:
             group_bytes=self.group_bytes, tp_mode=self.tp_mode, solver=self.solver, time_limit=self.time_limit,
             seed=self.seed,
         ) or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+        problem = problem or sharding_problem(self.sharding, self.dp, self.dp_replicate, self.ep) or self._fsdp_problem()
         if problem:
             raise PlanError(problem)
         if self.alpha_device is not None or self.bucket_device is not None:
             (self.training or TrainingSetup()).validate(self.dp)
+
+
+    def _fsdp_problem(self) -> str | None:
+        """What FSDP plans do not have: DP cuts (alpha), buckets, CP-SAT refinement."""
+        if self.sharding != FSDP:
+            return None
+        if self.alpha_device is not None or self.bucket_device is not None:
+            return "--alpha auto and --bucket-size auto search DP cuts and buckets, which FSDP plans do not have"
+        if self.alpha != 1.0 or self.bucket_size != DEFAULT_BUCKET_SIZE:
+            return "alpha and the bucket size shape DP cuts and buckets, which FSDP plans do not have; leave them out"
+        if self.solver != "greedy":
+            return "--solver ilp is not supported with --fsdp (FSDP plans use the greedy micro-group scheduler)"
+        return None
 
 
 @dataclass(frozen=True)

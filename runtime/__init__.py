@@ -6,6 +6,7 @@ Never imports the planner, typer or ortools: it reads the schedule file and noth
 from canzona.runtime.baselines import DpScOptimizer, TpScOptimizer
 from canzona.runtime.checkpoint import load_checkpoint, merge_state_dicts, save_checkpoint
 from canzona.runtime.faults import CheckpointError, CollectiveError, StepFailedError
+from canzona.runtime.fsdp import FsdpOptimizer
 from canzona.runtime.optimizer import CanzonaOptimizer
 from canzona.runtime.process_groups import make_groups
 from canzona.runtime.optimizers import Hyperparameters
@@ -16,6 +17,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "DpScOptimizer",
+    "FsdpOptimizer",
     "Hyperparameters",
     "ScheduleMismatchError",
     "StepFailedError",

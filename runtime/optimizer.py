@@ -41,6 +41,7 @@ from canzona.runtime.layout import EXPERT, DpBucket, Task, build_dp_layout, loca
 from canzona.runtime.optimizers import Hyperparameters, State, make_rule
 from canzona.runtime.pipeline import MicroGroupPipeline
 from canzona.runtime.process_groups import resolve_process_groups
+from canzona.runtime.fsdp_checks import fsdp_mismatch
 from canzona.runtime.schedule import DTYPES, Verdict, agree, layout_problem, load_schedule, plan_digest, summary
 from canzona.runtime.update import Transaction, UpdateStage, problem_line
 
@@ -148,6 +149,9 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
             loaded = schedule if isinstance(schedule, Schedule) else load_schedule(schedule)
         except ScheduleError as error:
             return None, None, str(error)
+        sharding_problem = fsdp_mismatch(loaded, given)
+        if sharding_problem:
+            return loaded, None, sharding_problem
         rule, self.ep = loaded.request.optimizer.name, loaded.request.ep
         self.ep_rank = experts.ep_rank_of(self.dp_rank, self.ep)
         expert_problem = (experts.expert_group_problem(loaded, self.dp_rank, self._dp_ranks, self.expert_dp_group)

@@ -75,7 +75,10 @@ class Request(_Strict):
     size was chosen by the simulator on that device; `training` is what the `alpha_device` /
     `bucket_device` searches assumed. `names` is the naming convention a preset or a Hugging
     Face config was expanded to; `sequence_parallel` marks every norm's gradient as partial
-    over TP."""
+    over TP. `sharding` is how parameters lie over DP: "replicated" (ZeRO-1, the DP section's
+    buckets and owners) or "fsdp" (FSDP2 `fully_shard`: every parameter is sharded over the DP
+    shard dim, the matrices' micro-groups span DP shard x TP); `dp_replicate` > 1 is HSDP, dp =
+    dp_replicate x shard ranks."""
 
     model: ModelSource
     tp: int = Field(ge=1, le=MAX_FILE_INT)
@@ -98,6 +101,8 @@ class Request(_Strict):
     alpha_device: str | None = None
     bucket_device: str | None = None
     training: TrainingSettings | None = None
+    sharding: str = "replicated"
+    dp_replicate: int = Field(default=1, ge=1, le=MAX_FILE_INT)
     canzona_version: str
 
 

@@ -51,3 +51,11 @@ def slice_sizes(cuts: Sequence[int]) -> list[int]:
 def slice_owner(cuts: Sequence[int], offset: int) -> int:
     """Rank whose slice [cuts[r], cuts[r + 1]) holds `offset` (the last rank for the end)."""
     return min(max(bisect.bisect_right(cuts, offset) - 1, 0), len(cuts) - 2)
+
+
+def fsdp_rows(rows: int, shards: int) -> list[tuple[int, int]]:
+    """[start, stop) rows of dim 0 that each of `shards` FSDP2 ranks holds: torch.chunk's rule,
+    which `fully_shard` follows (chunks of ceil(rows / shards) rows; the last ones may be
+    shorter or empty, and FSDP2 pads them to the chunk size internally)."""
+    chunk = -(-rows // shards)
+    return [(min(rows, s * chunk), min(rows, (s + 1) * chunk)) for s in range(shards)]

@@ -21,6 +21,8 @@ SOLVERS = ("greedy", "ilp")
 QKV_SPLITS = ("none", "qkv", "head")
 NAMING_CONVENTIONS = ("megatron", "hf", "torchtitan")  # parameter names of presets and HF configs
 GRAD_REDUCE_AXES = ("tp",)  # axes over which a parameter's gradient can arrive as a partial sum
+REPLICATED, FSDP = "replicated", "fsdp"
+SHARDINGS = (REPLICATED, FSDP)  # how the parameters lie over DP: replicated (ZeRO-1) or FSDP2 (fully_shard)
 
 MAX_TP = 256
 MAX_DP = 8192
@@ -81,6 +83,21 @@ def layout_problem(tp: object, dp: object, ep: object) -> str | None:
         return f"tp x dp = {tp * dp} devices is above canzona's maximum of {MAX_DEVICES}"  # type: ignore[operator]
     if dp % ep:  # type: ignore[operator]
         return f"ep {ep} does not divide dp {dp}"
+    return None
+
+
+def sharding_problem(sharding: object, dp: object, dp_replicate: object, ep: object) -> str | None:
+    """A known sharding mode; FSDP's replicate size (HSDP) divides dp; no EP under FSDP."""
+    problem = choice_problem("sharding", sharding, SHARDINGS) or bounded_int_problem(
+        "dp replicate", dp_replicate, MAX_DP, "DP ranks")
+    if problem:
+        return problem
+    if sharding == REPLICATED and dp_replicate != 1:
+        return f"dp replicate {dp_replicate} (HSDP) needs FSDP sharding (--fsdp)"
+    if sharding == FSDP and dp % dp_replicate:  # type: ignore[operator]
+        return f"dp replicate {dp_replicate} does not divide dp {dp} (HSDP: dp = replicate x shard)"
+    if sharding == FSDP and ep != 1:
+        return f"ep {ep} with FSDP sharding is not supported (plan expert parallelism without --fsdp)"
     return None
 
 

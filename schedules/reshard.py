@@ -49,6 +49,8 @@ from math import prod
 from typing import Any
 
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, registration_order
+from canzona.schedules.fsdp import FsdpLayout, shard_numel
+from canzona.schedules.limits import FSDP
 
 MATRIX, ADAMW = "matrix", "adamw"
 FP32 = 4
@@ -397,6 +399,8 @@ def reshard_report(old: Schedule, new: Schedule) -> ReshardReport:
     """Whether optimizer state saved under `old` loads under `new` (CanzonaOptimizer's
     placement), and the bytes each rank writes, reads and exchanges. ScheduleError if a
     schedule is inconsistent."""
+    if FSDP in (old.request.sharding, new.request.sharding):
+        return fsdp_report(old, new)
     _check_structure(old, "OLD")
     _check_structure(new, "NEW")
     old_layout, new_layout = state_layout(old), state_layout(new)
@@ -420,3 +424,39 @@ def reshard_report(old: Schedule, new: Schedule) -> ReshardReport:
         ledger.loads, ledger.moved_in, ledger.writes, ledger.moved_out,
         sorted((s, t, n) for (s, t), n in ledger.flows.items()),
     )
+
+
+def _plan_of(schedule: Schedule) -> str:
+    """The schedule without what does not change the execution (digest, canzona version)."""
+    return schedule.model_dump_json(exclude={"digest": True, "request": {"canzona_version"}})
+
+
+def fsdp_report(old: Schedule, new: Schedule) -> ReshardReport:
+    """FsdpOptimizer's checkpoints: every device loads its own state under the very same
+    schedule; state does not move between FSDP and replicated schedules, nor between two FSDP
+    schedules (no resharding of FSDP optimizer state yet)."""
+    modes = (old.request.sharding, new.request.sharding)
+    if modes[0] != modes[1]:
+        return ReshardReport(False, [f"sharding differs: OLD {modes[0]}, NEW {modes[1]}; optimizer state does not move "
+                                     "between CanzonaOptimizer (replicated) and FsdpOptimizer (FSDP2) checkpoints"], [])
+    if _plan_of(old) != _plan_of(new):
+        return ReshardReport(False, ["both schedules are FSDP but differ; FsdpOptimizer loads optimizer state only under "
+                                     "the schedule it was saved under, on the same devices (no FSDP resharding yet)"], [])
+    req, layout = new.request, state_layout(new)
+    fsdp = FsdpLayout(tp=req.tp, shards=req.dp // req.dp_replicate, replicas=req.dp_replicate)
+    params = {p.name: p for p in layout.params}
+    hosts = {n: h for g in new.tp.ranks[0].groups for n, h in zip(g.params, g.hosts)}
+    per_fragment = [0] * fsdp.hosts
+    for e in new.params:
+        if e.optimizer == MATRIX:
+            per_fragment[hosts[e.name]] += layout.nbytes(params[e.name])
+        else:
+            main = FP32 if e.dtype != "fp32" else 0
+            for fragment in range(fsdp.hosts):
+                per_fragment[fragment] += (2 * FP32 + main) * shard_numel(e.shape, e.tp_dim, fsdp, fragment)
+    ledger = _Ledger(req.dp * req.tp, req.dp * req.tp)
+    for rank in range(req.dp * req.tp):
+        ledger.writes[rank] = per_fragment[fsdp.fragment_of(rank)]
+        ledger.move(rank, rank, per_fragment[fsdp.fragment_of(rank)])
+    return ReshardReport(True, [], ["FSDP: every device loads the state it saved (same schedule, same devices)"],
+                         sum(ledger.writes), ledger.loads, ledger.moved_in, ledger.writes, ledger.moved_out, [])

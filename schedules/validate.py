@@ -29,6 +29,7 @@ from canzona.schedules.geometry import (
 )
 from canzona.schedules.limits import (
     ADAMW,
+    FSDP,
     GRAD_REDUCE_AXES,
     MATRIX,
     MAX_PARAM_NUMEL,
@@ -40,6 +41,7 @@ from canzona.schedules.limits import (
     cost_problem,
     request_problem,
     settings_problem,
+    sharding_problem,
 )
 
 if TYPE_CHECKING:
@@ -75,6 +77,11 @@ def schedule_problem(schedule: Schedule) -> str | None:
     try:
         _check_request(schedule)
         _check_params(schedule)
+        if schedule.request.sharding == FSDP:
+            from canzona.schedules.validate_fsdp import check_fsdp
+
+            check_fsdp(schedule)
+            return None
         _check_buffers(schedule)
         _check_tp_section(schedule)
         _check_metrics(schedule)
@@ -100,6 +107,7 @@ def _check_request(schedule: Schedule) -> None:
         or choice_problem("split_qkv", req.split_qkv, QKV_SPLITS)
         or choice_problem("router_optimizer", req.router_optimizer, OPTIMIZER_CLASSES)
         or choice_problem("names", req.names, NAMING_CONVENTIONS)
+        or sharding_problem(req.sharding, req.dp, req.dp_replicate, req.ep)
     )
     if problem:
         _fail(f"request: {problem}")

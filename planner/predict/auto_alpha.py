@@ -27,6 +27,7 @@ from canzona.planner.plan import AutoSearch, Plan, PlanRequest, SearchTrial, Tra
 from canzona.planner.predict.hardware import Device, Hardware
 from canzona.planner.predict.simulate import simulate
 from canzona.planner.spec import ModelSpec, PlanError
+from canzona.schedules.limits import FSDP
 
 DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 TIE_TOLERANCE = 1e-9  # relative: predicted times this close count as equal
@@ -109,6 +110,10 @@ def plan_for_request(model: ModelSpec, request: PlanRequest,
     """The plan a request asks for: its fixed α and bucket size, or those the simulator
     predicts fastest (`bucket_device`, `alpha_device`); then what the searches tried.
     `progress` hears of each candidate the searches finish (`search_steps` of them)."""
+    if request.sharding == FSDP:
+        from canzona.planner.fsdp import make_fsdp_plan
+
+        return make_fsdp_plan(model, request), None  # type: ignore[return-value]
     if request.alpha_device is None and request.bucket_device is None:
         return make_plan(model, request), None
     from canzona.planner.predict.auto_bucket import choose_bucket_size

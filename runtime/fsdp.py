@@ -1,0 +1,410 @@
+"""`FsdpOptimizer`: execute an FSDP schedule (`canzona plan --fsdp`) on a model sharded by FSDP2's
+`fully_shard` (and HSDP, and DTensor TP under FSDP2).
+
+FSDP2 has already reduce-scattered (and, for HSDP, all-reduced over the replicas) every
+gradient, so each device holds its piece of every matrix's mean gradient: its FSDP chunk of
+dim 0 of its TP shard. For each micro-group of the schedule, one fused all-to-all over the
+fragmentation group (DP shard x TP devices of a replica) sends every piece to its matrix's host,
+the host runs Muon / Shampoo / SOAP on the whole matrix, and one fused all-to-all sends each
+device its piece of the update, which it applies to its own shard. The next group's gather is in
+flight while a host computes. AdamW parameters are updated where they lie, element-wise. HSDP
+replicas execute the same plan on their own fragmentation groups (same gradients, same result).
+
+The geometry (who holds which rows, who sends what) is `canzona.schedules.fsdp`, the one the
+planner priced the schedule with. The formulas are `canzona.runtime.optimizers`, the ones of
+`CanzonaOptimizer` and the single-process reference.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from canzona.runtime import comm
+from canzona.runtime.faults import StepFailedError, as_timedelta, gather_objects, settle, wait
+from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
+from canzona.runtime.optimizers import Hyperparameters, MatrixRule, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.state import clone_states
+from canzona.runtime.update import problem_line
+from canzona.runtime.schedule import MATRIX, ScheduleMismatchError, Verdict, disagreement, plan_digest, summary
+from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
+from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
+from canzona.schedules.geometry import fsdp_rows
+from canzona.schedules.library import resolve_schedule
+from canzona.schedules.limits import FSDP
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One matrix of a micro-group: its position in the optimizer's parameter list, full shape,
+    TP dim, row blocks and host fragment rank."""
+
+    position: int
+    name: str
+    shape: tuple[int, int]
+    tp_dim: int | None
+    row_blocks: list[Any] | None
+    host: int
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where this device sits: the layout, its replica and its fragment rank."""
+
+    layout: FsdpLayout
+    replica: int
+    fragment: int
+
+
+def _mesh_of(params: list[tuple[str, Tensor]]) -> Any:
+    """The parameters' widest DeviceMesh: under TP, parameters the TP plan leaves alone are
+    sharded by FSDP2 on its DP mesh only, a sub-mesh of the (dp, tp) one."""
+    meshes = [tensor.device_mesh for _, tensor in params if isinstance(tensor, DTensor)]
+    return max(meshes, key=lambda mesh: mesh.ndim, default=None)
+
+
+def mesh_place(mesh: Any, schedule: Schedule) -> tuple[Place | None, str | None]:
+    """This device's place in the FSDP layout of `schedule`, from the DeviceMesh the parameters
+    live on: dims (replicate, shard, tp), those of size 1 left out. (None, problem) if the mesh
+    does not have the schedule's sizes."""
+    req = schedule.request
+    layout = FsdpLayout(tp=req.tp, shards=req.dp // req.dp_replicate, replicas=req.dp_replicate)
+    expected = [size for size, kept in ((layout.replicas, layout.replicas > 1), (layout.shards, True),
+                                        (layout.tp, layout.tp > 1)) if kept]
+    if mesh is None:
+        return None, ("no parameter is a DTensor: shard the model with FSDP2's fully_shard first (a replicated model "
+                      "takes CanzonaOptimizer and a schedule planned without --fsdp)")
+    if mesh.mesh.numel() != dist.get_world_size():
+        return None, (f"the parameters' device mesh holds {mesh.mesh.numel()} ranks, but FsdpOptimizer needs one that "
+                      f"spans every rank of the job ({dist.get_world_size()})")
+    if list(mesh.shape) != expected:
+        names = f" {tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
+        return None, (f"the parameters' device mesh{names} has shape {list(mesh.shape)}, but the schedule is for "
+                      f"{_layout_text(layout)}: mesh (replicate, shard, tp) {expected}")
+    coordinate = list(mesh.get_coordinate())
+    replica = coordinate[0] if layout.replicas > 1 else 0
+    shard = coordinate[1 if layout.replicas > 1 else 0]
+    tp_rank = coordinate[-1] if layout.tp > 1 else 0
+    return Place(layout, replica, shard * layout.tp + tp_rank), None
+
+
+def _layout_text(layout: FsdpLayout) -> str:
+    hsdp = f"HSDP {layout.replicas} x " if layout.replicas > 1 else "FSDP "
+    return f"{hsdp}{layout.shards} shards x TP {layout.tp}"
+
+
+def _tensor_problem(entry: ParamEntry, tensor: Tensor, place: Place) -> str | None:
+    if not isinstance(tensor, DTensor):
+        return f"{entry.name}: not a DTensor (not sharded by fully_shard)"
+    expected = shard_shape(entry.shape, entry.tp_dim, place.layout, place.fragment)
+    local = tuple(tensor.to_local().shape)
+    if tuple(tensor.shape) != tuple(entry.shape) or local != expected:
+        return (f"{entry.name}: global shape {list(tensor.shape)}, local shard {list(local)}; the schedule expects "
+                f"{entry.shape} with local shard {list(expected)} (tp_dim {entry.tp_dim}, {_layout_text(place.layout)})")
+    return None
+
+
+def local_problems(schedule: Schedule, pairs: list[tuple[str, Tensor]], place: Place | None) -> list[str]:
+    """What does not fit on this rank: the sharding mode, unsupported entries, the tensors."""
+    req = schedule.request
+    if req.sharding != FSDP:
+        return [f"the schedule was planned without --fsdp (sharding {req.sharding}), but FsdpOptimizer executes FSDP2 "
+                "schedules: plan with `canzona plan ... --fsdp` (or use CanzonaOptimizer for replicated parameters)"]
+    unsupported = next((e for e in schedule.params if e.param is not None or e.grad_reduce is not None), None)
+    if unsupported is not None:
+        what = "grouped expert tensors" if unsupported.param is not None else "gradients partial over TP (grad_reduce)"
+        return [f"{what} ({unsupported.name!r}) are not yet executed under FSDP"]
+    if place is None:
+        return []
+    entries = {e.name: e for e in schedule.params}
+    found = (_tensor_problem(entries[name], tensor, place) for name, tensor in pairs if name in entries)
+    return [problem for problem in found if problem][:4]
+
+
+def _agree_on(schedule: Schedule | None, problem: str | None, frozen: str | None = None) -> None:
+    """Every rank's verdict over the whole job; the same ScheduleMismatchError on every rank
+    if any rank has a problem, or the ranks hold different schedules or freeze different
+    parameters (their micro-groups would then differ)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = schedule.request.tp if schedule is not None else 1
+    verdict = Verdict(rank, rank // tp, rank % tp, problem, schedule.fingerprint if schedule else None,
+                      plan_digest(schedule) if schedule else None, summary(schedule) if schedule else "no schedule",
+                      frozen)
+    flat = gather_objects(verdict, [dist.group.WORLD], "the FSDP schedule check")
+    grid = [flat[start : start + tp] for start in range(0, world, tp)] if world % tp == 0 else [flat]
+    message = disagreement(grid)
+    if message:
+        raise ScheduleMismatchError(message)
+
+
+def _load(schedule: Schedule | str | os.PathLike[str]) -> Schedule:
+    return schedule if isinstance(schedule, Schedule) else read_schedule(resolve_schedule(schedule))
+
+
+class FsdpOptimizer(torch.optim.Optimizer):
+    """Muon / Shampoo / SOAP (and AdamW) for an FSDP2-sharded model, executing an FSDP schedule.
+
+    `params`: `model.named_parameters()` or groups of (name, tensor) pairs, as for
+    `CanzonaOptimizer` (the names are the schedule's). `schedule`: a `Schedule`, a file or a
+    library name, planned with `--fsdp`. `mesh`: the DeviceMesh the parameters live on (default:
+    the DTensor parameters' widest), dims (replicate, shard, tp) with those of size 1 left out.
+    `timeout` (seconds) bounds every collective of the fragmentation groups. Hyperparameters as
+    for `CanzonaOptimizer`. A mismatch between model, mesh and schedule raises the same
+    ScheduleMismatchError on every rank."""
+
+    def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *, mesh: Any = None,
+                 timeout: float | timedelta | None = None, **defaults: Any) -> None:
+        self.timeout = as_timedelta(timeout)
+        try:
+            self.schedule = _load(schedule)
+        except ScheduleError as error:  # a file missing or broken on some ranks only: all of them raise
+            _agree_on(None, str(error))
+            raise
+        self.rule_name = self.schedule.request.optimizer.name
+        self.hp = Hyperparameters.from_kwargs(defaults).resolved(self.schedule.request.optimizer)
+        entries = {e.name: e for e in self.schedule.params}
+        resolved = resolve_param_groups(list(params), entries, 1, self.rule_name, self.hp)
+        pairs = [pair for group in resolved.groups for pair in group["params"]]
+        mesh = mesh if mesh is not None else _mesh_of(pairs)
+        place, mesh_problem = mesh_place(mesh, self.schedule)
+        problems = resolved.problems + ([mesh_problem] if mesh_problem else []) + local_problems(self.schedule, pairs, place)
+        _agree_on(self.schedule, "; ".join(problems) or None, ", ".join(resolved.frozen) or None)
+        assert place is not None
+        self.place = place
+        self.group = self._fragmentation_group(mesh)
+        super().__init__(resolved.groups, {"lr": self.hp.lr, "weight_decay": self.hp.weight_decay})
+        self.device = pairs[0][1].device if pairs else torch.device("cpu")
+        self.names = [name for name, _ in pairs]
+        self.tensors = [tensor for _, tensor in pairs]
+        position = {name: index for index, name in enumerate(self.names)}
+        self.group_of = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
+        self.matrix = [entries[name].optimizer == MATRIX for name in self.names]
+        self.micro_groups = [
+            [Matrix(position[n], n, tuple(entries[n].shape), entries[n].tp_dim, entries[n].row_blocks, h)  # type: ignore[arg-type]
+             for n, h in zip(group.params, group.hosts) if n in position]
+            for group in self.schedule.tp.ranks[0].groups
+        ]
+        self._problem: str | None = None  # the first failure of the step in progress
+        self._pending: dict[int, list[Any]] = {}  # hosted matrices' new state, until the step commits
+        for tensor in self.tensors:
+            self.state[tensor]["step"] = 0
+            if tensor.dtype != torch.float32:
+                self.state[tensor]["main"] = tensor.to_local().detach().to(torch.float32).clone()
+
+    # -----------------------------------------------------------------------------------------
+    # Construction: one verdict for every rank, the fragmentation groups
+
+    def _fragmentation_group(self, mesh: Any) -> dist.ProcessGroup:
+        """The devices of this replica (every rank creates every replica's group, in order)."""
+        layout, options = self.place.layout, ({"timeout": self.timeout} if self.timeout is not None else {})
+        rows = mesh.mesh.reshape(layout.replicas, layout.hosts).tolist()
+        mine = None
+        for replica, ranks in enumerate(rows):
+            group = dist.new_group(ranks, **options)
+            mine = group if replica == self.place.replica else mine
+        assert mine is not None
+        return mine
+
+    # -----------------------------------------------------------------------------------------
+    # The step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One step of every parameter with a gradient (the same ones on every rank)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        active = self._active()
+        hps = [group_hyperparameters(group, self.hp, self.rule_name) for group in self.param_groups]
+        self._problem, self._pending = None, {}
+        received = self._step_matrices(active, hps)
+        # Hosts computed into copies of their state: if any failed, every rank raises here and
+        # nothing (state, parameters, step counts) has changed anywhere.
+        settle(self._problem, [dist.group.WORLD], self.timeout, "the end of the FSDP step",
+               "an FSDP optimizer step failed on some ranks, and no rank applied it", self.device)
+        for position in (p for p, on in enumerate(active) if on):
+            self.state[self.tensors[position]]["step"] += 1
+        for position, states in self._pending.items():
+            self.state[self.tensors[position]]["matrix"] = states
+        for group, pieces in received:
+            self._apply(group, pieces, hps)
+        self._step_adamw(active, hps)
+        return loss
+
+    def _active(self) -> list[bool]:
+        """Which parameters have a gradient, agreed by every rank (FSDP2 gives every rank the
+        same ones; a disagreement raises on every rank instead of hanging)."""
+        flags = torch.tensor([tensor.grad is not None for tensor in self.tensors], dtype=torch.int32, device=self.device)
+        total = flags.clone()
+        wait(dist.all_reduce(total, group=dist.group.WORLD, async_op=True), self.timeout, "the FSDP gradient check")
+        world = dist.get_world_size()
+        if bool(((total != 0) & (total != world)).any()):
+            split = [self.names[i] for i in range(len(self.names)) if 0 < int(total[i]) < world]
+            raise StepFailedError(f"canzona: some ranks have gradients of {', '.join(split[:3])} and others not; no rank stepped")
+        return [bool(flag) for flag in total.tolist()]
+
+    def _value(self, position: int) -> Tensor:
+        """The fp32 values this device updates: its local shard, or its fp32 main copy."""
+        tensor = self.tensors[position]
+        state = self.state[tensor]
+        return state["main"] if "main" in state else tensor.to_local()
+
+    def _commit(self, position: int) -> None:
+        state = self.state[self.tensors[position]]
+        if "main" in state:
+            self.tensors[position].to_local().copy_(state["main"])
+
+    def _grad(self, position: int) -> Tensor:
+        grad = self.tensors[position].grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        return local.to(torch.float32)
+
+    def _step_adamw(self, active: list[bool], hps: list[Hyperparameters]) -> None:
+        for position, tensor in enumerate(self.tensors):
+            if self.matrix[position] or not active[position]:
+                continue
+            state, value = self.state[tensor], self._value(position)
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros(value.numel(), dtype=torch.float32, device=self.device)
+                state["exp_avg_sq"] = torch.zeros(value.numel(), dtype=torch.float32, device=self.device)
+            if value.numel():
+                adamw_(value.view(-1), self._grad(position).reshape(-1), state["exp_avg"], state["exp_avg_sq"],
+                       state["step"], hps[self.group_of[position]])
+                self._commit(position)
+
+    def _step_matrices(self, active: list[bool], hps: list[Hyperparameters]) -> list[tuple[list[Matrix], Tensor]]:
+        """Gather, update on the hosts and scatter every micro-group (the next gather in
+        flight); this device's update pieces per group, not applied yet."""
+        groups = [[m for m in group if active[m.position]] for group in self.micro_groups]
+        groups = [group for group in groups if group]
+        scatters: list[tuple[list[Matrix], comm.InFlight]] = []
+        gather = self._start_gather(groups[0]) if groups else None
+        for index, group in enumerate(groups):
+            following = self._start_gather(groups[index + 1]) if index + 1 < len(groups) else None
+            assert gather is not None
+            updates = self._host_updates(group, gather.wait(), hps)
+            scatters.append((group, self._start_scatter(group, updates)))
+            gather = following
+        return [(group, scatter.wait()) for group, scatter in scatters]
+
+    # -----------------------------------------------------------------------------------------
+    # Gather, host update, scatter
+
+    def _contributes(self, matrix: Matrix, sender: int) -> bool:
+        return sender == matrix.host or sends_to_host(matrix.tp_dim, sender, matrix.host, self.place.layout.tp)
+
+    def _numel(self, matrix: Matrix, fragment: int) -> int:
+        return shard_numel(matrix.shape, matrix.tp_dim, self.place.layout, fragment)
+
+    def _start_gather(self, group: list[Matrix]) -> comm.InFlight:
+        """Send each matrix's gradient piece to its host (one fused all-to-all)."""
+        me, hosts = self.place.fragment, self.place.layout.hosts
+        outgoing: list[list[Tensor]] = [[] for _ in range(hosts)]
+        for m in group:
+            if self._contributes(m, me):
+                outgoing[m.host].append(self._grad(m.position).reshape(-1))
+        recv = [sum(self._numel(m, q) for m in group if m.host == me and self._contributes(m, q)) for q in range(hosts)]
+        return self._all_to_all(outgoing, recv, "the FSDP gather of gradients")
+
+    def _all_to_all(self, outgoing: list[list[Tensor]], recv: list[int], what: str) -> comm.InFlight:
+        pieces = [piece for peer in outgoing for piece in peer]
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=self.device)
+        splits = [sum(piece.numel() for piece in peer) for peer in outgoing]
+        return comm.start_all_to_all(send, splits, recv, self.group, self.timeout, what)
+
+    def _host_updates(self, group: list[Matrix], received: Tensor, hps: list[Hyperparameters]) -> dict[int, Tensor]:
+        """The update of every matrix this device hosts, from the pieces it received."""
+        layout, me = self.place.layout, self.place.fragment
+        mine = [m for m in group if m.host == me]
+        pieces: dict[tuple[int, int], Tensor] = {}
+        offset = 0
+        for sender in range(layout.hosts):
+            for m in mine:
+                if self._contributes(m, sender):
+                    size = self._numel(m, sender)
+                    shape = shard_shape(m.shape, m.tp_dim, layout, sender)
+                    pieces[(m.position, sender)] = received[offset : offset + size].view(shape)
+                    offset += size
+        updates = {}
+        for m in mine:
+            columns = range(layout.tp) if m.tp_dim is not None else [me % layout.tp]
+            parts = [torch.cat([pieces[(m.position, s * layout.tp + t)] for s in range(layout.shards)]) for t in columns]
+            full = parts[0] if m.tp_dim is None else torch.cat(parts, dim=m.tp_dim)
+            updates[m.position] = self._host_update(m, full, hps[self.group_of[m.position]])
+        return updates
+
+    def _host_update(self, m: Matrix, grad: Tensor, hp: Hyperparameters) -> Tensor:
+        """A hosted matrix's update; a failure is recorded for the end of the step (a zero
+        update keeps the collectives going meanwhile)."""
+        if self._problem is None:
+            try:
+                return self._matrix_update(m, grad, hp)
+            except Exception as error:  # noqa: BLE001 - reported on every rank by the step's settle
+                self._problem = f"updating {m.name}: {problem_line(error)}"
+        return torch.zeros(m.shape, dtype=torch.float32, device=self.device)
+
+    def _matrix_update(self, m: Matrix, grad: Tensor, hp: Hyperparameters) -> Tensor:
+        """The update of one matrix, computed on a copy of its state (kept until the step
+        commits)."""
+        current = self.state[self.tensors[m.position]]
+        rule: MatrixRule = make_rule(self.rule_name, hp)
+        states = clone_states(current["matrix"]) if "matrix" in current else init_matrix_state(
+            rule, m.shape, m.row_blocks, self.device)
+        update = matrix_update(rule, states, grad, m.row_blocks, current["step"] + 1)
+        self._pending[m.position] = states
+        return update
+
+    def _piece(self, update: Tensor, m: Matrix, fragment: int) -> Tensor:
+        """Fragment rank `fragment`'s piece of a whole matrix's update."""
+        layout = self.place.layout
+        local = update if m.tp_dim is None else update.chunk(layout.tp, dim=m.tp_dim)[fragment % layout.tp]
+        start, stop = fsdp_rows(local.shape[0], layout.shards)[layout.shard_of(fragment)]
+        return local[start:stop].reshape(-1)
+
+    def _start_scatter(self, group: list[Matrix], updates: dict[int, Tensor]) -> comm.InFlight:
+        """Send every device its piece of each update this device hosts (one fused all-to-all)."""
+        me, hosts = self.place.fragment, self.place.layout.hosts
+        outgoing = [[self._piece(updates[m.position], m, q) for m in group if m.host == me] for q in range(hosts)]
+        recv = [sum(self._numel(m, me) for m in group if m.host == q) for q in range(hosts)]
+        return self._all_to_all(outgoing, recv, "the FSDP scatter of updates")
+
+    def _apply(self, group: list[Matrix], received: Tensor, hps: list[Hyperparameters]) -> None:
+        """Apply this device's pieces (ordered by host, then group order) to its shards."""
+        me, offset = self.place.fragment, 0
+        for host in range(self.place.layout.hosts):
+            for m in (m for m in group if m.host == host):
+                size = self._numel(m, me)
+                value = self._value(m.position)
+                hp = hps[self.group_of[m.position]]
+                apply_update(value, received[offset : offset + size].view(value.shape), hp.lr, hp.weight_decay)
+                self._commit(m.position)
+                offset += size
+
+    # -----------------------------------------------------------------------------------------
+    # Checkpoints: the same layout only
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's optimizer state dict of this device, tagged with the plan and its place."""
+        out = super().state_dict()
+        out["canzona_fsdp"] = {"digest": plan_digest(self.schedule), "fragment": self.place.fragment}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict saved by the same device under the same schedule; ValueError for
+        another schedule or another place (resharding FSDP optimizer state is not supported)."""
+        state_dict = dict(state_dict)
+        tag = state_dict.pop("canzona_fsdp", None)
+        expected = {"digest": plan_digest(self.schedule), "fragment": self.place.fragment}
+        if tag != expected:
+            raise ValueError("canzona: this optimizer state was saved under another FSDP schedule or by another device "
+                             "(FsdpOptimizer loads only the layout it saved; resharding FSDP optimizer state is not supported)")
+        super().load_state_dict(state_dict)

@@ -1,0 +1,105 @@
+"""Geometry of FSDP2 (`fully_shard`) schedules: which piece of a matrix each device holds, who
+sends what to a matrix's host, and the per-device figures every FSDP schedule records.
+
+Shared by the planner (which writes the figures), the validator (which recomputes them) and the
+runtime (which moves the pieces), so the three agree by construction. Pure: no torch.
+
+Layout: a DeviceMesh (replicate, shard, tp), dims of size 1 left out; global rank =
+dp_rank · tp + tp_rank with dp_rank = replica · shards + shard. The *fragmentation group* of a
+device is the shards · tp devices of its replica; inside it, fragment rank = shard · tp + tp_rank.
+A parameter's TP shard (split along `tp_dim`) is split again by FSDP2 along dim 0 by
+torch.chunk's rule (`geometry.fsdp_rows`). Every replica executes the same micro-groups on its
+own fragmentation group (HSDP has already averaged the gradients over the replicas).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+
+from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT, fsdp_rows
+
+
+@dataclass(frozen=True)
+class FsdpLayout:
+    """The sizes of an FSDP layout: TP ranks, FSDP shard ranks, HSDP replicas."""
+
+    tp: int
+    shards: int
+    replicas: int = 1
+
+    @property
+    def hosts(self) -> int:
+        """Devices of one fragmentation group (shards x TP): the possible hosts of a matrix."""
+        return self.shards * self.tp
+
+    @property
+    def dp(self) -> int:
+        """DP ranks (replicas x shards)."""
+        return self.shards * self.replicas
+
+    def fragment_of(self, rank: int) -> int:
+        """The fragment rank of global rank `rank` inside its fragmentation group."""
+        return (rank // self.tp) % self.shards * self.tp + rank % self.tp
+
+    def shard_of(self, fragment: int) -> int:
+        """The FSDP shard rank of a fragment rank."""
+        return fragment // self.tp
+
+
+def local_shape(shape: Sequence[int], tp_dim: int | None, tp: int) -> tuple[int, ...]:
+    """The shape of one TP rank's shard (the whole parameter when `tp_dim` is None)."""
+    local = list(shape)
+    if tp_dim is not None:
+        local[tp_dim] //= tp
+    return tuple(local)
+
+
+def shard_shape(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout, fragment: int) -> tuple[int, ...]:
+    """The shape of the piece fragment rank `fragment` holds: its FSDP chunk of dim 0 of its
+    TP shard (possibly zero rows)."""
+    local = local_shape(shape, tp_dim, layout.tp)
+    start, stop = fsdp_rows(local[0], layout.shards)[layout.shard_of(fragment)]
+    return (stop - start, *local[1:])
+
+
+def shard_numel(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout, fragment: int) -> int:
+    """Elements of the piece fragment rank `fragment` holds."""
+    return prod(shard_shape(shape, tp_dim, layout, fragment))
+
+
+def sends_to_host(tp_dim: int | None, sender: int, host: int, tp: int) -> bool:
+    """Whether `sender` sends its gradient piece to the matrix's `host` in the gather: every
+    other fragment rank, except that for a matrix replicated over TP only the host's TP rank
+    column is needed (the other TP ranks hold copies of the same pieces)."""
+    return sender != host and (tp_dim is not None or sender % tp == host % tp)
+
+
+def fragment_traffic(matrices: Sequence[tuple[Sequence[int], int | None, int]], layout: FsdpLayout) -> list[tuple[int, int]]:
+    """Per fragment rank, (sent, received) bytes per step of the gather and scatter all-to-alls
+    (fp32 pieces) of `matrices`, each (full shape, tp_dim, host fragment rank)."""
+    sent, received = [0] * layout.hosts, [0] * layout.hosts
+    for shape, tp_dim, host in matrices:
+        for fragment in range(layout.hosts):
+            if fragment == host:
+                continue
+            size = GRAD_BYTES_PER_ELEMENT * shard_numel(shape, tp_dim, layout, fragment)
+            if sends_to_host(tp_dim, fragment, host, layout.tp):
+                sent[fragment] += size
+                received[host] += size
+            sent[host] += size  # the scatter: every piece, copies included, goes back
+            received[fragment] += size
+    return list(zip(sent, received))
+
+
+def padding_ratio(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout) -> float:
+    """FSDP2's padded size over the real size of a TP shard: shards x chunk rows / rows."""
+    rows = local_shape(shape, tp_dim, layout.tp)[0]
+    chunk = -(-rows // layout.shards)
+    return layout.shards * chunk / rows
+
+
+def dp_loads(hosted: Sequence[float], layout: FsdpLayout) -> list[float]:
+    """Per DP rank, the summed load of its TP ranks (fragment loads; replicas repeat them)."""
+    return [sum(hosted[(d % layout.shards) * layout.tp + t] for t in range(layout.tp)) for d in range(layout.dp)]
