@@ -171,7 +171,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.rule_name = self.schedule.request.optimizer.name
         self.hp = Hyperparameters.from_kwargs(defaults).resolved(self.schedule.request.optimizer)
         entries = {e.name: e for e in self.schedule.params}
-        resolved = resolve_param_groups(list(params), entries, 1, self.rule_name, self.hp)
+        resolved = resolve_param_groups(list(params), entries, 1, self.rule_name, self.hp, fsdp=True)
         pairs = [pair for group in resolved.groups for pair in group["params"]]
         mesh = mesh if mesh is not None else _mesh_of(pairs)
         place, mesh_problem = mesh_place(mesh, self.schedule)

@@ -182,10 +182,14 @@ def _split(index: int, group: dict[str, Any], pairs: list[tuple[str, Tensor]], e
 
 
 def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry], tp: int,
-                    grad_attr: str) -> list[str]:
+                    grad_attr: str, fsdp: bool) -> list[str]:
     problems = []
     for name, tensor in pairs:
-        if name in entries:
+        if name not in entries:
+            continue
+        if fsdp:  # FSDP2 shards over DP too: global shapes here, placements in fsdp_checks
+            problems += tensor_problems(entries[name], tensor, tp)
+        else:
             problems += placement_problems(entries[name], tensor, tp) + tensor_problems(entries[name], local(tensor), tp)
     devices = sorted({str(tensor.device) for _, tensor in pairs})
     if len(devices) > 1:
@@ -201,9 +205,11 @@ def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, Param
 
 
 def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], tp: int, rule: str,
-                   defaults: Hyperparameters, grad_attr: str = "grad") -> ResolvedGroups:
+                   defaults: Hyperparameters, grad_attr: str = "grad", fsdp: bool = False) -> ResolvedGroups:
     """Check what a script passed against the schedule (`entries` by name, TP size `tp`) and
-    build the homogeneous groups; every problem is returned, nothing raises."""
+    build the homogeneous groups; every problem is returned, nothing raises. `fsdp`: the
+    parameters are FSDP2-sharded, so their global shapes are checked (their placements are
+    the FSDP optimizer's to check)."""
     result = ResolvedGroups()
     user_groups, result.problems = _user_groups(params)
     seen: dict[Any, int] = {}
@@ -214,7 +220,7 @@ def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], t
         every += pairs
         trainable = [(name, tensor) for name, tensor in pairs if name in entries and tensor.requires_grad]
         result.groups += _split(index, group, trainable, entries, rule, defaults, result.problems)
-    result.problems += _model_problems(every, entries, tp, grad_attr)
+    result.problems += _model_problems(every, entries, tp, grad_attr, fsdp)
     managed = {name for group in result.groups for name, _ in group["params"]}
     result.frozen = [name for name in sorted(entries, key=lambda n: entries[n].index) if name not in managed]
     if user_groups and not managed and not result.problems:
