@@ -176,7 +176,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
         mesh = mesh if mesh is not None else _mesh_of(pairs)
         place, mesh_problem = mesh_place(mesh, self.schedule)
         problems = resolved.problems + ([mesh_problem] if mesh_problem else []) + local_problems(self.schedule, pairs, place)
-        _agree_on(self.schedule, "; ".join(problems) or None, ", ".join(resolved.frozen) or None)
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        _agree_on(self.schedule, "; ".join(problems[:3]) + more or None, ", ".join(resolved.frozen) or None)
         assert place is not None
         self.place = place
         self.group = self._fragmentation_group(mesh)
