@@ -103,6 +103,12 @@ class TpMode(str, Enum):
     heap = "heap"
 
 
+class Coop(str, Enum):
+    off = "off"
+    auto = "auto"
+    force = "force"
+
+
 class Solver(str, Enum):
     greedy = "greedy"
     ilp = "ilp"
@@ -184,6 +190,7 @@ def plan(
     max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
     mode: Annotated[TpMode, typer.Option(help="TP micro-group scheduler.")] = TpMode.rollback,
     group_mb: Annotated[float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")] = DEFAULT_GROUP_MB,
+    coop: Annotated[Coop, typer.Option(help="Cooperative hosting (Muon): auto hosts a dominant matrix on several TP ranks where that shortens the busiest device; force: each DP rank's largest on all TP ranks (tests); off.")] = Coop.auto,
     ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
     solver: Annotated[Solver, typer.Option(help="greedy, or ilp: refine with CP-SAT (needs ortools).")] = Solver.greedy,
     time_limit: Annotated[float, typer.Option(help="--solver ilp: CP-SAT budget in deterministic seconds.")] = 10.0,
@@ -214,6 +221,7 @@ def plan(
         model, tp, dp, settings, cost, 1.0 if auto else _alpha(alpha), DEFAULT_BUCKET_SIZE if size is None else size, options,
         mode.value, int(group_mb * MIB), ep, solver.value, time_limit, seed, searched_on if auto else None,
         searched_on if size is None else None, TrainingSetup(global_batch, seq_len, micro_batches) if searching else None,
+        coop.value,
     )
     request.validate()
     inputs = [*source_files(model), cost.removeprefix(PROFILE_PREFIX) if cost.startswith(PROFILE_PREFIX) else None,

@@ -69,6 +69,7 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
         "num_groups": schedule.metrics.tp.num_groups,
         "tp_efficiency": schedule.metrics.tp.efficiency,
         "device_imbalance": schedule.metrics.tp.device_imbalance,
+        "cooperative": schedule.metrics.tp.cooperative,
         "solver": schedule.metrics.solver.model_dump() if schedule.metrics.solver else None,
         "alpha_search": [t.model_dump() for t in schedule.metrics.alpha_search or []],
         "alpha_device": req.alpha_device,
@@ -92,7 +93,8 @@ def summary_text(summary: dict[str, Any]) -> str:
         "baselines, max load / lower bound: "
         + ", ".join(f"{name} {1 + b['gap']:.3f}" for name, b in summary["baselines"].items()),
         f"TP {summary['tp_mode']}: {plural(summary['num_groups'], 'micro-group')}, efficiency "
-        f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}",
+        f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}"
+        + (f", {plural(summary['cooperative'], 'matrix', 'matrices')} hosted cooperatively" if summary["cooperative"] else ""),
         f"planned in {duration(summary['seconds'])}",
     ]
     if summary["alpha_search"]:
@@ -167,7 +169,8 @@ def _tp_lines(schedule: Schedule) -> list[str]:
     tp, devices = schedule.metrics.tp, schedule.metrics.device
     lines = [
         f"TP micro-groups ({tp.mode}, capacity {schedule.tp.group_bytes / (1 << 20):.0f} MiB per host): "
-        f"critical path {tp.critical_time:.4g} vs lower bound {tp.critical_lower_bound:.4g}",
+        f"critical path {tp.critical_time:.4g} vs lower bound {tp.critical_lower_bound:.4g}"
+        + (f"; {plural(tp.cooperative, 'matrix', 'matrices')} hosted cooperatively" if tp.cooperative else ""),
     ]
     rows = [
         [mode, str(s.num_groups), f"{s.efficiency:.3f}", f"{s.critical_time / tp.critical_lower_bound if tp.critical_lower_bound else 1:.3f}", f"{s.device_imbalance:.3f}", f"{s.max_saturation:.2f}"]

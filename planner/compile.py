@@ -29,6 +29,7 @@ from canzona.schedules.format import (
     Schedule,
     SolverMetrics,
     StrategyScore,
+    TeamEntry,
     TpGroup,
     TpMetrics,
     TpModeScore,
@@ -77,6 +78,7 @@ def _request(plan: Plan) -> Request:
         alpha_device=req.alpha_device,
         bucket_device=req.bucket_device,
         training=_training(req),
+        coop=req.coop,
         canzona_version=canzona_version(),
     )
 
@@ -228,6 +230,8 @@ def _tp_section(plan: Plan) -> TpSection:
                     host_bytes=list(stats.host_bytes),
                     makespan=stats.makespan,
                     saturation=stats.saturation,
+                    teams=[TeamEntry(param=tasks[t].name, hosts=list(team.hosts), load=team.cost)
+                           for t, team in zip(group.tasks, group.teams) if team is not None],
                 )
             )
         ranks.append(TpRankPlan(dp_rank=dp_rank, groups=entries))
@@ -250,6 +254,7 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
         device_imbalance=chosen.device_imbalance,
         max_saturation=chosen.max_saturation,
         modes={mode: TpModeScore(**vars(score)) for mode, score in scores.items()},
+        cooperative=sum(team is not None for rank in plan.chosen_groups for group in rank for team in group.teams),
     )
 
 
@@ -321,4 +326,5 @@ def plan_request(request: Request, model_source: str | None = None) -> PlanReque
         alpha_device=request.alpha_device,
         bucket_device=request.bucket_device,
         training=TrainingSetup(**request.training.model_dump()) if request.training else None,
+        coop=request.coop,
     )

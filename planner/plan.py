@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from canzona.planner.partition.baselines import BaselineLoads, all_baselines
+from canzona.planner.partition.cooperative import COOP_MODES, Shape, cooperate
 from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
 from canzona.planner.partition.dp import (
     DpAssignment,
@@ -110,6 +111,7 @@ class PlanRequest:
     alpha_device: str | None = None  # set: alpha was chosen by the simulator on this device
     bucket_device: str | None = None  # set: bucket_size was chosen by the simulator on this device
     training: TrainingSetup | None = None  # what those searches assumed (None: the defaults)
+    coop: str = "auto"  # cooperative hosting of dominant Muon matrices: off, auto, force
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""
@@ -121,6 +123,8 @@ class PlanRequest:
         ) or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
         if problem:
             raise PlanError(problem)
+        if self.coop not in COOP_MODES:
+            raise PlanError(f"unknown cooperative hosting mode {self.coop!r}; choose one of {', '.join(COOP_MODES)}")
         if self.alpha_device is not None or self.bucket_device is not None:
             (self.training or TrainingSetup()).validate(self.dp)
 
@@ -278,6 +282,11 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
         refined, num_refined, num_improved = refine_groups(tasks, groups[request.tp_mode], request)
         groups[request.tp_mode] = refined
         summary = _solver_summary(dense, num_refined, num_improved)
+    shapes = team_shapes(model, request)
+    if shapes:
+        groups = {mode: tuple(cooperate(rank, rank_groups, tp, shapes, request.optimizer.ns_steps, request.coop,
+                                        request.group_bytes)
+                              for rank, rank_groups in zip(tasks, mode_groups)) for mode, mode_groups in groups.items()}
     return Plan(
         request=request,
         model=model,
@@ -295,6 +304,20 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
         groups=groups,
         solver=summary,
     )
+
+
+def team_shapes(model: ModelSpec, request: PlanRequest) -> dict[str, Shape]:
+    """The matrices a team may host: Muon, updated as one matrix (one submatrix); none when
+    cooperative hosting is off, or `auto` under a cost model it cannot price (only FLOPs)."""
+    if request.optimizer.name != "muon" or request.coop == "off" or request.tp < 2:
+        return {}
+    if request.coop == "auto" and request.cost != "flops":
+        return {}
+    return {
+        param.name: Shape(param.shape[0], param.shape[1], param.tp_dim)
+        for param in model.params
+        if param.optimizer == MATRIX and len(param.submatrices) == 1
+    }
 
 
 def _solver_summary(dense: BufferPlan, num_refined: int, num_improved: int) -> SolverSummary:

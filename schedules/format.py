@@ -75,7 +75,7 @@ class Request(_Strict):
     size was chosen by the simulator on that device; `training` is what the `alpha_device` /
     `bucket_device` searches assumed. `names` is the naming convention a preset or a Hugging
     Face config was expanded to; `sequence_parallel` marks every norm's gradient as partial
-    over TP."""
+    over TP; `coop` is the cooperative hosting mode (off, auto, force)."""
 
     model: ModelSource
     tp: int = Field(ge=1, le=MAX_FILE_INT)
@@ -98,6 +98,7 @@ class Request(_Strict):
     alpha_device: str | None = None
     bucket_device: str | None = None
     training: TrainingSettings | None = None
+    coop: str = "off"
     canzona_version: str
 
 
@@ -162,9 +163,20 @@ class DpSection(_Strict):
     adamw_buckets: list[AdamwBucketEntry]
 
 
+class TeamEntry(_Strict):
+    """A matrix hosted cooperatively (Muon only): the TP ranks (ascending; its `hosts` entry
+    among them) that each hold an equal slice of its long side in that order and run
+    Newton–Schulz together, and the cost each pays."""
+
+    param: str
+    hosts: list[Count]
+    load: float
+
+
 class TpGroup(_Strict):
     """One micro-group of a DP rank, in execution order. `params[i]` is updated on TP rank
-    `hosts[i]`; per TP rank: summed task cost and bytes of gathered full fp32 gradients."""
+    `hosts[i]`, or by its team if `teams` names it; per TP rank: summed task cost (a team's
+    `load` on each member) and bytes of gathered full fp32 gradients (1/k of a teamed one)."""
 
     index: Count
     params: list[str]
@@ -173,6 +185,7 @@ class TpGroup(_Strict):
     host_bytes: list[Count]
     makespan: float
     saturation: float
+    teams: list[TeamEntry] = []
 
 
 class TpRankPlan(_Strict):
@@ -234,7 +247,8 @@ class TpModeScore(_Strict):
 class TpMetrics(_Strict):
     """efficiency = sum of task costs / (P · sum over groups of makespan), over all DP ranks;
     critical_time = the largest sum of group makespans of one DP rank (cost units), and
-    critical_lower_bound = max over DP ranks of max(its cost / P, its largest task)."""
+    critical_lower_bound = max over DP ranks of max(its cost / P, its largest task);
+    cooperative = how many matrices the chosen mode hosts cooperatively (by a team)."""
 
     mode: str
     num_groups: Count
@@ -245,6 +259,7 @@ class TpMetrics(_Strict):
     device_imbalance: float
     max_saturation: float
     modes: dict[str, TpModeScore]
+    cooperative: Count = 0
 
 
 class DeviceMetrics(_Strict):
