@@ -88,3 +88,19 @@ def test_the_validator_refuses_bad_teams() -> None:
         object.__setattr__(target, "teams", [TeamEntry(param=team.param, hosts=bad, load=team.load)])
         with pytest.raises(ScheduleError, match=message):
             parse_schedule(dump_schedule(sealed(broken)))
+
+
+def test_the_simulator_prices_teams_and_shortens_the_optimizer_stage_of_qwen3_32b() -> None:
+    from canzona.planner.predict.hardware import BUILTIN
+    from canzona.planner.predict.simulate import build_instance, default_time_model, simulate, team_seconds
+
+    model = load_model("qwen3-32b", 8)
+    off = compile_schedule(make_plan(model, PlanRequest("qwen3-32b", 8, 32, coop="off")))
+    auto = compile_schedule(make_plan(model, PlanRequest("qwen3-32b", 8, 32)))
+    h100 = BUILTIN["h100"]
+    inst = build_instance(auto, h100, default_time_model(auto, h100))
+    fc1 = inst.matrices["decoder.layers.0.mlp.linear_fc1.weight"]
+    # A member of a team of 8 does 1/8 of the long-side work plus the replicated r^3 and the all-reduces.
+    assert fc1.seconds / 8 < team_seconds(inst, fc1, 8) < fc1.seconds / 2
+    before, after = simulate(off, h100).get("canzona"), simulate(auto, h100).get("canzona")
+    assert after.optimizer_stage < 0.7 * before.optimizer_stage

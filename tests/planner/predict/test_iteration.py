@@ -202,9 +202,13 @@ def test_where_tp_sc_is_closer_it_wins_by_at_most_one_tp_scatter() -> None:
     # Known limit: when a DP rank owns a single dominant matrix (small models at high DP), its
     # host computes exactly what every TP-SC rank computes, then pays the scatter TP-SC does not
     # (the planner has no per-group "duplicated" mode yet). TP-SC then wins by at most that scatter.
+    # Without cooperative hosting, that is: a team of hosts shares the matrix and canzona wins.
     from canzona.planner.predict.simulate import build_instance, default_time_model, micro_group_times
 
-    schedule = compile_schedule(make_plan(load_model("llama3.1-8b", 4), PlanRequest("llama3.1-8b", 4, 64)))
+    model = load_model("llama3.1-8b", 4)
+    teamed = simulate(compile_schedule(make_plan(model, PlanRequest("llama3.1-8b", 4, 64))), BUILTIN["h100"])
+    assert teamed.get("canzona").step < teamed.get("tp-sc").step
+    schedule = compile_schedule(make_plan(model, PlanRequest("llama3.1-8b", 4, 64, coop="off")))
     sim = simulate(schedule, BUILTIN["h100"], training=TrainingSetup())
     canzona, tp_sc = sim.get("canzona"), sim.get("tp-sc")
     assert tp_sc.step < canzona.step  # the limit is real here
