@@ -190,7 +190,7 @@ def plan(
     max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
     mode: Annotated[TpMode, typer.Option(help="TP micro-group scheduler.")] = TpMode.rollback,
     group_mb: Annotated[float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")] = DEFAULT_GROUP_MB,
-    coop: Annotated[Coop, typer.Option(help="Cooperative hosting (Muon): auto hosts a dominant matrix on several TP ranks where that shortens the busiest device; force: each DP rank's largest on all TP ranks (tests); off.")] = Coop.auto,
+    coop: Annotated[Coop, typer.Option(help="Cooperative hosting (Muon): auto hosts a dominant matrix on several TP ranks where that shortens the busiest device; force: every eligible matrix on all TP ranks (tests); off.")] = Coop.auto,
     ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
     solver: Annotated[Solver, typer.Option(help="greedy, or ilp: refine with CP-SAT (needs ortools).")] = Solver.greedy,
     time_limit: Annotated[float, typer.Option(help="--solver ilp: CP-SAT budget in deterministic seconds.")] = 10.0,

@@ -120,6 +120,17 @@ def adamw_runs(opt: CanzonaOptimizer) -> list[AdamwRun]:
     return runs
 
 
+TEAMS_UNSUPPORTED = ("canzona: the optimizer state of cooperatively hosted matrices (the schedule's teams) cannot be "
+                     "saved or loaded yet; plan with --coop off to checkpoint")
+
+
+def refuse_teams(opt: CanzonaOptimizer) -> None:
+    """NotImplementedError, on every rank alike (the schedule decides), if the schedule hosts
+    matrices cooperatively: their momentum lives in slices this format does not describe."""
+    if getattr(opt, "_cooperative", False):
+        raise NotImplementedError(TEAMS_UNSUPPORTED)
+
+
 def _matrix_template(opt: CanzonaOptimizer, param: int) -> list[State]:
     task = opt._tasks[param]
     return init_matrix_state(opt.rule, task.shape, task.row_blocks, opt.device)
@@ -157,6 +168,7 @@ def _export_main(opt: CanzonaOptimizer, writers_only: bool, clone: bool, out: di
 def export_state(opt: CanzonaOptimizer, writers_only: bool, clone: bool) -> dict[str, LogicalTensor]:
     """The logical state this rank holds (`writers_only`: one copy of every redundant replica,
     as a checkpoint saves it). Matrices not yet stepped export their initial state."""
+    refuse_teams(opt)
     out: dict[str, LogicalTensor] = {}
     for param in opt._hosted:
         if not (opt._writes_matrix(param) or not writers_only):
@@ -211,6 +223,7 @@ def _plan_main(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]], 
 def plan_import(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]]) -> Destination:
     """Fresh state buffers for everything this rank holds, and the logical chunks that fill
     them; ValueError naming what `available` (key -> full size) lacks."""
+    refuse_teams(opt)
     tensors: dict[str, LogicalTensor] = {}
     matrix: dict[int, list[State]] = {}
     missing: list[str] = []

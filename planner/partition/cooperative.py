@@ -20,8 +20,8 @@ each group, within its byte capacity), and keep the team if the rank's score wen
 critical time (the sum of its groups' makespans), then its host loads busiest first. One
 such run per team size and one mixing them; the best is kept, and only if the critical time
 went down.
-Deterministic: ties break by host index. `force` gives the largest eligible matrix of every
-DP rank a team of all P ranks (for tests of the runtime on small models).
+Deterministic: ties break by host index. `force` gives every eligible matrix a team of all P
+ranks (for tests of the runtime on small models).
 """
 
 from __future__ import annotations
@@ -138,11 +138,13 @@ def _best_team(task: Task, host: int, shape: Shape, loads: list[float], ns_steps
 
 def _forced(tasks: Sequence[Task], groups: list[MicroGroup], num_hosts: int, shapes: Mapping[str, Shape],
             ns_steps: int) -> tuple[MicroGroup, ...]:
-    where = _largest_single(tasks, groups, None, shapes)
-    if where is not None:
-        shape = shapes[tasks[groups[where[0]].tasks[where[1]]].name]
-        if shape.splits(num_hosts, num_hosts):
-            _with_team(groups, where, Team(tuple(range(num_hosts)), team_cost(shape, num_hosts, ns_steps, num_hosts)))
+    """Every eligible matrix on a team of all P ranks (whatever it costs: for tests)."""
+    for g, group in enumerate(list(groups)):
+        for position, index in enumerate(group.tasks):
+            shape = shapes.get(tasks[index].name)
+            if shape is not None and shape.splits(num_hosts, num_hosts):
+                team = Team(tuple(range(num_hosts)), team_cost(shape, num_hosts, ns_steps, num_hosts))
+                _with_team(groups, (g, position), team)
     return tuple(groups)
 
 

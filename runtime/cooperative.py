@@ -1,0 +1,174 @@
+"""Cooperatively hosted matrices (schedule `teams`, Muon only): geometry, subgroups, and the
+sharded Newton–Schulz the members run together.
+
+A team of k TP ranks (ascending) splits the gathered matrix along its long side (rows when
+it is taller than wide, as Muon transposes it, else columns) into k equal slices; member i
+holds slice i: its gradient, its momentum and (for bf16/fp16) its fp32 main copy. The TP
+micro-group gather brings each member the part of every rank's shard inside its slice, and
+the scatter sends each rank the part of its shard a member computed (`piece_box`).
+
+Muon's update is equivariant under permutations of the long side's rows (every product is
+X·Xᵀ, summed over it, or acts on it row by row), so a matrix with one row-block submatrix
+(fused fc1) is orthogonalised in gathered order, as the math in canonical order would give,
+up to the order of the sums. Per Newton–Schulz iteration the members all-reduce the r × r
+Gram X·Xᵀ over the team's process group (plus one scalar for the Frobenius norm); the rest
+is local.
+
+Team process groups are created at construction by the team's members only
+(`use_local_synchronization`), one per distinct member set of this rank's TP group, in
+sorted order: every member creates the same groups in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.runtime.comm import wait
+from canzona.runtime.layout import Task
+from canzona.runtime.optimizers import Hyperparameters, State, compute_dtype, muon_scale
+from canzona.schedules.teams import long_dim
+
+Box = tuple[tuple[int, int], ...]  # per dim: [start, stop)
+
+
+def _shard_box(task: Task, tp_rank: int) -> Box:
+    """Where TP rank `tp_rank`'s shard lies in the gathered matrix."""
+    return tuple(
+        (tp_rank * local, (tp_rank + 1) * local) if dim == task.tp_dim else (0, full)
+        for dim, (local, full) in enumerate(zip(task.local_shape, task.shape))
+    )
+
+
+def slice_box(task: Task, member: int) -> Box:
+    """Where team member `member` (position in the team)'s slice lies in the gathered matrix."""
+    dim, k = long_dim(task.shape), len(task.team)
+    part = task.shape[dim] // k
+    return tuple((member * part, (member + 1) * part) if d == dim else (0, size) for d, size in enumerate(task.shape))
+
+
+def slice_shape(task: Task, member: int) -> tuple[int, ...]:
+    """The shape of member `member`'s slice."""
+    return tuple(stop - start for start, stop in slice_box(task, member))
+
+
+def held_shape(task: Task, tp_rank: int) -> tuple[int, ...]:
+    """The shape of what TP rank `tp_rank` updates of a task it hosts: its slice in a team,
+    else the full matrix."""
+    return slice_shape(task, task.team.index(tp_rank)) if task.team else task.shape
+
+
+def _meet(a: Box, b: Box) -> Box | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return box if all(start < stop for start, stop in box) else None
+
+
+def _view(tensor: Tensor, box: Box, origin: Box) -> Tensor:
+    """The part of `tensor` (which covers `origin`) inside `box`."""
+    out = tensor
+    for dim, ((start, stop), (base, _)) in enumerate(zip(box, origin)):
+        out = out.narrow(dim, start - base, stop - start)
+    return out
+
+
+def piece_numel(task: Task, tp_rank: int, member: int) -> int:
+    """Elements rank `tp_rank`'s shard shares with member `member`'s slice (what the gather
+    moves from that rank to that member; a replicated matrix moves nothing, see `shard_piece`)."""
+    box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
+    count = 1
+    for start, stop in box or ((0, 0),):
+        count *= stop - start
+    return count
+
+
+def shard_piece(task: Task, shard: Tensor, tp_rank: int, member: int) -> Tensor:
+    """The part of rank `tp_rank`'s shard (local shape) inside member `member`'s slice."""
+    box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
+    return shard.reshape(-1)[:0] if box is None else _view(shard, box, _shard_box(task, tp_rank))
+
+
+def slice_piece(task: Task, part: Tensor, tp_rank: int, member: int) -> Tensor:
+    """The part of member `member`'s slice (slice shape) inside rank `tp_rank`'s shard."""
+    box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
+    return part.reshape(-1)[:0] if box is None else _view(part, box, slice_box(task, member))
+
+
+def assemble_slice(task: Task, member: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Member `member`'s slice from every TP rank's piece (flat, in TP-rank order)."""
+    out = torch.empty(slice_shape(task, member), dtype=dtype, device=device)
+    for tp_rank, piece in enumerate(pieces):
+        box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
+        if box is not None:
+            target = _view(out, box, slice_box(task, member))
+            target.copy_(piece.view(target.shape))
+    return out
+
+
+def assemble_shard(task: Task, tp_rank: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Rank `tp_rank`'s shard (local shape) from every member's piece (flat, in team order)."""
+    out = torch.empty(task.local_shape, dtype=dtype, device=device)
+    for member, piece in enumerate(pieces):
+        box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
+        if box is not None:
+            target = _view(out, box, _shard_box(task, tp_rank))
+            target.copy_(piece.view(target.shape))
+    return out
+
+
+def make_team_groups(tasks: Sequence[Task], tp_rank: int, tp_group: dist.ProcessGroup,
+                     timeout: timedelta | None) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """A process group per distinct team this rank belongs to (created by the members only)."""
+    teams = sorted({t.team for t in tasks if t.team and tp_rank in t.team})
+    options = {"timeout": timeout} if timeout is not None else {}
+    groups = {}
+    for team in teams:
+        ranks = [dist.get_global_rank(tp_group, member) for member in team]
+        groups[team] = dist.new_group(ranks, use_local_synchronization=True, **options)
+    return groups
+
+
+def _all_reduce(tensor: Tensor, group: dist.ProcessGroup, timeout: timedelta | None) -> None:
+    wait(dist.all_reduce(tensor, group=group, async_op=True), timeout, "a cooperative Newton-Schulz all-reduce")
+
+
+def team_newton_schulz(part: Tensor, dim: int, steps: int, coefficients: tuple[float, float, float],
+                       group: dist.ProcessGroup, timeout: timedelta | None, eps: float = 1e-7) -> Tensor:
+    """`newton_schulz` of the matrix whose slices along `dim` (its long side) the team's
+    members hold; `part` is this member's, and so is the result."""
+    a, b, c = coefficients
+    x = part.to(compute_dtype(part))
+    if dim == 0:
+        x = x.T
+    norm = x.square().sum().reshape(1)
+    _all_reduce(norm, group, timeout)
+    x = x / (norm.sqrt() + eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        _all_reduce(gram, group, timeout)
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T.contiguous() if dim == 0 else x
+
+
+def idle(task: Task, group: dist.ProcessGroup, steps: int, device: torch.device, timeout: timedelta | None) -> None:
+    """Take part in a team's all-reduces with zeros (after this rank's step already failed:
+    the other members still complete theirs, and the step is refused at the safe point)."""
+    rows = min(task.shape)
+    _all_reduce(torch.zeros(1, device=device), group, timeout)
+    for _ in range(steps):
+        _all_reduce(torch.zeros(rows, rows, device=device), group, timeout)
+
+
+def team_muon(hp: Hyperparameters, state: State, grad: Tensor, task: Task, group: dist.ProcessGroup,
+              timeout: timedelta | None) -> Tensor:
+    """Muon's update of this member's slice (`Muon.update` with the Newton–Schulz shared by
+    the team, the scale of the full matrix)."""
+    buf = state["momentum"]
+    buf.mul_(hp.momentum).add_(grad)
+    direction = grad.add(buf, alpha=hp.momentum) if hp.nesterov else buf
+    assert hp.ns_steps is not None
+    ortho = team_newton_schulz(direction, long_dim(task.shape), hp.ns_steps, hp.ns_coefficients, group, timeout)
+    return ortho.mul_(muon_scale(task.shape[0], task.shape[1], hp.update_scale))
