@@ -119,6 +119,20 @@ def assemble_shard(task: Task, tp_rank: int, pieces: Sequence[Tensor], dtype: to
     return out
 
 
+def canonical_chunks(task: Task, member: int, tensor: Tensor) -> list[tuple[tuple[int, int], Tensor]]:
+    """`tensor` (member `member`'s slice: its momentum or main copy) as chunks of the logical,
+    canonical-order matrix (rows in row-block order): (offsets, a row range of `tensor`)."""
+    (row_start, row_stop), (col_start, _) = slice_box(task, member)
+    ranges = [(start, stop) for start, stop in task.row_blocks[0]] if task.row_blocks else [(0, task.shape[0])]
+    chunks, base = [], 0
+    for start, stop in ranges:
+        low, high = max(start, row_start), min(stop, row_stop)
+        if low < high:
+            chunks.append(((base + low - start, col_start), tensor[low - row_start : high - row_start]))
+        base += stop - start
+    return chunks
+
+
 def make_team_groups(tasks: Sequence[Task], tp_rank: int, tp_group: dist.ProcessGroup,
                      timeout: timedelta | None) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """A process group per distinct team this rank belongs to (created by the members only)."""

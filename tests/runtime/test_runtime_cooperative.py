@@ -6,12 +6,13 @@ is not, or is replicated, fused fc1 (row blocks), fp32 and bf16."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from rt_harness import DATA, make_schedule, run_ranks, run_ranks_raw
+from rt_harness import DATA, make_schedule, run_ranks
 from rt_oracle import compare, reference_run, train_worker
 
 STEPS = 5
@@ -45,3 +46,36 @@ def test_teams_with_bf16_parameters_round_like_the_reference() -> None:
     schedule = _teamed(2, 2, dtype="bf16")
     results = run_ranks(train_worker, 4, [schedule], STEPS, "canzona", HP)
     compare(schedule, [rank[0] for rank in results], reference_run(schedule, STEPS, HP), rtol=None, atol=None)
+
+
+CHECKPOINT_CASES = [("dcp", "into-teams", "fp32"), ("memory", "out-of-teams", "fp32"), ("dcp", "out-of-teams", "bf16"),
+                    ("memory", "into-teams", "bf16")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("via", "move", "dtype"), CHECKPOINT_CASES)
+def test_team_state_moves_through_checkpoints(via: str, move: str, dtype: str, tmp_path: Path) -> None:
+    """A team member saves its slices of momentum (and of the fp32 main copy) as chunks of the
+    canonical logical tensors: training continues exactly under a schedule without teams (TP 1
+    x DP 4), and a state saved without teams loads into a team's slices."""
+    from test_checkpoint_reshard import HP as CHECKPOINT_HP, K, M, MODEL as V300, _reshard_worker, _rows
+    from test_checkpoint_reshard import reference_run as canonical_reference, to_gathered
+    from rt_oracle import ordered, shard
+
+    teamed = make_schedule(V300, 2, 2, alpha=1.0, bucket_size=3000, group_bytes=6144, dtype=dtype, coop="force")
+    assert teamed.metrics.tp.cooperative > 0
+    plain = make_schedule(V300, 1, 4, alpha=0.0, dtype=dtype)
+    first, second = (plain, teamed) if move == "into-teams" else (teamed, plain)
+    folder = str(tmp_path / "checkpoint") if via == "dcp" else None
+    results = run_ranks(_reshard_worker, 4, first, second, folder, {**CHECKPOINT_HP, "dp_collectives": "all_to_all"},
+                        ("canzona", "canzona"))
+    dp_per_step = [first.request.dp] * K + [second.request.dp] * M
+    reference = canonical_reference(make_schedule(V300, 1, 1, dtype=dtype), dp_per_step, CHECKPOINT_HP)
+    tp = second.request.tp
+    rtol, atol = (1e-5, 1e-6) if dtype == "fp32" else (2**-7, 0.0)
+    for rank, shards in enumerate(results):
+        for entry in ordered(second):
+            expected = shard(to_gathered(entry, _rows(reference[entry.name], entry.shape[0]), tp), entry, rank % tp, tp)
+            torch.testing.assert_close(shards[entry.name], expected.to(shards[entry.name].dtype), rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} {entry.name}: {m}")
