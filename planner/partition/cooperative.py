@@ -150,11 +150,14 @@ def _forced(tasks: Sequence[Task], groups: list[MicroGroup], num_hosts: int, sha
 
 def _rehosted(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int, capacity: int) -> list[MicroGroup]:
     """The groups with their single-hosted tasks placed again by LPT around the teams' shares,
-    group by group (costliest first, least loaded host of the group with room, then least
-    loaded overall; ties by index)."""
+    in every group that has a team (costliest first, least loaded host of the group with room,
+    then least loaded overall; ties by index)."""
     totals = [0.0] * num_hosts
     out = []
     for group in groups:
+        if not any(group.teams):  # nothing moved here: keep the scheduler's placement
+            out.append(group)
+            continue
         loads, sizes, hosts = [0.0] * num_hosts, [0] * num_hosts, list(group.hosts)
         singles = []
         for position, index in enumerate(group.tasks):
@@ -177,32 +180,41 @@ def _rehosted(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: in
     return out
 
 
-def _score(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int) -> tuple[float, list[float]]:
+Cache = dict[MicroGroup, list[float]]
+
+
+def _group_loads(tasks: Sequence[Task], group: MicroGroup, num_hosts: int, cache: Cache) -> list[float]:
+    if group not in cache:
+        cache[group] = host_loads(tasks, (group,), num_hosts)
+    return cache[group]
+
+
+def _score(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int, cache: Cache) -> tuple[float, list[float]]:
     """The rank's critical time (its groups' makespans summed: the pipeline's compute) and
     its hosts' loads, busiest first (several hosts may tie at the top, each needing a team)."""
-    critical = sum(max(host_loads(tasks, (group,), num_hosts)) for group in groups)
-    return critical, _descending(host_loads(tasks, groups, num_hosts))
+    per_group = [_group_loads(tasks, group, num_hosts, cache) for group in groups]
+    return sum(max(loads) for loads in per_group), _descending([sum(column) for column in zip(*per_group)])
 
 
 def _greedy(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int, shapes: Mapping[str, Shape],
-            ns_steps: int, sizes: Sequence[int], capacity: int) -> list[MicroGroup]:
+            ns_steps: int, sizes: Sequence[int], capacity: int, cache: Cache) -> list[MicroGroup]:
     """Teams of sizes in `sizes`, one at a time (the other tasks placed again around them),
     while the score improves."""
     out = list(groups)
     for _ in range(len(tasks)):
-        loads = host_loads(tasks, out, num_hosts)
+        loads = [sum(column) for column in zip(*(_group_loads(tasks, g, num_hosts, cache) for g in out))]
         busy = max(range(num_hosts), key=lambda h: (loads[h], -h))
         where = _largest_single(tasks, out, busy, shapes)
         if where is None:
             break
         task = tasks[out[where[0]].tasks[where[1]]]
         found = _best_team(task, busy, shapes[task.name], loads, ns_steps, sizes)
-        if found is None:
+        if found is None or found[1].cost >= task.cost:  # not even its own host gets lighter
             break
         trial = list(out)
         _with_team(trial, where, found[1])
         trial = _rehosted(tasks, trial, num_hosts, capacity)
-        if not _score(tasks, trial, num_hosts) < _score(tasks, out, num_hosts):
+        if not _score(tasks, trial, num_hosts, cache) < _score(tasks, out, num_hosts, cache):
             break
         out = trial
     return out
@@ -218,13 +230,21 @@ def cooperate(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: in
     if mode == "force":
         return _forced(tasks, list(groups), num_hosts, shapes, ns_steps)
     divisors = [k for k in range(2, num_hosts + 1) if num_hosts % k == 0]
-    start = _score(tasks, groups, num_hosts)
+    loads = host_loads(tasks, groups, num_hosts)
+    where = _largest_single(tasks, groups, max(range(num_hosts), key=lambda h: (loads[h], -h)), shapes)
+    if where is None:
+        return tuple(groups)
+    first = tasks[groups[where[0]].tasks[where[1]]]
+    if all(team_cost(shapes[first.name], k, ns_steps, num_hosts) >= first.cost for k in divisors):
+        return tuple(groups)  # the busiest host's largest matrix costs more shared than alone
+    cache: Cache = {}
+    start = _score(tasks, groups, num_hosts, cache)
     best_score, best = start, tuple(groups)
     # One greedy run per team size, and one free to mix them: the myopic choice of k for the
     # first of several equal matrices can leave the next nowhere good to go.
     for sizes in [[k] for k in divisors] + ([divisors] if len(divisors) > 1 else []):
-        trial = _greedy(tasks, groups, num_hosts, shapes, ns_steps, sizes, capacity)
-        score = _score(tasks, trial, num_hosts)
+        trial = _greedy(tasks, groups, num_hosts, shapes, ns_steps, sizes, capacity, cache)
+        score = _score(tasks, trial, num_hosts, cache)
         if score < best_score:
             best_score, best = score, tuple(trial)
     # Teams that do not shorten the critical time only cost communication.

@@ -176,7 +176,9 @@ def test_bad_training_setups() -> None:
 # dominant matrix (qwen3-1.7b tp4 dp64, qwen3-1.7b and qwen3-4b tp2 dp128, llama3.1-8b tp4 dp64)
 # TP-SC is ahead by one TP scatter: the last test pins that limit down.
 LAYOUTS_256 = [("qwen3-8b", 8, 32, 1), ("qwen3-14b", 4, 64, 1), ("qwen3-32b", 4, 64, 1), ("llama3.1-8b", 8, 32, 1),
-               ("llama3.1-70b", 8, 32, 1)]
+               ("llama3.1-70b", 8, 32, 1),
+               # A DP rank owning one dominant matrix: TP-SC was ahead by a scatter before teams.
+               ("qwen3-1.7b", 4, 64, 1), ("qwen3-1.7b", 2, 128, 1), ("qwen3-4b", 2, 128, 1), ("llama3.1-8b", 4, 64, 1)]
 
 
 def _assert_canzona_fastest(schedule) -> None:
