@@ -213,6 +213,7 @@ def plan(
     refuse_unless(searching, ("device", "global_batch", "seq_len", "micro_batches"),
                   "it sets up the simulation that --alpha auto and --bucket-size auto search with")
     refuse_unless(solver == Solver.ilp, ("time_limit", "seed"), "it applies to --solver ilp")
+    refuse_unless(optimizer == Optimizer.muon and tp > 1, ("coop",), "cooperative hosting applies to Muon with tp > 1")
     refuse_unused_settings([optimizer.value])
     searched_on = device_option(device) if searching else None
     options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value, names.value, sequence_parallel)
