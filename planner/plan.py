@@ -283,10 +283,11 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
         groups[request.tp_mode] = refined
         summary = _solver_summary(dense, num_refined, num_improved)
     shapes = team_shapes(model, request)
-    if shapes:
-        groups = {mode: tuple(cooperate(rank, rank_groups, tp, shapes, request.optimizer.ns_steps, request.coop,
-                                        request.group_bytes)
-                              for rank, rank_groups in zip(tasks, mode_groups)) for mode, mode_groups in groups.items()}
+    if shapes:  # the chosen mode only: the others are scored beside it as their schedulers made them
+        groups[request.tp_mode] = tuple(
+            cooperate(rank, rank_groups, tp, shapes, request.optimizer.ns_steps, request.coop, request.group_bytes)
+            for rank, rank_groups in zip(tasks, groups[request.tp_mode])
+        )
     return Plan(
         request=request,
         model=model,
