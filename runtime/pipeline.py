@@ -1,7 +1,8 @@
 """The TP micro-group pipeline (docs/concepts.md): per group, one fused all-to-all gathers every shard to
 its host, each host updates the full matrices it hosts, one fused all-to-all sends the result
 shards back, every rank applies its own. Group g+1's gather is in flight while g computes,
-and group g's scatter while g+1 computes.
+and group g's scatter while g+1 computes. A matrix hosted by a team (`canzona.runtime.cooperative`)
+travels in pieces: each member gets, and sends back, only its slice of the long side.
 
 Callbacks keep this module free of optimizer details:
 `grad_of(task)` is this rank's reduced local gradient shard (local shape, fp32),
@@ -59,11 +60,6 @@ def _everything(task: Task) -> bool:
     return True
 
 
-def _per_rank(task: Task, rank: int, pieces: list[Tensor], size: int) -> list[Tensor]:
-    """A member's received pieces of `task`, one per TP rank (empty where a rank sent none)."""
-    member, it = task.team.index(rank), iter(pieces)
-    return [next(it) if cooperative.piece_numel(task, sender, member) else pieces[0][:0] for sender in range(size)]
-
 
 def hosts_here(task: Task, rank: int) -> bool:
     """Whether TP rank `rank` updates `task` (its host, or a member of its team)."""
@@ -118,14 +114,13 @@ class MicroGroupPipeline:
     def _full_grads(self, tasks: tuple[Task, ...], received: Tensor, grad_of: GradOf) -> dict[int, Tensor]:
         """The gradient of every task this rank updates, from the gathered pieces: the full
         matrix on its host, the slice on a team member."""
-        pieces: dict[int, list[Tensor]] = {t.param: [] for t in tasks}
+        pieces: dict[int, list[Tensor]] = {t.param: [] for t in tasks}  # per sender, empty where it sent none
         offset = 0
         for sender in range(self.size):
             for task in tasks:
                 count = _gather_numel(task, sender, self.rank)
-                if count:
-                    pieces[task.param].append(received[offset : offset + count])
-                    offset += count
+                pieces[task.param].append(received[offset : offset + count])
+                offset += count
         full = {}
         for task in self._hosted(tasks, self.rank):
             if task.tp_dim is None:
@@ -133,7 +128,7 @@ class MicroGroupPipeline:
                 full[task.param] = (cooperative.shard_piece(task, whole, 0, task.team.index(self.rank))
                                     if task.team else whole)
             elif task.team:
-                full[task.param] = cooperative.assemble_slice(task, task.team.index(self.rank), _per_rank(task, self.rank, pieces[task.param], self.size),
+                full[task.param] = cooperative.assemble_slice(task, task.team.index(self.rank), pieces[task.param],
                                                               received.dtype, self.device)
             else:
                 full[task.param] = assemble(task, [p.view(task.local_shape) for p in pieces[task.param]])
@@ -155,10 +150,8 @@ class MicroGroupPipeline:
     def _apply(self, tasks: tuple[Task, ...], received: Tensor, apply: Apply) -> None:
         offset, team_pieces = 0, {t.param: [] for t in tasks if t.team}
         for host in range(self.size):
-            for task in tasks:
+            for task in (t for t in tasks if hosts_here(t, host)):
                 count = _scatter_numel(task, host, self.rank)
-                if not hosts_here(task, host):
-                    continue
                 piece = received[offset : offset + count]
                 offset += count
                 if task.team:

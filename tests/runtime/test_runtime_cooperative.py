@@ -79,3 +79,18 @@ def test_team_state_moves_through_checkpoints(via: str, move: str, dtype: str, t
             expected = shard(to_gathered(entry, _rows(reference[entry.name], entry.shape[0]), tp), entry, rank % tp, tp)
             torch.testing.assert_close(shards[entry.name], expected.to(shards[entry.name].dtype), rtol=rtol, atol=atol,
                                        msg=lambda m: f"rank {rank} {entry.name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_teams_under_a_training_recipe_on_the_meta_default_device() -> None:
+    """Groups, clipping, a frozen matrix and gradient gaps (a replicated matrix and one with a
+    single rank's gradient among them), every step under a meta default device: a tensor the
+    team code made without naming its device would fail."""
+    from test_runtime_training import FROZEN, HP as RECIPE_HP, _check, decay_groups, gradient_gaps
+    from rt_oracle import Scenario, scenario_worker
+
+    scenario = Scenario(_teamed(2, 2), steps=4, hp=RECIPE_HP, groups=decay_groups, max_norm=5.0, frozen=FROZEN,
+                        has_grad=gradient_gaps, meta=True)
+    (result,) = zip(*run_ranks(scenario_worker, 4, [scenario], timeout=150))
+    _check("tp2xdp2", "teams", scenario, list(result))
