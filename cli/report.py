@@ -200,8 +200,11 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
     ]
     groups = [
         {"index": group.index, "tasks": len(group.params), "makespan": group.makespan, "saturation": group.saturation,
-         "hosted": [name for name, host in zip(group.params, group.hosts) if host == tp_rank]}
+         "hosted": [name for name, host in zip(group.params, group.hosts) if host == tp_rank
+                    or tp_rank in teams.get(name, ())],
+         "teamed": [name for name in group.params if tp_rank in teams.get(name, ())]}
         for group in schedule.tp.ranks[dp_rank].groups
+        for teams in ({team.param: team.hosts for team in group.teams},)
     ]
     return {
         "rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
@@ -229,5 +232,5 @@ def rank_text(part: dict[str, Any]) -> str:
             f"  group {group['index']}: {plural(group['tasks'], 'task')}, makespan {group['makespan']:.4g}, "
             f"saturation {group['saturation']:.2f}, {len(group['hosted'])} hosted here"
         )
-        lines += [f"    * {name}" for name in group["hosted"]]
+        lines += [f"    * {name}" + (" (a slice: hosted by a team)" if name in group["teamed"] else "") for name in group["hosted"]]
     return "\n".join(lines)

@@ -104,3 +104,21 @@ def test_the_simulator_prices_teams_and_shortens_the_optimizer_stage_of_qwen3_32
     assert fc1.seconds / 8 < team_seconds(inst, fc1, 8) < fc1.seconds / 2
     before, after = simulate(off, h100).get("canzona"), simulate(auto, h100).get("canzona")
     assert after.optimizer_stage < 0.7 * before.optimizer_stage
+
+
+def test_reshard_report_splits_a_teams_state_over_its_members() -> None:
+    from canzona.schedules.reshard import matrix_hosts, reshard_report
+
+    model = load_model("qwen3-32b", 8)
+    teamed = compile_schedule(make_plan(model, PlanRequest("qwen3-32b", 8, 32)))
+    plain = compile_schedule(make_plan(model, PlanRequest("qwen3-32b", 8, 32, coop="off")))
+    hosts = matrix_hosts(teamed)
+    team = next(t for g in teamed.tp.ranks[0].groups for t in g.teams)
+    assert hosts[team.param] == tuple(team.hosts) and len(hosts[team.param]) == 2
+    same = reshard_report(teamed, teamed)
+    assert same.compatible and sum(same.moved_in) == 0
+    # The team writes what one host would (its slices add up), and reads it back as it wrote it.
+    assert sum(same.writes) == sum(reshard_report(plain, plain).writes)
+    assert sum(same.loads) == sum(reshard_report(plain, plain).loads)
+    moved = reshard_report(teamed, plain)
+    assert moved.compatible and sum(moved.moved_in) > 0 and sum(moved.writes) == sum(same.writes)
