@@ -16,7 +16,7 @@ is local.
 
 Team process groups are created at construction by the team's members only
 (`use_local_synchronization`), one per distinct member set of this rank's TP group, in
-sorted order: every member creates the same groups in the same order.
+sorted order (`make_team_groups` says why non-members create a group of their own alongside).
 """
 
 from __future__ import annotations
@@ -135,13 +135,23 @@ def canonical_chunks(task: Task, member: int, tensor: Tensor) -> list[tuple[tupl
 
 def make_team_groups(tasks: Sequence[Task], tp_rank: int, tp_group: dist.ProcessGroup,
                      timeout: timedelta | None) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """A process group per distinct team this rank belongs to (created by the members only)."""
-    teams = sorted({t.team for t in tasks if t.team and tp_rank in t.team})
+    """A process group per distinct team of this TP group that this rank belongs to.
+
+    Only a team's members create its group (`use_local_synchronization`); torch names such a
+    group by its ranks and by how many groups the caller has, so the members must have the
+    same count when they create it. Every TP rank therefore walks every team of the TP group
+    in one order and, where it is not a member, creates a group of itself instead: the counts
+    stay aligned (they are when the TP group's ranks start alike, as the groups a training
+    script creates for a DP x TP grid leave them)."""
+    teams = sorted({t.team for t in tasks if t.team})
     options = {"timeout": timeout} if timeout is not None else {}
     groups = {}
     for team in teams:
-        ranks = [dist.get_global_rank(tp_group, member) for member in team]
-        groups[team] = dist.new_group(ranks, use_local_synchronization=True, **options)
+        if tp_rank in team:
+            ranks = [dist.get_global_rank(tp_group, member) for member in team]
+            groups[team] = dist.new_group(ranks, use_local_synchronization=True, **options)
+        else:
+            dist.new_group([dist.get_rank()], use_local_synchronization=True, **options)
     return groups
 
 

@@ -94,3 +94,47 @@ def test_teams_under_a_training_recipe_on_the_meta_default_device() -> None:
                         has_grad=gradient_gaps, meta=True)
     (result,) = zip(*run_ranks(scenario_worker, 4, [scenario], timeout=150))
     _check("tp2xdp2", "teams", scenario, list(result))
+
+
+def _mixed_teams(tp: int = 4) -> Any:
+    """A TP 4 schedule whose teams have different members ((0, 1), (0, 2), (1, 3), (2, 3) and all
+    four): a rank belongs to several teams, its neighbours to others (the team process groups
+    must still line up)."""
+    import dataclasses
+
+    from canzona.planner.compile import compile_schedule
+    from canzona.planner.partition.cooperative import team_cost
+    from canzona.planner.partition.tp import MicroGroup, Team
+    from canzona.planner.plan import PlanRequest, make_plan, team_shapes
+    from canzona.planner.sources.load import load_model
+
+    spec = load_model(str(MODEL_TP4), tp)
+    spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="fp32") for p in spec.params))
+    request = PlanRequest(model=str(MODEL_TP4), tp=tp, dp=1, bucket_size=4000, group_bytes=4096, coop="force")
+    plan = make_plan(spec, dataclasses.replace(request, coop="off"))
+    shapes, sets, turn = team_shapes(spec, request), [(0, 1), (0, 2), (1, 3), (2, 3), (0, 1, 2, 3)], 0
+    ranks = []
+    for rank_tasks, rank_groups in zip(plan.tasks, plan.chosen_groups):
+        groups = []
+        for group in rank_groups:
+            teams: list[Team | None] = []
+            for index, host in zip(group.tasks, group.hosts):
+                shape = shapes.get(rank_tasks[index].name)
+                fits = [s for s in sets if host in s and shape is not None and shape.splits(len(s), tp)]
+                team = fits[turn % len(fits)] if fits else None
+                turn += 1
+                teams.append(None if team is None else Team(team, team_cost(shape, len(team), 5, tp)))
+            groups.append(MicroGroup(group.tasks, group.hosts, tuple(teams)))
+        ranks.append(tuple(groups))
+    plan = dataclasses.replace(plan, request=request, groups={**plan.groups, request.tp_mode: tuple(ranks)})
+    return compile_schedule(plan)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_teams_of_different_members_match_the_reference() -> None:
+    schedule = _mixed_teams()
+    members = {tuple(t.hosts) for r in schedule.tp.ranks for g in r.groups for t in g.teams}
+    assert {(0, 1), (0, 2), (1, 3), (2, 3)} <= members, members
+    results = run_ranks(train_worker, 4, [schedule], STEPS, "canzona", HP)
+    compare(schedule, [rank[0] for rank in results], reference_run(schedule, STEPS, HP))
