@@ -22,6 +22,7 @@ sorted order (`make_team_groups` says why non-members create a group of their ow
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -155,44 +156,58 @@ def make_team_groups(tasks: Sequence[Task], tp_rank: int, tp_group: dist.Process
     return groups
 
 
-def _all_reduce(tensor: Tensor, group: dist.ProcessGroup, timeout: timedelta | None) -> None:
+@dataclass
+class Calls:
+    """How many of a team update's all-reduces this member has entered (after a failure it
+    goes through the rest on zeros, so that the other members finish theirs)."""
+
+    count: int = 0
+
+
+def _all_reduce(tensor: Tensor, group: dist.ProcessGroup, timeout: timedelta | None, calls: Calls) -> None:
+    calls.count += 1
     wait(dist.all_reduce(tensor, group=group, async_op=True), timeout, "a cooperative Newton-Schulz all-reduce")
 
 
 def team_newton_schulz(part: Tensor, dim: int, steps: int, coefficients: tuple[float, float, float],
-                       group: dist.ProcessGroup, timeout: timedelta | None, eps: float = 1e-7) -> Tensor:
+                       group: dist.ProcessGroup, timeout: timedelta | None, calls: Calls | None = None,
+                       eps: float = 1e-7) -> Tensor:
     """`newton_schulz` of the matrix whose slices along `dim` (its long side) the team's
-    members hold; `part` is this member's, and so is the result."""
+    members hold; `part` is this member's, and so is the result (steps + 1 all-reduces)."""
     a, b, c = coefficients
+    calls = calls if calls is not None else Calls()
     x = part.to(compute_dtype(part))
     if dim == 0:
         x = x.T
     norm = x.square().sum().reshape(1)
-    _all_reduce(norm, group, timeout)
+    _all_reduce(norm, group, timeout, calls)
     x = x / (norm.sqrt() + eps)
     for _ in range(steps):
         gram = x @ x.T
-        _all_reduce(gram, group, timeout)
+        _all_reduce(gram, group, timeout, calls)
         x = a * x + (b * gram + c * (gram @ gram)) @ x
     return x.T.contiguous() if dim == 0 else x
 
 
-def idle(task: Task, group: dist.ProcessGroup, steps: int, device: torch.device, timeout: timedelta | None) -> None:
-    """Take part in a team's all-reduces with zeros (after this rank's step already failed:
-    the other members still complete theirs, and the step is refused at the safe point)."""
-    rows = min(task.shape)
-    _all_reduce(torch.zeros(1, device=device), group, timeout)
-    for _ in range(steps):
-        _all_reduce(torch.zeros(rows, rows, device=device), group, timeout)
+def idle(task: Task, group: dist.ProcessGroup, steps: int, device: torch.device, timeout: timedelta | None,
+         done: int = 0) -> None:
+    """Take part, with zeros, in the team update's all-reduces after the first `done` (this
+    rank's step failed: the other members still complete theirs, and every rank refuses the
+    step at the safe point)."""
+    rows, calls = min(task.shape), Calls(done)
+    if calls.count < 1:
+        _all_reduce(torch.zeros(1, device=device), group, timeout, calls)
+    while calls.count < steps + 1:
+        _all_reduce(torch.zeros(rows, rows, device=device), group, timeout, calls)
 
 
 def team_muon(hp: Hyperparameters, state: State, grad: Tensor, task: Task, group: dist.ProcessGroup,
-              timeout: timedelta | None) -> Tensor:
+              timeout: timedelta | None, calls: Calls | None = None) -> Tensor:
     """Muon's update of this member's slice (`Muon.update` with the Newton–Schulz shared by
     the team, the scale of the full matrix)."""
     buf = state["momentum"]
     buf.mul_(hp.momentum).add_(grad)
     direction = grad.add(buf, alpha=hp.momentum) if hp.nesterov else buf
     assert hp.ns_steps is not None
-    ortho = team_newton_schulz(direction, long_dim(task.shape), hp.ns_steps, hp.ns_coefficients, group, timeout)
+    ortho = team_newton_schulz(direction, long_dim(task.shape), hp.ns_steps, hp.ns_coefficients, group, timeout, calls)
     return ortho.mul_(muon_scale(task.shape[0], task.shape[1], hp.update_scale))

@@ -138,3 +138,42 @@ def test_teams_of_different_members_match_the_reference() -> None:
     assert {(0, 1), (0, 2), (1, 3), (2, 3)} <= members, members
     results = run_ranks(train_worker, 4, [schedule], STEPS, "canzona", HP)
     compare(schedule, [rank[0] for rank in results], reference_run(schedule, STEPS, HP))
+
+
+def _failing_member_worker(rank: int, world: int, schedule: Any) -> dict[str, Any]:
+    import canzona.runtime.cooperative as cooperative
+    from test_runtime_faults import _failing_step, _grads, _setup, _train
+
+    optimizer, params = _setup(schedule, rank)
+    _train(optimizer, params, range(2))
+    _grads(optimizer, params, 2)
+    original = cooperative._all_reduce
+    calls = [0]
+
+    def flaky(*args: Any) -> None:  # a member fails between two of its team's all-reduces
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected failure inside Newton-Schulz")
+        original(*args)
+
+    if rank == 1:
+        cooperative._all_reduce = flaky
+    out: dict[str, Any] = {"failed": _failing_step(optimizer, params, 2)}
+    cooperative._all_reduce = original
+    optimizer.step()  # the groups are still usable: the same step now succeeds
+    out["params"] = {name: p.detach().clone() for name, p in params}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_member_failing_inside_newton_schulz_fails_the_step_everywhere_and_applies_nothing() -> None:
+    schedule = _teamed(2, 2)
+    results = run_ranks(_failing_member_worker, 4, schedule, timeout=100.0)
+    messages = {result["failed"][0] for result in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "rank 1: updating " in message and "injected failure inside Newton-Schulz" in message, message
+    assert "nothing was applied on any rank" in message
+    assert all(result["failed"][1] for result in results), "parameters or state changed"
+    compare(schedule, [result["params"] for result in results], reference_run(schedule, 3, {}))
