@@ -74,9 +74,10 @@ def _has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def module_buckets(model: nn.Module, bucket_of: dict[int, int]) -> dict[nn.Module, list[int]]:
+def module_buckets(model: nn.Module, bucket_of: dict[int, list[int]]) -> dict[nn.Module, list[int]]:
     """The buckets each module with a forward waits for (see the module docstring), in gather
-    order of first use; `bucket_of` maps id(parameter) to its bucket (optimized ones only)."""
+    order of first use; `bucket_of` maps id(parameter) to its buckets (optimized ones only; a grouped expert tensor
+    may span several)."""
     out: dict[nn.Module, list[int]] = {}
     for module in model.modules():
         if not _has_forward(module):
@@ -85,18 +86,18 @@ def module_buckets(model: nn.Module, bucket_of: dict[int, int]) -> dict[nn.Modul
         stack = [module]
         while stack:
             current = stack.pop()
-            found.update(bucket_of[id(p)] for p in current.parameters(recurse=False) if id(p) in bucket_of)
+            found.update(b for p in current.parameters(recurse=False) for b in bucket_of.get(id(p), ()))
             stack.extend(child for child in current.children() if not _has_forward(child))
         if found:
             out[module] = sorted(found)
     return out
 
 
-def unattributed(model: nn.Module, bucket_of: dict[int, int], attributed: dict[nn.Module, list[int]]) -> set[int]:
+def unattributed(model: nn.Module, bucket_of: dict[int, list[int]], attributed: dict[nn.Module, list[int]]) -> set[int]:
     """Buckets holding an optimized parameter that no module's hook waits for (they are
     gathered before the step returns)."""
     covered = {b for buckets in attributed.values() for b in buckets}
-    return {bucket for bucket in bucket_of.values() if bucket not in covered}
+    return {bucket for buckets in bucket_of.values() for bucket in buckets if bucket not in covered}
 
 
 class ForwardHooks:
@@ -104,7 +105,7 @@ class ForwardHooks:
     that uses optimized parameters, and, on the model itself, a forward hook and state-dict
     pre-hooks that wait for everything."""
 
-    def __init__(self, opt: CanzonaOptimizer, model: nn.Module, bucket_of: dict[int, int]) -> None:
+    def __init__(self, opt: CanzonaOptimizer, model: nn.Module, bucket_of: dict[int, list[int]]) -> None:
         self.buckets = module_buckets(model, bucket_of)
         self.eager = unattributed(model, bucket_of, self.buckets)
         self.handles: list[RemovableHandle] = []

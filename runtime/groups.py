@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from canzona.runtime.binding import local, placement_problems
 from canzona.runtime.optimizers import Hyperparameters
 from canzona.runtime.schedule import ADAMW, MATRIX, tensor_problems
 from canzona.schedules.format import ParamEntry
@@ -185,7 +186,7 @@ def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, Param
     problems = []
     for name, tensor in pairs:
         if name in entries:
-            problems += tensor_problems(entries[name], tensor, tp)
+            problems += placement_problems(entries[name], tensor, tp) + tensor_problems(entries[name], local(tensor), tp)
     devices = sorted({str(tensor.device) for _, tensor in pairs})
     if len(devices) > 1:
         problems.append(f"parameters are on several devices ({', '.join(devices)}); one optimizer serves one device")

@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from canzona.schedules.format import Schedule, ScheduleError
 from canzona.schedules.reshard import StateLayout, incompatibilities, state_layout
-from canzona.runtime import comm, experts, gradients, precision, reduction, state as logical
+from canzona.runtime import binding, comm, experts, gradients, precision, reduction, state as logical
 from canzona.runtime.faults import CollectiveError, as_timedelta, settle
 from canzona.runtime.gather import ForwardHooks, ParamGather
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
@@ -159,9 +159,13 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
             self.hp = Hyperparameters.from_kwargs(defaults).resolved(loaded.request.optimizer)
         except (TypeError, ValueError) as error:
             return loaded, None, f"bad hyperparameters: {error}"
-        entries = {e.name: e for e in local_entries(loaded, self.ep_rank)}  # dense and this EP rank's experts
+        entries = binding.model_entries(local_entries(loaded, self.ep_rank))  # dense and this EP rank's experts
         resolved = resolve_param_groups(given, entries, loaded.request.tp, rule, self.hp, self.grad_attr)
-        problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p] + resolved.problems
+        problems = [p for p in [layout_problem(loaded, self.dp_size, self.tp_size)] if p]
+        if self.ep > 1:
+            pairs = [pair for group in resolved.groups for pair in group["params"]]
+            problems += binding.expert_count_problems(pairs, local_entries(loaded, self.ep_rank))
+        problems += resolved.problems
         if model is not None:
             inside = {id(p) for p in model.parameters()}
             outside = [name for group in resolved.groups for name, tensor in group["params"] if id(tensor) not in inside]
@@ -178,15 +182,8 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self._dtypes = [DTYPES[e.dtype] for e in entries]
         self._lowp = [dtype != torch.float32 for dtype in self._dtypes]
         self._numel = [e.numel for e in entries]
-        self._params: list[Tensor | None] = [None] * len(entries)
-        self._group_of: list[int] = [-1] * len(entries)
-        index_of = {name: index for index, name in enumerate(self.names)}
-        for position, group in enumerate(self.param_groups):
-            for name, tensor in zip(group["param_names"], group["params"]):
-                self._params[index_of[name]], self._group_of[index_of[name]] = tensor, position
-        self._managed = [p is not None for p in self._params]
-        self._managed_indices = [i for i, managed in enumerate(self._managed) if managed]
-        self._index_of_tensor = {id(self._params[i]): i for i in self._managed_indices}
+        self._grad_reduce = [e.grad_reduce for e in entries]
+        self._bind_params(len(entries))
         self.device = self._param(self._managed_indices[0]).device
         self._wire_dtype = _widest(self._dtypes)
         self.param_steps = [0] * len(entries)
@@ -206,6 +203,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self._ranks = self._updated_ranks()
         self._base = self.layout.starts[self._ranks[0]]
         self._size = sum(self.layout.sizes[r] for r in self._ranks)
+        self._partial_runs = binding.partial_runs(self)
         matrix_end = {r: self.layout.starts[r] + self.layout.matrix_sizes[r] for r in self._ranks}
         self._offsets = {  # owned matrices are one piece each, inside the matrix part of a slice
             p.param: p.dst - self._base for r in self._ranks for p in self.layout.rank_pieces[r] if p.dst < matrix_end[r]
@@ -220,6 +218,31 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self._adamw_pieces = precision.adamw_pieces(self)
         self.main = precision.allocate(self)
         self._norm_runs = gradients.norm_runs(self)
+
+    def _bind_params(self, count: int) -> None:
+        """Bind every schedule entry to its model parameter (`canzona.runtime.binding`): `_params`
+        holds each entry's local values (DTensor shards, expert slices: views), `_bound` how its
+        gradient is read, `_indices_of_tensor` the entries of each model parameter."""
+        held = local_entries(self.schedule, self.ep_rank)
+        by_name, slices = binding.model_entries(held), binding.slices_of(held)
+        self._params: list[Tensor | None] = [None] * count
+        self._bound: list[binding.Bound | None] = [None] * count
+        self._group_of: list[int] = [-1] * count
+        self._indices_of_tensor: dict[int, list[int]] = {}
+        for position, group in enumerate(self.param_groups):
+            for name, tensor in zip(group["param_names"], group["params"]):
+                for index, bound in binding.bind(name, tensor, by_name, slices):
+                    self._params[index], self._bound[index], self._group_of[index] = bound.value, bound, position
+                    self._indices_of_tensor.setdefault(id(tensor), []).append(index)
+        self._managed = [p is not None for p in self._params]
+        self._managed_indices = [i for i, managed in enumerate(self._managed) if managed]
+        self._index_of_tensor = {key: indices[0] for key, indices in self._indices_of_tensor.items()}
+
+    def _model_param(self, index: int) -> Tensor:
+        """The model's parameter holding entry `index` (a DTensor, a grouped tensor, ...)."""
+        bound = self._bound[index]
+        assert bound is not None, f"{self.names[index]} is not optimized here"
+        return bound.param
 
     def _param(self, index: int) -> Tensor:
         param = self._params[index]
@@ -337,6 +360,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
                 grads = hooked.wait()
                 agreed = self._agree(problem or hooked.problem, step, "after reducing its gradients", hooked)
                 if not agreed[1]:
+                    binding.sum_partial_over_tp(self, grads)
                     self._reduced = gradients.Reduced(grads, [bool(flag) for flag in agreed[2:]])
                     return
             fresh = reduction.Round(self, launching=False)
@@ -345,6 +369,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
             agreed = self._agree(problem or fresh.problem, step, "before its first collective", fresh)
             fresh.launch_rest()
             grads = fresh.wait()
+            binding.sum_partial_over_tp(self, grads)
         self._reduced = gradients.Reduced(grads, [bool(flag) for flag in agreed[2:]])
 
     def _agree(self, problem: str | None, step: int, where: str, done: reduction.Round) -> list[int]:
@@ -467,7 +492,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self._grad_hooks = reduction.install_grad_hooks(self) if self.overlap_grad_reduce and self.grad_attr == "grad" else []
         self._forward_hooks: ForwardHooks | None = None
         if self.overlap_param_gather and model is not None and self.gathers:
-            bucket_of = {id(self._param(i)): self.layout.bucket_of[i] for i in self._managed_indices}
+            bucket_of = {key: sorted({self.layout.bucket_of[i] for i in indices}) for key, indices in self._indices_of_tensor.items()}
             self._forward_hooks = ForwardHooks(self, model, bucket_of)
 
     def weak(self) -> weakref.ref[CanzonaOptimizer]:
@@ -480,11 +505,12 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         hooks call it); with `grad_attr="main_grad"` call it from the hook that accumulates
         `.main_grad` (as Megatron's DDP does before it marks a parameter ready). Ignored
         inside `no_sync()` and without `overlap_grad_reduce`."""
-        index = self._index_of_tensor.get(id(param))
-        if index is None:
+        indices = self._indices_of_tensor.get(id(param))
+        if indices is None:
             raise ValueError("grad_ready: not a parameter this optimizer updates")
         if self.overlap_grad_reduce:
-            reduction.arrived(self, index)
+            for index in indices:
+                reduction.arrived(self, index)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

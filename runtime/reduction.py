@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
+from canzona.runtime import binding
 from canzona.runtime.comm import Pending
 from canzona.runtime.faults import CollectiveError
 
@@ -103,10 +104,11 @@ class Round:
         """This rank's gradient of parameter `index`, flattened (None: it has none); a problem
         with it raises ValueError."""
         opt = self.opt
-        param = opt._param(index)
-        if not hasattr(param, opt.grad_attr):
+        param, bound = opt._param(index), opt._bound[index]
+        assert bound is not None
+        if not hasattr(bound.param, opt.grad_attr):
             raise ValueError(f"grad_attr {opt.grad_attr!r}: no such attribute on {opt.names[index]}")
-        grad = getattr(param, opt.grad_attr)
+        grad = binding.local_grad(bound, getattr(bound.param, opt.grad_attr))
         if grad is None:
             return None
         if tuple(grad.shape) != tuple(param.shape):
@@ -165,16 +167,19 @@ class Round:
 
 
 def install_grad_hooks(opt: CanzonaOptimizer) -> list[RemovableHandle]:
-    """A post-accumulate-grad hook on every optimized parameter: its gradient is final."""
+    """A post-accumulate-grad hook on every optimized model parameter: its gradient is final
+    (for each schedule entry it holds: a grouped expert tensor holds several)."""
     ref = opt.weak()
-    return [opt._param(index).register_post_accumulate_grad_hook(_on_grad(ref, index)) for index in opt._managed_indices]
+    return [opt._model_param(indices[0]).register_post_accumulate_grad_hook(_on_grad(ref, indices))
+            for indices in opt._indices_of_tensor.values()]
 
 
-def _on_grad(ref: Any, index: int) -> Any:
+def _on_grad(ref: Any, indices: list[int]) -> Any:
     def hook(param: Tensor) -> None:
         opt = ref()
         if opt is not None:
-            arrived(opt, index)
+            for index in indices:
+                arrived(opt, index)
 
     return hook
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from canzona.runtime.binding import model_entries, slices_of
 from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
 from canzona.runtime.optimizers import (
     Hyperparameters,
@@ -39,22 +40,25 @@ class ReferenceOptimizer(torch.optim.Optimizer):
     `params` as for `CanzonaOptimizer` (named parameters or groups of (name, tensor) pairs).
     Which parameters are matrices, their row blocks and the matrix optimizer come from
     `schedule`; `row_blocks` overrides the blocks by name, for a full model whose row order is
-    not the gathered one (e.g. an unsharded fc1 stored as [gate; up])."""
+    not the gathered one (e.g. an unsharded fc1 stored as [gate; up]). A grouped 3-D expert
+    tensor is passed whole, as the model registers it, and updated as its E slices, each with
+    its own state, as the schedule lists them."""
 
     def __init__(self, params: Iterable[Any], schedule: Schedule,
                  row_blocks: Mapping[str, list[RowBlock] | None] | None = None, dtype: torch.dtype = torch.float32,
                  **defaults: Any) -> None:
         entries = {e.name: e for e in schedule.params}
+        self.slices = {name: [e.name for e in group] for name, group in slices_of(schedule.params).items()}
         self.rule_name = schedule.request.optimizer.name
         self.dtype = dtype
         self.hp = Hyperparameters.from_kwargs(defaults).resolved(schedule.request.optimizer)
-        resolved = resolve_param_groups(list(params), entries, 1, self.rule_name, self.hp)
+        resolved = resolve_param_groups(list(params), model_entries(schedule.params), 1, self.rule_name, self.hp)
         if resolved.problems:
             raise ValueError("; ".join(resolved.problems))
         super().__init__(resolved.groups, {"lr": self.hp.lr, "weight_decay": self.hp.weight_decay})
         overrides = dict(row_blocks or {})
         self.blocks = {name: overrides.get(name, entries[name].row_blocks) for name in entries}
-        self.matrix = {name: entries[name].optimizer == MATRIX for name in entries}
+        self.matrix = {name: entry.optimizer == MATRIX for name, entry in model_entries(schedule.params).items()}
         for group in self.param_groups:
             for name, tensor in zip(group["param_names"], group["params"]):
                 state = self.state[tensor]
@@ -104,11 +108,15 @@ class ReferenceOptimizer(torch.optim.Optimizer):
             value = state["main"] if "main" in state else tensor.detach()
             if self.matrix[name]:
                 rule = make_rule(self.rule_name, hp)
-                if "matrix" not in state:
-                    state["matrix"] = init_matrix_state(rule, (tensor.shape[0], tensor.shape[1]), self.blocks[name], tensor.device,
-                                                        self.dtype)
-                update = matrix_update(rule, state["matrix"], grad, self.blocks[name], state["step"])
-                apply_update(value, update, hp.lr, hp.weight_decay)
+                pieces = self.slices.get(name)
+                targets = [(name, value, grad)] if pieces is None else list(zip(pieces, value, grad))
+                states = state.setdefault("matrix", {})
+                for piece, piece_value, piece_grad in targets:
+                    if piece not in states:
+                        states[piece] = init_matrix_state(rule, (piece_value.shape[0], piece_value.shape[1]), self.blocks[piece],
+                                                          tensor.device, self.dtype)
+                    update = matrix_update(rule, states[piece], piece_grad, self.blocks[piece], state["step"])
+                    apply_update(piece_value, update, hp.lr, hp.weight_decay)
             else:
                 if "exp_avg" not in state:
                     state["exp_avg"] = torch.zeros(tensor.numel(), dtype=self.dtype, device=tensor.device)

@@ -59,14 +59,6 @@ def _runtime_problem(schedule: Schedule) -> str | None:
     req = schedule.request
     if req.optimizer.name not in MATRIX_OPTIMIZERS:
         return f"unknown matrix optimizer {req.optimizer.name!r}"
-    sliced = next((e for e in schedule.params if e.param is not None), None)
-    if sliced is not None:
-        return (f"grouped expert tensors ({sliced.param!r}, planned as one matrix per expert) are planned but not yet "
-                "executed by this runtime")
-    partial = next((e for e in schedule.params if e.grad_reduce is not None), None)
-    if partial is not None:
-        return (f"gradients that are partial sums over TP ({partial.name!r}: grad_reduce {partial.grad_reduce}) are "
-                "planned but not yet reduced by this runtime")
     return None
 
 

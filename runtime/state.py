@@ -396,7 +396,7 @@ class StateView(Mapping[Tensor, dict[str, Any]]):
         return {"step": self._opt.param_steps[index]}
 
     def __iter__(self) -> Iterator[Tensor]:
-        return (self._opt._param(i) for i in self._opt._managed_indices)
+        return (self._opt._model_param(indices[0]) for indices in self._opt._indices_of_tensor.values())
 
     def __len__(self) -> int:
-        return len(self._opt._managed_indices)
+        return len(self._opt._indices_of_tensor)

@@ -370,14 +370,6 @@ def _check_structure(schedule: Schedule, which: str) -> None:
             raise ScheduleError(f"{which} schedule: {e.name} is in AdamW bucket {e.bucket}, which does not exist or lacks {dp + 1} cuts")
 
 
-def _runtime_problem(schedule: Schedule, which: str) -> str | None:
-    if any(e.param is not None for e in schedule.params):
-        return f"{which}: grouped expert tensors are not executed by the runtime, so it has no checkpoints"
-    if any(e.grad_reduce is not None for e in schedule.params):
-        return f"{which}: partial-gradient reduction (grad_reduce) is not executed by the runtime, so it has no checkpoints"
-    return None
-
-
 def _main_per_element(a: ParamEntry, b: ParamEntry) -> tuple[int, int]:
     """Bytes per element of the main copy (written under OLD, read under NEW)."""
     written = 0 if a.dtype == "fp32" else FP32
@@ -421,13 +413,10 @@ def reshard_report(old: Schedule, new: Schedule) -> ReshardReport:
     """Whether optimizer state saved under `old` loads under `new` (CanzonaOptimizer's
     placement), and the bytes each rank writes, reads and exchanges. ScheduleError if a
     schedule is inconsistent."""
-    problems = [p for p in (_runtime_problem(old, "OLD"), _runtime_problem(new, "NEW")) if p]
-    if problems:
-        return ReshardReport(False, problems, [])
     _check_structure(old, "OLD")
     _check_structure(new, "NEW")
     old_layout, new_layout = state_layout(old), state_layout(new)
-    problems += incompatibilities(old_layout, new_layout)
+    problems = incompatibilities(old_layout, new_layout)
     if problems:
         return ReshardReport(False, problems, [])
     ledger = _Ledger(old.request.dp * old.request.tp, new.request.dp * new.request.tp)

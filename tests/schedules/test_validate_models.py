@@ -151,9 +151,12 @@ def test_request_names_is_a_known_convention() -> None:
     rejected(planned(), lambda d: d["request"].update(names="flax"), "unknown names 'flax'")
 
 
-def test_reshard_check_knows_the_runtime_does_not_execute_them_yet() -> None:
+def test_reshard_check_moves_expert_slices_and_partial_gradient_parameters() -> None:
+    """The runtime executes grouped experts (state per slice) and grad_reduce: their checkpoints
+    move between layouts like any other parameter's."""
     from canzona.schedules.reshard import reshard_report
 
-    for schedule, needle in ((planned(), "grouped expert tensors"), (planned("megatron", sequence_parallel=True), "grad_reduce")):
-        report = reshard_report(schedule, schedule)
-        assert not report.compatible and any(needle in problem for problem in report.problems)
+    for old, new in ((planned(), planned(ep=2)), (planned("megatron", sequence_parallel=True), planned("megatron", tp=1))):
+        report = reshard_report(old, new)
+        assert report.compatible and not report.problems, report.problems
+    assert any("expert" in note for note in reshard_report(planned(), planned(ep=2)).notes)

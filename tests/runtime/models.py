@@ -1,0 +1,121 @@
+"""Real models for the runtime tests, as factories `canzona plan --model py:FILE:FACTORY` reads:
+a tiny transformers Qwen3 (`examples/hf_qwen3.py`, with its TP plan) and Qwen3-MoE (random init
+from a config, no downloads) and the torchtitan-named model of `titan_model.py`, each plain or
+under DTensor TP.
+
+The TP plans are the stacks' own styles, runnable on CPU gloo: sequence-parallel norms
+(`SequenceParallel`: replicated DTensor weights, `Partial` gradients), colwise Q/K/V and MLP
+inputs that gather the sequence and hand attention local heads (so q_norm / k_norm, plain
+tensors, see only their TP rank's heads: partial gradients too), rowwise outputs that
+reduce-scatter back to sequence shards, a vocab-sharded embedding and output head. Every norm's
+gradient is then a partial sum over TP, which `--sequence-parallel` records. The `_tp2`
+factories build the same model on a fake 2 x 2 ("dp", "tp") mesh for planning.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_model import TitanConfig, TitanModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import hf_qwen3  # noqa: E402 - the example is the tests' HF model
+
+QWEN3: dict[str, Any] = hf_qwen3.CONFIG
+make_tiny_hf_qwen3 = hf_qwen3.make_model
+parallelize_hf_qwen3 = hf_qwen3.parallelize
+_fake_tp_mesh = hf_qwen3.fake_tp_mesh
+QWEN3_MOE: dict[str, Any] = dict(QWEN3, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
+                                 norm_topk_prob=True)
+TITAN = TitanConfig(moe_layers=())
+
+
+def make_tiny_hf_qwen3_moe() -> nn.Module:
+    """transformers' Qwen3MoeForCausalLM, tiny (layer 0 dense, layer 1 with 4 grouped 3-D experts)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(**QWEN3_MOE, attn_implementation="eager")
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def make_tiny_titan() -> nn.Module:
+    """The torchtitan-named dense model of `titan_model.py`."""
+    return TitanModel(TITAN)
+
+
+def parallelize_titan(model: TitanModel, tp_mesh: Any) -> TitanModel:
+    """torchtitan's TP plan for the dense model, with attention on local heads."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention.wq": ColwiseParallel(input_layouts=Shard(1)), "attention.wk": ColwiseParallel(input_layouts=Shard(1)),
+            "attention.wv": ColwiseParallel(input_layouts=Shard(1)),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "feed_forward.w1": ColwiseParallel(input_layouts=Shard(1)), "feed_forward.w3": ColwiseParallel(input_layouts=Shard(1)),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
+    return model
+
+
+def make_tiny_hf_qwen3_tp2() -> nn.Module:
+    """The tiny HF Qwen3 under `parallelize_hf_qwen3` at TP 2 (fake mesh)."""
+    return parallelize_hf_qwen3(make_tiny_hf_qwen3(), _fake_tp_mesh())
+
+
+def make_tiny_titan_tp2() -> nn.Module:
+    """The torchtitan-named model under `parallelize_titan` at TP 2 (fake mesh)."""
+    return parallelize_titan(TitanModel(TITAN), _fake_tp_mesh())
+
+
+class Toy(nn.Module):
+    """A block with every kind of parameter the binding meets: colwise and rowwise matrices, a
+    norm, and grouped 3-D experts [4, 6, 8]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=False)
+        self.norm = nn.RMSNorm(16)
+        self.down = nn.Linear(16, 8, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 6, 8) * 0.1)
+
+
+def make_toy() -> nn.Module:
+    """The plain `Toy`."""
+    return Toy()
+
+
+def parallelize_toy(model: Toy, tp_mesh: Any) -> Toy:
+    """`Toy` as DTensors: up Shard(0), down Shard(1), norm Replicate, experts Shard(1)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for module, name, placement in ((model.up, "weight", Shard(0)), (model.down, "weight", Shard(1)),
+                                    (model.norm, "weight", Replicate()), (model, "experts", Shard(1))):
+        module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name).detach(), tp_mesh, [placement])))
+    return model
+
+
+def make_toy_tp2() -> nn.Module:
+    """`Toy` under `parallelize_toy` at TP 2 (fake mesh)."""
+    return parallelize_toy(Toy(), _fake_tp_mesh())
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a causal LM (HF or titan) on `tokens` [batch, seq]."""
+    out = model(tokens)
+    logits = out.logits if hasattr(out, "logits") else out
+    if hasattr(logits, "to_local"):
+        logits = logits.to_local()
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
