@@ -177,3 +177,28 @@ def test_a_member_failing_inside_newton_schulz_fails_the_step_everywhere_and_app
     assert "nothing was applied on any rank" in message
     assert all(result["failed"][1] for result in results), "parameters or state changed"
     compare(schedule, [result["params"] for result in results], reference_run(schedule, 3, {}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_teams_with_dtensor_parameters(tmp_path: Path) -> None:
+    """The DTensor toy (TP 2 over a device mesh, sequence-parallel norms, expert slices) with
+    every eligible matrix teamed equals the reference, each step on the meta default device."""
+    from test_runtime_dtensor import HP as TOY_HP, SHAPES, STEPS as TOY_STEPS, full_grad, toy_rank
+    from test_runtime_models import plan
+
+    import models
+    from canzona.runtime.reference import ReferenceOptimizer
+
+    schedule = plan(tmp_path, "toy", 2, 1, "--sequence-parallel", "--coop", "force")
+    assert schedule.metrics.tp.cooperative > 0
+    results = run_ranks(toy_rank, 2, schedule, "canzona", timeout=120)
+    torch.manual_seed(0)
+    reference_model = models.make_toy()
+    reference = ReferenceOptimizer(reference_model.named_parameters(), schedule, **TOY_HP)
+    for step in range(TOY_STEPS):
+        reference.step(grads={name: full_grad(name, step) for name in SHAPES})
+    for rank, result in enumerate(results):
+        for name, value in reference_model.named_parameters():
+            torch.testing.assert_close(result["params"][name], value.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
