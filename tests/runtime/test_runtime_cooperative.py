@@ -202,3 +202,17 @@ def test_teams_with_dtensor_parameters(tmp_path: Path) -> None:
         for name, value in reference_model.named_parameters():
             torch.testing.assert_close(result["params"][name], value.detach(), rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_teams_under_expert_parallelism() -> None:
+    """TP 2 x DP 2 with EP 2: each EP rank's experts (and the dense matrices) teamed over TP."""
+    from test_runtime_experts import HP as EP_HP, ep_schedule
+
+    schedule = ep_schedule(2, 2, 2, coop="force")
+    teamed = {t.param for r in schedule.tp.ranks for g in r.groups for t in g.teams}
+    entries = {e.name: e for e in schedule.params}
+    assert any(entries[name].ep_rank is not None for name in teamed) and any(entries[name].ep_rank is None for name in teamed)
+    (results,) = zip(*run_ranks(train_worker, 4, [schedule], STEPS, "canzona", EP_HP))
+    compare(schedule, list(results), reference_run(schedule, STEPS, EP_HP))
