@@ -2,7 +2,10 @@
 matrix, runs its part of Newton-Schulz with the r x r Gram all-reduced over the team, and
 scatters its part of the result. Every rank's parameters equal the single-process reference
 (rtol 1e-5) after several steps: TP 2 x DP 2 and TP 4, matrices whose long side is the TP dim,
-is not, or is replicated, fused fc1 (row blocks), fp32 and bf16."""
+is not, or is replicated, fused fc1 (row blocks), fp32 and bf16, teams of different members,
+a training recipe on the meta default device, DTensor parameters and expert parallelism.
+Checkpoints move between teamed and plain schedules; a member failing inside Newton-Schulz
+fails the step on every rank with nothing applied."""
 
 from __future__ import annotations
 
