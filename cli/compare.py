@@ -63,6 +63,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("tp groups", lambda s: float(s.metrics.tp.num_groups), True, None, True),
     Metric("device imbalance", lambda s: s.metrics.tp.device_imbalance, True, "imbalance", False),
     Metric("worst device load", lambda s: s.metrics.tp.worst_device_load, True, None, True),
+    Metric("cooperative matrices", lambda s: float(s.metrics.tp.cooperative), False, None, False),
     Metric("max state GiB/device", lambda s: _max_device(s, "state_bytes") / GIB, True, "memory", True),
     Metric("max sent GiB/device", lambda s: _max_device(s, "bytes_sent") / GIB, True, None, True),
     Metric("max received GiB/device", lambda s: _max_device(s, "bytes_received") / GIB, True, None, True),

@@ -103,6 +103,12 @@ class TpMode(str, Enum):
     heap = "heap"
 
 
+class Coop(str, Enum):
+    off = "off"
+    auto = "auto"
+    force = "force"
+
+
 class Solver(str, Enum):
     greedy = "greedy"
     ilp = "ilp"
@@ -187,6 +193,7 @@ def plan(
     max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
     mode: Annotated[TpMode, typer.Option(help="TP micro-group scheduler.")] = TpMode.rollback,
     group_mb: Annotated[float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")] = DEFAULT_GROUP_MB,
+    coop: Annotated[Coop, typer.Option(help="Cooperative hosting (Muon): auto hosts a dominant matrix on several TP ranks where that shortens the busiest device; force: every eligible matrix on all TP ranks (tests); off.")] = Coop.auto,
     ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
     fsdp: Annotated[bool, typer.Option("--fsdp", help="Parameters are sharded by FSDP2 (fully_shard) over DP: plan hosts over DP shard x TP.")] = False,
     dp_replicate: Annotated[int, typer.Option(help="--fsdp: HSDP replicas (dp = replicate x shard).")] = 1,
@@ -212,6 +219,8 @@ def plan(
                   "it sets up the simulation that --alpha auto and --bucket-size auto search with")
     refuse_unless(solver == Solver.ilp, ("time_limit", "seed"), "it applies to --solver ilp")
     refuse_unless(fsdp, ("dp_replicate",), "it sets the HSDP replicas of --fsdp")
+    refuse_unless(optimizer == Optimizer.muon and tp > 1 and not fsdp, ("coop",),
+                  "cooperative hosting applies to Muon with tp > 1, without --fsdp")
     refuse_unused_settings([optimizer.value])
     searched_on = device_option(device) if searching else None
     options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value, names.value, sequence_parallel)
@@ -221,6 +230,7 @@ def plan(
         mode.value, int(group_mb * MIB), ep, solver.value, time_limit, seed, searched_on if auto else None,
         searched_on if size is None else None, TrainingSetup(global_batch, seq_len, micro_batches) if searching else None,
         FSDP if fsdp else REPLICATED, dp_replicate,
+        coop.value,
     )
     request.validate()
     inputs = [*source_files(model), cost.removeprefix(PROFILE_PREFIX) if cost.startswith(PROFILE_PREFIX) else None,

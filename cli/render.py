@@ -112,7 +112,7 @@ def busiest_pipeline(schedule: Schedule, device: str) -> tuple[int, list[Any], l
     inst = build_instance(schedule, chosen.hardware, chosen.time_model(optimizer_config(schedule)))
     best: tuple[float, int, list[Any], list[list[float]]] = (-1.0, 0, [], [])
     for rank in schedule.tp.ranks:
-        timed = [micro_group_times(inst, group.params, group.hosts) for group in rank.groups]
+        timed = [micro_group_times(inst, group.params, group.hosts, group.teams) for group in rank.groups]
         events = pipeline_events([times for times, _ in timed])
         end = max((event.end for event in events), default=0.0)
         if end > best[0]:

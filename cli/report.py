@@ -69,6 +69,7 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
         "num_groups": schedule.metrics.tp.num_groups,
         "tp_efficiency": schedule.metrics.tp.efficiency,
         "device_imbalance": schedule.metrics.tp.device_imbalance,
+        "cooperative": schedule.metrics.tp.cooperative,
         "solver": schedule.metrics.solver.model_dump() if schedule.metrics.solver else None,
         "alpha_search": [t.model_dump() for t in schedule.metrics.alpha_search or []],
         "alpha_device": req.alpha_device,
@@ -101,7 +102,8 @@ def summary_text(summary: dict[str, Any]) -> str:
         "baselines, max load / lower bound: "
         + ", ".join(f"{name} {1 + b['gap']:.3f}" for name, b in summary["baselines"].items()),
         f"TP {summary['tp_mode']}: {plural(summary['num_groups'], 'micro-group')}, efficiency "
-        f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}",
+        f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}"
+        + (f", {plural(summary['cooperative'], 'matrix', 'matrices')} hosted cooperatively" if summary["cooperative"] else ""),
         f"planned in {duration(summary['seconds'])}",
     ]
     if summary.get("sharding") == "fsdp":
@@ -183,7 +185,8 @@ def _tp_lines(schedule: Schedule) -> list[str]:
     tp, devices = schedule.metrics.tp, schedule.metrics.device
     lines = [
         f"TP micro-groups ({tp.mode}, capacity {schedule.tp.group_bytes / (1 << 20):.0f} MiB per host): "
-        f"critical path {tp.critical_time:.4g} vs lower bound {tp.critical_lower_bound:.4g}",
+        f"critical path {tp.critical_time:.4g} vs lower bound {tp.critical_lower_bound:.4g}"
+        + (f"; {plural(tp.cooperative, 'matrix', 'matrices')} hosted cooperatively" if tp.cooperative else ""),
     ]
     rows = [
         [mode, str(s.num_groups), f"{s.efficiency:.3f}", f"{s.critical_time / tp.critical_lower_bound if tp.critical_lower_bound else 1:.3f}", f"{s.device_imbalance:.3f}", f"{s.max_saturation:.2f}"]
@@ -221,8 +224,11 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
     ]
     groups = [
         {"index": group.index, "tasks": len(group.params), "makespan": group.makespan, "saturation": group.saturation,
-         "hosted": [name for name, host in zip(group.params, group.hosts) if host == tp_rank]}
+         "hosted": [name for name, host in zip(group.params, group.hosts) if host == tp_rank
+                    or tp_rank in teams.get(name, ())],
+         "teamed": [name for name in group.params if tp_rank in teams.get(name, ())]}
         for group in schedule.tp.ranks[dp_rank].groups
+        for teams in ({team.param: team.hosts for team in group.teams},)
     ]
     return {
         "rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
@@ -252,5 +258,5 @@ def rank_text(part: dict[str, Any]) -> str:
             f"  group {group['index']}: {plural(group['tasks'], 'task')}, makespan {group['makespan']:.4g}, "
             f"saturation {group['saturation']:.2f}, {len(group['hosted'])} hosted here"
         )
-        lines += [f"    * {name}" for name in group["hosted"]]
+        lines += [f"    * {name}" + (" (a slice: hosted by a team)" if name in group["teamed"] else "") for name in group["hosted"]]
     return "\n".join(lines)

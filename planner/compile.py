@@ -30,6 +30,7 @@ from canzona.schedules.format import (
     Schedule,
     SolverMetrics,
     StrategyScore,
+    TeamEntry,
     TpGroup,
     TpMetrics,
     TpModeScore,
@@ -80,6 +81,7 @@ def request_section(req: PlanRequest, model: ModelSpec) -> Request:
         training=_training(req),
         sharding=req.sharding,
         dp_replicate=req.dp_replicate,
+        coop=req.coop,
         canzona_version=canzona_version(),
     )
 
@@ -231,6 +233,8 @@ def _tp_section(plan: Plan) -> TpSection:
                     host_bytes=list(stats.host_bytes),
                     makespan=stats.makespan,
                     saturation=stats.saturation,
+                    teams=[TeamEntry(param=tasks[t].name, hosts=list(team.hosts), load=team.cost)
+                           for t, team in zip(group.tasks, group.teams) if team is not None],
                 )
             )
         ranks.append(TpRankPlan(dp_rank=dp_rank, groups=entries))
@@ -253,6 +257,7 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
         device_imbalance=chosen.device_imbalance,
         max_saturation=chosen.max_saturation,
         modes={mode: TpModeScore(**vars(score)) for mode, score in scores.items()},
+        cooperative=sum(team is not None for rank in plan.chosen_groups for group in rank for team in group.teams),
     )
 
 
@@ -328,4 +333,5 @@ def plan_request(request: Request, model_source: str | None = None) -> PlanReque
         training=TrainingSetup(**request.training.model_dump()) if request.training else None,
         sharding=request.sharding,
         dp_replicate=request.dp_replicate,
+        coop=request.coop,
     )

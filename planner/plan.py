@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from canzona.planner.partition.baselines import BaselineLoads, all_baselines
+from canzona.planner.partition.cooperative import COOP_MODES, Shape, cooperate
 from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
 from canzona.planner.partition.dp import (
     DpAssignment,
@@ -112,6 +113,7 @@ class PlanRequest:
     training: TrainingSetup | None = None  # what those searches assumed (None: the defaults)
     sharding: str = REPLICATED  # or FSDP: FSDP2 fully_shard (planner/fsdp.py)
     dp_replicate: int = 1  # HSDP (FSDP only): dp = dp_replicate x shard ranks
+    coop: str = "auto"  # cooperative hosting of dominant Muon matrices: off, auto, force
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""
@@ -124,6 +126,8 @@ class PlanRequest:
         problem = problem or sharding_problem(self.sharding, self.dp, self.dp_replicate, self.ep) or self._fsdp_problem()
         if problem:
             raise PlanError(problem)
+        if self.coop not in COOP_MODES:
+            raise PlanError(f"unknown cooperative hosting mode {self.coop!r}; choose one of {', '.join(COOP_MODES)}")
         if self.alpha_device is not None or self.bucket_device is not None:
             (self.training or TrainingSetup()).validate(self.dp)
 
@@ -138,6 +142,8 @@ class PlanRequest:
             return "alpha and the bucket size shape DP cuts and buckets, which FSDP plans do not have; leave them out"
         if self.solver != "greedy":
             return "--solver ilp is not supported with --fsdp (FSDP plans use the greedy micro-group scheduler)"
+        if self.coop == "force":
+            return "--coop force is not supported with --fsdp (FSDP plans host every matrix on one device)"
         return None
 
 
@@ -294,6 +300,12 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
         refined, num_refined, num_improved = refine_groups(tasks, groups[request.tp_mode], request)
         groups[request.tp_mode] = refined
         summary = _solver_summary(dense, num_refined, num_improved)
+    shapes = team_shapes(model, request)
+    if shapes:  # the chosen mode only: the others are scored beside it as their schedulers made them
+        groups[request.tp_mode] = tuple(
+            cooperate(rank, rank_groups, tp, shapes, request.optimizer.ns_steps, request.coop, request.group_bytes)
+            for rank, rank_groups in zip(tasks, groups[request.tp_mode])
+        )
     return Plan(
         request=request,
         model=model,
@@ -311,6 +323,20 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
         groups=groups,
         solver=summary,
     )
+
+
+def team_shapes(model: ModelSpec, request: PlanRequest) -> dict[str, Shape]:
+    """The matrices a team may host: Muon, updated as one matrix (one submatrix); none when
+    cooperative hosting is off, or `auto` under a cost model it cannot price (only FLOPs)."""
+    if request.optimizer.name != "muon" or request.coop == "off" or request.tp < 2:
+        return {}
+    if request.coop == "auto" and request.cost != "flops":
+        return {}
+    return {
+        param.name: Shape(param.shape[0], param.shape[1], param.tp_dim)
+        for param in model.params
+        if param.optimizer == MATRIX and len(param.submatrices) == 1
+    }
 
 
 def _solver_summary(dense: BufferPlan, num_refined: int, num_improved: int) -> SolverSummary:

@@ -230,8 +230,9 @@ def _buckets(schedule: Schedule, entries: list[ParamEntry], buffers: dict[str, A
 @dataclass(frozen=True)
 class Task:
     """The update of one matrix: its registration index, host TP rank, local shape (every TP
-    rank's shard has it), full shape, TP dim (None: replicated), row blocks and the model
-    dtype of the parameter (the schedule's name: fp32, bf16, fp16)."""
+    rank's shard has it), full shape, TP dim (None: replicated), row blocks, the model
+    dtype of the parameter (the schedule's name: fp32, bf16, fp16) and, when a team hosts it
+    (`canzona.runtime.cooperative`), the team's TP ranks."""
 
     param: int
     host: int
@@ -240,6 +241,7 @@ class Task:
     tp_dim: int | None
     row_blocks: list[list[list[int]]] | None
     dtype: str = "fp32"
+    team: tuple[int, ...] = ()  # cooperative hosting: the TP ranks sharing it (`host` among them)
 
     @property
     def numel(self) -> int:
@@ -266,8 +268,9 @@ def micro_groups(schedule: Schedule, dp_rank: int) -> list[tuple[Task, ...]]:
     tasks = matrix_tasks(schedule)
     groups = schedule.tp.ranks[dp_rank].groups
     return [
-        tuple(replace(tasks[name], host=host) for name, host in zip(g.params, g.hosts))
+        tuple(replace(tasks[name], host=host, team=tuple(teams.get(name, ()))) for name, host in zip(g.params, g.hosts))
         for g in groups
+        for teams in ({team.param: team.hosts for team in g.teams},)
     ]
 
 

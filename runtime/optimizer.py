@@ -39,7 +39,7 @@ from canzona.runtime.gather import ForwardHooks, ParamGather
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
 from canzona.runtime.layout import EXPERT, DpBucket, Task, build_dp_layout, local_entries, matrix_tasks, micro_groups
 from canzona.runtime.optimizers import Hyperparameters, State, make_rule
-from canzona.runtime.pipeline import MicroGroupPipeline
+from canzona.runtime.pipeline import MicroGroupPipeline, hosts_here
 from canzona.runtime.process_groups import resolve_process_groups
 from canzona.runtime.fsdp_checks import fsdp_mismatch
 from canzona.runtime.schedule import DTYPES, Verdict, agree, layout_problem, load_schedule, plan_digest, summary
@@ -218,6 +218,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self._setup_matrices()
         hosted = set(self._hosted)
         self._tasks: dict[int, Task] = {t.param: t for t in matrix_tasks(self.schedule).values() if t.param in hosted}
+        self._tasks.update(getattr(self, "_team_tasks", {}))  # a team member's: its slice (`canzona.runtime.cooperative`)
         self._adamw_pieces = precision.adamw_pieces(self)
         self.main = precision.allocate(self)
         self._norm_runs = gradients.norm_runs(self)
@@ -259,7 +260,9 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
     def _setup_matrices(self) -> None:
         groups = micro_groups(self.schedule, self.dp_rank)
         self.pipeline = MicroGroupPipeline(groups, self.tp_rank, self.tp_size, self.tp_group, self.device, self.timeout)
-        self._hosted = [t.param for tasks in groups for t in tasks if t.host == self.tp_rank]
+        self._hosted = [t.param for tasks in groups for t in tasks if hosts_here(t, self.tp_rank)]
+        self._team_tasks = {t.param: t for tasks in groups for t in tasks if t.team and hosts_here(t, self.tp_rank)}
+        self._cooperative = any(group.teams for rank in self.schedule.tp.ranks for group in rank.groups)
 
     def _group_tasks(self) -> list[Task]:
         """Every matrix this rank's TP group updates (any host)."""

@@ -1,7 +1,8 @@
 """The TP micro-group pipeline (docs/concepts.md): per group, one fused all-to-all gathers every shard to
 its host, each host updates the full matrices it hosts, one fused all-to-all sends the result
 shards back, every rank applies its own. Group g+1's gather is in flight while g computes,
-and group g's scatter while g+1 computes.
+and group g's scatter while g+1 computes. A matrix hosted by a team (`canzona.runtime.cooperative`)
+travels in pieces: each member gets, and sends back, only its slice of the long side.
 
 Callbacks keep this module free of optimizer details:
 `grad_of(task)` is this rank's reduced local gradient shard (local shape, fp32),
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from canzona.runtime import cooperative
 from canzona.runtime.comm import InFlight, all_gather_equal, start_all_to_all
 from canzona.runtime.layout import Task
 from canzona.runtime.schedule import DTYPES
@@ -58,8 +60,30 @@ def _everything(task: Task) -> bool:
     return True
 
 
+
+def hosts_here(task: Task, rank: int) -> bool:
+    """Whether TP rank `rank` updates `task` (its host, or a member of its team)."""
+    return rank in task.team if task.team else task.host == rank
+
+
+def _gather_numel(task: Task, sender: int, receiver: int) -> int:
+    """Elements of `task` the gather moves from `sender` to `receiver` (a replicated matrix:
+    none, every rank has it)."""
+    if task.tp_dim is None or not hosts_here(task, receiver):
+        return 0
+    return cooperative.piece_numel(task, sender, task.team.index(receiver)) if task.team else task.numel
+
+
+def _scatter_numel(task: Task, sender: int, receiver: int) -> int:
+    """Elements of `task`'s result the scatter moves from `sender` to `receiver`."""
+    if not hosts_here(task, sender):
+        return 0
+    return cooperative.piece_numel(task, receiver, task.team.index(sender)) if task.team else task.numel
+
+
 class MicroGroupPipeline:
-    """Executes one DP rank's micro-groups on one of its TP ranks."""
+    """Executes one DP rank's micro-groups on one of its TP ranks (team members: their slice;
+    `team_groups`: this rank's teams' process groups)."""
 
     def __init__(self, groups: Sequence[tuple[Task, ...]], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup,
                  device: torch.device, timeout: timedelta | None = None) -> None:
@@ -69,47 +93,74 @@ class MicroGroupPipeline:
         self.group = tp_group
         self.device = device
         self.timeout = timeout
+        self.team_groups = cooperative.make_team_groups([t for g in self.groups for t in g], tp_rank, tp_group, timeout)
 
-    def _hosted(self, tasks: tuple[Task, ...], host: int, sharded_only: bool = False) -> list[Task]:
-        return [t for t in tasks if t.host == host and not (sharded_only and t.tp_dim is None)]
+    def _hosted(self, tasks: tuple[Task, ...], host: int) -> list[Task]:
+        return [t for t in tasks if hosts_here(t, host)]
 
     def _start_gather(self, tasks: tuple[Task, ...], grad_of: GradOf) -> InFlight:
-        per_host = [self._hosted(tasks, host, sharded_only=True) for host in range(self.size)]
-        send = _flat([grad_of(t) for host_tasks in per_host for t in host_tasks], self.device)
+        pieces, send_splits = [], []
+        for host in range(self.size):
+            moved = [t for t in tasks if _gather_numel(t, self.rank, host)]
+            pieces += [cooperative.shard_piece(t, grad_of(t), self.rank, t.team.index(host)) if t.team else grad_of(t)
+                       for t in moved]
+            send_splits.append(sum(_gather_numel(t, self.rank, host) for t in moved))
+        send = _flat(pieces, self.device)
         if send.numel() == 0:  # only replicated matrices: every TP rank knows, nobody sends
             return InFlight(send, None)
-        mine = sum(t.numel for t in per_host[self.rank])
-        return start_all_to_all(send, [sum(t.numel for t in h) for h in per_host], [mine] * self.size, self.group,
-                                self.timeout, "the TP micro-group gather")
+        recv_splits = [sum(_gather_numel(t, sender, self.rank) for t in tasks) for sender in range(self.size)]
+        return start_all_to_all(send, send_splits, recv_splits, self.group, self.timeout, "the TP micro-group gather")
 
     def _full_grads(self, tasks: tuple[Task, ...], received: Tensor, grad_of: GradOf) -> dict[int, Tensor]:
-        """Rebuild the full gradient of every task this rank hosts from the gathered shards."""
-        sharded = self._hosted(tasks, self.rank, sharded_only=True)
-        chunk = sum(t.numel for t in sharded)
-        full, offset = {}, 0
-        for task in sharded:
-            shards = [received[s * chunk + offset : s * chunk + offset + task.numel].view(task.local_shape) for s in range(self.size)]
-            full[task.param] = assemble(task, shards)
-            offset += task.numel
+        """The gradient of every task this rank updates, from the gathered pieces: the full
+        matrix on its host, the slice on a team member."""
+        pieces: dict[int, list[Tensor]] = {t.param: [] for t in tasks}  # per sender, empty where it sent none
+        offset = 0
+        for sender in range(self.size):
+            for task in tasks:
+                count = _gather_numel(task, sender, self.rank)
+                pieces[task.param].append(received[offset : offset + count])
+                offset += count
+        full = {}
         for task in self._hosted(tasks, self.rank):
             if task.tp_dim is None:
-                full[task.param] = grad_of(task)
+                whole = grad_of(task)
+                full[task.param] = (cooperative.shard_piece(task, whole, 0, task.team.index(self.rank))
+                                    if task.team else whole)
+            elif task.team:
+                full[task.param] = cooperative.assemble_slice(task, task.team.index(self.rank), pieces[task.param],
+                                                              received.dtype, self.device)
+            else:
+                full[task.param] = assemble(task, [p.view(task.local_shape) for p in pieces[task.param]])
         return full
 
     def _start_scatter(self, tasks: tuple[Task, ...], updates: dict[int, Tensor]) -> InFlight:
         hosted = self._hosted(tasks, self.rank)
         dtype = payload_dtype(tasks)
-        send = _flat([_shard(updates[t.param], t, peer, self.size) for peer in range(self.size) for t in hosted], self.device, dtype)
-        per_host = [sum(t.numel for t in self._hosted(tasks, host)) for host in range(self.size)]
-        mine = sum(t.numel for t in hosted)
-        return start_all_to_all(send, [mine] * self.size, per_host, self.group, self.timeout, "the TP micro-group scatter")
+        parts = [
+            cooperative.slice_piece(t, updates[t.param], peer, t.team.index(self.rank)) if t.team
+            else _shard(updates[t.param], t, peer, self.size)
+            for peer in range(self.size) for t in hosted
+        ]
+        send = _flat(parts, self.device, dtype)
+        send_splits = [sum(_scatter_numel(t, self.rank, peer) for t in hosted) for peer in range(self.size)]
+        recv_splits = [sum(_scatter_numel(t, sender, self.rank) for t in tasks) for sender in range(self.size)]
+        return start_all_to_all(send, send_splits, recv_splits, self.group, self.timeout, "the TP micro-group scatter")
 
     def _apply(self, tasks: tuple[Task, ...], received: Tensor, apply: Apply) -> None:
-        offset = 0
+        offset, team_pieces = 0, {t.param: [] for t in tasks if t.team}
         for host in range(self.size):
-            for task in self._hosted(tasks, host):
-                apply(task, received[offset : offset + task.numel].view(task.local_shape))
-                offset += task.numel
+            for task in (t for t in tasks if hosts_here(t, host)):
+                count = _scatter_numel(task, host, self.rank)
+                piece = received[offset : offset + count]
+                offset += count
+                if task.team:
+                    team_pieces[task.param].append(piece)
+                else:
+                    apply(task, piece.view(task.local_shape))
+        for task in tasks:
+            if task.team:
+                apply(task, cooperative.assemble_shard(task, self.rank, team_pieces[task.param], received.dtype, self.device))
 
     def run(self, grad_of: GradOf, update_of: UpdateOf, apply: Apply, active: Active = _everything) -> None:
         """Run every micro-group: gather(g+1) overlaps compute(g), scatter(g) overlaps compute(g+1)."""

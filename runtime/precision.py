@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from canzona.runtime.cooperative import held_shape
+
 if TYPE_CHECKING:
     from canzona.runtime.layout import Piece, Task
     from canzona.runtime.optimizer import CanzonaOptimizer
@@ -58,7 +60,8 @@ def allocate(opt: CanzonaOptimizer) -> MainCopies:
     """Buffers for every main copy this rank keeps (filled at the next step: stale)."""
     hosted = set(opt._hosted)
     matrices = {
-        t.param: torch.empty(t.shape, dtype=torch.float32, device=opt.device) for t in main_tasks(opt) if t.param in hosted
+        t.param: torch.empty(held_shape(t, opt.tp_rank), dtype=torch.float32, device=opt.device)
+        for t in main_tasks(opt) if t.param in hosted
     }
     lowp = any(opt._lowp[piece.param] for piece, _ in opt._adamw_pieces)
     adamw = torch.empty(opt.adamw_state["exp_avg"].numel(), dtype=torch.float32, device=opt.device) if lowp else None

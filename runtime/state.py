@@ -22,6 +22,7 @@ from torch import Tensor
 
 from canzona.runtime.groups import group_hyperparameters
 from canzona.runtime.optimizers import State, init_matrix_state
+from canzona.runtime.cooperative import canonical_chunks, held_shape
 from canzona.runtime.precision import adamw_from_params, from_canonical, to_canonical
 from canzona.schedules.reshard import ADAMW_FIELDS, full_runs
 
@@ -122,7 +123,19 @@ def adamw_runs(opt: CanzonaOptimizer) -> list[AdamwRun]:
 
 def _matrix_template(opt: CanzonaOptimizer, param: int) -> list[State]:
     task = opt._tasks[param]
+    if task.team:  # a team member's slice (`canzona.runtime.cooperative`)
+        return [opt.rule.init_state(*held_shape(task, opt.tp_rank), opt.device)]
     return init_matrix_state(opt.rule, task.shape, task.row_blocks, opt.device)
+
+
+def _logical(opt: CanzonaOptimizer, param: int, tensor: Tensor, clone: bool) -> LogicalTensor:
+    """A matrix's state tensor (or main copy, already canonical unless teamed) as held here:
+    whole, or a team member's slice as its canonical chunks."""
+    task = opt._tasks[param]
+    if not task.team:
+        return LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), tensor.clone() if clone else tensor)])
+    chunks = canonical_chunks(task, task.team.index(opt.tp_rank), tensor)
+    return LogicalTensor(task.shape, [(offsets, data.clone() if clone else data) for offsets, data in chunks])
 
 
 def _adamw_size(opt: CanzonaOptimizer, param: int) -> tuple[int, ...]:
@@ -143,8 +156,9 @@ def _export_main(opt: CanzonaOptimizer, writers_only: bool, clone: bool, out: di
         return
     for param, tensor in opt.main.matrices.items():
         if opt._writes_matrix(param) or not writers_only:
-            canonical = to_canonical(tensor, opt._tasks[param])
-            out[main_key(opt.names[param])] = LogicalTensor(tuple(tensor.shape), [((0, 0), canonical)])
+            teamed = bool(opt._tasks[param].team)
+            canonical = tensor if teamed else to_canonical(tensor, opt._tasks[param])
+            out[main_key(opt.names[param])] = _logical(opt, param, canonical, clone=teamed and clone)
     assert opt.main.adamw is not None or not _main_runs(opt)
     for run in _main_runs(opt):
         if writers_only and not opt._writes_adamw(opt._tp_dims[run.param] is None):
@@ -164,8 +178,7 @@ def export_state(opt: CanzonaOptimizer, writers_only: bool, clone: bool) -> dict
         states = opt.matrix_state.get(param) or _matrix_template(opt, param)
         for path, tensor in state_leaves(states).items():
             if tensor is not None:
-                data = tensor.clone() if clone else tensor
-                out[matrix_key(opt.names[param], path)] = LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), data)])
+                out[matrix_key(opt.names[param], path)] = _logical(opt, param, tensor, clone)
     for run in opt._adamw_runs:
         if writers_only and not opt._writes_adamw(opt._tp_dims[run.param] is None):
             continue
@@ -188,11 +201,13 @@ def _plan_main(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]], 
     complete = True
     for param, current in opt.main.matrices.items():
         key = main_key(opt.names[param])
-        if available.get(key) != tuple(current.shape):
+        target = torch.empty_like(current)  # canonical order until installed (a team's slice: its own order)
+        wanted = _logical(opt, param, target, clone=False)
+        if available.get(key) != wanted.size:
             complete = False
             continue
-        target = dest.main_matrices[param] = torch.empty_like(current)  # canonical order until installed
-        dest.tensors[key] = LogicalTensor(tuple(current.shape), [((0, 0), target)])
+        dest.main_matrices[param] = target
+        dest.tensors[key] = wanted
     if opt.main.adamw is not None:
         # Elements the saved state lacks (vocab padding rows only this layout has) start from
         # the parameters, as a rebuilt main copy would.
@@ -223,10 +238,11 @@ def plan_import(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]])
                 set_leaf(states, path, tensor)
             if tensor is None:
                 continue
-            if available.get(key) != tuple(tensor.shape):
-                missing.append(key if key not in available else f"{key} (shape {list(available[key])}, expected {list(tensor.shape)})")
+            wanted = _logical(opt, param, tensor, clone=False)
+            if available.get(key) != wanted.size:
+                missing.append(key if key not in available else f"{key} (shape {list(available[key])}, expected {list(wanted.size)})")
                 continue
-            tensors[key] = LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), tensor)])
+            tensors[key] = wanted
     adamw = {name: torch.zeros_like(buffer) for name, buffer in opt.adamw_state.items()}
     for run in opt._adamw_runs:
         for name in ADAMW_FIELDS:
@@ -258,6 +274,24 @@ def _fill_run(key: str, offset: int, target: Tensor, sources: LogicalTensor) -> 
         raise ValueError(f"the saved state of {key} does not cover the elements this rank needs (a state_dict of another rank?)")
 
 
+def _fill_box(key: str, offsets: Offsets, target: Tensor, sources: LogicalTensor, size: tuple[int, ...]) -> None:
+    """Copy the parts of the source chunks (which do not overlap) inside the box `target`
+    covers at `offsets`; ValueError unless they cover all of it (a matrix saved whole, or by
+    a team in slices, both do)."""
+    covered = 0
+    for start, data in sources.chunks:
+        box = [(max(o, s), min(o + n, s + m)) for o, n, s, m in zip(offsets, target.shape, start, data.shape)]
+        if all(low < high for low, high in box):
+            into, out_of = target, data
+            for dim, (low, high) in enumerate(box):
+                into = into.narrow(dim, low - offsets[dim], high - low)
+                out_of = out_of.narrow(dim, low - start[dim], high - low)
+            into.copy_(out_of)
+            covered += into.numel()
+    if covered < target.numel():
+        raise ValueError(f"the saved state of {key} is not whole (expected chunks covering [{', '.join(map(str, size))}])")
+
+
 def fill_from(dest: Destination, tensors: Mapping[str, LogicalTensor]) -> None:
     """Fill `dest` from in-memory logical tensors (any chunking that covers what is needed)."""
     for key, wanted in dest.tensors.items():
@@ -266,10 +300,7 @@ def fill_from(dest: Destination, tensors: Mapping[str, LogicalTensor]) -> None:
             if len(wanted.size) == 1:
                 _fill_run(key, offsets[0], target, source)
                 continue
-            whole = [data for start, data in source.chunks if not any(start) and tuple(data.shape) == wanted.size]
-            if not whole:
-                raise ValueError(f"the saved state of {key} is not whole (expected one [{', '.join(map(str, wanted.size))}] tensor)")
-            target.copy_(whole[0])
+            _fill_box(key, offsets, target, source, wanted.size)
 
 
 def install(opt: CanzonaOptimizer, dest: Destination, step: int, param_steps: Mapping[str, int]) -> None:
@@ -281,7 +312,10 @@ def install(opt: CanzonaOptimizer, dest: Destination, step: int, param_steps: Ma
     opt.param_steps = [int(param_steps.get(name, step)) for name in opt.names]
     if dest.main_complete:
         for param, canonical in dest.main_matrices.items():
-            from_canonical(canonical, opt._tasks[param], opt.main.matrices[param])
+            if opt._tasks[param].team:
+                opt.main.matrices[param].copy_(canonical)
+            else:
+                from_canonical(canonical, opt._tasks[param], opt.main.matrices[param])
         if dest.main_adamw is not None:
             opt.main.adamw = dest.main_adamw
         opt.main.stale = False

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from canzona.runtime import comm, state as logical
+from canzona.runtime import comm, cooperative, state as logical
+from canzona.runtime.cooperative import held_shape
+from canzona.runtime.faults import CollectiveError
 from canzona.runtime.layout import Task
 from canzona.runtime.optimizers import Hyperparameters, MatrixRule, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
 
@@ -108,19 +110,30 @@ class UpdateStage:
         zero result keeps the collectives going) for the next safe point."""
         pending = self._pending
         assert pending is not None
+        calls = cooperative.Calls()
         if pending.problem is None:
             try:
-                return self._matrix_result(task, full_grad, pending)
+                return self._matrix_result(task, full_grad, pending, calls)
+            except CollectiveError:
+                raise
             except Exception as error:  # noqa: BLE001
                 pending.fail(f"updating {self.names[task.param]}: {problem_line(error)}")
-        return torch.zeros(task.shape, dtype=self._dtypes[task.param], device=self.device)
+        if task.team:  # the team's other members are in its all-reduces: go through the rest on zeros
+            steps = pending.hps[self._group_of[task.param]].ns_steps or 0
+            cooperative.idle(task, self.pipeline.team_groups[task.team], steps, self.device, self.timeout, calls.count)
+        return torch.zeros(held_shape(task, self.tp_rank), dtype=self._dtypes[task.param], device=self.device)
 
-    def _matrix_result(self, task: Task, full_grad: Tensor, pending: Transaction) -> Tensor:
+    def _matrix_result(self, task: Task, full_grad: Tensor, pending: Transaction, calls: cooperative.Calls) -> Tensor:
         group = self._group_of[task.param]
         rule, hp = pending.rules[group], pending.hps[group]
         current = self.matrix_state.get(task.param)
-        states = logical.clone_states(current) if current else init_matrix_state(rule, task.shape, task.row_blocks, self.device)
-        update = matrix_update(rule, states, full_grad, task.row_blocks, self.param_steps[task.param] + 1)
+        if task.team:  # this member's slice: its momentum, its part of a shared Newton-Schulz
+            states = logical.clone_states(current) if current else [rule.init_state(*held_shape(task, self.tp_rank), self.device)]
+            update = cooperative.team_muon(hp, states[0], full_grad.float(), task, self.pipeline.team_groups[task.team],
+                                           self.timeout, calls)
+        else:
+            states = logical.clone_states(current) if current else init_matrix_state(rule, task.shape, task.row_blocks, self.device)
+            update = matrix_update(rule, states, full_grad, task.row_blocks, self.param_steps[task.param] + 1)
         pending.matrix[task.param] = states
         if not self._lowp[task.param]:
             return update

@@ -78,7 +78,7 @@ class Request(_Strict):
     over TP. `sharding` is how parameters lie over DP: "replicated" (ZeRO-1, the DP section's
     buckets and owners) or "fsdp" (FSDP2 `fully_shard`: every parameter is sharded over the DP
     shard dim, the matrices' micro-groups span DP shard x TP); `dp_replicate` > 1 is HSDP, dp =
-    dp_replicate x shard ranks."""
+    dp_replicate x shard ranks. `coop` is the cooperative hosting mode (off, auto, force)."""
 
     model: ModelSource
     tp: int = Field(ge=1, le=MAX_FILE_INT)
@@ -103,6 +103,7 @@ class Request(_Strict):
     training: TrainingSettings | None = None
     sharding: str = "replicated"
     dp_replicate: int = Field(default=1, ge=1, le=MAX_FILE_INT)
+    coop: str = "off"
     canzona_version: str
 
 
@@ -167,9 +168,20 @@ class DpSection(_Strict):
     adamw_buckets: list[AdamwBucketEntry]
 
 
+class TeamEntry(_Strict):
+    """A matrix hosted cooperatively (Muon only): the TP ranks (ascending; its `hosts` entry
+    among them) that each hold an equal slice of its long side in that order and run
+    Newton–Schulz together, and the cost each pays."""
+
+    param: str
+    hosts: list[Count]
+    load: float
+
+
 class TpGroup(_Strict):
     """One micro-group of a DP rank, in execution order. `params[i]` is updated on TP rank
-    `hosts[i]`; per TP rank: summed task cost and bytes of gathered full fp32 gradients."""
+    `hosts[i]`, or by its team if `teams` names it; per TP rank: summed task cost (a team's
+    `load` on each member) and bytes of gathered full fp32 gradients (1/k of a teamed one)."""
 
     index: Count
     params: list[str]
@@ -178,6 +190,7 @@ class TpGroup(_Strict):
     host_bytes: list[Count]
     makespan: float
     saturation: float
+    teams: list[TeamEntry] = []
 
 
 class TpRankPlan(_Strict):
@@ -239,7 +252,8 @@ class TpModeScore(_Strict):
 class TpMetrics(_Strict):
     """efficiency = sum of task costs / (P · sum over groups of makespan), over all DP ranks;
     critical_time = the largest sum of group makespans of one DP rank (cost units), and
-    critical_lower_bound = max over DP ranks of max(its cost / P, its largest task)."""
+    critical_lower_bound = max over DP ranks of max(its cost / P, its largest task);
+    cooperative = how many matrices the chosen mode hosts cooperatively (by a team)."""
 
     mode: str
     num_groups: Count
@@ -250,6 +264,7 @@ class TpMetrics(_Strict):
     device_imbalance: float
     max_saturation: float
     modes: dict[str, TpModeScore]
+    cooperative: Count = 0
 
 
 class DeviceMetrics(_Strict):

@@ -17,6 +17,7 @@ MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
 COST_MODELS = ("numel", "flops")
 PROFILE_PREFIX = "profile:"
 TP_MODES = ("rollback", "fixed", "sorted", "heap")
+COOP_MODES = ("off", "auto", "force")  # cooperative hosting of dominant Muon matrices
 SOLVERS = ("greedy", "ilp")
 QKV_SPLITS = ("none", "qkv", "head")
 NAMING_CONVENTIONS = ("megatron", "hf", "torchtitan")  # parameter names of presets and HF configs

@@ -299,15 +299,31 @@ def adamw_runs(schedule: Schedule, entry: ParamEntry, writers_only: bool) -> lis
     return sorted(runs)
 
 
-def matrix_hosts(schedule: Schedule) -> dict[str, int]:
-    """The global rank hosting each matrix's state."""
+def matrix_hosts(schedule: Schedule) -> dict[str, tuple[int, ...]]:
+    """The global ranks holding each matrix's state: its host, or its team's members (equal
+    slices, in team order)."""
     tp = schedule.request.tp
-    return {
-        name: plan.dp_rank * tp + host
-        for plan in schedule.tp.ranks
-        for group in plan.groups
-        for name, host in zip(group.params, group.hosts)
-    }
+    out = {}
+    for plan in schedule.tp.ranks:
+        for group in plan.groups:
+            teams = {team.param: team.hosts for team in group.teams}
+            for name, host in zip(group.params, group.hosts):
+                out[name] = tuple(plan.dp_rank * tp + member for member in teams.get(name, [host]))
+    return out
+
+
+def _matrix_moves(ledger: _Ledger, old: tuple[int, ...], new: tuple[int, ...], written: int, read: int) -> None:
+    """A matrix's state from its OLD holders to its NEW ones: slice i to slice i when both
+    teams are the same ranks, else every OLD slice spread evenly over the NEW holders."""
+    for source in old:
+        ledger.writes[source] += written // len(old)
+    if old == new:
+        for rank in old:
+            ledger.move(rank, rank, read // len(old))
+        return
+    for source in old:
+        for target in new:
+            ledger.move(source, target, read // (len(old) * len(new)))
 
 
 @dataclass
@@ -415,8 +431,8 @@ def reshard_report(old: Schedule, new: Schedule) -> ReshardReport:
         a = entries[b.name]
         if b.optimizer == MATRIX:
             state, (written, read) = new_layout.state_nbytes(params[b.name]), _main_per_element(a, b)
-            ledger.writes[old_hosts[a.name]] += state + written * prod(a.shape)
-            ledger.move(old_hosts[a.name], new_hosts[b.name], state + read * prod(b.shape))
+            _matrix_moves(ledger, old_hosts[a.name], new_hosts[b.name], state + written * prod(a.shape),
+                          state + read * prod(b.shape))
         else:
             _adamw_moves(old, new, a, b, ledger)
     return ReshardReport(

@@ -30,6 +30,7 @@ from canzona.schedules.geometry import (
 from canzona.schedules.limits import (
     ADAMW,
     FSDP,
+    COOP_MODES,
     GRAD_REDUCE_AXES,
     MATRIX,
     MAX_PARAM_NUMEL,
@@ -43,6 +44,7 @@ from canzona.schedules.limits import (
     settings_problem,
     sharding_problem,
 )
+from canzona.schedules.teams import placements, team_problem
 
 if TYPE_CHECKING:
     from canzona.schedules.format import BucketEntry, ParamEntry, Schedule, StrategyScore
@@ -108,6 +110,7 @@ def _check_request(schedule: Schedule) -> None:
         or choice_problem("router_optimizer", req.router_optimizer, OPTIMIZER_CLASSES)
         or choice_problem("names", req.names, NAMING_CONVENTIONS)
         or sharding_problem(req.sharding, req.dp, req.dp_replicate, req.ep)
+        or choice_problem("coop", req.coop, COOP_MODES)
     )
     if problem:
         _fail(f"request: {problem}")
@@ -369,14 +372,23 @@ def _check_tp_section(schedule: Schedule) -> None:
             _fail(f"tp section, DP rank {plan.dp_rank}: groups must list exactly the matrices it owns, once each")
         for position, group in enumerate(plan.groups):
             _check_group(f"tp section, DP rank {plan.dp_rank} group {position}", group, entries, req.tp,
-                         req.group_bytes, req.tp_mode)
+                         req.group_bytes, req.tp_mode, req.optimizer.name)
 
 
-def _check_group(where: str, group: Any, entries: dict[str, ParamEntry], tp: int, capacity: int, mode: str) -> None:
+def _check_group(where: str, group: Any, entries: dict[str, ParamEntry], tp: int, capacity: int, mode: str,
+                 optimizer: str) -> None:
+    host_of = dict(zip(group.params, group.hosts))
+    if len({team.param for team in group.teams}) != len(group.teams):
+        _fail(f"{where}: a matrix has two teams")
+    for team in group.teams:
+        problem = (f"{team.param!r} is not in the group" if team.param not in host_of
+                   else team_problem(team, entries[team.param], host_of[team.param], tp, optimizer))
+        if problem:
+            _fail(f"{where}: team of {team.param!r}: {problem}")
     loads, sizes, counts = [0.0] * tp, [0] * tp, [0] * tp
-    for name, host in zip(group.params, group.hosts):
-        loads[host] += entries[name].cost
-        sizes[host] += GRAD_BYTES_PER_ELEMENT * prod(entries[name].shape)
+    for host, cost, size in placements(group, entries):
+        loads[host] += cost
+        sizes[host] += size
         counts[host] += 1
     if len(group.host_loads) != tp or not all(_close(a, b) for a, b in zip(group.host_loads, loads)):
         _fail(f"{where}: host_loads disagree with its matrices' costs")
@@ -459,18 +471,19 @@ def _check_tp_metrics(schedule: Schedule) -> None:
     req, m, ranks = schedule.request, schedule.metrics.tp, schedule.tp.ranks
     costs = {e.name: e.cost for e in schedule.params}
     spans = [sum(g.makespan for g in plan.groups) for plan in ranks]
-    work = sum(sum(g.host_loads) for plan in ranks for g in plan.groups)
+    work = sum(costs[name] for plan in ranks for g in plan.groups for name in g.params)
     chosen = {
         "num_groups": float(sum(len(plan.groups) for plan in ranks)),
         "critical_time": max(spans, default=0.0),
         "efficiency": work / (req.tp * sum(spans)) if sum(spans) else 1.0,
         "max_saturation": max((g.saturation for plan in ranks for g in plan.groups), default=0.0),
+        "cooperative": float(sum(len(g.teams) for plan in ranks for g in plan.groups)),
     }
     if m.mode != req.tp_mode or req.tp_mode not in m.modes:
         _fail("metrics.tp.mode must be the request's tp_mode, with an entry in metrics.tp.modes")
     for key, derived in chosen.items():
         _expect(f"metrics.tp.{key}", float(getattr(m, key)), derived, "the tp section")
-    for key in (*chosen, "worst_device_load", "device_imbalance"):
+    for key in (*(k for k in chosen if k != "cooperative"), "worst_device_load", "device_imbalance"):
         _expect(f"metrics.tp.modes.{req.tp_mode}.{key}", float(getattr(m.modes[req.tp_mode], key)), float(getattr(m, key)),
                 f"metrics.tp.{key}")
     bound = max((max(sum(costs[n] for g in plan.groups for n in g.params) / req.tp,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, equal_cuts, slice_sizes
-from canzona.planner.partition.tp import MicroGroup, group_stats
+from canzona.planner.partition.tp import MicroGroup, Task, group_stats
 from canzona.planner.spec import DTYPE_BYTES
 
 if TYPE_CHECKING:  # the figures read a finished plan; partition never imports plan at run time
@@ -71,17 +71,25 @@ def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[
     for dp_rank, rank_groups in enumerate(groups):
         tasks = plan.tasks[dp_rank]
         for group in rank_groups:
-            for index, host in zip(group.tasks, group.hosts):
-                task = tasks[index]
-                for tp_rank in range(tp):
-                    if tp_rank == host:
-                        peers = tp - 1
-                        moved = (task.size * peers, 0) if task.replicated else (task.size * peers // tp,) * 2
-                    else:
-                        moved = (0, task.size) if task.replicated else (task.size // tp,) * 2
-                    sent, received = traffic[(dp_rank, tp_rank)]
-                    traffic[(dp_rank, tp_rank)] = (sent + moved[0], received + moved[1])
+            for position, (index, host) in enumerate(zip(group.tasks, group.hosts)):
+                team = group.team(position)
+                for member in team.hosts if team else (host,):
+                    _add_moved(traffic, dp_rank, tp, member, tasks[index], len(team.hosts) if team else 1)
     return traffic
+
+
+def _add_moved(traffic: dict[tuple[int, int], tuple[int, int]], dp_rank: int, tp: int, host: int, task: Task,
+               team_size: int) -> None:
+    """Gather and scatter bytes of one host's part (1/team_size) of a task, on every TP rank."""
+    part = task.size // team_size
+    for tp_rank in range(tp):
+        if tp_rank == host:
+            peers = tp - 1
+            moved = (part * peers, 0) if task.replicated else (part * peers // tp,) * 2
+        else:
+            moved = (0, part) if task.replicated else (part // tp,) * 2
+        sent, received = traffic[(dp_rank, tp_rank)]
+        traffic[(dp_rank, tp_rank)] = (sent + moved[0], received + moved[1])
 
 
 def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> list[DeviceFigures]:
@@ -105,10 +113,11 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
     for dp_rank in range(req.dp):
         hosted_cost, hosted_state = [0.0] * req.tp, [0.0] * req.tp
         for group in groups[dp_rank]:
-            for index, host in zip(group.tasks, group.hosts):
-                task = plan.tasks[dp_rank][index]
-                hosted_cost[host] += task.cost
-                hosted_state[host] += plan.state_bytes[index_of[task.name]]
+            for position, (index, host) in enumerate(zip(group.tasks, group.hosts)):
+                task, team = plan.tasks[dp_rank][index], group.team(position)
+                for member in team.hosts if team else (host,):
+                    hosted_cost[member] += team.cost if team else task.cost
+                    hosted_state[member] += plan.state_bytes[index_of[task.name]] / (len(team.hosts) if team else 1)
         for tp_rank in range(req.tp):
             tp_sent, tp_received = tp_traffic[(dp_rank, tp_rank)]
             figures.append(
@@ -133,7 +142,8 @@ def tp_score(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> TpScore:
         rank_time = 0.0
         for group in rank_groups:
             stats = group_stats(plan.tasks[dp_rank], group, tp, capacity)
-            total_cost += sum(stats.host_loads)
+            # The matrices' own costs: a team's communication and replicated work are overhead.
+            total_cost += sum(plan.tasks[dp_rank][index].cost for index in group.tasks)
             rank_time += stats.makespan
             saturation = max(saturation, stats.saturation)
         makespans += rank_time

@@ -43,11 +43,39 @@ class Task:
 
 
 @dataclass(frozen=True)
+class Team:
+    """The TP ranks (ascending) that host one matrix cooperatively, and the cost each pays
+    (`canzona.planner.partition.cooperative`)."""
+
+    hosts: tuple[int, ...]
+    cost: float
+
+
+@dataclass(frozen=True)
 class MicroGroup:
-    """Task positions (into the rank's task list) in execution order, and their hosts."""
+    """Task positions (into the rank's task list) in execution order, and their hosts.
+    `teams` (empty: none) is parallel to `tasks`: a task with a team is hosted by all of its
+    hosts (its `hosts` entry is one of them)."""
 
     tasks: tuple[int, ...]
     hosts: tuple[int, ...]
+    teams: tuple[Team | None, ...] = ()
+
+    def team(self, position: int) -> Team | None:
+        """The team of the task at `position`, if it has one."""
+        return self.teams[position] if self.teams else None
+
+    def placements(self, tasks: Sequence[Task]) -> list[tuple[int, float, int]]:
+        """(host, cost, gathered bytes) of every host of every task (a team member holds
+        1/k of the matrix)."""
+        out = []
+        for position, (index, host) in enumerate(zip(self.tasks, self.hosts)):
+            team, task = self.team(position), tasks[index]
+            if team is None:
+                out.append((host, task.cost, task.size))
+            else:
+                out += [(member, team.cost, task.size // len(team.hosts)) for member in team.hosts]
+        return out
 
 
 def _by_cost(tasks: Sequence[Task]) -> list[int]:
@@ -211,7 +239,7 @@ class GroupStats:
 def group_stats(tasks: Sequence[Task], group: MicroGroup, num_hosts: int, capacity: int) -> GroupStats:
     """Figures of one micro-group."""
     loads, sizes = [0.0] * num_hosts, [0] * num_hosts
-    for index, host in zip(group.tasks, group.hosts):
-        loads[host] += tasks[index].cost
-        sizes[host] += tasks[index].size
+    for host, cost, size in group.placements(tasks):
+        loads[host] += cost
+        sizes[host] += size
     return GroupStats(tuple(loads), tuple(sizes), max(loads), max(sizes) / capacity)

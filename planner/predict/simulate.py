@@ -27,20 +27,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from canzona.planner.partition.costs import CostModel, OptimizerConfig
+from canzona.planner.partition.cooperative import Shape, team_flops
+from canzona.planner.partition.costs import CostModel, OptimizerConfig, muon_flops
 from canzona.planner.partition.layout import slice_sizes
 from canzona.planner.predict.collectives import (
     GRAD_BYTES,
     Exchange,
     Link,
     all_gather,
+    all_reduce,
     phase_seconds,
     reduce_scatter,
     uneven,
 )
 from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.spec import DTYPE_BYTES
-from canzona.schedules.format import BucketEntry, ParamEntry, Schedule
+from canzona.schedules.format import BucketEntry, ParamEntry, Schedule, TeamEntry
 
 if TYPE_CHECKING:
     from canzona.planner.plan import TrainingSetup
@@ -130,6 +132,7 @@ class Matrix:
     param_bytes: int
     owner: int
     ep_rank: int | None
+    shape: tuple[int, int] = (1, 1)
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ class Instance:
     rooted: bool = True
     overlap_grad: bool = True
     overlap_param: bool = False
+    ns_steps: int = 5
 
     def adamw_elements(self, dp_rank: int) -> int:
         """Elements of this DP rank's equal AdamW slices (per device: TP shards are local)."""
@@ -217,6 +221,7 @@ def _matrix(entry: ParamEntry, time_model: CostModel) -> Matrix:
         param_bytes=DTYPE_BYTES[entry.dtype],
         owner=entry.owner if entry.owner is not None else 0,
         ep_rank=entry.ep_rank,
+        shape=(entry.shape[0], entry.shape[1]),
     )
 
 
@@ -255,7 +260,7 @@ def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel
         adamw_cuts=tuple(tuple(b.cuts) for b in schedule.dp.adamw_buckets),
         adamw_param_bytes=DTYPE_BYTES[adamw[0].dtype] if adamw else 2,
         matrices={m.name: m for m in matrices}, time_model=time_model, fused=fused, publish_bytes=publish_bytes,
-        rooted=rooted, overlap_grad=overlap_grad, overlap_param=overlap_param,
+        rooted=rooted, overlap_grad=overlap_grad, overlap_param=overlap_param, ns_steps=req.optimizer.ns_steps,
     )
 
 
@@ -402,24 +407,42 @@ def combine(name: str, description: str, tp: int, phases: DpPhases, locals_: Seq
 # canzona (with and without micro-group overlap)
 
 
-def micro_group_times(inst: Instance, names: Sequence[str], hosts: Sequence[int]) -> tuple[GroupTimes, list[float]]:
-    """One micro-group's gather, compute and scatter, and each TP rank's compute in it."""
+def team_seconds(inst: Instance, matrix: Matrix, k: int) -> float:
+    """Seconds of one member of a k-host team (`canzona.planner.partition.cooperative`): the
+    matrix's seconds scaled by the team's share of the FLOPs, plus the Gram all-reduces (one
+    r x r fp32 per Newton-Schulz iteration, one norm) over k ranks of the TP link."""
+    rows, cols = matrix.shape
+    shape = Shape(rows, cols, None)
+    share = team_flops(shape, k, inst.ns_steps) / muon_flops(rows, cols, inst.ns_steps)
+    link = Link(inst.tp_link.name, k, inst.tp_link.bandwidth, inst.tp_link.latency)
+    gram = all_reduce(link, min(rows, cols) ** 2, GRAD_BYTES).seconds()
+    return matrix.seconds * share + inst.ns_steps * gram + all_reduce(link, 1, GRAD_BYTES).seconds()
+
+
+def micro_group_times(inst: Instance, names: Sequence[str], hosts: Sequence[int],
+                      teams: Sequence[TeamEntry] = ()) -> tuple[GroupTimes, list[float]]:
+    """One micro-group's gather, compute and scatter, and each TP rank's compute in it. A
+    team member receives (sends back) 1/k of every other rank's shard."""
     p = inst.tp
     loads = [0.0] * p
     g_sent, g_recv, s_sent, s_recv = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
+    team_of = {team.param: team.hosts for team in teams}
     for name, host in zip(names, hosts):
         matrix = inst.matrices[name]
-        loads[host] += matrix.seconds
-        piece = matrix.full_bytes if matrix.replicated else matrix.shard_bytes
-        for rank in range(p):
-            if rank == host:
-                if not matrix.replicated:
-                    g_recv[rank] += (p - 1) * piece
-                s_sent[rank] += (p - 1) * piece
-            else:
-                if not matrix.replicated:
-                    g_sent[rank] += piece
-                s_recv[rank] += piece
+        members = team_of.get(name, [host])
+        seconds = team_seconds(inst, matrix, len(members)) if len(members) > 1 else matrix.seconds
+        piece = (matrix.full_bytes if matrix.replicated else matrix.shard_bytes) / len(members)
+        for member in members:
+            loads[member] += seconds
+            for rank in range(p):
+                if rank == member:
+                    if not matrix.replicated:
+                        g_recv[rank] += (p - 1) * piece
+                    s_sent[rank] += (p - 1) * piece
+                else:
+                    if not matrix.replicated:
+                        g_sent[rank] += piece
+                    s_recv[rank] += piece
     gather = Exchange("all-to-all", inst.tp_link, tuple(g_sent), tuple(g_recv)).seconds()
     scatter = Exchange("all-to-all", inst.tp_link, tuple(s_sent), tuple(s_recv)).seconds()
     return GroupTimes(gather, max(loads), scatter), loads
@@ -468,7 +491,7 @@ def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> St
     for dp_rank, rank_plan in enumerate(schedule.tp.ranks):
         compute, groups = [0.0] * inst.tp, []
         for group in rank_plan.groups:
-            times, loads = micro_group_times(inst, group.params, group.hosts)
+            times, loads = micro_group_times(inst, group.params, group.hosts, group.teams)
             groups.append(times)
             compute = [a + b for a, b in zip(compute, loads)]
         adamw = inst.time_model.adamw_cost(inst.adamw_elements(dp_rank))

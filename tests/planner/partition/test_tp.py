@@ -14,6 +14,7 @@ from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, PlanError
 from canzona.schedules.format import Schedule
+from canzona.schedules.teams import placements
 
 tasks_strategy = st.lists(
     st.tuples(st.integers(1, 1000), st.integers(1, 300), st.booleans()), min_size=0, max_size=30
@@ -98,23 +99,26 @@ def check_tp_section(schedule: Schedule) -> None:
     loads = [0.0] * (req.tp * req.dp)
     for rank_plan in schedule.tp.ranks:
         for group in rank_plan.groups:
-            host_loads, host_bytes = [0.0] * req.tp, [0] * req.tp
+            host_loads, host_bytes, counts = [0.0] * req.tp, [0] * req.tp, [0] * req.tp
             for name, host in zip(group.params, group.hosts):
                 param = by_name[name]
                 assert 0 <= host < req.tp
                 dp_rank = param.owner if param.ep_rank is None else param.owner * req.ep + param.ep_rank
                 assert dp_rank == rank_plan.dp_rank
                 owned[name] += 1
-                host_loads[host] += param.cost
-                host_bytes[host] += 4 * param.shape[0] * param.shape[1]
-                loads[rank_plan.dp_rank * req.tp + host] += param.cost
+            # A cooperatively hosted matrix loads each member of its team by the team's load.
+            for host, cost, size in placements(group, by_name):
+                host_loads[host] += cost
+                host_bytes[host] += size
+                counts[host] += 1
+                loads[rank_plan.dp_rank * req.tp + host] += cost
             assert group.host_loads == pytest.approx(host_loads, rel=1e-12)
             assert group.host_bytes == host_bytes
             assert group.makespan == pytest.approx(max(host_loads), rel=1e-12)
             assert group.saturation == pytest.approx(max(host_bytes) / req.group_bytes)
             if req.tp_mode == "rollback":
                 for host in range(req.tp):
-                    alone = list(group.hosts).count(host) == 1
+                    alone = counts[host] == 1
                     assert host_bytes[host] <= req.group_bytes or alone
     assert owned == Counter(p.name for p in schedule.params if p.optimizer == MATRIX)
     adamw = [d.load - loads[d.rank] for d in schedule.metrics.device]

@@ -176,7 +176,9 @@ def test_bad_training_setups() -> None:
 # dominant matrix (qwen3-1.7b tp4 dp64, qwen3-1.7b and qwen3-4b tp2 dp128, llama3.1-8b tp4 dp64)
 # TP-SC is ahead by one TP scatter: the last test pins that limit down.
 LAYOUTS_256 = [("qwen3-8b", 8, 32, 1), ("qwen3-14b", 4, 64, 1), ("qwen3-32b", 4, 64, 1), ("llama3.1-8b", 8, 32, 1),
-               ("llama3.1-70b", 8, 32, 1)]
+               ("llama3.1-70b", 8, 32, 1),
+               # A DP rank owning one dominant matrix: TP-SC was ahead by a scatter before teams.
+               ("qwen3-1.7b", 4, 64, 1), ("qwen3-1.7b", 2, 128, 1), ("qwen3-4b", 2, 128, 1), ("llama3.1-8b", 4, 64, 1)]
 
 
 def _assert_canzona_fastest(schedule) -> None:
@@ -202,9 +204,13 @@ def test_where_tp_sc_is_closer_it_wins_by_at_most_one_tp_scatter() -> None:
     # Known limit: when a DP rank owns a single dominant matrix (small models at high DP), its
     # host computes exactly what every TP-SC rank computes, then pays the scatter TP-SC does not
     # (the planner has no per-group "duplicated" mode yet). TP-SC then wins by at most that scatter.
+    # Without cooperative hosting, that is: a team of hosts shares the matrix and canzona wins.
     from canzona.planner.predict.simulate import build_instance, default_time_model, micro_group_times
 
-    schedule = compile_schedule(make_plan(load_model("llama3.1-8b", 4), PlanRequest("llama3.1-8b", 4, 64)))
+    model = load_model("llama3.1-8b", 4)
+    teamed = simulate(compile_schedule(make_plan(model, PlanRequest("llama3.1-8b", 4, 64))), BUILTIN["h100"])
+    assert teamed.get("canzona").step < teamed.get("tp-sc").step
+    schedule = compile_schedule(make_plan(model, PlanRequest("llama3.1-8b", 4, 64, coop="off")))
     sim = simulate(schedule, BUILTIN["h100"], training=TrainingSetup())
     canzona, tp_sc = sim.get("canzona"), sim.get("tp-sc")
     assert tp_sc.step < canzona.step  # the limit is real here
