@@ -26,7 +26,7 @@ import fsdp_models
 from rt_harness import GROUP_TIMEOUT, run_ranks, run_ranks_raw
 
 pytestmark = pytest.mark.slow
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent.parent  # the folder of fsdp_models.py
 STEPS = 5
 HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 1e-3, "adamw_weight_decay": 0.01}
 BATCH, SEQ = 2, 17  # the titan model's 16 input tokens split evenly over TP 2 (sequence parallel)
