@@ -212,7 +212,8 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
     if req.sharding == "fsdp":  # one plan for every replica; hosts are fragment ranks (shard · tp + tp rank)
         host = (dp_rank % (req.dp // req.dp_replicate)) * req.tp + tp_rank
         groups = [{"index": g.index, "tasks": len(g.params), "makespan": g.makespan, "saturation": g.saturation,
-                   "hosted": [name for name, h in zip(g.params, g.hosts) if h == host]} for g in schedule.tp.ranks[0].groups]
+                   "hosted": [name for name, h in zip(g.params, g.hosts) if h == host], "teamed": []}
+                  for g in schedule.tp.ranks[0].groups]
         return {"rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
                 "load": device.load, "state_bytes": device.state_bytes, "bytes_sent": device.bytes_sent,
                 "bytes_received": device.bytes_received, "owned": [n for g in groups for n in g["hosted"]], "slices": [],
