@@ -197,12 +197,17 @@ def dp_instance(
 
 def plan_buffer(
     model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, request: PlanRequest,
-    base_loads: tuple[float, ...] = (),
+    base_loads: tuple[float, ...] = (), seeds: tuple[BufferPlan, ...] = (),
 ) -> tuple[BufferPlan, DpInstance]:
     """Partition one buffer over `num_ranks` (refined by CP-SAT if asked) and score the
-    baselines on it."""
+    baselines on it. `seeds`: plans of the same buffer at coarser α (see `partition`)."""
     instance = dp_instance(layout, model, costs, num_ranks, base_loads)
-    assignment = partition(instance, request.alpha)
+    seed_owners = tuple(
+        tuple(tuple(seed.owners[e.param] for e in bucket.entries) for bucket in layout.buckets)
+        for seed in seeds
+        if seed.layout == layout
+    )
+    assignment = partition(instance, request.alpha, seed_owners)
     report = None
     if request.solver == "ilp" and any(instance.costs):
         from canzona.planner.partition.ilp import refine_dp
@@ -250,9 +255,10 @@ def _combine(dense: tuple[float, ...], expert: tuple[float, ...], ep: int) -> tu
     return tuple(load + (expert[rank // ep] if expert else 0.0) for rank, load in enumerate(dense))
 
 
-def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
+def make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = ()) -> Plan:
     """Solve the DP partition (and expert partition) of `model`, schedule TP micro-groups,
-    and score the baselines."""
+    and score the baselines. `seeds`: plans of the same model and layout at coarser α, which
+    this plan is then never worse than (what `--alpha auto` compares)."""
     request.validate()
     validate_model(model, request.tp)
     validate_expert_parallel(model, request)
@@ -264,10 +270,12 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
     expert: BufferPlan | None = None
     if ep > 1:
         layout = build_buffer(model, MATRIX, tp, dp // ep, request.bucket_size, lambda i: slots.get(i) == i)
-        expert, _ = plan_buffer(model, layout, costs, dp // ep, request)
+        expert_seeds = tuple(seed.expert for seed in seeds if seed.expert is not None)
+        expert, _ = plan_buffer(model, layout, costs, dp // ep, request, seeds=expert_seeds)
     expert_base = _combine((0.0,) * dp, expert.loads if expert else (), ep)
     dense_layout = build_buffer(model, MATRIX, tp, dp, request.bucket_size, lambda i: i not in slots)
-    dense, instance = plan_buffer(model, dense_layout, costs, dp, request, expert_base if expert else ())
+    dense_seeds = tuple(seed.dense for seed in seeds) if expert is None else ()
+    dense, instance = plan_buffer(model, dense_layout, costs, dp, request, expert_base if expert else (), dense_seeds)
     owners = dict(dense.owners)
     if expert is not None:
         owners.update({param: expert.owners[slot] for param, slot in slots.items()})

@@ -19,6 +19,7 @@ bucket order allows, then move/swap local search on the most loaded rank.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -471,21 +472,60 @@ def _polished(search: _Search) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(owners) for owners in search.owners)
 
 
-def partition(instance: DpInstance, alpha: float) -> DpAssignment:
+def partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()) -> DpAssignment:
     """Owners of every item minimising the largest compute load under α's slice caps.
 
-    Two starts, each polished by local search: the best contiguous plan over the whole buffer
-    (exact for one bucket; near perfect for layer-periodic models), and longest-processing-time
-    placement (good when items are few per rank and uneven). The lower max load wins; ties go
-    to the contiguous plan.
+    Two starts of its own, each polished by local search: the best contiguous plan over the
+    whole buffer (exact for one bucket; near perfect for layer-periodic models), and
+    longest-processing-time placement (good when items are few per rank and uneven); ties go
+    to the contiguous plan. Then monotone α: unless that plan is at the lower bound, the plan
+    at the next coarser α of `ALPHA_LADDER` (planned the same way) and any `seeds` (plans at
+    coarser α, so feasible under these looser caps) replace it when they are better, polished
+    here first (local search never raises the max load). So the plan at α is never worse than
+    at any coarser ladder α or seed.
     """
     if not any(instance.costs):
         return DpAssignment(tuple(() for _ in instance.costs), "empty")
     caps = slice_caps(instance, alpha)
-    contiguous = _Search(instance, caps)
-    for bucket, owners in enumerate(solve_contiguous(instance, caps)):
-        for index, rank in enumerate(owners):
-            contiguous.assign((bucket, index), rank)
+    own = _solve(instance, caps)
+    own_load = max(rank_loads(instance, own.owners))
+    coarser = [ladder for ladder in ALPHA_LADDER if ladder < alpha]
+    if own_load <= lower_bound(instance) * (1 + 1e-12) or not (coarser or seeds):
+        return own
+    starts = [(owners, "seed") for owners in seeds]
+    if coarser:
+        seed = _ladder_plan(instance, coarser[-1])
+        method = seed.method if "(from alpha" in seed.method else f"{seed.method} (from alpha {coarser[-1]:g})"
+        starts.insert(0, (seed.owners, method))
+    best, method = min(starts, key=lambda start: max(rank_loads(instance, start[0])))
+    if max(rank_loads(instance, best)) >= own_load:
+        return own
+    return DpAssignment(_polished(_seeded(instance, caps, best)), method)
+
+
+Owners = tuple[tuple[int, ...], ...]
+ALPHA_LADDER = (0.0, 0.5)
+"""Coarser α whose plans seed every finer one: plans at 0, 0.5 and any larger α never get
+worse as α grows (other coarser α can be passed as seeds, as `--alpha auto` does)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _ladder_plan(instance: DpInstance, alpha: float) -> DpAssignment:
+    """`partition` at a ladder α, remembered: every finer α and `--alpha auto` reuse it."""
+    return partition(instance, alpha)
+
+
+def _seeded(instance: DpInstance, caps: tuple[int, ...], owners: Owners) -> _Search:
+    search = _Search(instance, caps)
+    for bucket, bucket_owners in enumerate(owners):
+        for index, rank in enumerate(bucket_owners):
+            search.assign((bucket, index), rank)
+    return search
+
+
+def _solve(instance: DpInstance, caps: tuple[int, ...]) -> DpAssignment:
+    """The better polished plan of the contiguous and the LPT start under `caps`."""
+    contiguous = _seeded(instance, caps, tuple(tuple(b) for b in solve_contiguous(instance, caps)))
     greedy = _Search(instance, caps)
     _place_greedy(greedy)
     candidates = [(_polished(contiguous), "contiguous+local-search"), (_polished(greedy), "lpt+local-search")]
