@@ -69,6 +69,8 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
         "num_groups": schedule.metrics.tp.num_groups,
         "tp_efficiency": schedule.metrics.tp.efficiency,
         "device_imbalance": schedule.metrics.tp.device_imbalance,
+        "device_gap": schedule.metrics.tp.device_gap,
+        "device_lower_bound": schedule.metrics.tp.device_lower_bound,
         "solver": schedule.metrics.solver.model_dump() if schedule.metrics.solver else None,
         "alpha_search": [t.model_dump() for t in schedule.metrics.alpha_search or []],
         "alpha_device": req.alpha_device,
@@ -92,7 +94,8 @@ def summary_text(summary: dict[str, Any]) -> str:
         "baselines, max load / lower bound: "
         + ", ".join(f"{name} {1 + b['gap']:.3f}" for name, b in summary["baselines"].items()),
         f"TP {summary['tp_mode']}: {plural(summary['num_groups'], 'micro-group')}, efficiency "
-        f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}",
+        f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}"
+        + _device_gap_text(summary["device_gap"]),
         f"planned in {duration(summary['seconds'])}",
     ]
     if summary["alpha_search"]:
@@ -139,6 +142,11 @@ def _bars(values: list[float], reference: float, what: str) -> list[str]:
     return lines
 
 
+def _device_gap_text(gap: float | None) -> str:
+    """', device gap X above the device lower bound', or nothing for files without it."""
+    return "" if gap is None else f", device gap {percent(gap)} above the device lower bound"
+
+
 def show_text(schedule: Schedule) -> str:
     """The `canzona show` report."""
     req, dp = schedule.request, schedule.metrics.dp
@@ -176,6 +184,11 @@ def _tp_lines(schedule: Schedule) -> list[str]:
     lines.append(_table(["mode", "groups", "efficiency", "critical/bound", "device imbalance", "max saturation"], rows))
     loads = [d.load for d in devices]
     lines += ["", *_bars(loads, sum(loads) / len(loads), "compute load per device")]
+    if tp.device_lower_bound is not None and tp.device_gap is not None:
+        lines.append(
+            f"worst device {tp.worst_device_load:.4g}: gap {percent(tp.device_gap)} above the device lower bound "
+            f"{tp.device_lower_bound:.4g} = max(total / devices, largest matrix)"
+        )
     lines.append(
         f"per device: state max {max(d.state_bytes for d in devices) / GIB:.2f} GiB, "
         f"sent max {max(d.bytes_sent for d in devices) / GIB:.2f} GiB, "

@@ -6,7 +6,7 @@ from importlib import metadata
 
 from canzona.planner.partition.baselines import BaselineLoads
 from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
-from canzona.planner.partition.devices import device_figures, tp_score
+from canzona.planner.partition.devices import device_figures, device_lower_bound, matrix_pieces, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MODES, group_stats
 from canzona.planner.plan import AutoSearch, BufferPlan, Plan, PlanRequest, TrainingSetup
@@ -237,6 +237,8 @@ def _tp_section(plan: Plan) -> TpSection:
 def _tp_metrics(plan: Plan) -> TpMetrics:
     scores = {mode: tp_score(plan, plan.groups[mode]) for mode in MODES}
     chosen = scores[plan.request.tp_mode]
+    loads = [figure.load for figure in device_figures(plan, plan.chosen_groups)]
+    bound = device_lower_bound(loads, matrix_pieces(plan))
     return TpMetrics(
         mode=plan.request.tp_mode,
         num_groups=chosen.num_groups,
@@ -250,6 +252,8 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
         device_imbalance=chosen.device_imbalance,
         max_saturation=chosen.max_saturation,
         modes={mode: TpModeScore(**vars(score)) for mode, score in scores.items()},
+        device_lower_bound=bound,
+        device_gap=chosen.worst_device_load / bound - 1 if bound else 0.0,
     )
 
 

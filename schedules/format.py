@@ -234,7 +234,10 @@ class TpModeScore(_Strict):
 class TpMetrics(_Strict):
     """efficiency = sum of task costs / (P · sum over groups of makespan), over all DP ranks;
     critical_time = the largest sum of group makespans of one DP rank (cost units), and
-    critical_lower_bound = max over DP ranks of max(its cost / P, its largest task)."""
+    critical_lower_bound = max over DP ranks of max(its cost / P, its largest task).
+    device_lower_bound = max(total device load / (D · P), the largest indivisible piece: one
+    matrix update on one device); device_gap = worst_device_load / device_lower_bound - 1
+    (both absent in files written before they were recorded)."""
 
     mode: str
     num_groups: Count
@@ -245,6 +248,8 @@ class TpMetrics(_Strict):
     device_imbalance: float
     max_saturation: float
     modes: dict[str, TpModeScore]
+    device_lower_bound: float | None = None
+    device_gap: float | None = None
 
 
 class DeviceMetrics(_Strict):

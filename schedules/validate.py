@@ -489,6 +489,23 @@ def _check_devices(schedule: Schedule) -> None:
     mean = sum(device_loads) / len(device_loads)
     _expect("metrics.tp.worst_device_load", m.worst_device_load, max(device_loads), "metrics.device")
     _expect("metrics.tp.device_imbalance", m.device_imbalance, max(device_loads) / mean if mean else 1.0, "metrics.device")
+    _check_device_bound(schedule, mean)
+
+
+def _check_device_bound(schedule: Schedule, mean: float) -> None:
+    """device_lower_bound = max(mean device load, largest hosted matrix); device_gap from it."""
+    m = schedule.metrics.tp
+    if m.device_lower_bound is None or m.device_gap is None:
+        if (m.device_lower_bound, m.device_gap) != (None, None):
+            _fail("metrics.tp: device_lower_bound and device_gap come together")
+        return
+    costs = {e.name: e.cost for e in schedule.params}
+    largest = max((costs[n] for plan in schedule.tp.ranks for g in plan.groups for n in g.params), default=0.0)
+    bound = max(mean, largest)
+    _expect("metrics.tp.device_lower_bound", m.device_lower_bound, bound,
+            "max(mean of metrics.device loads, largest matrix hosted in the tp section)")
+    _expect("metrics.tp.device_gap", m.device_gap, m.worst_device_load / bound - 1 if bound else 0.0,
+            "metrics.tp.worst_device_load / device_lower_bound - 1")
 
 
 def _hosted_loads(schedule: Schedule) -> list[float]:

@@ -245,5 +245,19 @@ def test_imbalance_below_one_and_other_derived_figures() -> None:
     rejected(dense(), lambda d: d["metrics"]["device"][1].update(tp_rank=0), "metrics.device must list")
 
 
+def test_device_lower_bound_and_gap() -> None:
+    tp = dense().metrics.tp
+    devices = [d.load for d in dense().metrics.device]
+    largest = max(p.cost for p in dense().params if p.owner is not None)
+    assert tp.device_lower_bound == pytest.approx(max(sum(devices) / len(devices), largest), rel=1e-12)
+    assert tp.device_gap == pytest.approx(max(devices) / tp.device_lower_bound - 1, rel=1e-12, abs=1e-15)
+    rejected(dense(), lambda d: d["metrics"]["tp"].update(device_lower_bound=1.0), "metrics.tp.device_lower_bound")
+    rejected(dense(), lambda d: d["metrics"]["tp"].update(device_gap=0.5), "metrics.tp.device_gap")
+    rejected(dense(), lambda d: d["metrics"]["tp"].update(device_gap=None), "come together")
+    # A file from before the bound was recorded (neither field) still reads.
+    old = edited(dense(), lambda d: d["metrics"]["tp"].update(device_lower_bound=None, device_gap=None))
+    assert parse_schedule(old, "old.yaml").metrics.tp.device_gap is None
+
+
 def test_alpha_search_goes_with_alpha_device() -> None:
     rejected(dense(), lambda d: d["request"].update(alpha_device="h100"), "alpha_device")
