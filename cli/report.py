@@ -152,7 +152,7 @@ def show_text(schedule: Schedule) -> str:
     req, dp = schedule.request, schedule.metrics.dp
     header = (
         f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  "
-        f"alpha {req.alpha:g}  method {dp.method}"
+        f"alpha {req.alpha:g}  method {dp.method}" + ("  order free" if req.order == "free" else "")
     )
     lines = [header, "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
     lines += [

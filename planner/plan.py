@@ -19,6 +19,7 @@ from canzona.planner.partition.dp import (
     rank_loads,
     slice_caps,
 )
+from canzona.planner.partition.free_order import partition_free, reorder_buffer
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, GRAD_BYTES_PER_ELEMENT, BufferLayout, build_buffer
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
@@ -110,6 +111,7 @@ class PlanRequest:
     alpha_device: str | None = None  # set: alpha was chosen by the simulator on this device
     bucket_device: str | None = None  # set: bucket_size was chosen by the simulator on this device
     training: TrainingSetup | None = None  # what those searches assumed (None: the defaults)
+    order: str = "registration"  # "free": the planner picks each bucket's parameter order
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""
@@ -117,7 +119,7 @@ class PlanRequest:
         problem = request_problem(
             tp=self.tp, dp=self.dp, ep=self.ep, alpha=self.alpha, bucket_size=self.bucket_size,
             group_bytes=self.group_bytes, tp_mode=self.tp_mode, solver=self.solver, time_limit=self.time_limit,
-            seed=self.seed,
+            seed=self.seed, order=self.order,
         ) or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
         if problem:
             raise PlanError(problem)
@@ -205,9 +207,12 @@ def plan_buffer(
     seed_owners = tuple(
         tuple(tuple(seed.owners[e.param] for e in bucket.entries) for bucket in layout.buckets)
         for seed in seeds
-        if seed.layout == layout
+        if _members(seed.layout) == _members(layout)
     )
-    assignment = partition(instance, request.alpha, seed_owners)
+    if request.order == "free":
+        assignment = partition_free(instance, request.alpha, seed_owners)
+    else:
+        assignment = partition(instance, request.alpha, seed_owners)
     report = None
     if request.solver == "ilp" and any(instance.costs):
         from canzona.planner.partition.ilp import refine_dp
@@ -223,15 +228,24 @@ def plan_buffer(
         for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
         for entry, owner in zip(bucket.entries, bucket_owners)
     }
+    loads = tuple(l - b for l, b in zip(rank_loads(instance, assignment.owners), instance.initial_loads()))
+    registration_layout = layout
+    if request.order == "free":
+        layout, bucket_owners_list = reorder_buffer(layout, assignment.owners, num_ranks)
+        assignment = DpAssignment(bucket_owners_list, assignment.method)
     cuts = tuple(
         owners_to_cuts(bucket_owners, tuple(e.offset for e in bucket.entries), bucket.numel, num_ranks)
         for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
     )
     cost_by_param = {param: costs[param] for param in owners}
     names = {index: param.name for index, param in enumerate(model.params)}
-    loads = tuple(l - b for l, b in zip(rank_loads(instance, assignment.owners), instance.initial_loads()))
-    baselines = all_baselines(layout, cost_by_param, names, num_ranks)
+    baselines = all_baselines(registration_layout, cost_by_param, names, num_ranks)
     return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines, report), instance
+
+
+def _members(layout: BufferLayout) -> tuple[frozenset[int], ...]:
+    """Each bucket's parameters (what a seed plan must share, whatever its order)."""
+    return tuple(frozenset(e.param for e in bucket.entries) for bucket in layout.buckets)
 
 
 def _expert_slots(model: ModelSpec, ep: int) -> dict[int, int]:

@@ -98,6 +98,7 @@ class Request(_Strict):
     alpha_device: str | None = None
     bucket_device: str | None = None
     training: TrainingSettings | None = None
+    order: str = "registration"
     canzona_version: str
 
 

@@ -93,7 +93,7 @@ def _check_request(schedule: Schedule) -> None:
         request_problem(
             tp=req.tp, dp=req.dp, ep=req.ep, alpha=req.alpha, bucket_size=req.bucket_size,
             group_bytes=req.group_bytes, tp_mode=req.tp_mode, solver=req.solver, time_limit=req.time_limit,
-            seed=req.seed,
+            seed=req.seed, order=req.order,
         )
         or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
         or cost_problem(req.cost)
@@ -242,6 +242,11 @@ def _check_buffers(schedule: Schedule) -> None:
     adamw = [e for e in schedule.params if e.optimizer == ADAMW]
     _check_buffer("matrix", dense, section.buckets, req.dp, req.bucket_size)
     _check_buffer("AdamW", adamw, section.adamw_buckets, req.dp, req.bucket_size)
+    _check_order("AdamW", adamw)  # AdamW keeps the stock order and equal split
+    if req.order == "registration":
+        _check_order("matrix", dense)
+        for ep_rank in range(req.ep if req.ep > 1 else 0):
+            _check_order(f"expert (EP rank {ep_rank})", [e for e in schedule.params if e.ep_rank == ep_rank])
     if req.ep > 1:
         layouts = set()
         by_rank: list[list[ParamEntry]] = [[] for _ in range(req.ep)]
@@ -253,6 +258,17 @@ def _check_buffers(schedule: Schedule) -> None:
             layouts.add(tuple(sorted((e.bucket, e.offset, e.numel) for e in experts)))
         if len(layouts) > 1:
             _fail("the EP ranks' expert buffers are laid out differently")
+
+
+def _check_order(kind: str, members: list[ParamEntry]) -> None:
+    """Inside every bucket, offsets rise along reverse registration order (Megatron's buffer;
+    `request.order: free` lets the planner order a bucket's matrices)."""
+    last: dict[int, int] = {}
+    for e in sorted(members, key=lambda entry: -entry.index):
+        if e.offset < last.get(e.bucket, -1):
+            _fail(f"parameter {e.name!r}: {kind} bucket {e.bucket} is not in reverse registration order, "
+                  "which request.order registration requires")
+        last[e.bucket] = e.offset
 
 
 def _check_buffer(kind: str, members: list[ParamEntry], buckets: Sequence[Any], num_ranks: int, bucket_size: int) -> None:

@@ -184,11 +184,13 @@ def solve_contiguous(instance: DpInstance, caps: tuple[int, ...]) -> list[list[i
 
 
 class _Search:
-    """Mutable state of the multi-bucket heuristic (owners, loads, caps)."""
+    """Mutable state of the multi-bucket heuristic (owners, loads, caps). `free`: any owner
+    order within a bucket (free intra-bucket order); only each rank's slice cap binds."""
 
-    def __init__(self, instance: DpInstance, caps: tuple[int, ...]) -> None:
+    def __init__(self, instance: DpInstance, caps: tuple[int, ...], free: bool = False) -> None:
         self.instance = instance
         self.caps = caps
+        self.free = free
         self.owners: list[list[int]] = [[-1] * len(costs) for costs in instance.costs]
         self.loads = instance.initial_loads()
         self.members: list[set[tuple[int, int]]] = [set() for _ in range(instance.num_ranks)]
@@ -213,6 +215,12 @@ class _Search:
     def bucket_ok(self, bucket: int) -> bool:
         """Placed owners never decrease, slices stay under the cap, unplaced items still fit."""
         spans, cap = self.instance.spans[bucket], self.caps[bucket]
+        if self.free:
+            fills: dict[int, int] = {}
+            for span, owner in zip(spans, self.owners[bucket]):
+                if owner >= 0:
+                    fills[owner] = fills.get(owner, 0) + span
+            return max(fills.values(), default=0) <= cap
         rank, fill = 0, 0
         for span, owner in zip(spans, self.owners[bucket]):
             if owner < 0:
@@ -232,6 +240,8 @@ class _Search:
         bucket, index = item
         owners = self.owners[bucket]
         low, high, before, after = 0, self.instance.num_ranks - 1, -1, len(owners)
+        if self.free:
+            return low, high, 0.0
         for j in range(index - 1, -1, -1):
             if owners[j] >= 0:
                 low, before = owners[j], j
@@ -244,8 +254,9 @@ class _Search:
         return low, high, low + fraction * (high - low)
 
 
-def _place_greedy(search: _Search) -> None:
-    """Longest-processing-time first: each item on the least loaded rank its bucket allows."""
+def _place_greedy(search: _Search) -> bool:
+    """Longest-processing-time first: each item on the least loaded rank its bucket allows.
+    False when an item fits nowhere (only in free order, where caps are a bin packing)."""
     instance = search.instance
     items = [(b, i) for b, costs in enumerate(instance.costs) for i in range(len(costs))]
     items.sort(key=lambda item: (-search.cost(item), search.name(item)))
@@ -264,13 +275,16 @@ def _place_greedy(search: _Search) -> None:
             if search.bucket_ok(item[0]):
                 break
             search.assign(item, -1)
-        else:  # unreachable: bucket_ok keeps every partial plan completable
+        else:  # in registration order unreachable: bucket_ok keeps every partial plan completable
+            if search.free:
+                return False
             raise AssertionError(f"no feasible rank for {search.name(item)}")
         # Remove the rank's entry by the exact key it was filed under: recomputing it by
         # subtraction can differ in the last bit for non-integral costs.
         del by_load[bisect.bisect_left(by_load, key_of[rank])]
         key_of[rank] = (search.loads[rank], rank)
         bisect.insort(by_load, key_of[rank])
+    return True
 
 
 def _ranks_by_load(
@@ -294,6 +308,8 @@ def _ranks_by_load(
 
 def _neighbour_interval(search: _Search, item: tuple[int, int]) -> range:
     """Ranks `item` may move to with every other item of its bucket fixed."""
+    if search.free:
+        return range(search.instance.num_ranks)
     bucket, index = item
     owners = search.owners[bucket]
     low = owners[index - 1] if index > 0 else 0
@@ -515,8 +531,9 @@ def _ladder_plan(instance: DpInstance, alpha: float) -> DpAssignment:
     return partition(instance, alpha)
 
 
-def _seeded(instance: DpInstance, caps: tuple[int, ...], owners: Owners) -> _Search:
-    search = _Search(instance, caps)
+def _seeded(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool = False) -> _Search:
+    """A search state holding `owners` (feasible under `caps`)."""
+    search = _Search(instance, caps, free)
     for bucket, bucket_owners in enumerate(owners):
         for index, rank in enumerate(bucket_owners):
             search.assign((bucket, index), rank)

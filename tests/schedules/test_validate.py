@@ -259,5 +259,18 @@ def test_device_lower_bound_and_gap() -> None:
     assert parse_schedule(old, "old.yaml").metrics.tp.device_gap is None
 
 
+@lru_cache(maxsize=None)
+def free_order() -> Schedule:
+    """qwen3-8b at TP 4 x DP 64 in free order: the planner reorders some buckets."""
+    return compile_schedule(make_plan(load_model("qwen3-8b", 4), PlanRequest("qwen3-8b", 4, 64, order="free")))
+
+
+def test_registration_order_is_checked_and_free_order_is_not() -> None:
+    assert parse_schedule(dump_schedule(free_order()), "free.yaml").request.order == "free"
+    rejected(free_order(), lambda d: d["request"].update(order="registration"), "not in reverse registration order")
+    rejected(free_order(), lambda d: d["request"].update(order="shuffled"), "unknown order 'shuffled'")
+    rejected(free_order(), lambda d: d["request"].update(solver="ilp"), "--order free does not combine with --solver ilp")
+
+
 def test_alpha_search_goes_with_alpha_device() -> None:
     rejected(dense(), lambda d: d["request"].update(alpha_device="h100"), "alpha_device")
