@@ -13,7 +13,9 @@ compute load, over the whole buffer at once rather than bucket by bucket.
 
 Methods: a single bucket is solved exactly (bisection on the max load with a greedy feasibility
 check). Several buckets: greedy longest-processing-time placement constrained to the ranks the
-bucket order allows, then move/swap local search on the most loaded rank.
+bucket order allows, then move/swap local search on the most loaded rank. Monotone α: the plan
+at a coarser α (`ALPHA_LADDER`, or seeds) is a start too, so a larger α is never worse.
+`free_order` drops the order constraint inside a bucket (`--order free`).
 """
 
 from __future__ import annotations

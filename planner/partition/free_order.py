@@ -34,13 +34,16 @@ from canzona.schedules.geometry import PARAM_ALIGNMENT, padded_bucket_numel, rou
 FREE_LADDER = (0.0, 0.5)  # coarser α whose free plans seed every finer one (as dp.ALPHA_LADDER)
 
 
-def partition_free(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()) -> DpAssignment:
+def partition_free(
+    instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = (), ordered: DpAssignment | None = None
+) -> DpAssignment:
     """Owners of every item under α's caps with any order inside a bucket, minimising the
     largest load. Starts: the registration-order plan (`partition`, feasible here too, so
     free order is never worse), LPT over every rank, the free plan at the next coarser α of
     `FREE_LADDER` and `seeds`; each polished by move/swap local search over all ranks. The
-    lowest max load wins, ties to the earlier start."""
-    ordered = partition(instance, alpha)
+    lowest max load wins, ties to the earlier start. `ordered`: `partition(instance, alpha)`
+    when the caller has it already."""
+    ordered = ordered or partition(instance, alpha)
     if not any(instance.costs) or max(rank_loads(instance, ordered.owners)) <= lower_bound(instance) * (1 + 1e-12):
         return ordered
     caps = slice_caps(instance, alpha)
