@@ -7,9 +7,10 @@ Run:  python benchmarks/plan_sweep.py                  (the subsample below, a f
 The issue's grid is every preset x TP {1, 2, 4, 8} (where the preset allows it) x DP {2, 4,
 ..., 1024} x bucket size {10M, 40M, 160M, one bucket} x α {0, 0.5, 1}: 1,600+ layouts, an hour
 and more on one core (the MoE presets at ep = 1 put up to 30k matrices in one buffer). The
-default subsample keeps every dense preset, TP and bucket size, and thins the rest,
-deterministically:
-- dense presets: every TP, DP {2, 16, 64, 512}, every bucket size;
+default subsample, deterministic:
+- dense presets: every 13th layout of their full grid (in preset, TP, DP, bucket order; 13 is
+  prime to the 4 bucket sizes and 10 DP sizes, so every TP, DP and bucket size is hit), plus
+  the issue's four example layouts;
 - MoE presets (every expert in the dense buffer, ep = 1): qwen3-30b-a3b and mixtral-8x7b at
   TP 4, DP 64, 40M buckets (deepseek-v3 and qwen3-235b-a22b take minutes per layout here).
 `--full` runs the issue's whole grid.
@@ -49,8 +50,10 @@ ALPHAS = (0.0, 0.5, 1.0)
 ONE_BUCKET = 1 << 40
 BUCKETS = {"10M": 10_000_000, "40M": 40_000_000, "160M": 160_000_000, "one": ONE_BUCKET}
 TPS = (1, 2, 4, 8)
-FULL_DPS = tuple(2**k for k in range(1, 11))
-DENSE_DPS = (2, 16, 64, 512)
+DPS = tuple(2**k for k in range(1, 11))
+STRIDE = 13
+EXAMPLES = (("qwen3-8b", 4, 64, "40M"), ("qwen3-4b", 2, 64, "40M"), ("qwen3-1.7b", 2, 64, "10M"),
+            ("llama3.1-70b", 8, 64, "160M"))
 MOE_LAYOUTS = (("qwen3-30b-a3b", 4, 64, "40M"), ("mixtral-8x7b", 4, 64, "40M"))
 AT_BOUND = 1e-9
 Gaps = dict[str, float]  # "alpha 0", ..., "free alpha 1" -> gap
@@ -72,15 +75,13 @@ class Layout:
 
 def layouts(full: bool) -> Iterator[Layout]:
     """The swept layouts, in a fixed order (the subsample unless `full`)."""
-    for name, arch in PRESETS.items():
-        if full or arch.num_experts == 0:
-            for tp in TPS:
-                for dp in FULL_DPS if full else DENSE_DPS:
-                    for bucket in BUCKETS:
-                        yield Layout(name, tp, dp, bucket)
-    if not full:
-        for name, tp, dp, bucket in MOE_LAYOUTS:
-            yield Layout(name, tp, dp, bucket)
+    grid = [Layout(name, tp, dp, bucket) for name, arch in PRESETS.items() if full or arch.num_experts == 0
+            for tp in TPS for dp in DPS for bucket in BUCKETS]
+    if full:
+        yield from grid
+        return
+    chosen = grid[::STRIDE] + [Layout(*example) for example in EXAMPLES + MOE_LAYOUTS]
+    yield from dict.fromkeys(chosen)
 
 
 def instance_of(layout: Layout) -> DpInstance | None:
@@ -145,10 +146,15 @@ def free_gain(results: dict[str, Gaps]) -> None:
               f"{mean:.2%} of the bound | {best[1]:.2%} | {best[0]} |")
 
 
+def load(path: str) -> dict[str, Gaps]:
+    """Gaps saved by `--save`."""
+    with open(path, newline="") as handle:
+        return {row["layout"]: {k: float(v) for k, v in row.items() if k != "layout"} for row in csv.DictReader(handle)}
+
+
 def compare(results: dict[str, Gaps], path: str) -> None:
     """Against an earlier run's gaps: layouts better and worse per α (worse must be 0)."""
-    with open(path, newline="") as handle:
-        before = {row["layout"]: {k: float(v) for k, v in row.items() if k != "layout"} for row in csv.DictReader(handle)}
+    before = load(path)
     common = [key for key in results if key in before]
     print(f"\n## against {path} ({len(common)} layouts in both)\n")
     for alpha in ALPHAS:
@@ -175,10 +181,11 @@ def main() -> None:
     parser.add_argument("--save", help="write every layout's gaps to this CSV file")
     parser.add_argument("--before", help="compare with the gaps in this CSV file")
     parser.add_argument("--progress", action="store_true", help="each layout's time on stderr")
+    parser.add_argument("--results", help="print the tables of gaps saved by --save instead of sweeping")
     args = parser.parse_args()
     started = time.perf_counter()
-    results: dict[str, Gaps] = {}
-    for layout in layouts(args.full):
+    results: dict[str, Gaps] = load(args.results) if args.results else {}
+    for layout in [] if args.results else layouts(args.full):
         instance = instance_of(layout)
         if instance is not None:
             began = time.perf_counter()
@@ -187,7 +194,7 @@ def main() -> None:
                 print(f"{layout.key}: {time.perf_counter() - began:.2f} s", file=sys.stderr, flush=True)
     print(f"## DP max load / lower bound over {len(results)} layouts (Muon, flops), registration order\n")
     summary(results)
-    if partition_free is not None:
+    if any(key.startswith("free") for key in next(iter(results.values()))):
         free_gain(results)
         print("\n## free order, per alpha\n")
         summary(results, "free ")
