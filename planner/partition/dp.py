@@ -510,11 +510,13 @@ def partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()
     coarser = [ladder for ladder in ALPHA_LADDER if ladder < alpha]
     if own_load <= lower_bound(instance) * (1 + 1e-12) or not (coarser or seeds):
         return own
-    starts = [(owners, "seed") for owners in seeds]
+    starts = [(owners, "seed") for owners in seeds if _feasible(instance, caps, owners)]
     if coarser:
         seed = _ladder_plan(instance, coarser[-1])
         method = seed.method if "(from alpha" in seed.method else f"{seed.method} (from alpha {coarser[-1]:g})"
         starts.insert(0, (seed.owners, method))
+    if not starts:
+        return own
     best, method = min(starts, key=lambda start: max(rank_loads(instance, start[0])))
     if max(rank_loads(instance, best)) >= own_load:
         return own
@@ -540,6 +542,16 @@ def _seeded(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: b
         for index, rank in enumerate(bucket_owners):
             search.assign((bucket, index), rank)
     return search
+
+
+def _feasible(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool = False) -> bool:
+    """Whether `owners` (a seed from elsewhere) is a plan of `instance` within `caps`."""
+    if [len(bucket) for bucket in owners] != [len(costs) for costs in instance.costs] or any(
+        not 0 <= rank < instance.num_ranks for bucket in owners for rank in bucket
+    ):
+        return False
+    search = _seeded(instance, caps, owners, free)
+    return all(search.bucket_ok(bucket) for bucket in range(len(owners)))
 
 
 def _solve(instance: DpInstance, caps: tuple[int, ...]) -> DpAssignment:

@@ -19,6 +19,7 @@ from canzona.planner.partition.dp import (
     DpAssignment,
     DpInstance,
     Owners,
+    _feasible,
     _place_greedy,
     _polished,
     _seeded,
@@ -51,7 +52,7 @@ def partition_free(
     coarser = [ladder for ladder in FREE_LADDER if ladder < alpha]
     if coarser:
         starts.append((_free_ladder_plan(instance, coarser[-1]).owners, f"free plan at alpha {coarser[-1]:g}"))
-    starts += [(owners, "seed") for owners in seeds]
+    starts += [(owners, "seed") for owners in seeds if _feasible(instance, caps, owners, free=True)]
     candidates = [(_polished(_seeded(instance, caps, owners, free=True)), method + "+free") for owners, method in starts]
     greedy = _Search(instance, caps, free=True)
     if _place_greedy(greedy):

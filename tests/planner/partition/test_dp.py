@@ -275,6 +275,16 @@ def test_a_seeded_larger_alpha_is_never_worse(instance: DpInstance, alpha_a: flo
         assert max(slices_of(owners, spans, instance.num_ranks)) <= caps[b]
 
 
+def test_seeds_outside_the_caps_are_ignored() -> None:
+    """A seed planned at a larger α (or for another buffer) cannot break α's caps."""
+    instance = make_instance([[5, 1, 1, 1]], [[64, 64, 64, 64]], 2)
+    loose = ((0, 1, 1, 1),)  # slices 64 / 192: only α = 1 allows it
+    assert slice_caps(instance, 0.0) == (128,)
+    for seeds in [(loose,), (((0, 1),),), (((0, 1, 2, 3),),)]:
+        result = partition(instance, 0.0, seeds)
+        assert max(slices_of(result.owners[0], instance.spans[0], 2)) <= 128
+
+
 def _issue_15_instance() -> DpInstance:
     """qwen3-8b tp4 dp64, 40M buckets (Muon flops): before monotone α, 10.1% above the bound
     at α = 0 and 29.4% at α = 1."""
