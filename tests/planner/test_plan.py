@@ -15,7 +15,7 @@ from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import OptimizerConfig, param_state_bytes
 from canzona.planner.partition.dp import min_max_slice
 from canzona.planner.partition.layout import BUCKET_END_ALIGNMENT, PARAM_ALIGNMENT, equal_cuts
-from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.plan import Plan, PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
 from canzona.schedules.format import Schedule, dump_schedule, schedule_fingerprint
@@ -345,3 +345,17 @@ def test_model_without_matrix_parameters() -> None:
     # one AdamW bucket of 384 elements (300 at offset 64 → 364, padded to lcm(3, 128))
     assert [b.numel for b in schedule.dp.adamw_buckets] == [384]
     assert m.adamw_load == [128.0, 128.0, 128.0]
+
+
+def test_seeded_plans_are_never_worse_than_their_seeds() -> None:
+    """What `--alpha auto` does: each α's plan is seeded with every coarser α's plan, so the max
+    load never grows along its candidates (qwen3-8b tp4 dp64: 0.25 and 0.75 are off the ladder)."""
+    model = load_model("qwen3-8b", 4)
+    planned: list[Plan] = []
+    for alpha in (0.0, 0.25, 0.5, 0.75, 1.0):
+        plan = make_plan(model, PlanRequest("qwen3-8b", 4, 64, alpha=alpha), seeds=tuple(planned))
+        assert not planned or max(plan.loads) <= max(planned[-1].loads)
+        planned.append(plan)
+    # A seed of another bucket layout is ignored, not misread.
+    other = make_plan(model, PlanRequest("qwen3-8b", 4, 64, bucket_size=10_000_000))
+    assert make_plan(model, PlanRequest("qwen3-8b", 4, 64), seeds=(other,)).loads == planned[-1].loads
