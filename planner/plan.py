@@ -5,12 +5,13 @@ Pure: no I/O. `compile.py` turns a `Plan` into the schedule file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from canzona.planner.partition.baselines import BaselineLoads, all_baselines
 from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
 from canzona.planner.partition.dp import (
+    ALPHA_LADDER,
     DpAssignment,
     DpInstance,
     lower_bound,
@@ -272,7 +273,30 @@ def _combine(dense: tuple[float, ...], expert: tuple[float, ...], ep: int) -> tu
 def make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = ()) -> Plan:
     """Solve the DP partition (and expert partition) of `model`, schedule TP micro-groups,
     and score the baselines. `seeds`: plans of the same model and layout at coarser α, which
-    this plan is then never worse than (what `--alpha auto` compares)."""
+    this plan is then never worse than (what `--alpha auto` compares).
+
+    Each buffer's plan is never worse at a larger α, nor in free order than in registration
+    order, but under expert parallelism the dense buffer is balanced around the experts'
+    loads, so a better expert plan can leave a worse sum. There, unless the plan meets the
+    lower bound, the whole plan at the next coarser ladder α and the registration-order plan
+    (valid plans of this request too: tighter caps, and any order is a free order) replace it
+    when their largest load is lower."""
+    plan = _make_plan(model, request, seeds)
+    if request.ep == 1 or max(plan.loads) <= plan.lower_bound * (1 + 1e-12):
+        return plan
+    others = []
+    if request.order == "free":
+        others.append(make_plan(model, replace(request, order="registration"), seeds))
+    coarser = [alpha for alpha in ALPHA_LADDER if alpha < request.alpha]
+    if coarser:
+        others.append(make_plan(model, replace(request, alpha=coarser[-1]), seeds))
+    for other in others:
+        if max(other.loads) < max(plan.loads):
+            plan = replace(other, request=request)
+    return plan
+
+
+def _make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...]) -> Plan:
     request.validate()
     validate_model(model, request.tp)
     validate_expert_parallel(model, request)
