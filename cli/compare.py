@@ -64,6 +64,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("device imbalance", lambda s: s.metrics.tp.device_imbalance, True, "imbalance", False),
     Metric("worst device load", lambda s: s.metrics.tp.worst_device_load, True, None, True),
     Metric("cooperative matrices", lambda s: float(s.metrics.tp.cooperative), False, None, False),
+    Metric("device gap", lambda s: s.metrics.tp.device_gap, True, "gap", False),
     Metric("max state GiB/device", lambda s: _max_device(s, "state_bytes") / GIB, True, "memory", True),
     Metric("max sent GiB/device", lambda s: _max_device(s, "bytes_sent") / GIB, True, None, True),
     Metric("max received GiB/device", lambda s: _max_device(s, "bytes_received") / GIB, True, None, True),
@@ -126,7 +127,7 @@ def diff(
     new: Annotated[str, typer.Argument(metavar="NEW", help="Candidate: " + SCHEDULE_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     max_imbalance_increase: Annotated[float, typer.Option(help="Allowed absolute increase of DP/device imbalance.")] = 0.0,
-    max_gap_increase: Annotated[float, typer.Option(help="Allowed absolute increase of the DP gap.")] = 0.0,
+    max_gap_increase: Annotated[float, typer.Option(help="Allowed absolute increase of the DP gap and of the device gap.")] = 0.0,
     max_memory_increase: Annotated[float, typer.Option(help="Allowed relative increase of max state per device.")] = 0.0,
     same_model: Annotated[bool, typer.Option("--same-model", help="Fail (exit 2) if the models differ.")] = False,
 ) -> None:

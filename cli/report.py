@@ -70,6 +70,8 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
         "tp_efficiency": schedule.metrics.tp.efficiency,
         "device_imbalance": schedule.metrics.tp.device_imbalance,
         "cooperative": schedule.metrics.tp.cooperative,
+        "device_gap": schedule.metrics.tp.device_gap,
+        "device_lower_bound": schedule.metrics.tp.device_lower_bound,
         "solver": schedule.metrics.solver.model_dump() if schedule.metrics.solver else None,
         "alpha_search": [t.model_dump() for t in schedule.metrics.alpha_search or []],
         "alpha_device": req.alpha_device,
@@ -103,7 +105,8 @@ def summary_text(summary: dict[str, Any]) -> str:
         + ", ".join(f"{name} {1 + b['gap']:.3f}" for name, b in summary["baselines"].items()),
         f"TP {summary['tp_mode']}: {plural(summary['num_groups'], 'micro-group')}, efficiency "
         f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}"
-        + (f", {plural(summary['cooperative'], 'matrix', 'matrices')} hosted cooperatively" if summary["cooperative"] else ""),
+        + (f", {plural(summary['cooperative'], 'matrix', 'matrices')} hosted cooperatively" if summary["cooperative"] else "")
+        + _device_gap_text(summary["device_gap"]),
         f"planned in {duration(summary['seconds'])}",
     ]
     if summary.get("sharding") == "fsdp":
@@ -154,12 +157,17 @@ def _bars(values: list[float], reference: float, what: str) -> list[str]:
     return lines
 
 
+def _device_gap_text(gap: float | None) -> str:
+    """', device gap X above the device lower bound', or nothing for files without it."""
+    return "" if gap is None else f", device gap {percent(gap)} above the device lower bound"
+
+
 def show_text(schedule: Schedule) -> str:
     """The `canzona show` report."""
     req, dp = schedule.request, schedule.metrics.dp
     header = (
         f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  "
-        f"alpha {req.alpha:g}  method {dp.method}"
+        f"alpha {req.alpha:g}  method {dp.method}" + ("  order free" if req.order == "free" else "")
     )
     if req.sharding == "fsdp":
         header = (f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  "
@@ -195,6 +203,11 @@ def _tp_lines(schedule: Schedule) -> list[str]:
     lines.append(_table(["mode", "groups", "efficiency", "critical/bound", "device imbalance", "max saturation"], rows))
     loads = [d.load for d in devices]
     lines += ["", *_bars(loads, sum(loads) / len(loads), "compute load per device")]
+    if tp.device_lower_bound is not None and tp.device_gap is not None:
+        lines.append(
+            f"worst device {tp.worst_device_load:.4g}: gap {percent(tp.device_gap)} above the device lower bound "
+            f"{tp.device_lower_bound:.4g} = max(total / devices, largest matrix)"
+        )
     lines.append(
         f"per device: state max {max(d.state_bytes for d in devices) / GIB:.2f} GiB, "
         f"sent max {max(d.bytes_sent for d in devices) / GIB:.2f} GiB, "
@@ -212,7 +225,8 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
     if req.sharding == "fsdp":  # one plan for every replica; hosts are fragment ranks (shard · tp + tp rank)
         host = (dp_rank % (req.dp // req.dp_replicate)) * req.tp + tp_rank
         groups = [{"index": g.index, "tasks": len(g.params), "makespan": g.makespan, "saturation": g.saturation,
-                   "hosted": [name for name, h in zip(g.params, g.hosts) if h == host]} for g in schedule.tp.ranks[0].groups]
+                   "hosted": [name for name, h in zip(g.params, g.hosts) if h == host], "teamed": []}
+                  for g in schedule.tp.ranks[0].groups]
         return {"rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
                 "load": device.load, "state_bytes": device.state_bytes, "bytes_sent": device.bytes_sent,
                 "bytes_received": device.bytes_received, "owned": [n for g in groups for n in g["hosted"]], "slices": [],

@@ -6,7 +6,7 @@ from importlib import metadata
 
 from canzona.planner.partition.baselines import BaselineLoads
 from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
-from canzona.planner.partition.devices import device_figures, tp_score
+from canzona.planner.partition.devices import device_figures, device_lower_bound, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MODES, group_stats
 from canzona.planner.fsdp import FsdpPlan, compile_fsdp
@@ -76,6 +76,7 @@ def request_section(req: PlanRequest, model: ModelSpec) -> Request:
         solver=req.solver,
         time_limit=req.time_limit,
         seed=req.seed,
+        order=req.order,
         alpha_device=req.alpha_device,
         bucket_device=req.bucket_device,
         training=_training(req),
@@ -241,9 +242,18 @@ def _tp_section(plan: Plan) -> TpSection:
     return TpSection(mode=req.tp_mode, group_bytes=req.group_bytes, ranks=ranks)
 
 
+def _pieces(plan: Plan) -> list[float]:
+    """The indivisible units of the plan's optimizer work: a matrix update on one device, or
+    one team member's share of a cooperatively hosted matrix."""
+    return [cost for tasks, groups in zip(plan.tasks, plan.chosen_groups) for group in groups
+            for _, cost, _ in group.placements(tasks)]
+
+
 def _tp_metrics(plan: Plan) -> TpMetrics:
     scores = {mode: tp_score(plan, plan.groups[mode]) for mode in MODES}
     chosen = scores[plan.request.tp_mode]
+    loads = [figure.load for figure in device_figures(plan, plan.chosen_groups)]
+    bound = device_lower_bound(loads, _pieces(plan))
     return TpMetrics(
         mode=plan.request.tp_mode,
         num_groups=chosen.num_groups,
@@ -258,6 +268,8 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
         max_saturation=chosen.max_saturation,
         modes={mode: TpModeScore(**vars(score)) for mode, score in scores.items()},
         cooperative=sum(team is not None for rank in plan.chosen_groups for group in rank for team in group.teams),
+        device_lower_bound=bound,
+        device_gap=chosen.worst_device_load / bound - 1 if bound else 0.0,
     )
 
 
@@ -328,6 +340,7 @@ def plan_request(request: Request, model_source: str | None = None) -> PlanReque
         solver=request.solver,
         time_limit=request.time_limit,
         seed=request.seed,
+        order=request.order,
         alpha_device=request.alpha_device,
         bucket_device=request.bucket_device,
         training=TrainingSetup(**request.training.model_dump()) if request.training else None,

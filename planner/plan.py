@@ -5,13 +5,14 @@ Pure: no I/O. `compile.py` turns a `Plan` into the schedule file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from canzona.planner.partition.baselines import BaselineLoads, all_baselines
 from canzona.planner.partition.cooperative import COOP_MODES, Shape, cooperate
 from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
 from canzona.planner.partition.dp import (
+    ALPHA_LADDER,
     DpAssignment,
     DpInstance,
     lower_bound,
@@ -20,6 +21,7 @@ from canzona.planner.partition.dp import (
     rank_loads,
     slice_caps,
 )
+from canzona.planner.partition.free_order import partition_free, reorder_buffer
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, GRAD_BYTES_PER_ELEMENT, BufferLayout, build_buffer
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
@@ -114,6 +116,7 @@ class PlanRequest:
     sharding: str = REPLICATED  # or FSDP: FSDP2 fully_shard (planner/fsdp.py)
     dp_replicate: int = 1  # HSDP (FSDP only): dp = dp_replicate x shard ranks
     coop: str = "auto"  # cooperative hosting of dominant Muon matrices: off, auto, force
+    order: str = "registration"  # "free": the planner picks each bucket's parameter order
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""
@@ -121,7 +124,7 @@ class PlanRequest:
         problem = request_problem(
             tp=self.tp, dp=self.dp, ep=self.ep, alpha=self.alpha, bucket_size=self.bucket_size,
             group_bytes=self.group_bytes, tp_mode=self.tp_mode, solver=self.solver, time_limit=self.time_limit,
-            seed=self.seed,
+            seed=self.seed, order=self.order,
         ) or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
         problem = problem or sharding_problem(self.sharding, self.dp, self.dp_replicate, self.ep) or self._fsdp_problem()
         if problem:
@@ -219,12 +222,20 @@ def dp_instance(
 
 def plan_buffer(
     model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, request: PlanRequest,
-    base_loads: tuple[float, ...] = (),
+    base_loads: tuple[float, ...] = (), seeds: tuple[BufferPlan, ...] = (),
 ) -> tuple[BufferPlan, DpInstance]:
     """Partition one buffer over `num_ranks` (refined by CP-SAT if asked) and score the
-    baselines on it."""
+    baselines on it. `seeds`: plans of the same buffer at coarser α (see `partition`)."""
     instance = dp_instance(layout, model, costs, num_ranks, base_loads)
-    assignment = partition(instance, request.alpha)
+    seed_owners = tuple(
+        tuple(tuple(seed.owners[e.param] for e in bucket.entries) for bucket in layout.buckets)
+        for seed in seeds
+        if _members(seed.layout) == _members(layout)
+    )
+    if request.order == "free":
+        assignment = partition_free(instance, request.alpha, seed_owners)
+    else:
+        assignment = partition(instance, request.alpha, seed_owners)
     report = None
     if request.solver == "ilp" and any(instance.costs):
         from canzona.planner.partition.ilp import refine_dp
@@ -240,15 +251,24 @@ def plan_buffer(
         for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
         for entry, owner in zip(bucket.entries, bucket_owners)
     }
+    loads = tuple(l - b for l, b in zip(rank_loads(instance, assignment.owners), instance.initial_loads()))
+    registration_layout = layout
+    if request.order == "free":
+        layout, bucket_owners_list = reorder_buffer(layout, assignment.owners, num_ranks)
+        assignment = DpAssignment(bucket_owners_list, assignment.method)
     cuts = tuple(
         owners_to_cuts(bucket_owners, tuple(e.offset for e in bucket.entries), bucket.numel, num_ranks)
         for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
     )
     cost_by_param = {param: costs[param] for param in owners}
     names = {index: param.name for index, param in enumerate(model.params)}
-    loads = tuple(l - b for l, b in zip(rank_loads(instance, assignment.owners), instance.initial_loads()))
-    baselines = all_baselines(layout, cost_by_param, names, num_ranks)
+    baselines = all_baselines(registration_layout, cost_by_param, names, num_ranks)
     return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines, report), instance
+
+
+def _members(layout: BufferLayout) -> tuple[frozenset[int], ...]:
+    """Each bucket's parameters (what a seed plan must share, whatever its order)."""
+    return tuple(frozenset(e.param for e in bucket.entries) for bucket in layout.buckets)
 
 
 def _expert_slots(model: ModelSpec, ep: int) -> dict[int, int]:
@@ -272,9 +292,33 @@ def _combine(dense: tuple[float, ...], expert: tuple[float, ...], ep: int) -> tu
     return tuple(load + (expert[rank // ep] if expert else 0.0) for rank, load in enumerate(dense))
 
 
-def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
+def make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = ()) -> Plan:
     """Solve the DP partition (and expert partition) of `model`, schedule TP micro-groups,
-    and score the baselines."""
+    and score the baselines. `seeds`: plans of the same model and layout at coarser α, which
+    this plan is then never worse than (what `--alpha auto` compares).
+
+    Each buffer's plan is never worse at a larger α, nor in free order than in registration
+    order, but under expert parallelism the dense buffer is balanced around the experts'
+    loads, so a better expert plan can leave a worse sum. There, unless the plan meets the
+    lower bound, the whole plan at the next coarser ladder α and the registration-order plan
+    (valid plans of this request too: tighter caps, and any order is a free order) replace it
+    when their largest load is lower."""
+    plan = _make_plan(model, request, seeds)
+    if request.ep == 1 or max(plan.loads) <= plan.lower_bound * (1 + 1e-12):
+        return plan
+    others = []
+    if request.order == "free":
+        others.append(make_plan(model, replace(request, order="registration"), seeds))
+    coarser = [alpha for alpha in ALPHA_LADDER if alpha < request.alpha]
+    if coarser:
+        others.append(make_plan(model, replace(request, alpha=coarser[-1]), seeds))
+    for other in others:
+        if max(other.loads) < max(plan.loads):
+            plan = replace(other, request=request)
+    return plan
+
+
+def _make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...]) -> Plan:
     request.validate()
     validate_model(model, request.tp)
     validate_expert_parallel(model, request)
@@ -286,10 +330,12 @@ def make_plan(model: ModelSpec, request: PlanRequest) -> Plan:
     expert: BufferPlan | None = None
     if ep > 1:
         layout = build_buffer(model, MATRIX, tp, dp // ep, request.bucket_size, lambda i: slots.get(i) == i)
-        expert, _ = plan_buffer(model, layout, costs, dp // ep, request)
+        expert_seeds = tuple(seed.expert for seed in seeds if seed.expert is not None)
+        expert, _ = plan_buffer(model, layout, costs, dp // ep, request, seeds=expert_seeds)
     expert_base = _combine((0.0,) * dp, expert.loads if expert else (), ep)
     dense_layout = build_buffer(model, MATRIX, tp, dp, request.bucket_size, lambda i: i not in slots)
-    dense, instance = plan_buffer(model, dense_layout, costs, dp, request, expert_base if expert else ())
+    dense_seeds = tuple(seed.dense for seed in seeds) if expert is None else ()
+    dense, instance = plan_buffer(model, dense_layout, costs, dp, request, expert_base if expert else (), dense_seeds)
     owners = dict(dense.owners)
     if expert is not None:
         owners.update({param: expert.owners[slot] for param, slot in slots.items()})

@@ -104,6 +104,7 @@ class Request(_Strict):
     sharding: str = "replicated"
     dp_replicate: int = Field(default=1, ge=1, le=MAX_FILE_INT)
     coop: str = "off"
+    order: str = "registration"
     canzona_version: str
 
 
@@ -253,7 +254,11 @@ class TpMetrics(_Strict):
     """efficiency = sum of task costs / (P · sum over groups of makespan), over all DP ranks;
     critical_time = the largest sum of group makespans of one DP rank (cost units), and
     critical_lower_bound = max over DP ranks of max(its cost / P, its largest task);
-    cooperative = how many matrices the chosen mode hosts cooperatively (by a team)."""
+    cooperative = how many matrices the chosen mode hosts cooperatively (by a team).
+    device_lower_bound = max(total device load / (D · P), the largest indivisible piece: one
+    matrix update on one device, or one team member's share of a cooperatively hosted
+    matrix); device_gap = worst_device_load / device_lower_bound - 1 (both absent in
+    files written before they were recorded)."""
 
     mode: str
     num_groups: Count
@@ -265,6 +270,8 @@ class TpMetrics(_Strict):
     max_saturation: float
     modes: dict[str, TpModeScore]
     cooperative: Count = 0
+    device_lower_bound: float | None = None
+    device_gap: float | None = None
 
 
 class DeviceMetrics(_Strict):

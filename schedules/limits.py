@@ -18,6 +18,7 @@ COST_MODELS = ("numel", "flops")
 PROFILE_PREFIX = "profile:"
 TP_MODES = ("rollback", "fixed", "sorted", "heap")
 COOP_MODES = ("off", "auto", "force")  # cooperative hosting of dominant Muon matrices
+ORDERS = ("registration", "free")  # a bucket's parameter order: Megatron's, or the planner's
 SOLVERS = ("greedy", "ilp")
 QKV_SPLITS = ("none", "qkv", "head")
 NAMING_CONVENTIONS = ("megatron", "hf", "torchtitan")  # parameter names of presets and HF configs
@@ -137,10 +138,14 @@ def alpha_problem(alpha: float) -> str | None:
 
 
 def request_problem(*, tp: object, dp: object, ep: object, alpha: float, bucket_size: object, group_bytes: object,
-                    tp_mode: object, solver: object, time_limit: float, seed: object) -> str | None:
+                    tp_mode: object, solver: object, time_limit: float, seed: object,
+                    order: object = "registration") -> str | None:
     """Every numeric and named setting of a planning request, as the planner accepts them."""
     return (
         layout_problem(tp, dp, ep)
+        or choice_problem("order", order, ORDERS)
+        or ("--order free does not combine with --solver ilp (CP-SAT refines registration-order plans)"
+            if order == "free" and solver == "ilp" else None)
         or alpha_problem(alpha)
         or bounded_int_problem("bucket size", bucket_size, MAX_BUCKET_SIZE, "elements")
         or bounded_int_problem("group capacity", group_bytes, MAX_GROUP_BYTES, "bytes")

@@ -102,7 +102,7 @@ def _check_request(schedule: Schedule) -> None:
         request_problem(
             tp=req.tp, dp=req.dp, ep=req.ep, alpha=req.alpha, bucket_size=req.bucket_size,
             group_bytes=req.group_bytes, tp_mode=req.tp_mode, solver=req.solver, time_limit=req.time_limit,
-            seed=req.seed,
+            seed=req.seed, order=req.order,
         )
         or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
         or cost_problem(req.cost)
@@ -253,6 +253,11 @@ def _check_buffers(schedule: Schedule) -> None:
     adamw = [e for e in schedule.params if e.optimizer == ADAMW]
     _check_buffer("matrix", dense, section.buckets, req.dp, req.bucket_size)
     _check_buffer("AdamW", adamw, section.adamw_buckets, req.dp, req.bucket_size)
+    _check_order("AdamW", adamw)  # AdamW keeps the stock order and equal split
+    if req.order == "registration":
+        _check_order("matrix", dense)
+        for ep_rank in range(req.ep if req.ep > 1 else 0):
+            _check_order(f"expert (EP rank {ep_rank})", [e for e in schedule.params if e.ep_rank == ep_rank])
     if req.ep > 1:
         layouts = set()
         by_rank: list[list[ParamEntry]] = [[] for _ in range(req.ep)]
@@ -264,6 +269,17 @@ def _check_buffers(schedule: Schedule) -> None:
             layouts.add(tuple(sorted((e.bucket, e.offset, e.numel) for e in experts)))
         if len(layouts) > 1:
             _fail("the EP ranks' expert buffers are laid out differently")
+
+
+def _check_order(kind: str, members: list[ParamEntry]) -> None:
+    """Inside every bucket, offsets rise along reverse registration order (Megatron's buffer;
+    `request.order: free` lets the planner order a bucket's matrices)."""
+    last: dict[int, int] = {}
+    for e in sorted(members, key=lambda entry: -entry.index):
+        if e.offset < last.get(e.bucket, -1):
+            _fail(f"parameter {e.name!r}: {kind} bucket {e.bucket} is not in reverse registration order, "
+                  "which request.order registration requires")
+        last[e.bucket] = e.offset
 
 
 def _check_buffer(kind: str, members: list[ParamEntry], buckets: Sequence[Any], num_ranks: int, bucket_size: int) -> None:
@@ -510,6 +526,25 @@ def _check_devices(schedule: Schedule) -> None:
     mean = sum(device_loads) / len(device_loads)
     _expect("metrics.tp.worst_device_load", m.worst_device_load, max(device_loads), "metrics.device")
     _expect("metrics.tp.device_imbalance", m.device_imbalance, max(device_loads) / mean if mean else 1.0, "metrics.device")
+    _check_device_bound(schedule, mean)
+
+
+def _check_device_bound(schedule: Schedule, mean: float) -> None:
+    """device_lower_bound = max(mean device load, largest hosted piece: a matrix, or a team
+    member's share); device_gap from it."""
+    m = schedule.metrics.tp
+    if m.device_lower_bound is None or m.device_gap is None:
+        if (m.device_lower_bound, m.device_gap) != (None, None):
+            _fail("metrics.tp: device_lower_bound and device_gap come together")
+        return
+    entries = {e.name: e for e in schedule.params}
+    largest = max((cost for plan in schedule.tp.ranks for g in plan.groups for _, cost, _ in placements(g, entries)),
+                  default=0.0)
+    bound = max(mean, largest)
+    _expect("metrics.tp.device_lower_bound", m.device_lower_bound, bound,
+            "max(mean of metrics.device loads, largest piece hosted in the tp section)")
+    _expect("metrics.tp.device_gap", m.device_gap, m.worst_device_load / bound - 1 if bound else 0.0,
+            "metrics.tp.worst_device_load / device_lower_bound - 1")
 
 
 def _hosted_loads(schedule: Schedule) -> list[float]:

@@ -56,8 +56,10 @@ def _check_groups(schedule: Schedule, layout: FsdpLayout) -> list[float]:
             _fail(f"{where}: hosts must be fragment ranks (shards x TP = {layout.hosts}), one per parameter")
         if any(name not in entries for name in group.params):
             _fail(f"{where}: lists a parameter that is not a matrix of the schedule")
+        if group.teams:
+            _fail(f"{where}: FSDP plans host every matrix on one device (no cooperative teams)")
         listed += group.params
-        _check_group(where, group, entries, layout.hosts, req.group_bytes, req.tp_mode)
+        _check_group(where, group, entries, layout.hosts, req.group_bytes, req.tp_mode, req.optimizer.name)
         for name, host in zip(group.params, group.hosts):
             hosted[host] += entries[name].cost
     if len(listed) != len(set(listed)) or set(listed) != set(entries):

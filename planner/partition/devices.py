@@ -9,6 +9,7 @@ new bf16/fp16 values instead for low-precision matrices, which this counts at fp
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -132,6 +133,14 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
                 )
             )
     return figures
+
+
+def device_lower_bound(loads: Sequence[float], pieces: Iterable[float]) -> float:
+    """max(total / devices, largest indivisible piece): no plan of these pieces (each on one
+    device; the rest, e.g. AdamW slices, divisible at will) has a lower worst device load.
+    `loads` are every device's loads (their sum is the total), `pieces` the costs of the
+    indivisible units of work (a matrix update hosted on one device)."""
+    return max(sum(loads) / len(loads) if loads else 0.0, max(pieces, default=0.0))
 
 
 def tp_score(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> TpScore:

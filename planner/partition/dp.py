@@ -13,12 +13,15 @@ compute load, over the whole buffer at once rather than bucket by bucket.
 
 Methods: a single bucket is solved exactly (bisection on the max load with a greedy feasibility
 check). Several buckets: greedy longest-processing-time placement constrained to the ranks the
-bucket order allows, then move/swap local search on the most loaded rank.
+bucket order allows, then move/swap local search on the most loaded rank. Monotone α: the plan
+at a coarser α (`ALPHA_LADDER`, or seeds) is a start too, so a larger α is never worse.
+`free_order` drops the order constraint inside a bucket (`--order free`).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -183,11 +186,13 @@ def solve_contiguous(instance: DpInstance, caps: tuple[int, ...]) -> list[list[i
 
 
 class _Search:
-    """Mutable state of the multi-bucket heuristic (owners, loads, caps)."""
+    """Mutable state of the multi-bucket heuristic (owners, loads, caps). `free`: any owner
+    order within a bucket (free intra-bucket order); only each rank's slice cap binds."""
 
-    def __init__(self, instance: DpInstance, caps: tuple[int, ...]) -> None:
+    def __init__(self, instance: DpInstance, caps: tuple[int, ...], free: bool = False) -> None:
         self.instance = instance
         self.caps = caps
+        self.free = free
         self.owners: list[list[int]] = [[-1] * len(costs) for costs in instance.costs]
         self.loads = instance.initial_loads()
         self.members: list[set[tuple[int, int]]] = [set() for _ in range(instance.num_ranks)]
@@ -212,6 +217,12 @@ class _Search:
     def bucket_ok(self, bucket: int) -> bool:
         """Placed owners never decrease, slices stay under the cap, unplaced items still fit."""
         spans, cap = self.instance.spans[bucket], self.caps[bucket]
+        if self.free:
+            fills: dict[int, int] = {}
+            for span, owner in zip(spans, self.owners[bucket]):
+                if owner >= 0:
+                    fills[owner] = fills.get(owner, 0) + span
+            return max(fills.values(), default=0) <= cap
         rank, fill = 0, 0
         for span, owner in zip(spans, self.owners[bucket]):
             if owner < 0:
@@ -231,6 +242,8 @@ class _Search:
         bucket, index = item
         owners = self.owners[bucket]
         low, high, before, after = 0, self.instance.num_ranks - 1, -1, len(owners)
+        if self.free:
+            return low, high, 0.0
         for j in range(index - 1, -1, -1):
             if owners[j] >= 0:
                 low, before = owners[j], j
@@ -243,8 +256,9 @@ class _Search:
         return low, high, low + fraction * (high - low)
 
 
-def _place_greedy(search: _Search) -> None:
-    """Longest-processing-time first: each item on the least loaded rank its bucket allows."""
+def _place_greedy(search: _Search) -> bool:
+    """Longest-processing-time first: each item on the least loaded rank its bucket allows.
+    False when an item fits nowhere (only in free order, where caps are a bin packing)."""
     instance = search.instance
     items = [(b, i) for b, costs in enumerate(instance.costs) for i in range(len(costs))]
     items.sort(key=lambda item: (-search.cost(item), search.name(item)))
@@ -263,13 +277,16 @@ def _place_greedy(search: _Search) -> None:
             if search.bucket_ok(item[0]):
                 break
             search.assign(item, -1)
-        else:  # unreachable: bucket_ok keeps every partial plan completable
+        else:  # in registration order unreachable: bucket_ok keeps every partial plan completable
+            if search.free:
+                return False
             raise AssertionError(f"no feasible rank for {search.name(item)}")
         # Remove the rank's entry by the exact key it was filed under: recomputing it by
         # subtraction can differ in the last bit for non-integral costs.
         del by_load[bisect.bisect_left(by_load, key_of[rank])]
         key_of[rank] = (search.loads[rank], rank)
         bisect.insort(by_load, key_of[rank])
+    return True
 
 
 def _ranks_by_load(
@@ -293,6 +310,8 @@ def _ranks_by_load(
 
 def _neighbour_interval(search: _Search, item: tuple[int, int]) -> range:
     """Ranks `item` may move to with every other item of its bucket fixed."""
+    if search.free:
+        return range(search.instance.num_ranks)
     bucket, index = item
     owners = search.owners[bucket]
     low = owners[index - 1] if index > 0 else 0
@@ -471,21 +490,73 @@ def _polished(search: _Search) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(owners) for owners in search.owners)
 
 
-def partition(instance: DpInstance, alpha: float) -> DpAssignment:
+def partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()) -> DpAssignment:
     """Owners of every item minimising the largest compute load under α's slice caps.
 
-    Two starts, each polished by local search: the best contiguous plan over the whole buffer
-    (exact for one bucket; near perfect for layer-periodic models), and longest-processing-time
-    placement (good when items are few per rank and uneven). The lower max load wins; ties go
-    to the contiguous plan.
+    Two starts of its own, each polished by local search: the best contiguous plan over the
+    whole buffer (exact for one bucket; near perfect for layer-periodic models), and
+    longest-processing-time placement (good when items are few per rank and uneven); ties go
+    to the contiguous plan. Then monotone α: unless that plan is at the lower bound, the plan
+    at the next coarser α of `ALPHA_LADDER` (planned the same way) and any `seeds` (plans at
+    coarser α, so feasible under these looser caps) replace it when they are better, polished
+    here first (local search never raises the max load). So the plan at α is never worse than
+    at any coarser ladder α or seed.
     """
     if not any(instance.costs):
         return DpAssignment(tuple(() for _ in instance.costs), "empty")
     caps = slice_caps(instance, alpha)
-    contiguous = _Search(instance, caps)
-    for bucket, owners in enumerate(solve_contiguous(instance, caps)):
-        for index, rank in enumerate(owners):
-            contiguous.assign((bucket, index), rank)
+    own = _solve(instance, caps)
+    own_load = max(rank_loads(instance, own.owners))
+    coarser = [ladder for ladder in ALPHA_LADDER if ladder < alpha]
+    if own_load <= lower_bound(instance) * (1 + 1e-12) or not (coarser or seeds):
+        return own
+    starts = [(owners, "seed") for owners in seeds if _feasible(instance, caps, owners)]
+    if coarser:
+        seed = _ladder_plan(instance, coarser[-1])
+        method = seed.method if "(from alpha" in seed.method else f"{seed.method} (from alpha {coarser[-1]:g})"
+        starts.insert(0, (seed.owners, method))
+    if not starts:
+        return own
+    best, method = min(starts, key=lambda start: max(rank_loads(instance, start[0])))
+    if max(rank_loads(instance, best)) >= own_load:
+        return own
+    return DpAssignment(_polished(_seeded(instance, caps, best)), method)
+
+
+Owners = tuple[tuple[int, ...], ...]
+ALPHA_LADDER = (0.0, 0.5)
+"""Coarser α whose plans seed every finer one: plans at 0, 0.5 and any larger α never get
+worse as α grows (other coarser α can be passed as seeds, as `--alpha auto` does)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _ladder_plan(instance: DpInstance, alpha: float) -> DpAssignment:
+    """`partition` at a ladder α, remembered: every finer α and `--alpha auto` reuse it."""
+    return partition(instance, alpha)
+
+
+def _seeded(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool = False) -> _Search:
+    """A search state holding `owners` (feasible under `caps`)."""
+    search = _Search(instance, caps, free)
+    for bucket, bucket_owners in enumerate(owners):
+        for index, rank in enumerate(bucket_owners):
+            search.assign((bucket, index), rank)
+    return search
+
+
+def _feasible(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool = False) -> bool:
+    """Whether `owners` (a seed from elsewhere) is a plan of `instance` within `caps`."""
+    if [len(bucket) for bucket in owners] != [len(costs) for costs in instance.costs] or any(
+        not 0 <= rank < instance.num_ranks for bucket in owners for rank in bucket
+    ):
+        return False
+    search = _seeded(instance, caps, owners, free)
+    return all(search.bucket_ok(bucket) for bucket in range(len(owners)))
+
+
+def _solve(instance: DpInstance, caps: tuple[int, ...]) -> DpAssignment:
+    """The better polished plan of the contiguous and the LPT start under `caps`."""
+    contiguous = _seeded(instance, caps, tuple(tuple(b) for b in solve_contiguous(instance, caps)))
     greedy = _Search(instance, caps)
     _place_greedy(greedy)
     candidates = [(_polished(contiguous), "contiguous+local-search"), (_polished(greedy), "lpt+local-search")]

@@ -66,8 +66,11 @@ def choose_alpha(
             raise PlanError(f"alpha must be in [0, 1], got {alpha}")
     best: tuple[float, Plan] | None = None
     tried: dict[float, SearchTrial] = {}
+    planned: list[Plan] = []
     for alpha in candidates:
-        plan = make_plan(model, replace(request, alpha=alpha))
+        # Every coarser plan seeds this one: a larger α is never worse in max load.
+        plan = make_plan(model, replace(request, alpha=alpha), seeds=tuple(planned))
+        planned.append(plan)
         tried[alpha] = result = trial(plan, alpha, hardware, time_model, training, fused, rooted)
         if progress:
             progress(f"alpha {alpha:g}")

@@ -51,6 +51,26 @@ def test_diff_improvement_is_exit_0(plans: dict[str, Path], capsys: pytest.Captu
     assert rows["dp imbalance"]["verdict"] == "better" and rows["dp imbalance"]["delta"] < 0
 
 
+def test_diff_and_show_report_the_device_gap(plans: dict[str, Path], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["diff", str(plans["a0"]), str(plans["a1"]), "--json"], capsys)
+    rows = {row["name"]: row for row in json.loads(out)}
+    new = read_schedule(plans["a1"]).metrics.tp
+    assert code == 0 and rows["device gap"]["new"] == pytest.approx(new.device_gap)
+    code, out, _ = run(["show", str(plans["a1"])], capsys)
+    assert code == 0 and "above the device lower bound" in out
+    # A file written before the device bound was recorded: the row has no old value.
+    old = read_schedule(plans["a1"])
+    stripped = old.model_copy(update={"metrics": old.metrics.model_copy(
+        update={"tp": old.metrics.tp.model_copy(update={"device_lower_bound": None, "device_gap": None})})})
+    write_schedule(sealed(stripped), tmp_path / "old.yaml")
+    code, out, _ = run(["diff", str(tmp_path / "old.yaml"), str(plans["a1"]), "--json"], capsys)
+    rows = {row["name"]: row for row in json.loads(out)}
+    assert code == 0 and rows["device gap"]["old"] is None
+    code, out, _ = run(["show", str(tmp_path / "old.yaml")], capsys)
+    assert code == 0 and "device lower bound" not in out
+
+
 def test_diff_different_layouts_of_one_model_and_same_model_flag(plans: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     code, _, _ = run(["diff", str(plans["a1"]), str(plans["tp1"]), "--same-model",
                       "--max-imbalance-increase", "9", "--max-gap-increase", "9", "--max-memory-increase", "9"], capsys)

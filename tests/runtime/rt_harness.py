@@ -118,10 +118,12 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
 
 def make_schedule(model: str | Path, tp: int, dp: int, *, optimizer: str = "muon", alpha: float = 1.0,
                   bucket_size: int = 4000, group_bytes: int = 4096, dtype: str = "fp32",
-                  split_fc1: bool = False, ep: int = 1, coop: str = "auto", **settings: Any) -> Schedule:
+                  split_fc1: bool = False, ep: int = 1, coop: str = "auto", order: str = "registration",
+                  **settings: Any) -> Schedule:
     """A planner-made schedule for `model` (a file), with small buckets and micro-groups,
     its parameters' dtype set to `dtype` (`ep`: expert parallelism; `coop`: cooperative
-    hosting, `force` to team every eligible matrix)."""
+    hosting, `force` to team every eligible matrix; `order`: a bucket's parameter order,
+    registration or free)."""
     from canzona.planner.compile import compile_schedule
     from canzona.planner.partition.costs import OptimizerConfig
     from canzona.planner.sources.load import load_model
@@ -133,6 +135,6 @@ def make_schedule(model: str | Path, tp: int, dp: int, *, optimizer: str = "muon
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype=dtype) for p in spec.params))
     request = PlanRequest(
         model=str(model), tp=tp, dp=dp, optimizer=OptimizerConfig(optimizer, **settings), alpha=alpha,
-        bucket_size=bucket_size, options=options, group_bytes=group_bytes, ep=ep, coop=coop,
+        bucket_size=bucket_size, options=options, group_bytes=group_bytes, ep=ep, coop=coop, order=order,
     )
     return compile_schedule(make_plan(spec, request))

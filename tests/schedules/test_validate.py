@@ -245,5 +245,32 @@ def test_imbalance_below_one_and_other_derived_figures() -> None:
     rejected(dense(), lambda d: d["metrics"]["device"][1].update(tp_rank=0), "metrics.device must list")
 
 
+def test_device_lower_bound_and_gap() -> None:
+    tp = dense().metrics.tp
+    devices = [d.load for d in dense().metrics.device]
+    largest = max(p.cost for p in dense().params if p.owner is not None)
+    assert tp.device_lower_bound == pytest.approx(max(sum(devices) / len(devices), largest), rel=1e-12)
+    assert tp.device_gap == pytest.approx(max(devices) / tp.device_lower_bound - 1, rel=1e-12, abs=1e-15)
+    rejected(dense(), lambda d: d["metrics"]["tp"].update(device_lower_bound=1.0), "metrics.tp.device_lower_bound")
+    rejected(dense(), lambda d: d["metrics"]["tp"].update(device_gap=0.5), "metrics.tp.device_gap")
+    rejected(dense(), lambda d: d["metrics"]["tp"].update(device_gap=None), "come together")
+    # A file from before the bound was recorded (neither field) still reads.
+    old = edited(dense(), lambda d: d["metrics"]["tp"].update(device_lower_bound=None, device_gap=None))
+    assert parse_schedule(old, "old.yaml").metrics.tp.device_gap is None
+
+
+@lru_cache(maxsize=None)
+def free_order() -> Schedule:
+    """qwen3-8b at TP 4 x DP 64 in free order: the planner reorders some buckets."""
+    return compile_schedule(make_plan(load_model("qwen3-8b", 4), PlanRequest("qwen3-8b", 4, 64, order="free")))
+
+
+def test_registration_order_is_checked_and_free_order_is_not() -> None:
+    assert parse_schedule(dump_schedule(free_order()), "free.yaml").request.order == "free"
+    rejected(free_order(), lambda d: d["request"].update(order="registration"), "not in reverse registration order")
+    rejected(free_order(), lambda d: d["request"].update(order="shuffled"), "unknown order 'shuffled'")
+    rejected(free_order(), lambda d: d["request"].update(solver="ilp"), "--order free does not combine with --solver ilp")
+
+
 def test_alpha_search_goes_with_alpha_device() -> None:
     rejected(dense(), lambda d: d["request"].update(alpha_device="h100"), "alpha_device")

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.planner.partition.dp import (
+    ALPHA_LADDER,
     DpAssignment,
     DpInstance,
     lower_bound,
@@ -245,6 +246,65 @@ def test_caps_are_monotone_in_alpha(instance: DpInstance, alpha_list: list[float
         assert all(a <= b for a, b in zip(low, high)), (ordered, caps)
     assert caps[0] == tuple(min_max_slice(s, instance.num_ranks) for s in instance.spans)
     assert caps[-1] == tuple(sum(s) for s in instance.spans)
+
+
+ladder_alphas = st.sampled_from(ALPHA_LADDER + (1.0,))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(instances(max_buckets=5, max_items=8, max_ranks=9), ladder_alphas, st.one_of(ladder_alphas, st.floats(0.0, 1.0)))
+def test_a_larger_alpha_is_never_worse(instance: DpInstance, alpha_low: float, alpha_high: float) -> None:
+    """Monotone α: the plan at any α is at least as good as at every coarser ladder α."""
+    if alpha_high < alpha_low:
+        return
+    low = max_load(instance, partition(instance, alpha_low).owners)
+    high = max_load(instance, partition(instance, alpha_high).owners)
+    assert high <= low, (instance, alpha_low, alpha_high, low, high)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(instances(max_buckets=5, max_items=8, max_ranks=9), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+def test_a_seeded_larger_alpha_is_never_worse(instance: DpInstance, alpha_a: float, alpha_b: float) -> None:
+    """Off the ladder, the plan at a coarser α passed as a seed (what `--alpha auto` does)."""
+    alpha_low, alpha_high = sorted((alpha_a, alpha_b))
+    low = partition(instance, alpha_low)
+    high = partition(instance, alpha_high, (low.owners,))
+    assert max_load(instance, high.owners) <= max_load(instance, low.owners)
+    caps = slice_caps(instance, alpha_high)
+    for b, (spans, owners) in enumerate(zip(instance.spans, high.owners)):
+        assert max(slices_of(owners, spans, instance.num_ranks)) <= caps[b]
+
+
+def test_seeds_outside_the_caps_are_ignored() -> None:
+    """A seed planned at a larger α (or for another buffer) cannot break α's caps."""
+    instance = make_instance([[5, 1, 1, 1]], [[64, 64, 64, 64]], 2)
+    loose = ((0, 1, 1, 1),)  # slices 64 / 192: only α = 1 allows it
+    assert slice_caps(instance, 0.0) == (128,)
+    for seeds in [(loose,), (((0, 1),),), (((0, 1, 2, 3),),)]:
+        result = partition(instance, 0.0, seeds)
+        assert max(slices_of(result.owners[0], instance.spans[0], 2)) <= 128
+
+
+def _issue_15_instance() -> DpInstance:
+    """qwen3-8b tp4 dp64, 40M buckets (Muon flops): before monotone α, 10.1% above the bound
+    at α = 0 and 29.4% at α = 1."""
+    from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost
+    from canzona.planner.partition.layout import build_buffer
+    from canzona.planner.plan import dp_instance
+    from canzona.planner.sources.load import load_model
+    from canzona.planner.spec import MATRIX
+
+    model = load_model("qwen3-8b", 4)
+    cost_model = make_cost_model("flops", OptimizerConfig())
+    costs = tuple(param_cost(param, cost_model) for param in model.params)
+    return dp_instance(build_buffer(model, MATRIX, 4, 64, 40_000_000), model, costs, 64)
+
+
+def test_alpha_one_seeded_by_a_coarser_plan_beats_its_own_starts() -> None:
+    """Regression of issue 15: items few per rank; α = 1's own starts end above α = 0's plan."""
+    instance = _issue_15_instance()
+    loads = {alpha: max_load(instance, partition(instance, alpha).owners) for alpha in (0.0, 0.5, 1.0)}
+    assert loads[1.0] <= loads[0.5] <= loads[0.0]
 
 
 # ---------------------------------------------------------------------------------------------
