@@ -3,7 +3,7 @@ reference, next to how far the unsharded fp32 one does.
 
 Run:  python benchmarks/coop_numerics.py          (about a minute on 2 CPU cores)
 
-A team of k gloo ranks runs the runtime's `team_newton_schulz` (canzona.runtime.cooperative)
+A team of k gloo ranks runs the runtime's `team_newton_schulz` (canzona.runtime.rules.cooperative)
 on its slices of a matrix (the long side split k ways, the r x r Gram all-reduced each
 iteration), five iterations, Muon's coefficients. The matrices: Gaussian, and Gaussian with a
 decaying spectrum (singular values 1 ... 1e-3, closer to momentum buffers), wide and tall.
@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "tests" / "runtime"))  # the tests' forked-rank ha
 
 from rt_harness import run_ranks  # noqa: E402
 
-from canzona.runtime.cooperative import team_newton_schulz  # noqa: E402
-from canzona.runtime.optimizers import newton_schulz  # noqa: E402
+from canzona.runtime.rules.cooperative import team_newton_schulz  # noqa: E402
+from canzona.runtime.rules.optimizers import newton_schulz  # noqa: E402
 
 STEPS = 5
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)

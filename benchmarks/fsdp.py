@@ -34,9 +34,9 @@ from canzona.planner.fsdp import make_fsdp_plan
 from canzona.planner.plan import PlanRequest
 from canzona.planner.sources.load import model_from_data
 from canzona.planner.spec import ModelOptions
-from canzona.runtime.describe import describe_module
-from canzona.runtime.fsdp import FsdpOptimizer
-from canzona.runtime.optimizers import Hyperparameters, adamw_, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.tools.describe import describe_module
+from canzona.runtime.fsdp.optimizer import FsdpOptimizer
+from canzona.runtime.rules.optimizers import Hyperparameters, adamw_, init_matrix_state, make_rule, matrix_update
 from canzona.schedules.format import Schedule
 from canzona.schedules.geometry import fsdp_rows
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tests" / "runtime"))  # the tests' oracle: same m
 from rt_harness import DATA, make_groups, make_schedule, run_ranks  # noqa: E402
 from rt_oracle import STRATEGIES, full_grad, full_params, ordered, reference_run, shard  # noqa: E402
 
-from canzona.runtime.reference import ReferenceOptimizer  # noqa: E402
+from canzona.runtime.tools.reference import ReferenceOptimizer  # noqa: E402
 from canzona.schedules.format import Schedule  # noqa: E402
 
 MODEL = DATA / "tiny_moe.json"

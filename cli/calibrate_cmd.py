@@ -210,10 +210,10 @@ def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeat
                      threads: int | None, comm_ranks: int, settings: Settings,
                      train: tuple[list[tuple[int, int]], int] = ([], 0)) -> dict[str, Any]:
     try:
-        from canzona.runtime.calibrate import DEFAULT_ADAMW_SIZES
-        from canzona.runtime.calibrate import Settings as KernelSettings
-        from canzona.runtime.calibrate import calibrate as run
-        from canzona.runtime.calibrate import matrix_row
+        from canzona.runtime.tools.calibrate import DEFAULT_ADAMW_SIZES
+        from canzona.runtime.tools.calibrate import Settings as KernelSettings
+        from canzona.runtime.tools.calibrate import calibrate as run
+        from canzona.runtime.tools.calibrate import matrix_row
     except ImportError as error:  # torch is an optional dependency of the planner CLI
         raise PlanError(f"calibrate needs torch (pip install 'canzona[runtime]'): {error}") from error
     import torch

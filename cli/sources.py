@@ -11,7 +11,7 @@ from canzona.planner.sources import load as planner_sources
 from canzona.planner.spec import ModelOptions, ModelSpec, PlanError
 
 if TYPE_CHECKING:
-    from canzona.runtime.describe import ModuleDescription
+    from canzona.runtime.tools.describe import ModuleDescription
 
 PY_PREFIX = "py:"
 
@@ -33,7 +33,7 @@ def source_files(source: str) -> list[str]:
 def describe_source(source: str, sequence_parallel: bool = False) -> ModuleDescription:
     """The description of the live model `source` (PlanError on any problem, one line)."""
     try:
-        from canzona.runtime.describe import DescribeError, describe_factory
+        from canzona.runtime.tools.describe import DescribeError, describe_factory
     except ImportError as error:
         raise PlanError(f"describing a live model needs torch ({error}); install canzona[runtime]") from None
     try:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from canzona.runtime.binding import local, placement_problems
-from canzona.runtime.optimizers import Hyperparameters
+from canzona.runtime.rules.optimizers import Hyperparameters
 from canzona.runtime.schedule import ADAMW, MATRIX, tensor_problems
 from canzona.schedules.format import ParamEntry
 

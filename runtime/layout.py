@@ -232,7 +232,7 @@ class Task:
     """The update of one matrix: its registration index, host TP rank, local shape (every TP
     rank's shard has it), full shape, TP dim (None: replicated), row blocks, the model
     dtype of the parameter (the schedule's name: fp32, bf16, fp16) and, when a team hosts it
-    (`canzona.runtime.cooperative`), the team's TP ranks."""
+    (`canzona.runtime.rules.cooperative`), the team's TP ranks."""
 
     param: int
     host: int

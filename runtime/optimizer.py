@@ -2,11 +2,11 @@
 torch.distributed (docs/runtime.md).
 
 One step: reduce the gradients (pack in fp32, per bucket an uneven reduce-scatter over DP: the
-mean), started from backward's gradient hooks when `overlap_grad_reduce` (`reduction.py`); the
+mean), started from backward's gradient hooks when `overlap_grad_reduce` (`exchange/reduction.py`); the
 TP micro-group pipeline for the matrices this DP rank owns; AdamW on this rank's equal slices;
 per bucket an uneven all-gather of the updated values over DP (in the model dtype), written back
-in place, optionally overlapped with the next forward (`gather.py`). Low-precision parameters
-are updated through fp32 main copies (`canzona.runtime.precision`).
+in place, optionally overlapped with the next forward (`exchange/gather.py`). Low-precision parameters
+are updated through fp32 main copies (`canzona.runtime.rules.precision`).
 
 A step is a transaction: updates and new state are computed into scratch, every rank agrees
 that nobody failed (a safe point before the first data collective and one before applying),
@@ -33,15 +33,18 @@ from torch.utils.hooks import RemovableHandle
 
 from canzona.schedules.format import Schedule, ScheduleError
 from canzona.schedules.reshard import StateLayout, incompatibilities, state_layout
-from canzona.runtime import binding, comm, experts, gradients, precision, reduction, state as logical
+from canzona.runtime import binding, experts
+from canzona.runtime.exchange import comm, gradients, reduction
+from canzona.runtime.rules import precision
+from canzona.runtime.state import logical
 from canzona.runtime.faults import CollectiveError, as_timedelta, settle
-from canzona.runtime.gather import ForwardHooks, ParamGather
+from canzona.runtime.exchange.gather import ForwardHooks, ParamGather
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
 from canzona.runtime.layout import EXPERT, DpBucket, Task, build_dp_layout, local_entries, matrix_tasks, micro_groups
-from canzona.runtime.optimizers import Hyperparameters, State, make_rule
-from canzona.runtime.pipeline import MicroGroupPipeline, hosts_here
+from canzona.runtime.rules.optimizers import Hyperparameters, State, make_rule
+from canzona.runtime.exchange.pipeline import MicroGroupPipeline, hosts_here
 from canzona.runtime.process_groups import resolve_process_groups
-from canzona.runtime.fsdp_checks import fsdp_mismatch
+from canzona.runtime.fsdp.checks import fsdp_mismatch
 from canzona.runtime.schedule import DTYPES, Verdict, agree, layout_problem, load_schedule, plan_digest, summary
 from canzona.runtime.update import Transaction, UpdateStage, problem_line
 
@@ -80,7 +83,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
     backward as soon as its gradients exist (gradient hooks; `no_sync()` for accumulation);
     `overlap_param_gather` (default off; needs `model`): the step returns with its parameter
     gathers in flight and each module of `model` waits for its own before its forward. Other
-    keywords are the defaults of every group: see `canzona.runtime.optimizers.Hyperparameters`
+    keywords are the defaults of every group: see `canzona.runtime.rules.optimizers.Hyperparameters`
     (matrix settings default to the schedule's)."""
 
     strategy = "canzona"
@@ -218,7 +221,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self._setup_matrices()
         hosted = set(self._hosted)
         self._tasks: dict[int, Task] = {t.param: t for t in matrix_tasks(self.schedule).values() if t.param in hosted}
-        self._tasks.update(getattr(self, "_team_tasks", {}))  # a team member's: its slice (`canzona.runtime.cooperative`)
+        self._tasks.update(getattr(self, "_team_tasks", {}))  # a team member's: its slice (`canzona.runtime.rules.cooperative`)
         self._adamw_pieces = precision.adamw_pieces(self)
         self.main = precision.allocate(self)
         self._norm_runs = gradients.norm_runs(self)
@@ -559,7 +562,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         return [{key: value for key, value in group.items() if key != "params"} for group in self.param_groups]
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's optimizer state in logical form (`canzona.runtime.state`): full-shape,
+        """This rank's optimizer state in logical form (`canzona.runtime.state.logical`): full-shape,
         schedule-independent tensors (the chunks this rank holds, fp32 main copies included),
         the step counts, every group's hyperparameters, the model's state layout and the
         schedule fingerprint. Any optimizer of the same model can load a set of these that
@@ -583,7 +586,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore logical state (one `state_dict()`, or several merged with
-        `canzona.runtime.checkpoint.merge_state_dicts`) saved under any schedule of the same
+        `canzona.runtime.state.checkpoint.merge_state_dicts`) saved under any schedule of the same
         model, and the groups' hyperparameters (the groups must list the same parameters).
         ValueError, with nothing changed, if it is another model's or lacks what this rank
         holds. Missing main copies are rebuilt from the parameters at the next step."""

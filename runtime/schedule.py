@@ -20,7 +20,7 @@ from torch import Tensor
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.validate import schedule_problem
-from canzona.runtime.optimizers import MATRIX_OPTIMIZERS
+from canzona.runtime.rules.optimizers import MATRIX_OPTIMIZERS
 
 MATRIX, ADAMW = "matrix", "adamw"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from canzona.runtime import comm, cooperative, state as logical
-from canzona.runtime.cooperative import held_shape
+from canzona.runtime.exchange import comm
+from canzona.runtime.rules import cooperative
+from canzona.runtime.state import logical
+from canzona.runtime.rules.cooperative import held_shape
 from canzona.runtime.faults import CollectiveError
 from canzona.runtime.layout import Task
-from canzona.runtime.optimizers import Hyperparameters, MatrixRule, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
 
 
 def problem_line(error: BaseException) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer
-from canzona.runtime.reference import ReferenceOptimizer
+from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.runtime.schedule import DTYPES
 from canzona.schedules.format import ParamEntry, Schedule
 

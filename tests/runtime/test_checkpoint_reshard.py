@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from canzona.runtime import CanzonaOptimizer, load_checkpoint, merge_state_dicts, save_checkpoint
-from canzona.runtime.reference import ReferenceOptimizer
+from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.runtime.schedule import DTYPES
 from canzona.schedules.format import ParamEntry, Schedule
 from canzona.schedules.reshard import reshard_report

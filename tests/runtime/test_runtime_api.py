@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from canzona.runtime import CanzonaOptimizer
-from canzona.runtime import comm
-from canzona.runtime.comm import ALL_REDUCE
+from canzona.runtime.exchange import comm
+from canzona.runtime.exchange.comm import ALL_REDUCE
 from canzona.runtime.layout import DpBucket
 from canzona.schedules.format import Schedule
 

@@ -144,7 +144,7 @@ def test_teams_of_different_members_match_the_reference() -> None:
 
 
 def _failing_member_worker(rank: int, world: int, schedule: Any) -> dict[str, Any]:
-    import canzona.runtime.cooperative as cooperative
+    import canzona.runtime.rules.cooperative as cooperative
     from test_runtime_faults import _failing_step, _grads, _setup, _train
 
     optimizer, params = _setup(schedule, rank)
@@ -191,7 +191,7 @@ def test_teams_with_dtensor_parameters(tmp_path: Path) -> None:
     from test_runtime_models import plan
 
     import models
-    from canzona.runtime.reference import ReferenceOptimizer
+    from canzona.runtime.tools.reference import ReferenceOptimizer
 
     schedule = plan(tmp_path, "toy", 2, 1, "--sequence-parallel", "--coop", "force")
     assert schedule.metrics.tp.cooperative > 0

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from canzona.runtime import CanzonaOptimizer
-from canzona.runtime.reference import ReferenceOptimizer
+from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule
 
 from rt_harness import DATA, make_schedule, run_ranks

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from canzona.runtime.binding import model_entries, slices_of
-from canzona.runtime.reference import ReferenceOptimizer
+from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule
 
 from rt_harness import GROUP_TIMEOUT, run_ranks

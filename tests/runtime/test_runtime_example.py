@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from canzona.runtime import CanzonaOptimizer
-from canzona.runtime.reference import ReferenceOptimizer
+from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, write_schedule
 
 from rt_harness import make_groups, make_schedule, run_ranks

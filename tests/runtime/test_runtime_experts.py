@@ -228,7 +228,7 @@ def test_a_checkpoint_moves_from_ep2_to_another_ep_size(optimizer: str, ep: int,
     """EP 2 x DP 4 to EP 4 x DP 4 (and to no EP; and saved by DP-SC, whose expert replicas are
     written by each expert-DP group's first rank). The DP 4 gradients are summed in rank order
     (all_to_all) as the reference sums them, so the comparison checks the move alone (rtol 1e-5)."""
-    from canzona.runtime.reference import ReferenceOptimizer
+    from canzona.runtime.tools.reference import ReferenceOptimizer
     from canzona.schedules.reshard import reshard_report
     from rt_oracle import dp_mean, full_grad, full_params
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import canzona.runtime.checkpoint as checkpoint
+import canzona.runtime.state.checkpoint as checkpoint
 from canzona.runtime import (
     CanzonaOptimizer,
     CheckpointError,

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from canzona.runtime.reference import ReferenceOptimizer
+from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, read_schedule
 
 from rt_harness import GROUP_TIMEOUT, run_ranks

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from canzona.runtime.groups import group_hyperparameters
-from canzona.runtime.optimizers import State, init_matrix_state
-from canzona.runtime.cooperative import canonical_chunks, held_shape
-from canzona.runtime.precision import adamw_from_params, from_canonical, to_canonical
+from canzona.runtime.rules.optimizers import State, init_matrix_state
+from canzona.runtime.rules.cooperative import canonical_chunks, held_shape
+from canzona.runtime.rules.precision import adamw_from_params, from_canonical, to_canonical
 from canzona.schedules.reshard import ADAMW_FIELDS, full_runs
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ def adamw_runs(opt: CanzonaOptimizer) -> list[AdamwRun]:
 
 def _matrix_template(opt: CanzonaOptimizer, param: int) -> list[State]:
     task = opt._tasks[param]
-    if task.team:  # a team member's slice (`canzona.runtime.cooperative`)
+    if task.team:  # a team member's slice (`canzona.runtime.rules.cooperative`)
         return [opt.rule.init_state(*held_shape(task, opt.tp_rank), opt.device)]
     return init_matrix_state(opt.rule, task.shape, task.row_blocks, opt.device)
 

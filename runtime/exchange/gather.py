@@ -1,6 +1,6 @@
 """The DP parameter gather of one step, bucket by bucket, and its overlap with the next forward.
 
-`ParamGather` launches every bucket's gather (`canzona.runtime.comm.start_gather`) in the
+`ParamGather` launches every bucket's gather (`canzona.runtime.exchange.comm.start_gather`) in the
 layout's gather order (the bucket the next forward needs first, first) and writes a bucket's
 new values into the parameters once it has arrived. Without `overlap_param_gather` the step
 waits for all of them before it returns. With it the step returns at once and `ForwardHooks`
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from canzona.runtime.comm import Pending
+from canzona.runtime.exchange.comm import Pending
 
 if TYPE_CHECKING:
     from canzona.runtime.optimizer import CanzonaOptimizer

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from canzona.runtime.optimizers import (
+from canzona.runtime.rules.optimizers import (
     Hyperparameters,
     Muon,
     Shampoo,

@@ -1,6 +1,6 @@
 """Single-process reference optimizer on the unsharded model: the test oracle.
 
-It applies the same formulas (`canzona.runtime.optimizers`) to the full parameters with the
+It applies the same formulas (`canzona.runtime.rules.optimizers`) to the full parameters with the
 full (already averaged) gradients, with no buffers, cuts, hosts or collectives, so agreement
 with `CanzonaOptimizer` checks the whole distributed machinery. With `dtype=torch.float64` it
 computes everything in fp64 (gradients, state and main copies of every parameter), the yardstick
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from canzona.runtime.binding import model_entries, slices_of
 from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
-from canzona.runtime.optimizers import (
+from canzona.runtime.rules.optimizers import (
     Hyperparameters,
     RowBlock,
     adamw_,

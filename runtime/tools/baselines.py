@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from canzona.runtime import comm
+from canzona.runtime.exchange import comm
 from canzona.runtime.layout import Task, owned_tasks
 from canzona.runtime.optimizer import CanzonaOptimizer
-from canzona.runtime.pipeline import gather_replicated, replicated_updates
+from canzona.runtime.exchange.pipeline import gather_replicated, replicated_updates
 
 
 class TpScOptimizer(CanzonaOptimizer):

@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 import torch
 
-from canzona.runtime.fsdp import FsdpOptimizer
-from canzona.runtime.reference import ReferenceOptimizer
+from canzona.runtime.fsdp.optimizer import FsdpOptimizer
+from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, read_schedule
 
 import fsdp_models
 from rt_harness import GROUP_TIMEOUT, run_ranks, run_ranks_raw
 
 pytestmark = pytest.mark.slow
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent.parent  # the folder of fsdp_models.py
 STEPS = 5
 HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 1e-3, "adamw_weight_decay": 0.01}
 BATCH, SEQ = 2, 17  # the titan model's 16 input tokens split evenly over TP 2 (sequence parallel)
@@ -297,7 +297,7 @@ def test_grouped_experts_are_refused_with_one_line(tmp_path: Path) -> None:
     from canzona.planner.plan import PlanRequest
     from canzona.planner.sources.load import load_model
     from canzona.planner.spec import ModelOptions
-    from canzona.runtime.fsdp import local_problems
+    from canzona.runtime.fsdp.optimizer import local_problems
 
     config = transformers.AutoConfig.for_model(
         "qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,

@@ -11,7 +11,7 @@ flight while a host computes. AdamW parameters are updated where they lie, eleme
 replicas execute the same plan on their own fragmentation groups (same gradients, same result).
 
 The geometry (who holds which rows, who sends what) is `canzona.schedules.fsdp`, the one the
-planner priced the schedule with. The formulas are `canzona.runtime.optimizers`, the ones of
+planner priced the schedule with. The formulas are `canzona.runtime.rules.optimizers`, the ones of
 `CanzonaOptimizer` and the single-process reference.
 """
 
@@ -28,11 +28,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from canzona.runtime import comm
+from canzona.runtime.exchange import comm
 from canzona.runtime.faults import StepFailedError, as_timedelta, gather_objects, settle, wait
 from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
-from canzona.runtime.optimizers import Hyperparameters, MatrixRule, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
-from canzona.runtime.state import clone_states
+from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.state.logical import clone_states
 from canzona.runtime.update import problem_line
 from canzona.runtime.schedule import MATRIX, ScheduleMismatchError, Verdict, disagreement, plan_digest, summary
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from canzona.runtime import CanzonaOptimizer, CollectiveError, ScheduleMismatchError, StepFailedError, reduction
+from canzona.runtime import CanzonaOptimizer, CollectiveError, ScheduleMismatchError, StepFailedError
+from canzona.runtime.exchange import reduction
 
 from rt_harness import DATA, make_groups, make_schedule, run_ranks, run_ranks_raw
 from rt_oracle import (

@@ -1,7 +1,7 @@
 """The TP micro-group pipeline (docs/concepts.md): per group, one fused all-to-all gathers every shard to
 its host, each host updates the full matrices it hosts, one fused all-to-all sends the result
 shards back, every rank applies its own. Group g+1's gather is in flight while g computes,
-and group g's scatter while g+1 computes. A matrix hosted by a team (`canzona.runtime.cooperative`)
+and group g's scatter while g+1 computes. A matrix hosted by a team (`canzona.runtime.rules.cooperative`)
 travels in pieces: each member gets, and sends back, only its slice of the long side.
 
 Callbacks keep this module free of optimizer details:
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime import cooperative
-from canzona.runtime.comm import InFlight, all_gather_equal, start_all_to_all
+from canzona.runtime.rules import cooperative
+from canzona.runtime.exchange.comm import InFlight, all_gather_equal, start_all_to_all
 from canzona.runtime.layout import Task
 from canzona.runtime.schedule import DTYPES
 

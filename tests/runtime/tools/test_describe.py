@@ -21,7 +21,7 @@ from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.catalog import Architecture, enumerate_params
 from canzona.planner.sources.load import load_model, model_from_data
 from canzona.planner.spec import ModelOptions, ModelSpec
-from canzona.runtime.describe import (
+from canzona.runtime.tools.describe import (
     DescribeError,
     ModuleDescription,
     build_on_meta,
@@ -374,7 +374,7 @@ def test_describe_does_not_import_the_planner() -> None:
     import subprocess
     import sys
 
-    probe = ("import sys, torch; from canzona.runtime.describe import describe_module; "
+    probe = ("import sys, torch; from canzona.runtime.tools.describe import describe_module; "
              "describe_module(torch.nn.Linear(2, 2)); "
              "assert not any(m.startswith('canzona.planner') or m.startswith('canzona.cli') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)

@@ -1,6 +1,6 @@
 """How `CanzonaOptimizer` (replicated parameters) tells FSDP2 apart: a schedule planned with
 `--fsdp`, or parameters that `fully_shard` has sharded over a DP mesh dim, belong to
-`FsdpOptimizer`. Kept apart from `fsdp.py` so the replicated runtime loads no FSDP machinery."""
+`FsdpOptimizer`. Kept apart from `optimizer.py` so the replicated runtime loads no FSDP machinery."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from canzona.runtime.calibrate import Settings, adamw_row, calibrate, fit_alpha_beta, fit_collectives, matrix_row, median_seconds
+from canzona.runtime.tools.calibrate import Settings, adamw_row, calibrate, fit_alpha_beta, fit_collectives, matrix_row, median_seconds
 
 CPU = __import__("torch").device("cpu")
 

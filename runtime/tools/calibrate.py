@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from canzona.runtime.optimizers import Hyperparameters, adamw_, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.rules.optimizers import Hyperparameters, adamw_, init_matrix_state, make_rule, matrix_update
 
 PROFILE_FORMAT = "canzona-profile/1"
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from canzona.runtime.cooperative import held_shape
+from canzona.runtime.rules.cooperative import held_shape
 
 if TYPE_CHECKING:
     from canzona.runtime.layout import Piece, Task

@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from canzona.runtime import state as logical
+from canzona.runtime.state import logical
 from canzona.runtime.faults import CheckpointError, describe, gather_objects
 from canzona.runtime.optimizer import STATE_FORMAT, CanzonaOptimizer
-from canzona.runtime.state import LogicalTensor
+from canzona.runtime.state.logical import LogicalTensor
 from canzona.schedules.reshard import StateLayout, incompatibilities
 
 MANIFEST = "CHECKPOINT.json"

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.comm import wait
+from canzona.runtime.faults import wait
 from canzona.runtime.layout import Task
-from canzona.runtime.optimizers import Hyperparameters, State, compute_dtype, muon_scale
+from canzona.runtime.rules.optimizers import Hyperparameters, State, compute_dtype, muon_scale
 from canzona.schedules.teams import long_dim
 
 Box = tuple[tuple[int, int], ...]  # per dim: [start, stop)

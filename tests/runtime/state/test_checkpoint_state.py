@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from canzona.runtime.optimizers import Hyperparameters, init_matrix_state, make_rule, matrix_update
-from canzona.runtime.state import Destination, LogicalTensor, fill_from, set_leaf, state_leaves
+from canzona.runtime.rules.optimizers import Hyperparameters, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.state.logical import Destination, LogicalTensor, fill_from, set_leaf, state_leaves
 from canzona.schedules.reshard import full_runs, state_fields
 
 

@@ -1,7 +1,7 @@
 """One round of the DP gradient reduction: every bucket reduced once, in a fixed order.
 
 A round packs each parameter's gradient (cast to fp32) into the bucket buffer and launches each
-bucket's reduction (`canzona.runtime.comm.start_reduce`) in the layout's reduction order. It is
+bucket's reduction (`canzona.runtime.exchange.comm.start_reduce`) in the layout's reduction order. It is
 filled one of two ways:
 
 - from backward (`overlap_grad_reduce`): a post-accumulate-grad hook packs a parameter as soon
@@ -28,7 +28,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from canzona.runtime import binding
-from canzona.runtime.comm import Pending
+from canzona.runtime.exchange.comm import Pending
 from canzona.runtime.faults import CollectiveError
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The reduced gradients of a step, and the global gradient norm for clipping.
 
 `CanzonaOptimizer.reduce_gradients` produces them (packing and the per-bucket reduction are
-`canzona.runtime.reduction`): local checks (hyperparameters, gradients), one safe point that
+`canzona.runtime.exchange.reduction`): local checks (hyperparameters, gradients), one safe point that
 also agrees which parameters have a gradient on some rank (a per-parameter MAX riding on the
 safe-point all-reduce) and whether main copies must be rebuilt, and the DP reduction. Its
 result is kept until the step consumes it, so `clip_grad_norm_` can run it first and see the

@@ -1,0 +1,2 @@
+"""FSDP2 models: `FsdpOptimizer` executes an FSDP schedule; `checks` tells FSDP2 apart for
+`CanzonaOptimizer`."""
