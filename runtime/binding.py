@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from canzona.runtime.faults import wait
+from canzona.runtime.layout import merged_runs
 from canzona.schedules.format import ParamEntry
 
 if TYPE_CHECKING:
@@ -203,17 +204,8 @@ def _local_dtensor_grad(bound: Bound, grad: DTensor) -> Tensor:
 def partial_runs(opt: CanzonaOptimizer) -> list[tuple[int, int]]:
     """[start, stop) spans of the reduced-gradient buffer (region coordinates) holding entries
     whose gradients are partial sums over TP; alike on every rank of a TP group."""
-    runs: list[tuple[int, int]] = []
-    for rank in opt._ranks:
-        for piece in opt.layout.rank_pieces[rank]:
-            if opt._grad_reduce[piece.param] != PARTIAL_OVER_TP:
-                continue
-            low = piece.dst - opt._base
-            if runs and runs[-1][1] == low:
-                runs[-1] = (runs[-1][0], low + piece.length)
-            else:
-                runs.append((low, low + piece.length))
-    return runs
+    return merged_runs((piece for rank in opt._ranks for piece in opt.layout.rank_pieces[rank]
+                        if opt._grad_reduce[piece.param] == PARTIAL_OVER_TP), opt._base)
 
 
 def sum_partial_over_tp(opt: CanzonaOptimizer, grads: Tensor) -> None:

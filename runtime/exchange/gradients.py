@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import wait
+from canzona.runtime.layout import merged_runs
 
 if TYPE_CHECKING:
     from canzona.runtime.optimizer import CanzonaOptimizer
@@ -42,16 +43,8 @@ def norm_runs(opt: CanzonaOptimizer) -> list[tuple[int, int]]:
     region = (start, start + opt.layout.sizes[opt.dp_rank])
     if opt.tp_rank == 0 or all(d is not None for d in opt._tp_dims):
         return [region] if region[1] > region[0] else []
-    runs: list[tuple[int, int]] = []
-    for piece in opt.layout.rank_pieces[opt.dp_rank]:
-        if opt._tp_dims[piece.param] is None:
-            continue
-        low = piece.dst - opt._base
-        if runs and runs[-1][1] == low:
-            runs[-1] = (runs[-1][0], low + piece.length)
-        else:
-            runs.append((low, low + piece.length))
-    return runs
+    return merged_runs((piece for piece in opt.layout.rank_pieces[opt.dp_rank] if opt._tp_dims[piece.param] is not None),
+                       opt._base)
 
 
 def global_norm(opt: CanzonaOptimizer, grads: Tensor, norm_type: float) -> Tensor:
