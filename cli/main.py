@@ -205,7 +205,7 @@ def plan(
     solver: Annotated[Solver, typer.Option(help="greedy, or ilp: refine with CP-SAT (needs ortools).")] = Solver.greedy,
     time_limit: Annotated[float, typer.Option(help="--solver ilp: CP-SAT budget in deterministic seconds.")] = 10.0,
     seed: Annotated[int, typer.Option(help="--solver ilp: CP-SAT random seed.")] = 0,
-    order: Annotated[Order, typer.Option(help="Parameter order inside a bucket: registration (Megatron's fixed gradient buffer) or free (the planner's; canzona's runtime owns its exchange buffer).")] = Order.registration,
+    order: Annotated[Optional[Order], typer.Option(help="Parameter order inside a bucket: free (the planner's; canzona's runtime owns its exchange buffer) or registration (Megatron's fixed gradient buffer). Default: free, or registration with --solver ilp.", show_default=False)] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="FILE", help="Schedule file to write (default: schedules/<model>/<name>.yaml).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
@@ -237,7 +237,7 @@ def plan(
         searched_on if size is None else None, TrainingSetup(global_batch, seq_len, micro_batches) if searching else None,
         FSDP if fsdp else REPLICATED, dp_replicate,
         coop.value,
-        order.value,
+        None if order is None else order.value,
     )
     request.validate()
     inputs = [*source_files(model), cost.removeprefix(PROFILE_PREFIX) if cost.startswith(PROFILE_PREFIX) else None,

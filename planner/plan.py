@@ -116,7 +116,14 @@ class PlanRequest:
     sharding: str = REPLICATED  # or FSDP: FSDP2 fully_shard (planner/fsdp.py)
     dp_replicate: int = 1  # HSDP (FSDP only): dp = dp_replicate x shard ranks
     coop: str = "auto"  # cooperative hosting of dominant Muon matrices: off, auto, force
-    order: str = "registration"  # "free": the planner picks each bucket's parameter order
+    # "free": the planner picks each bucket's parameter order (canzona's runtimes pack by the
+    # schedule); "registration": Megatron's fixed gradient buffer. None resolves to free, or to
+    # registration under --solver ilp (CP-SAT refines registration-order plans only).
+    order: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.order is None:
+            object.__setattr__(self, "order", "registration" if self.solver == "ilp" else "free")
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""

@@ -37,6 +37,7 @@ PLAN = ["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4"]
         (["--solver", "ilp", "--time-limit", "inf"], ["time limit must be a finite number"]),
         (["--solver", "ilp", "--seed", "-1"], ["seed must be >= 0"]),
         (["--solver", "ilp", "--seed", str(1 << 31)], ["31-bit"]),
+        (["--solver", "ilp", "--order", "free"], ["--order free does not combine with --solver ilp"]),
         (["--alpha", "nan"], ["alpha must be in [0, 1]"]),
         (["--ns-steps", "0"], ["ns_steps must be >= 1"]),
         (["--optimizer", "soap", "--precondition-frequency", "0"], ["precondition_frequency must be >= 1"]),

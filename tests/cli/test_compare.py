@@ -20,7 +20,9 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {}
     for key, extra in {"a1": [], "a0": ["--alpha", "0"], "tp1": ["--tp", "1"], "other": ["--model", "qwen3-0.6b"]}.items():
         model = [] if "--model" in extra else ["--model", "qwen3-8b"]
-        args = ["plan", *model, "--tp", "2", "--dp", "4", *extra, "-o", str(folder / f"{key}.yaml")]
+        # registration order: there α trades padding for balance (free order balances at α 0 too)
+        args = ["plan", *model, "--tp", "2", "--dp", "4", "--order", "registration", *extra,
+                "-o", str(folder / f"{key}.yaml")]
         assert main(args) == 0
         paths[key] = folder / f"{key}.yaml"
     return paths

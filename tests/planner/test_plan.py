@@ -15,6 +15,7 @@ from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import OptimizerConfig, param_state_bytes
 from canzona.planner.partition.dp import min_max_slice
 from canzona.planner.partition.layout import BUCKET_END_ALIGNMENT, PARAM_ALIGNMENT, equal_cuts
+from canzona.schedules.geometry import padded_bucket_numel
 from canzona.planner.plan import Plan, PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
@@ -50,6 +51,34 @@ def approx(value: float):
 # The invariants
 
 
+def by_bucket_rows(rows: list) -> list[list]:
+    """Consecutive rows of the same bucket, in buffer order."""
+    groups: list[list] = []
+    for row in rows:
+        if groups and groups[-1][0].bucket == row.bucket:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def registration_layout(entries: list, num_ranks: int) -> tuple[dict[int, int], int]:
+    """One bucket's entries packed in reverse registration order (Megatron's geometry, which
+    the baselines and free order's slice caps use): offset by index, and the bucket's size."""
+    offsets, end = {}, 0
+    for entry in sorted(entries, key=lambda e: -e.index):
+        offsets[entry.index] = -(-end // PARAM_ALIGNMENT) * PARAM_ALIGNMENT
+        end = offsets[entry.index] + entry.numel
+    return offsets, padded_bucket_numel(end, num_ranks)
+
+
+def registration_spans(entries: list, num_ranks: int) -> tuple[int, ...]:
+    """Each entry's span (itself plus the padding after it) in reverse registration order."""
+    offsets, numel = registration_layout(entries, num_ranks)
+    starts = list(offsets.values())
+    return tuple(b - o for o, b in zip(starts, [*starts[1:], numel]))
+
+
 def check_schedule(schedule: Schedule, model: ModelSpec) -> None:
     req = schedule.request
     dp, tp = req.dp, req.tp
@@ -70,11 +99,20 @@ def check_schedule(schedule: Schedule, model: ModelSpec) -> None:
         else:
             assert entry.optimizer == ADAMW and entry.owner is None
         by_bucket.setdefault((entry.optimizer, entry.bucket), []).append(entry)
-    # buffer order: matrix params first, each buffer in reverse registration order
+    # buffer order: matrix params first, each buffer in reverse registration order (free order:
+    # bucket membership follows it, the order inside a bucket is the planner's)
     matrix_rows = [p for p in params if p.optimizer == MATRIX]
     adamw_rows = [p for p in params if p.optimizer == ADAMW]
     assert params == matrix_rows + adamw_rows
-    assert [p.index for p in matrix_rows] == sorted((p.index for p in matrix_rows), reverse=True)
+    if req.order == "registration":
+        assert [p.index for p in matrix_rows] == sorted((p.index for p in matrix_rows), reverse=True)
+    else:
+        assert req.order == "free"
+        backward = [p.bucket for p in sorted(matrix_rows, key=lambda p: -p.index)]
+        assert backward == sorted(backward)
+        assert [p.bucket for p in matrix_rows] == sorted(p.bucket for p in matrix_rows)
+        for bucket_rows in by_bucket_rows(matrix_rows):
+            assert [p.offset for p in bucket_rows] == sorted(p.offset for p in bucket_rows)
     assert [p.index for p in adamw_rows] == sorted((p.index for p in adamw_rows), reverse=True)
 
     align = lcm(dp, BUCKET_END_ALIGNMENT)
@@ -108,7 +146,10 @@ def check_schedule(schedule: Schedule, model: ModelSpec) -> None:
                 (ordered[i + 1].offset if i + 1 < len(ordered) else bucket.numel) - ordered[i].offset
                 for i in range(len(ordered))
             )
-            assert max(slices) == min_max_slice(spans, dp)
+            if req.order == "registration":
+                assert max(slices) == min_max_slice(spans, dp)
+            else:  # the cap is the registration-order optimum; any order may do better
+                assert max(slices) <= min_max_slice(registration_spans(entries, dp), dp)
     for bucket in schedule.dp.adamw_buckets:
         assert bucket.cuts == list(equal_cuts(bucket.numel, dp))
         assert bucket.numel % align == 0
@@ -162,12 +203,16 @@ def check_schedule(schedule: Schedule, model: ModelSpec) -> None:
     assert dp_sc.max == approx(total) and dp_sc.padding_overhead is None
     start = [0.0] * dp
     gather = [0.0] * dp
-    bucket_numel = {b.index: b.numel for b in buckets}
+    # the baselines keep Megatron's registration-order geometry, whatever the plan's order
+    stock = {b.index: registration_layout(by_bucket[(MATRIX, b.index)], dp) for b in buckets}
+    if req.order == "registration":
+        assert all(stock[e.bucket][0][e.index] == e.offset for e in matrix_rows)
+        assert all(stock[b.index][1] == b.numel for b in buckets)
     for e in matrix_rows:
-        numel = bucket_numel[e.bucket]
+        offsets, numel = stock[e.bucket]
         width = numel // dp
-        first = min(e.offset // width, dp - 1)
-        last = min((e.offset + e.numel - 1) // width, dp - 1)
+        first = min(offsets[e.index] // width, dp - 1)
+        last = min((offsets[e.index] + e.numel - 1) // width, dp - 1)
         start[first] += e.cost
         for r in range(first, last + 1):
             gather[r] += e.cost

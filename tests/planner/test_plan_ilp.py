@@ -21,7 +21,8 @@ def schedule(solver: str, **kwargs: object):
 
 
 def test_ilp_never_worse_than_greedy_and_records_its_report() -> None:
-    greedy, ilp = schedule("greedy"), schedule("ilp")
+    greedy, ilp = schedule("greedy", order="registration"), schedule("ilp")  # ilp: registration by default
+    assert ilp.request.order == "registration"
     assert ilp.metrics.dp.max <= greedy.metrics.dp.max * (1 + 1e-12)
     assert ilp.metrics.tp.critical_time <= greedy.metrics.tp.critical_time * (1 + 1e-12)
     report = ilp.metrics.solver

@@ -12,7 +12,7 @@ from canzona.planner.partition.free_order import partition_free, reorder_buffer
 from canzona.planner.partition.layout import PARAM_ALIGNMENT, build_buffer
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
-from canzona.planner.spec import MATRIX
+from canzona.planner.spec import MATRIX, PlanError
 from canzona.schedules.format import Schedule, dump_schedule, parse_schedule
 
 from test_dp import instances, max_load, slices_of
@@ -67,7 +67,7 @@ def test_reorder_groups_each_owner_and_repacks() -> None:
 
 def test_free_order_schedule_validates_and_records_the_order() -> None:
     model = load_model("qwen3-8b", 4)
-    registration = make_plan(model, PlanRequest("qwen3-8b", 4, 64))
+    registration = make_plan(model, PlanRequest("qwen3-8b", 4, 64, order="registration"))
     free = make_plan(model, PlanRequest("qwen3-8b", 4, 64, order="free"))
     assert max(free.loads) < max(registration.loads)  # 10.1% -> 8.2% above the bound
     schedule = parse_schedule(dump_schedule(compile_schedule(free)), "free.yaml")
@@ -83,3 +83,11 @@ def rank_loads_of(schedule: Schedule) -> list[float]:
         if entry.owner is not None:
             loads[entry.owner] += entry.cost
     return loads
+
+
+def test_order_defaults_to_free_and_to_registration_under_ilp() -> None:
+    assert PlanRequest("qwen3-8b", 4, 64).order == "free"
+    assert PlanRequest("qwen3-8b", 4, 64, solver="ilp").order == "registration"  # CP-SAT refines those only
+    assert PlanRequest("qwen3-8b", 4, 64, order="registration").order == "registration"
+    with pytest.raises(PlanError, match="--order free does not combine with --solver ilp"):
+        PlanRequest("qwen3-8b", 4, 64, solver="ilp", order="free").validate()
