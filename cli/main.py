@@ -225,6 +225,7 @@ def plan(
                   "it sets up the simulation that --alpha auto and --bucket-size auto search with")
     refuse_unless(solver == Solver.ilp, ("time_limit", "seed"), "it applies to --solver ilp")
     refuse_unless(fsdp, ("dp_replicate",), "it sets the HSDP replicas of --fsdp")
+    refuse_unless(not fsdp, ("order",), "FSDP plans have no buckets to order")
     refuse_unless(optimizer == Optimizer.muon and tp > 1 and not fsdp, ("coop",),
                   "cooperative hosting applies to Muon with tp > 1, without --fsdp")
     refuse_unused_settings([optimizer.value])

@@ -123,7 +123,9 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         if self.order is None:
-            object.__setattr__(self, "order", "registration" if self.solver == "ilp" else "free")
+            # CP-SAT refines contiguous cuts; FSDP plans have no buckets to order.
+            fixed = self.solver == "ilp" or self.sharding == FSDP
+            object.__setattr__(self, "order", "registration" if fixed else "free")
 
     def validate(self) -> None:
         """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""

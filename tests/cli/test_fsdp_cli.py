@@ -41,6 +41,8 @@ def test_plan_names_the_mode_and_reports_the_hosts(planned: Path, capsys: pytest
     (["--dp", "4", "--fsdp", "--bucket-size", "auto"], "--bucket-size auto search"),
     (["--dp", "4", "--fsdp", "--solver", "ilp"], "--solver ilp is not supported with --fsdp"),
     (["--dp", "4", "--fsdp", "--dp-replicate", "3"], "dp replicate 3 does not divide dp 4"),
+    (["--dp", "4", "--fsdp", "--order", "free"], "FSDP plans have no buckets to order"),
+    (["--tp", "2", "--dp", "4", "--fsdp", "--coop", "force"], "without --fsdp"),
 ])
 def test_plan_refusals(args: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                        capsys: pytest.CaptureFixture[str]) -> None:
