@@ -206,7 +206,7 @@ def _tp_lines(schedule: Schedule) -> list[str]:
     if tp.device_lower_bound is not None and tp.device_gap is not None:
         lines.append(
             f"worst device {tp.worst_device_load:.4g}: gap {percent(tp.device_gap)} above the device lower bound "
-            f"{tp.device_lower_bound:.4g} = max(total / devices, largest matrix)"
+            f"{tp.device_lower_bound:.4g} = max(total / devices, largest piece)"
         )
     lines.append(
         f"per device: state max {max(d.state_bytes for d in devices) / GIB:.2f} GiB, "

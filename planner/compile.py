@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import metadata
 
 from canzona.planner.partition.baselines import BaselineLoads
 from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.devices import device_figures, device_lower_bound, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
-from canzona.planner.partition.tp import MODES, group_stats
+from canzona.planner.partition.tp import MODES, MicroGroup, Task, group_stats
 from canzona.planner.fsdp import FsdpPlan, compile_fsdp
 from canzona.planner.plan import AutoSearch, BufferPlan, Plan, PlanRequest, TrainingSetup
 from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec
@@ -242,11 +243,15 @@ def _tp_section(plan: Plan) -> TpSection:
     return TpSection(mode=req.tp_mode, group_bytes=req.group_bytes, ranks=ranks)
 
 
+def _pieces_of(tasks: Sequence[Task], groups: Sequence[MicroGroup]) -> list[float]:
+    """One DP rank's indivisible units of optimizer work: a matrix update on one device, or one
+    team member's share of a cooperatively hosted matrix."""
+    return [cost for group in groups for _, cost, _ in group.placements(tasks)]
+
+
 def _pieces(plan: Plan) -> list[float]:
-    """The indivisible units of the plan's optimizer work: a matrix update on one device, or
-    one team member's share of a cooperatively hosted matrix."""
-    return [cost for tasks, groups in zip(plan.tasks, plan.chosen_groups) for group in groups
-            for _, cost, _ in group.placements(tasks)]
+    """Every DP rank's indivisible units of optimizer work (`_pieces_of`)."""
+    return [cost for tasks, groups in zip(plan.tasks, plan.chosen_groups) for cost in _pieces_of(tasks, groups)]
 
 
 def _tp_metrics(plan: Plan) -> TpMetrics:
@@ -259,7 +264,8 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
         num_groups=chosen.num_groups,
         critical_time=chosen.critical_time,
         critical_lower_bound=max(
-            (max(sum(t.cost for t in tasks) / plan.request.tp, max(t.cost for t in tasks)) for tasks in plan.tasks if tasks),
+            (max(sum(t.cost for t in tasks) / plan.request.tp, max(_pieces_of(tasks, groups)))
+             for tasks, groups in zip(plan.tasks, plan.chosen_groups) if tasks),
             default=0.0,
         ),
         efficiency=chosen.efficiency,

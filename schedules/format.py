@@ -253,7 +253,8 @@ class TpModeScore(_Strict):
 class TpMetrics(_Strict):
     """efficiency = sum of task costs / (P · sum over groups of makespan), over all DP ranks;
     critical_time = the largest sum of group makespans of one DP rank (cost units), and
-    critical_lower_bound = max over DP ranks of max(its cost / P, its largest task);
+    critical_lower_bound = max over DP ranks of max(its cost / P, its largest piece: a task, or a
+    team member's share of a cooperatively hosted task);
     cooperative = how many matrices the chosen mode hosts cooperatively (by a team).
     device_lower_bound = max(total device load / (D · P), the largest indivisible piece: one
     matrix update on one device, or one team member's share of a cooperatively hosted

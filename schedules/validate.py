@@ -502,9 +502,12 @@ def _check_tp_metrics(schedule: Schedule) -> None:
     for key in (*(k for k in chosen if k != "cooperative"), "worst_device_load", "device_imbalance"):
         _expect(f"metrics.tp.modes.{req.tp_mode}.{key}", float(getattr(m.modes[req.tp_mode], key)), float(getattr(m, key)),
                 f"metrics.tp.{key}")
+    entries = {e.name: e for e in schedule.params}
     bound = max((max(sum(costs[n] for g in plan.groups for n in g.params) / req.tp,
-                     max(costs[n] for g in plan.groups for n in g.params)) for plan in ranks if plan.groups), default=0.0)
-    _expect("metrics.tp.critical_lower_bound", m.critical_lower_bound, bound, "max over DP ranks of max(cost / P, largest task)")
+                     max(cost for g in plan.groups for _, cost, _ in placements(g, entries))) for plan in ranks if plan.groups),
+                default=0.0)
+    _expect("metrics.tp.critical_lower_bound", m.critical_lower_bound, bound,
+            "max over DP ranks of max(cost / P, largest piece: a task, or a team member's share)")
     for mode, score in m.modes.items():
         if score.device_imbalance < 1 - REL_TOL or not 0 <= score.efficiency <= 1 + REL_TOL:
             _fail(f"metrics.tp.modes.{mode}: device_imbalance must be >= 1 and efficiency in [0, 1]")
