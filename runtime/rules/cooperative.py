@@ -21,7 +21,7 @@ sorted order (`make_team_groups` says why non-members create a group of their ow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -98,26 +98,27 @@ def slice_piece(task: Task, part: Tensor, tp_rank: int, member: int) -> Tensor:
     return part.reshape(-1)[:0] if box is None else _view(part, box, slice_box(task, member))
 
 
-def assemble_slice(task: Task, member: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Member `member`'s slice from every TP rank's piece (flat, in TP-rank order)."""
-    out = torch.empty(slice_shape(task, member), dtype=dtype, device=device)
-    for tp_rank, piece in enumerate(pieces):
-        box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
+def _fill(out: Tensor, frame: Box, parts: Iterable[tuple[Box | None, Tensor]]) -> Tensor:
+    """Copy each flat piece into `out` (covering box `frame`) at its box; None boxes hold nothing."""
+    for box, piece in parts:
         if box is not None:
-            target = _view(out, box, slice_box(task, member))
+            target = _view(out, box, frame)
             target.copy_(piece.view(target.shape))
     return out
+
+
+def assemble_slice(task: Task, member: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Member `member`'s slice from every TP rank's piece (flat, in TP-rank order)."""
+    frame = slice_box(task, member)
+    out = torch.empty(slice_shape(task, member), dtype=dtype, device=device)
+    return _fill(out, frame, ((_meet(_shard_box(task, tp_rank), frame), piece) for tp_rank, piece in enumerate(pieces)))
 
 
 def assemble_shard(task: Task, tp_rank: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
     """Rank `tp_rank`'s shard (local shape) from every member's piece (flat, in team order)."""
+    frame = _shard_box(task, tp_rank)
     out = torch.empty(task.local_shape, dtype=dtype, device=device)
-    for member, piece in enumerate(pieces):
-        box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
-        if box is not None:
-            target = _view(out, box, _shard_box(task, tp_rank))
-            target.copy_(piece.view(target.shape))
-    return out
+    return _fill(out, frame, ((_meet(frame, slice_box(task, member)), piece) for member, piece in enumerate(pieces)))
 
 
 def canonical_chunks(task: Task, member: int, tensor: Tensor) -> list[tuple[tuple[int, int], Tensor]]:
