@@ -66,16 +66,11 @@ class FsdpPlan:
         return self.groups[self.request.tp_mode]
 
 
-def fsdp_layout(tp: int, dp: int, dp_replicate: int) -> FsdpLayout:
-    """The FSDP layout of a request: dp = replicate x shard."""
-    return FsdpLayout(tp=tp, shards=dp // dp_replicate, replicas=dp_replicate)
-
-
 def make_fsdp_plan(model: ModelSpec, request: PlanRequest) -> FsdpPlan:
     """Host and micro-group of every matrix over the fragmentation group (DP shard x TP)."""
     request.validate()
     validate_model(model, request.tp)
-    layout = fsdp_layout(request.tp, request.dp, request.dp_replicate)
+    layout = FsdpLayout.of(request.tp, request.dp, request.dp_replicate)
     cost_model = make_cost_model(request.cost, request.optimizer)
     costs = tuple(param_cost(param, cost_model) for param in model.params)
     state = tuple(param_state_bytes(param, request.optimizer) for param in model.params)

@@ -312,18 +312,28 @@ def make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = 
     lower bound, the whole plan at the next coarser ladder α and the registration-order plan
     (valid plans of this request too: tighter caps, and any order is a free order) replace it
     when their largest load is lower."""
+    return _best_plan(model, request, seeds, {})
+
+
+def _best_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...],
+               done: dict[tuple[str, float], Plan]) -> Plan:
+    """`make_plan`, with the plans already made for other (order, α) of this request in `done`
+    (the fallbacks reach the same coarser plans by several paths)."""
+    key = (str(request.order), request.alpha)
+    if key in done:
+        return done[key]
     plan = _make_plan(model, request, seeds)
-    if request.ep == 1 or max(plan.loads) <= plan.lower_bound * (1 + 1e-12):
-        return plan
-    others = []
-    if request.order == "free":
-        others.append(make_plan(model, replace(request, order="registration"), seeds))
-    coarser = [alpha for alpha in ALPHA_LADDER if alpha < request.alpha]
-    if coarser:
-        others.append(make_plan(model, replace(request, alpha=coarser[-1]), seeds))
-    for other in others:
-        if max(other.loads) < max(plan.loads):
-            plan = replace(other, request=request)
+    if request.ep > 1 and max(plan.loads) > plan.lower_bound * (1 + 1e-12):
+        others = []
+        if request.order == "free":
+            others.append(_best_plan(model, replace(request, order="registration"), seeds, done))
+        coarser = [alpha for alpha in ALPHA_LADDER if alpha < request.alpha]
+        if coarser:
+            others.append(_best_plan(model, replace(request, alpha=coarser[-1]), seeds, done))
+        for other in others:
+            if max(other.loads) < max(plan.loads):
+                plan = replace(other, request=request)
+    done[key] = plan
     return plan
 
 

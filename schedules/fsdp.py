@@ -29,6 +29,11 @@ class FsdpLayout:
     shards: int
     replicas: int = 1
 
+    @classmethod
+    def of(cls, tp: int, dp: int, dp_replicate: int) -> FsdpLayout:
+        """The layout a request's TP size, DP size and HSDP replicas describe."""
+        return cls(tp=tp, shards=dp // dp_replicate, replicas=dp_replicate)
+
     @property
     def hosts(self) -> int:
         """Devices of one fragmentation group (shards x TP): the possible hosts of a matrix."""

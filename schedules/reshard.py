@@ -459,7 +459,7 @@ def fsdp_report(old: Schedule, new: Schedule) -> ReshardReport:
         return ReshardReport(False, ["both schedules are FSDP but differ; FsdpOptimizer loads optimizer state only under "
                                      "the schedule it was saved under, on the same devices (no FSDP resharding yet)"], [])
     req, layout = new.request, state_layout(new)
-    fsdp = FsdpLayout(tp=req.tp, shards=req.dp // req.dp_replicate, replicas=req.dp_replicate)
+    fsdp = FsdpLayout.of(req.tp, req.dp, req.dp_replicate)
     params = {p.name: p for p in layout.params}
     hosts = {n: h for g in new.tp.ranks[0].groups for n, h in zip(g.params, g.hosts)}
     per_fragment = [0] * fsdp.hosts

@@ -17,12 +17,6 @@ if TYPE_CHECKING:
     from canzona.schedules.format import ParamEntry, Schedule
 
 
-def schedule_layout(schedule: Schedule) -> FsdpLayout:
-    """The FSDP layout (TP, shards, replicas) a schedule's request describes."""
-    req = schedule.request
-    return FsdpLayout(tp=req.tp, shards=req.dp // req.dp_replicate, replicas=req.dp_replicate)
-
-
 def check_fsdp(schedule: Schedule) -> None:
     """Every FSDP rule: buffers, the micro-groups, the metrics."""
     section = schedule.dp
@@ -32,7 +26,8 @@ def check_fsdp(schedule: Schedule) -> None:
         if e.bucket or e.offset or (e.optimizer == MATRIX and e.owner != 0):
             _fail(f"parameter {e.name!r}: in an FSDP schedule bucket and offset are 0 and a matrix's owner is 0 "
                   "(its fragmentation group)")
-    layout = schedule_layout(schedule)
+    req = schedule.request
+    layout = FsdpLayout.of(req.tp, req.dp, req.dp_replicate)
     hosted = _check_groups(schedule, layout)
     _check_metrics(schedule, layout, hosted)
 
@@ -65,11 +60,6 @@ def _check_groups(schedule: Schedule, layout: FsdpLayout) -> list[float]:
     if len(listed) != len(set(listed)) or set(listed) != set(entries):
         _fail("tp section: the groups must list every matrix exactly once")
     return hosted
-
-
-def _adamw_elements(schedule: Schedule, layout: FsdpLayout) -> list[int]:
-    return [sum(shard_numel(e.shape, e.tp_dim, layout, shard * layout.tp) for e in schedule.params if e.optimizer != MATRIX)
-            for shard in range(layout.shards)]
 
 
 def _check_metrics(schedule: Schedule, layout: FsdpLayout, hosted: list[float]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 from canzona.planner.partition.dp import (
+    ALPHA_LADDER,
     DpAssignment,
     DpInstance,
     Owners,
@@ -32,8 +33,6 @@ from canzona.planner.partition.dp import (
 from canzona.planner.partition.layout import BufferEntry, BufferLayout, Bucket
 from canzona.schedules.geometry import PARAM_ALIGNMENT, padded_bucket_numel, round_up
 
-FREE_LADDER = (0.0, 0.5)  # coarser α whose free plans seed every finer one (as dp.ALPHA_LADDER)
-
 
 def partition_free(
     instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = (), ordered: DpAssignment | None = None
@@ -41,7 +40,7 @@ def partition_free(
     """Owners of every item under α's caps with any order inside a bucket, minimising the
     largest load. Starts: the registration-order plan (`partition`, feasible here too, so
     free order is never worse), LPT over every rank, the free plan at the next coarser α of
-    `FREE_LADDER` and `seeds`; each polished by move/swap local search over all ranks. The
+    `ALPHA_LADDER` and `seeds`; each polished by move/swap local search over all ranks. The
     lowest max load wins, ties to the earlier start. `ordered`: `partition(instance, alpha)`
     when the caller has it already."""
     ordered = ordered or partition(instance, alpha)
@@ -49,7 +48,7 @@ def partition_free(
         return ordered
     caps = slice_caps(instance, alpha)
     starts: list[tuple[Owners, str]] = [(ordered.owners, ordered.method)]
-    coarser = [ladder for ladder in FREE_LADDER if ladder < alpha]
+    coarser = [ladder for ladder in ALPHA_LADDER if ladder < alpha]
     if coarser:
         starts.append((_free_ladder_plan(instance, coarser[-1]).owners, f"free plan at alpha {coarser[-1]:g}"))
     starts += [(owners, "seed") for owners in seeds if _feasible(instance, caps, owners, free=True)]

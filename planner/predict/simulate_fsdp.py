@@ -24,11 +24,8 @@ from canzona.planner.predict.collectives import GRAD_BYTES, Exchange, Link, all_
 from canzona.planner.predict.hardware import Hardware
 from canzona.planner.predict.simulate import GroupTimes, default_time_model, group_link, pipeline_seconds, submatrices
 from canzona.schedules.format import ParamEntry, Schedule
+from canzona.schedules.limits import MATRIX
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel
-from canzona.schedules.validate_fsdp import schedule_layout
-
-MATRIX = "matrix"
-
 
 @dataclass(frozen=True)
 class FsdpStrategy:
@@ -88,7 +85,7 @@ def _group_times(entries: list[tuple[ParamEntry, int]], layout: FsdpLayout, link
 def simulate_fsdp(schedule: Schedule, hardware: Hardware, time_model: CostModel | None = None) -> FsdpSimulation:
     """Predict one optimizer step of an FSDP schedule and of its baselines on `hardware`."""
     model = time_model or default_time_model(schedule, hardware)
-    layout = schedule_layout(schedule)
+    layout = FsdpLayout.of(schedule.request.tp, schedule.request.dp, schedule.request.dp_replicate)
     link = group_link(hardware, "fsdp", range(layout.hosts))
     entries = {e.name: e for e in schedule.params}
     groups = [_group_times([(entries[n], h) for n, h in zip(g.params, g.hosts)], layout, link, model)

@@ -76,7 +76,7 @@ def mesh_place(mesh: Any, schedule: Schedule) -> tuple[Place | None, str | None]
     live on: dims (replicate, shard, tp), those of size 1 left out. (None, problem) if the mesh
     does not have the schedule's sizes."""
     req = schedule.request
-    layout = FsdpLayout(tp=req.tp, shards=req.dp // req.dp_replicate, replicas=req.dp_replicate)
+    layout = FsdpLayout.of(req.tp, req.dp, req.dp_replicate)
     expected = [size for size, kept in ((layout.replicas, layout.replicas > 1), (layout.shards, True),
                                         (layout.tp, layout.tp > 1)) if kept]
     if mesh is None:
@@ -381,14 +381,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
     def _apply(self, group: list[Matrix], received: Tensor, hps: list[Hyperparameters]) -> None:
         """Apply this device's pieces (ordered by host, then group order) to its shards."""
         me, offset = self.place.fragment, 0
-        for host in range(self.place.layout.hosts):
-            for m in (m for m in group if m.host == host):
-                size = self._numel(m, me)
-                value = self._value(m.position)
-                hp = hps[self.group_of[m.position]]
-                apply_update(value, received[offset : offset + size].view(value.shape), hp.lr, hp.weight_decay)
-                self._commit(m.position)
-                offset += size
+        for m in sorted(group, key=lambda m: m.host):  # stable: by host, then group order
+            size = self._numel(m, me)
+            value = self._value(m.position)
+            hp = hps[self.group_of[m.position]]
+            apply_update(value, received[offset : offset + size].view(value.shape), hp.lr, hp.weight_decay)
+            self._commit(m.position)
+            offset += size
 
     # -----------------------------------------------------------------------------------------
     # Checkpoints: the same layout only
