@@ -265,7 +265,6 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         self.pipeline = MicroGroupPipeline(groups, self.tp_rank, self.tp_size, self.tp_group, self.device, self.timeout)
         self._hosted = [t.param for tasks in groups for t in tasks if hosts_here(t, self.tp_rank)]
         self._team_tasks = {t.param: t for tasks in groups for t in tasks if t.team and hosts_here(t, self.tp_rank)}
-        self._cooperative = any(group.teams for rank in self.schedule.tp.ranks for group in rank.groups)
 
     def _group_tasks(self) -> list[Task]:
         """Every matrix this rank's TP group updates (any host)."""

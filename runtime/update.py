@@ -18,7 +18,6 @@ from torch import Tensor
 from canzona.runtime.exchange import comm
 from canzona.runtime.rules import cooperative
 from canzona.runtime.state import logical
-from canzona.runtime.rules.cooperative import held_shape
 from canzona.runtime.faults import CollectiveError
 from canzona.runtime.layout import Task
 from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
@@ -123,14 +122,14 @@ class UpdateStage:
         if task.team:  # the team's other members are in its all-reduces: go through the rest on zeros
             steps = pending.hps[self._group_of[task.param]].ns_steps or 0
             cooperative.idle(task, self.pipeline.team_groups[task.team], steps, self.device, self.timeout, calls.count)
-        return torch.zeros(held_shape(task, self.tp_rank), dtype=self._dtypes[task.param], device=self.device)
+        return torch.zeros(cooperative.held_shape(task, self.tp_rank), dtype=self._dtypes[task.param], device=self.device)
 
     def _matrix_result(self, task: Task, full_grad: Tensor, pending: Transaction, calls: cooperative.Calls) -> Tensor:
         group = self._group_of[task.param]
         rule, hp = pending.rules[group], pending.hps[group]
         current = self.matrix_state.get(task.param)
         if task.team:  # this member's slice: its momentum, its part of a shared Newton-Schulz
-            states = logical.clone_states(current) if current else [rule.init_state(*held_shape(task, self.tp_rank), self.device)]
+            states = logical.clone_states(current) if current else [rule.init_state(*cooperative.held_shape(task, self.tp_rank), self.device)]
             update = cooperative.team_muon(hp, states[0], full_grad.float(), task, self.pipeline.team_groups[task.team],
                                            self.timeout, calls)
         else:

@@ -101,10 +101,10 @@ class MicroGroupPipeline:
     def _start_gather(self, tasks: tuple[Task, ...], grad_of: GradOf) -> InFlight:
         pieces, send_splits = [], []
         for host in range(self.size):
-            moved = [t for t in tasks if _gather_numel(t, self.rank, host)]
+            moved = [(t, count) for t in tasks if (count := _gather_numel(t, self.rank, host))]
             pieces += [cooperative.shard_piece(t, grad_of(t), self.rank, t.team.index(host)) if t.team else grad_of(t)
-                       for t in moved]
-            send_splits.append(sum(_gather_numel(t, self.rank, host) for t in moved))
+                       for t, _ in moved]
+            send_splits.append(sum(count for _, count in moved))
         send = _flat(pieces, self.device)
         if send.numel() == 0:  # only replicated matrices: every TP rank knows, nobody sends
             return InFlight(send, None)
@@ -150,7 +150,7 @@ class MicroGroupPipeline:
     def _apply(self, tasks: tuple[Task, ...], received: Tensor, apply: Apply) -> None:
         offset, team_pieces = 0, {t.param: [] for t in tasks if t.team}
         for host in range(self.size):
-            for task in (t for t in tasks if hosts_here(t, host)):
+            for task in self._hosted(tasks, host):
                 count = _scatter_numel(task, host, self.rank)
                 piece = received[offset : offset + count]
                 offset += count

@@ -10,9 +10,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from canzona.schedules.format import Schedule
+from canzona.runtime.binding import TP_MESH_DIM
 from canzona.schedules.limits import FSDP
-
-TP_MESH_DIM = "tp"
 
 
 def dp_sharded_dim(tensor: Tensor) -> str | None:
