@@ -30,6 +30,7 @@ from canzona.schedules.limits import MAX_SCHEDULE_BYTES
 from canzona.schedules.reading import UnsafeDocument, read_text
 
 EXIT_REGRESSION = 1
+EXIT_REFUSED = 2  # bad input, as every command's one-line errors
 GIB = 1 << 30
 
 
@@ -183,7 +184,8 @@ def schedule_files(paths: list[Path]) -> list[Path]:
 
 def regenerate(path: Path, request: Request) -> Schedule:
     """Plan again from a file's recorded request (a model file is looked up as recorded, then
-    next to the schedule; a live model is described again)."""
+    next to the schedule; a live model is described again, which runs its code: callers gate
+    that with `gate_code`)."""
     from dataclasses import replace
 
     from canzona.cli.sources import is_live, load_source
@@ -220,19 +222,55 @@ def staleness(old: Schedule, new: Schedule) -> str | None:
     return None
 
 
-def check_file(path: Path) -> tuple[str | None, Schedule]:
+class Refused(ValueError):
+    """A schedule `check` will not regenerate (one line): invalid, or it would run code."""
+
+
+@dataclass(frozen=True)
+class CodePolicy:
+    """Whether `check` may run a live model's code (`--allow-code`), and from where: the
+    folders being checked and the current project."""
+
+    allowed: bool
+    roots: tuple[Path, ...]
+
+
+def gate_code(request: Request, policy: CodePolicy) -> None:
+    """Refused unless regenerating `request` runs no code, or the policy allows that code."""
+    from canzona.cli.sources import is_live, require_code_inside
+    from canzona.planner.spec import PlanError
+
+    source = request.model.source
+    if not is_live(source):
+        return
+    if not policy.allowed:
+        raise Refused(f"its model is a live model ({source}): it cannot be regenerated without running code; "
+                      "pass --allow-code for your own files, or plan from a described parameter list "
+                      "(`canzona describe`)")
+    try:
+        require_code_inside(source, policy.roots)
+    except PlanError as error:
+        raise Refused(str(error)) from None
+
+
+def check_file(path: Path, policy: CodePolicy, fix: bool = False) -> tuple[str | None, Schedule]:
     """Why `path` differs from the regeneration of its recorded request (None: byte-identical),
-    and that regeneration. A file that does not validate is compared through its request
-    alone; one whose request cannot be read either is bad input (ScheduleError)."""
+    and that regeneration. The file is read and validated (digest included) before anything is
+    regenerated: an invalid one is Refused, except under `fix`, which rewrites it from its
+    request when that request can be read. A live model is regenerated only as `policy` allows."""
     try:
         text = read_text(path, MAX_SCHEDULE_BYTES)
     except UnsafeDocument as error:
-        raise ScheduleError(f"cannot read schedule {str(path)!r}: {error}") from None
+        raise Refused(f"cannot read schedule: {error}") from None
     try:
         old: Schedule | None = parse_schedule(text, str(path))
         request, invalid = old.request, None  # type: ignore[union-attr]
     except ScheduleError as error:
-        old, request, invalid = None, read_request(text, str(path)), str(error).removeprefix(f"{path}: ")
+        invalid = str(error).removeprefix(f"{path}: ")
+        if not fix:
+            raise Refused(f"invalid ({invalid}); `canzona check --fix` rewrites it from its request") from None
+        old, request = None, _readable_request(text, path)
+    gate_code(request, policy)
     new = regenerate(path, request)
     if invalid is not None:
         return f"invalid ({invalid})", new
@@ -240,6 +278,13 @@ def check_file(path: Path) -> tuple[str | None, Schedule]:
     if reason is None and dump_schedule(new) != text:
         reason = "formatting: same content, but not the bytes canzona writes"
     return reason, new
+
+
+def _readable_request(text: str, path: Path) -> Request:
+    try:
+        return read_request(text, str(path))
+    except ScheduleError as error:
+        raise Refused(str(error).removeprefix(f"{path}: ")) from None
 
 
 def library_rows(files: list[Path], root: Path) -> list[dict[str, Any]]:
@@ -317,29 +362,45 @@ def table(
 
 def check(
     paths: Annotated[Optional[list[Path]], typer.Argument(metavar="[SCHEDULE|FOLDER]...", help="Schedules (files or library names) or folders (default: schedules).")] = None,
-    fix: Annotated[bool, typer.Option("--fix", help="Rewrite stale files (atomically).")] = False,
+    fix: Annotated[bool, typer.Option("--fix", help="Rewrite stale files (atomically), and invalid ones from their request.")] = False,
+    allow_code: Annotated[bool, typer.Option("--allow-code", help="Regenerate schedules of live models (py:MODULE:FACTORY) by importing and calling their factory: this RUNS the code the file names. Only for your own files; the module must lie inside a checked folder or the current directory.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON report: every file's status and reason.")] = False,
 ) -> None:
     """Regenerate each schedule from its recorded request and compare bytes; exit 1 if any
-    differs (content, formatting, or a file that no longer validates)."""
+    differs (content or formatting), 2 if any is invalid or names a live model (code is run only
+    with --allow-code). A file is validated, digest included, before anything is regenerated."""
     roots = paths or [Path("schedules")]
-    results = [_check_one(path, fix) for path in schedule_files(roots)]
+    files = schedule_files(roots)
+    policy = CodePolicy(allow_code, (Path.cwd(), *(root if root.is_dir() else resolve_schedule(root).parent
+                                                   for root in roots)))
+    results = [_check_one(path, fix, policy) for path in files]
     results += [result for root in roots if (result := _check_readme(root, fix)) is not None]
     stale = sum(1 for result in results if result["status"] == "stale")
+    refused = [result for result in results if result["status"] == "refused"]
     if as_json:
-        typer.echo(json.dumps({"files": results, "stale": stale, "fixed": sum(r["status"] == "fixed" for r in results)},
-                              indent=2))
+        typer.echo(json.dumps({"files": results, "stale": stale, "fixed": sum(r["status"] == "fixed" for r in results),
+                               "refused": len(refused)}, indent=2))
     else:
         for result in results:
+            if result["status"] == "refused":
+                continue
             label = {"fresh": "fresh ", "stale": "STALE ", "fixed": "fixed "}[result["status"]]
             typer.echo(f"{label} {result['path']}" + (f": {result['reason']}" if result["reason"] else ""))
+    for result in refused:
+        typer.echo(f"canzona: error: {result['path']}: {result['reason']}", err=True)
     if stale:
         typer.echo(f"canzona: {plural(stale, 'stale file')}; run `canzona check --fix`", err=True)
+    if refused:
+        raise typer.Exit(EXIT_REFUSED)
+    if stale:
         raise typer.Exit(EXIT_REGRESSION)
 
 
-def _check_one(path: Path, fix: bool) -> dict[str, Any]:
-    reason, new = check_file(path)
+def _check_one(path: Path, fix: bool, policy: CodePolicy) -> dict[str, Any]:
+    try:
+        reason, new = check_file(path, policy, fix)
+    except Refused as error:
+        return {"path": str(path), "status": "refused", "reason": str(error)}
     if reason is not None and fix:
         write_output(path, dump_schedule(new))
     return {"path": str(path), "status": "fresh" if reason is None else "fixed" if fix else "stale", "reason": reason}

@@ -4,7 +4,11 @@ builds on the meta device and describes. Only live models import torch, and only
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from canzona.planner.sources import load as planner_sources
@@ -26,8 +30,43 @@ def source_files(source: str) -> list[str]:
     model's `.py` file."""
     if not is_live(source):
         return [source]
-    module = source.removeprefix(PY_PREFIX).rpartition(":")[0]
+    module = live_module(source)
     return [module] if module.endswith(".py") else []
+
+
+def live_module(source: str) -> str:
+    """The MODULE part of `py:MODULE:FACTORY` (a dotted name or a `.py` path)."""
+    return source.removeprefix(PY_PREFIX).rpartition(":")[0]
+
+
+def _inside(path: Path, roots: Sequence[Path]) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real.is_relative_to(os.path.realpath(root)) for root in roots)
+
+
+def require_code_inside(source: str, roots: Sequence[Path]) -> None:
+    """Refuse (PlanError, one line) to run the live model `source` unless its module's file lies
+    inside one of `roots` (symlinks resolved). A `.py` path is taken as `describe` loads it
+    (relative to the working directory); a dotted module must be a package or file below the
+    working directory, which is what `describe` imports it from, and must not be a module that
+    is already loaded from elsewhere (such as `os`)."""
+    module = live_module(source)
+    cwd = Path.cwd()
+    if module.endswith(".py"):
+        found = Path(module) if Path(module).is_file() else None
+    else:
+        parts = module.split(".")
+        loaded = sys.modules.get(parts[0])
+        origin = getattr(loaded, "__file__", None)
+        if loaded is not None and (origin is None or not _inside(Path(origin), [cwd])):
+            found = None  # a built-in or already-imported module would be what actually runs
+        else:
+            stem = cwd.joinpath(*parts) if all(part.isidentifier() for part in parts) else None
+            found = next((c for c in (stem.with_suffix(".py"), stem / "__init__.py") if c.is_file()), None) if stem else None
+    if found is None or not _inside(found, roots if module.endswith(".py") else [cwd]):
+        where = " or ".join(repr(str(root)) for root in dict.fromkeys(roots if module.endswith(".py") else [cwd]))
+        raise PlanError(f"live model module {module!r} is not a file inside {where}: --allow-code runs only code of "
+                        "the checked folder or the current project")
 
 
 def describe_source(source: str, sequence_parallel: bool = False) -> ModuleDescription:

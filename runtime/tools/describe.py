@@ -253,7 +253,7 @@ def load_factory(source: str) -> Callable[[], Any]:
         module = _import(module_name)
     except DescribeError:
         raise
-    except Exception as error:  # noqa: BLE001 - whatever the user's module raises on import
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - whatever the user's module raises on import
         raise DescribeError(f"importing {module_name!r} raised {type(error).__name__}: {_first_line(error)}") from error
     factory = getattr(module, attribute, None)
     if factory is None:
@@ -291,7 +291,7 @@ def build_on_meta(factory: Callable[[], Any], label: str) -> nn.Module:
     try:
         with torch.device("meta"):
             model = factory()
-    except Exception as error:  # noqa: BLE001 - whatever the user's factory raises
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - whatever the user's factory raises
         raise DescribeError(f"model factory {label} raised {type(error).__name__}: {_first_line(error)}") from error
     if not isinstance(model, nn.Module):
         raise DescribeError(f"model factory {label} returned a value of type {type(model).__name__}, not a torch.nn.Module")

@@ -144,7 +144,7 @@ def test_every_command_refuses_a_bad_schedule(make: Any, needle: str, command: l
 
 def test_check_flags_the_bad_schedule_and_fixes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = write_edited(tmp_path / "bad.yaml", owner_99)
-    code, out, _ = run(["check", str(bad)], capsys)
-    assert code == 1 and "owner 99 is not a DP rank" in out
+    code, out, err = run(["check", str(bad)], capsys)
+    assert code == 2 and out == "" and "owner 99 is not a DP rank" in err
     assert run(["check", str(bad), "--fix"], capsys)[0] == 0
     assert bad.read_bytes() == LIBRARY.read_bytes()

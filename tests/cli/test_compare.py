@@ -122,8 +122,9 @@ def test_check_flags_tampered_files_and_fixes_them_from_their_request(
 ) -> None:
     tampered = tmp_path / "t.yaml"
     tampered.write_text(plans["a1"].read_text().replace('"shape": [4096, 12288]', '"shape": [4096, 12289]', 1))
-    code, out, err = run(["check", str(tampered)], capsys)
-    assert code == 1 and f"STALE  {tampered}: invalid (fingerprint" in out and "1 stale file" in err
+    code, out, err = run(["check", str(tampered)], capsys)  # refused before anything is regenerated
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"canzona: error: {tampered}: invalid (fingerprint") and "check --fix" in err
     assert run(["check", str(tampered), "--fix"], capsys)[0] == 0
     assert tampered.read_bytes() == plans["a1"].read_bytes()
 
@@ -132,6 +133,8 @@ def test_check_unreadable_or_missing_files_are_bad_input(tmp_path: Path, capsys:
     garbage = tmp_path / "g.yaml"
     garbage.write_text("request: [1, 2]\n")
     code, _, err = run(["check", str(garbage)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "invalid (" in err
+    code, _, err = run(["check", str(garbage), "--fix"], capsys)
     assert code == 2 and err.count("\n") == 1 and "cannot read its request" in err
     code, _, err = run(["check", str(tmp_path / "nope")], capsys)
     assert code == 2 and "no such schedule" in err
@@ -212,8 +215,8 @@ def test_check_regenerates_an_older_schema_version(plans: dict[str, Path], tmp_p
     old = tmp_path / "old.yaml"
     lines = [line for line in plans["a1"].read_text().splitlines() if not line.startswith("digest: ")]
     old.write_text("\n".join(lines).replace(f"schema_version: {SCHEMA_VERSION}", "schema_version: 1", 1) + "\n")
-    code, out, _ = run(["check", str(old)], capsys)
-    assert code == 1 and "schema_version 1 is from an older canzona" in out
+    code, out, err = run(["check", str(old)], capsys)
+    assert code == 2 and out == "" and "schema_version 1 is from an older canzona" in err
     assert run(["check", str(old), "--fix"], capsys)[0] == 0
     assert old.read_bytes() == plans["a1"].read_bytes()
 

@@ -56,8 +56,8 @@ def test_check_regenerates_fsdp_files(planned: Path, capsys: pytest.CaptureFixtu
     assert code == 0 and out.startswith("fresh")
     text = path.read_text()
     path.write_text(text.replace('"owner": 0', '"owner": 1', 1))
-    code, out, _ = run(["check", str(path)], capsys)
-    assert code == 1 and "STALE" in out
+    code, out, err = run(["check", str(path)], capsys)  # a hand edit: the digest no longer matches
+    assert code == 2 and out == "" and "invalid (digest" in err
     code, _, _ = run(["check", "--fix", str(path)], capsys)
     assert code == 0 and path.read_text() == text
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from canzona.cli.main import app, main
+from canzona.schedules.format import read_schedule, sealed, write_schedule
 from canzona.schedules.library import library_root
 from cli_run import refused, run
 
@@ -188,7 +189,9 @@ def test_check_json_reports_every_file(tmp_path: Path, capsys: pytest.CaptureFix
     fresh = tmp_path / "fresh.yaml"
     assert main(["plan", "--model", "qwen3-0.6b", "--dp", "2", "-o", str(fresh)]) == 0
     stale = tmp_path / "stale.yaml"
-    stale.write_text(fresh.read_text().replace("canzona_version: ", "canzona_version: 0", 1))
+    schedule = read_schedule(fresh)
+    request = schedule.request.model_copy(update={"canzona_version": "0" + schedule.request.canzona_version})
+    write_schedule(sealed(schedule.model_copy(update={"request": request})), stale)
     capsys.readouterr()
     code, out, err = run(["check", str(fresh), str(stale), "--json"], capsys)
     report = json.loads(out)

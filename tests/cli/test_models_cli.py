@@ -116,10 +116,12 @@ def test_live_model_plans_describes_and_checks(factories: Path, tmp_path: Path, 
     from_file = tmp_path / "from-file.yaml"
     assert run_cli(["plan", "--model", str(described), "--dp", "2", "-o", str(from_file)], capsys)[0] == 0
     assert read_schedule(from_file).params == schedule.params
-    code, out, _ = run_cli(["check", str(planned)], capsys)
+    code, out, err = run_cli(["check", str(planned)], capsys)  # runs no code unless told to
+    assert code == 2 and out == "" and "cannot be regenerated without running code" in err
+    code, out, _ = run_cli(["check", "--allow-code", str(planned)], capsys)
     assert code == 0 and out.startswith("fresh")
     factories.write_text(FACTORIES.replace("WIDTH", "32"))  # the model changed
-    code, out, _ = run_cli(["check", str(planned)], capsys)
+    code, out, _ = run_cli(["check", "--allow-code", str(planned)], capsys)
     assert code == 1 and "STALE" in out and "stale fingerprint" in out
 
 
