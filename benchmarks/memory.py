@@ -1,0 +1,189 @@
+"""Memory benchmark: peak optimizer memory per parameter on this CPU (gloo), bf16 parameters.
+
+Run:  python benchmarks/memory.py                 (DP 1 on one rank, DP 4 on four ranks; Muon; ~1 min)
+      python benchmarks/memory.py --optimizer soap
+      python benchmarks/memory.py --write BENCHMARKS.md
+
+What is measured, per rank: the growth of the process's peak resident memory (VmHWM, reset
+through /proc/self/clear_refs) from the moment the parameters and their bf16 gradients exist
+to the end of three optimizer steps: construction, buffers, state, main copies and every
+transient of a step. Divided by the number of parameters of the whole model, this is "bytes per
+parameter above params + grads", the figure the design targets are stated in.
+
+The floor printed beside it is what the design must hold per rank, with P_m matrix elements,
+P_a AdamW elements, D the DP size, and every element of the model packed once into the fp32
+reduction buffer:
+
+    4·(P_m + P_a)  +  (4 main + state) · P_m / D  +  (4 main + 8 moments) · P_a / D
+
+(Muon's state is its momentum, 4 bytes). Micro-group transients (Newton-Schulz workspaces,
+gathered gradients) come on top, bounded by the schedule's group capacity (`--group-mb`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from canzona.planner.compile import compile_schedule
+from canzona.planner.partition.costs import OptimizerConfig
+from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
+from canzona.runtime import CanzonaOptimizer, make_groups
+from canzona.runtime.schedule import DTYPES, local_shape
+from canzona.schedules.format import Schedule
+
+# A Qwen3-style decoder of ~31M parameters whose embedding and output layer (AdamW) are about
+# a fifth of the model, as in qwen3-1.7b; large enough that fixed costs (threads, allocator
+# arenas) are small beside the optimizer's buffers.
+MODEL = {
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 6144, "tie_word_embeddings": False,
+}
+GROUP_MB = 16
+STEPS = 3
+TIMEOUT = timedelta(seconds=600)
+HEADING = "## Optimizer memory (CPU)"
+STATE_BYTES = {"muon": 4}  # per matrix element; Shampoo/SOAP state depends on shapes (not floored here)
+
+
+def make_schedule(config: str, dp: int, optimizer: str) -> Schedule:
+    """The benchmark's schedule: bf16 parameters, TP 1, small micro-groups."""
+    spec = load_model(config, 1)
+    spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="bf16") for p in spec.params))
+    request = PlanRequest(config, 1, dp, OptimizerConfig(optimizer), group_bytes=GROUP_MB << 20)
+    return compile_schedule(make_plan(spec, request))
+
+
+def _rss(field: str) -> int:
+    """A VmRSS / VmHWM figure of this process, in bytes."""
+    text = Path("/proc/self/status").read_text()
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    assert match is not None, f"no {field} in /proc/self/status"
+    return int(match.group(1)) * 1024
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+
+
+def _rank_main(rank: int, world: int, init_file: str, schedule: Schedule, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
+    dp_group, tp_group = make_groups(world, 1, TIMEOUT)
+    generator = torch.Generator().manual_seed(rank)
+    params = []
+    for entry in sorted(schedule.params, key=lambda e: e.index):
+        shape = local_shape(entry, 1)
+        param = torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.02).to(DTYPES[entry.dtype]))
+        param.grad = torch.randn(shape, generator=generator).to(param.dtype)
+        params.append((entry.name, param))
+    dist.barrier()
+    baseline = _rss("VmRSS")
+    _reset_peak()
+    optimizer = CanzonaOptimizer(params, schedule, dp_group=dp_group, tp_group=tp_group)
+    for _ in range(STEPS):
+        optimizer.step()
+    peak = _rss("VmHWM")
+    results.put((rank, peak - baseline))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(schedule: Schedule) -> list[int]:
+    """Every rank's peak memory growth (bytes), DP ranks forked on gloo."""
+    world = schedule.request.dp
+    context = mp.get_context("fork")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "rendezvous")
+        processes = [context.Process(target=_rank_main, args=(r, world, init_file, schedule, results)) for r in range(world)]
+        for process in processes:
+            process.start()
+        grown = dict(results.get(timeout=1200) for _ in range(world))
+        for process in processes:
+            process.join()
+    return [grown[r] for r in range(world)]
+
+
+def floor_bytes(schedule: Schedule) -> float | None:
+    """The design floor per rank in bytes (module docstring); None where the state has no fixed size."""
+    state = STATE_BYTES.get(schedule.request.optimizer.name)
+    if state is None:
+        return None
+    dp = schedule.request.dp
+    matrix = sum(e.numel for e in schedule.params if e.optimizer == "matrix")
+    adamw = sum(e.numel for e in schedule.params if e.optimizer != "matrix")
+    return 4 * (matrix + adamw) + (4 + state) * matrix / dp + 12 * adamw / dp
+
+
+def table(rows: list[tuple[Schedule, list[int]]]) -> str:
+    """The markdown table of the run."""
+    lines = [
+        f"Peak memory above params + grads, bytes per model parameter (peak RSS growth per rank, gloo, bf16 "
+        f"parameters, {STEPS} steps, micro-groups of {GROUP_MB} MiB); model: Qwen3-style h {MODEL['hidden_size']}, "
+        f"F {MODEL['intermediate_size']}, L {MODEL['num_hidden_layers']}, vocab {MODEL['vocab_size']}.",
+        "",
+        "| optimizer | DP | parameters | AdamW share | worst rank B/param | mean B/param | design floor B/param "
+        "| worst / floor | target B/param |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for schedule, grown in rows:
+        total = sum(e.numel for e in schedule.params)
+        adamw = sum(e.numel for e in schedule.params if e.optimizer != "matrix") / total
+        dp = schedule.request.dp
+        floor = floor_bytes(schedule)
+        worst, mean = max(grown) / total, sum(grown) / len(grown) / total
+        floor_text = f"{floor / total:.2f}" if floor is not None else "-"
+        ratio = f"{worst / (floor / total):.2f}x" if floor is not None else "-"
+        target = "14" if dp == 1 else f"{4 + 10 / dp:.2f} (+ AdamW moments {8 * adamw / dp:.2f})"
+        lines.append(f"| {schedule.request.optimizer.name} | {dp} | {total / 1e6:.1f}M | {adamw:.0%} | {worst:.2f} "
+                     f"| {mean:.2f} | {floor_text} | {ratio} | {target} |")
+    return "\n".join(lines)
+
+
+def write_section(path: Path, text: str, command: str) -> None:
+    """Replace (or append) this benchmark's section of a BENCHMARKS.md that exists."""
+    content = path.read_text()
+    section = f"{HEADING}\n\nMeasured by `{command}`.\n\n{text}\n"
+    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
+    content = pattern.sub(lambda _: section + "\n", content) if pattern.search(content) else content.rstrip("\n") + "\n\n" + section
+    path.write_text(content)
+
+
+def main() -> None:
+    """Measure DP 1 and DP 4 and print (optionally write) the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"])
+    parser.add_argument("--dp", default="1,4", help="comma-separated DP sizes (default 1,4)")
+    parser.add_argument("--write", type=Path, help="update this BENCHMARKS.md (only if it exists)")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        config = Path(folder) / "memory_qwen3.json"
+        config.write_text(json.dumps(MODEL))
+        for dp in (int(d) for d in args.dp.split(",")):
+            schedule = make_schedule(str(config), dp, args.optimizer)
+            grown = measure(schedule)
+            print(f"dp {dp}: " + ", ".join(f"{g / 2**20:.0f} MiB" for g in grown), file=sys.stderr, flush=True)
+            rows.append((schedule, grown))
+    text = table(rows)
+    print(text)
+    if args.write is not None and args.write.exists():
+        write_section(args.write, text, "python " + " ".join(["benchmarks/memory.py", *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    main()
