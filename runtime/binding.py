@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,11 +40,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from canzona.runtime.faults import wait
-from canzona.runtime.layout import merged_runs
 from canzona.schedules.format import ParamEntry
-
-if TYPE_CHECKING:
-    from canzona.runtime.optimizer import CanzonaOptimizer
 
 TP_MESH_DIM = "tp"
 PARTIAL_OVER_TP = "tp"
@@ -201,23 +198,17 @@ def _local_dtensor_grad(bound: Bound, grad: DTensor) -> Tensor:
     return grad.redistribute(param.device_mesh, param.placements).to_local()
 
 
-def partial_runs(opt: CanzonaOptimizer) -> list[tuple[int, int]]:
-    """[start, stop) spans of the reduced-gradient buffer (region coordinates) holding entries
-    whose gradients are partial sums over TP; alike on every rank of a TP group."""
-    return merged_runs((piece for rank in opt._ranks for piece in opt.layout.rank_pieces[rank]
-                        if opt._grad_reduce[piece.param] == PARTIAL_OVER_TP), opt._base)
-
-
-def sum_partial_over_tp(opt: CanzonaOptimizer, grads: Tensor) -> None:
-    """Sum the DP-mean gradients of `grad_reduce: tp` entries over the TP group, in place
-    (summing over TP commutes with the mean over DP). Collective over TP: every rank of a TP
-    group calls it at the same point of the step, after the reduction's safe point."""
-    runs: Sequence[tuple[int, int]] = opt._partial_runs
-    if not runs or opt.tp_size == 1:
+def sum_partial_over_tp(spans: Sequence[tuple[int, int]], send: Tensor, tp_group: dist.ProcessGroup,
+                       timeout: timedelta | None) -> None:
+    """Sum the DP-mean gradients at `spans` of `send` (those of `grad_reduce: tp` entries) over
+    the TP group, in place (summing over TP commutes with the mean over DP). Collective over
+    TP: every rank of a TP group calls it at the same point of the step, with the same spans,
+    after the reduction's safe point."""
+    if not spans or dist.get_world_size(tp_group) == 1:
         return
-    parts = [grads[start:stop] for start, stop in runs]
+    parts = [send[start:stop] for start, stop in spans]
     packed = torch.cat(parts)
-    wait(dist.all_reduce(packed, group=opt.tp_group, async_op=True), opt.timeout, "the TP sum of partial gradients")
+    wait(dist.all_reduce(packed, group=tp_group, async_op=True), timeout, "the TP sum of partial gradients")
     offset = 0
     for part in parts:
         part.copy_(packed[offset : offset + part.numel()])

@@ -40,7 +40,8 @@ def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
     return timedelta(seconds=float(timeout))
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """'Type: first line' of an error, for a one-line report."""
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
@@ -50,7 +51,7 @@ def collective_error(what: str, error: BaseException, timeout: timedelta | None 
     rank = dist.get_rank() if dist.is_initialized() else 0
     limit = f", timeout {timeout.total_seconds():g} s" if timeout is not None else ""
     return CollectiveError(
-        f"canzona: {what} failed on rank {rank} ({_first_line(error)}{limit}); a peer rank died, hung or failed "
+        f"canzona: {what} failed on rank {rank} ({first_line(error)}{limit}); a peer rank died, hung or failed "
         "outside a safe point, so the process groups may be unusable: restart from the last checkpoint"
     )
 
@@ -103,20 +104,28 @@ def describe(failures: Sequence[tuple[int, str]]) -> str:
     return "; ".join(parts)
 
 
+def fail_together(problem: str | None, groups: Sequence[dist.ProcessGroup], point: str, failure: str,
+                  error: type[Exception] = StepFailedError) -> None:
+    """Raise `error` on every rank, naming every rank's problem: every rank calls it once the
+    ranks know that one of them failed (one exchange of the problems)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    reports = gather_objects((rank, problem), groups, point)
+    raise error(f"canzona: {failure}; " + describe([(r, p) for r, p in reports if p]))
+
+
 def settle(problem: str | None, groups: Sequence[dist.ProcessGroup], timeout: timedelta | None, point: str,
            failure: str, device: torch.device, error: type[Exception] = StepFailedError,
            flags: torch.Tensor | None = None) -> torch.Tensor:
     """A safe point (`point` names it): if any rank has a problem, every rank raises `error`
     with `failure` and every rank's problem. One tiny all-reduce (MAX) per group when nobody
-    failed, on `device` (NCCL takes no CPU tensors). `flags` (integers) ride along in the same
-    all-reduce; returned as agreed by every rank: the maximum over all of them."""
+    failed, on `device` (NCCL takes no CPU tensors). `flags` (integers, on any device) ride
+    along in the same all-reduce; returned as agreed by every rank: the maximum over all of
+    them."""
     head = torch.tensor([1 if problem else 0], dtype=torch.int32, device=device)
     vector = head if flags is None else torch.cat([head, flags.to(device=device, dtype=torch.int32)])
     for group in groups:
         if _size(group) > 1:
             wait(dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout, point)
     if int(vector[0].item()):
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        reports = gather_objects((rank, problem), groups, point)
-        raise error(f"canzona: {failure}; " + describe([(r, p) for r, p in reports if p]))
+        fail_together(problem, groups, point, failure, error)
     return vector[1:]

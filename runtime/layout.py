@@ -25,7 +25,6 @@ gathers in the order the next forward needs them (the reverse).
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -45,19 +44,6 @@ class Piece:
     src: int
     dst: int
     length: int
-
-
-def merged_runs(pieces: Iterable[Piece], base: int) -> list[tuple[int, int]]:
-    """[start, stop) spans of the exchange buffer (relative to `base`) that `pieces` cover,
-    adjacent pieces merged into one span."""
-    runs: list[tuple[int, int]] = []
-    for piece in pieces:
-        low = piece.dst - base
-        if runs and runs[-1][1] == low:
-            runs[-1] = (runs[-1][0], low + piece.length)
-        else:
-            runs.append((low, low + piece.length))
-    return runs
 
 
 BUFFER_ORDER = {MATRIX: 0, EXPERT: 1, ADAMW: 2}  # the simulator's order of buffers (dense, expert, AdamW)
@@ -264,6 +250,11 @@ class Task:
         for size in self.local_shape:
             count *= size
         return count
+
+
+def hosts_here(task: Task, rank: int) -> bool:
+    """Whether TP rank `rank` updates `task` (its host, or a member of its team)."""
+    return rank in task.team if task.team else task.host == rank
 
 
 def matrix_tasks(schedule: Schedule, names: list[str] | None = None) -> dict[str, Task]:

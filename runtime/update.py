@@ -1,195 +1,217 @@
-"""The update stage of a step (`UpdateStage`, a part of `CanzonaOptimizer`): from this rank's
-DP-mean gradients to its new values, computed into scratch (`Transaction`) and applied only
-after every rank agreed that nobody failed.
+"""The update stage of a step on one rank: host results of the matrices it updates, applying
+this rank's shards, and AdamW on its slices. State, main copies and parameters change in place.
 
-The TP micro-group pipeline updates the matrices this DP rank owns (each on its host, from its
-fp32 main copy for a low-precision parameter); AdamW updates this rank's equal slices; the new
-values are written into `out` (region coordinates, in the dtype they travel in) for the DP
-gather. `_commit` installs what a step computed.
+Hosts compute a micro-group's matrices by batch: matrices of one param group, shape and row
+blocks are updated together (`matrix_update_batch`: Muon orthogonalises each submatrix
+position of the batch as one batched product, stacked at most `RankPlan.stack_limit` elements
+at a time); a team-hosted matrix is computed with its team (`canzona.runtime.rules.cooperative`).
+A matrix's gradient (its place in the bucket buffer, or the matrix the TP gather assembled) is
+the scratch its update is computed in: no stage copies the gradients of a whole batch. A host's result is the fp32 update of an fp32
+parameter, or the new value (its fp32 main copy, updated here) of a bf16/fp16 one; `apply`
+writes a rank's shard of it into the parameter. AdamW runs on this rank's slices of the bucket
+buffer, on the main copies of low-precision parameters and on fp32 parameters themselves.
+
+A failure inside a host's computation or AdamW (an out-of-memory error, a bad value) is
+recorded in the step's `StepContext` and the stage goes on with neutral results (the current
+value, a zero update), so every rank finishes the step's collectives; the optimizer then fails
+the step on every rank at its next safe point. State changed before the failure stays changed:
+such a step leaves the optimizer unusable until a checkpoint is loaded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.exchange import comm
-from canzona.runtime.rules import cooperative
-from canzona.runtime.state import logical
-from canzona.runtime.faults import CollectiveError
+from canzona.runtime.faults import CollectiveError, first_line
 from canzona.runtime.layout import Task
-from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, State, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.plan import AdamwPiece, RankPlan
+from canzona.runtime.rules import cooperative
+from canzona.runtime.rules.optimizers import (
+    Hyperparameters,
+    MatrixRule,
+    State,
+    adamw_,
+    apply_update,
+    init_matrix_state,
+    matrix_update_batch,
+)
+from canzona.runtime.state.store import OptimizerState
 
-
-def problem_line(error: BaseException) -> str:
-    """'Type: first line' of an error, for a one-line report."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+BatchKey = tuple[int, tuple[int, int], tuple[tuple[tuple[int, int], ...], ...] | None]
 
 
 @dataclass
-class Transaction:
-    """What one step has computed but not applied."""
+class StepContext:
+    """One step as the update stage sees it: its number, which entries take part, every param
+    group's hyperparameters and matrix rule, and the first problem met (None: none)."""
 
     step: int
     active: list[bool]
     hps: list[Hyperparameters]
     rules: dict[int, MatrixRule]
     problem: str | None = None
-    matrix: dict[int, list[State]] = field(default_factory=dict)
-    main: dict[int, Tensor] = field(default_factory=dict)
-    adamw: dict[str, Tensor] | None = None
 
     def fail(self, problem: str) -> None:
         """Record the first problem of the step."""
         self.problem = self.problem or problem
 
 
-class UpdateStage:
-    """The update stage's methods; `CanzonaOptimizer` (and the baselines) inherit them and
-    provide the attributes they read (layout, buffers, groups, state, the pipeline)."""
+def _key(plan: RankPlan, task: Task) -> BatchKey:
+    blocks = tuple(tuple((start, stop) for start, stop in block) for block in task.row_blocks) if task.row_blocks else None
+    return plan.group_of[task.param], task.shape, blocks
 
-    _pending: Transaction | None
 
-    def _group_rule(self, hp: Hyperparameters) -> MatrixRule:
-        return make_rule(self.schedule.request.optimizer.name, hp)
+class Updater:
+    """The update stage of one rank (module docstring). `team_groups`: the process groups of
+    the teams this rank belongs to."""
 
-    def _update(self, grads: Tensor, pending: Transaction) -> None:
-        values = torch.empty(self._size, dtype=torch.float32, device=self.device)
-        out = torch.empty(self._size, dtype=self._wire_dtype, device=self.device)
-        self._pack_values(values)
-        self._pending = pending
-        try:
-            self._update_matrices(grads, values, out)
-        finally:
-            self._pending = None
-        self._update_adamw(grads, values, pending)
-        for start, stop in self._adamw_spans():
-            out[start:stop].copy_(values[start:stop])
-        self._settle(pending.problem, pending.step, before_collectives=False)
-        self._publish(out, pending.active)
-        if self.main.adamw is not None:
-            offset = 0
-            for start, stop in self._adamw_spans():
-                self.main.adamw[offset : offset + stop - start].copy_(values[start:stop])
-                offset += stop - start
+    def __init__(self, plan: RankPlan, state: OptimizerState, team_groups: dict[tuple[int, ...], dist.ProcessGroup],
+                 timeout: timedelta | None) -> None:
+        self.plan, self.state, self.team_groups, self.timeout = plan, state, team_groups, timeout
+        self._batches: dict[tuple[int, ...], list[list[Task]]] = {}
 
-    def _adamw_spans(self) -> list[tuple[int, int]]:
-        """[start, stop) of every AdamW region this rank updates, in its buffer coordinates."""
-        return [tuple(s - self._base for s in self.layout.adamw_region(r)) for r in self._ranks]  # type: ignore[misc]
+    # -- hosts -------------------------------------------------------------------------------
 
-    def _pack_values(self, values: Tensor) -> None:
-        """Current fp32 values of what this rank updates: main copies of low-precision AdamW
-        elements, the parameters themselves for fp32 ones (low-precision matrices come from
-        their hosts' main copies)."""
-        if self.main.adamw is not None:
-            offset = 0
-            for start, stop in self._adamw_spans():
-                values[start:stop].copy_(self.main.adamw[offset : offset + stop - start])
-                offset += stop - start
-        comm.pack(self._fp32_pieces, self._flat_params, values, self._base, zero_missing=False)
+    def batches(self, tasks: Sequence[Task]) -> list[list[Task]]:
+        """`tasks` split into batches computed together (a team's matrix is a batch of its own),
+        in order of first appearance; remembered per set of tasks."""
+        memo = tuple(t.param for t in tasks)
+        found = self._batches.get(memo)
+        if found is None:
+            grouped: dict[BatchKey | int, list[Task]] = {}
+            for task in tasks:
+                grouped.setdefault(task.param if task.team else _key(self.plan, task), []).append(task)
+            found = self._batches[memo] = list(grouped.values())
+        return found
 
-    def _commit(self, pending: Transaction) -> None:
-        self.matrix_state.update(pending.matrix)
-        self.main.matrices.update(pending.main)
-        if pending.adamw is not None:
-            self.adamw_state = pending.adamw
-        for index, active in enumerate(pending.active):
-            if active and self._counted[index]:
-                self.param_steps[index] += 1
-        self.step_count = pending.step
-
-    def _local(self, buffer: Tensor, task: Task) -> Tensor:
-        start = self._offsets[task.param]
-        return buffer[start : start + task.numel].view(task.local_shape)
-
-    def _host_update(self, task: Task, full_grad: Tensor) -> Tensor:
-        """The host's result for a matrix (an fp32 update, or the new values in the model dtype
-        from its fp32 main copy), computed on copies of its state; a failure is recorded (and a
-        zero result keeps the collectives going) for the next safe point."""
-        pending = self._pending
-        assert pending is not None
-        calls = cooperative.Calls()
-        if pending.problem is None:
+    def host_results(self, ctx: StepContext, tasks: Sequence[Task], full: dict[int, Tensor]) -> dict[int, Tensor]:
+        """The result of every matrix of `tasks` (all updated here), from its full gradient (a
+        team member's: its slice)."""
+        results: dict[int, Tensor] = {}
+        for batch in self.batches(tasks):
+            if batch[0].team:
+                results[batch[0].param] = self._team_result(ctx, batch[0], full[batch[0].param])
+                continue
             try:
-                return self._matrix_result(task, full_grad, pending, calls)
+                results.update(self._batch_results(ctx, batch, full) if ctx.problem is None else self._neutral(batch))
+            except CollectiveError:
+                raise
+            except Exception as error:  # noqa: BLE001 - every rank fails the step at the next safe point
+                ctx.fail(f"updating {self.plan.names[batch[0].param]}: {first_line(error)}")
+                results.update(self._neutral(batch))
+        return results
+
+    def _states(self, rule: MatrixRule, task: Task) -> list[State]:
+        states = self.state.matrix.get(task.param)
+        if states is None:
+            shape = cooperative.held_shape(task, self.plan.place.tp_rank)
+            states = ([rule.init_state(*shape, self.plan.device)] if task.team else
+                      init_matrix_state(rule, task.shape, task.row_blocks, self.plan.device))
+            self.state.matrix[task.param] = states
+        return states
+
+    def _batch_results(self, ctx: StepContext, batch: list[Task], full: dict[int, Tensor]) -> dict[int, Tensor]:
+        group = self.plan.group_of[batch[0].param]
+        rule, hp = ctx.rules[group], ctx.hps[group]
+        states = [self._states(rule, task) for task in batch]
+        steps = [self.state.param_steps[task.param] + 1 for task in batch]
+        updates = [full[task.param] for task in batch]  # scratch: the gradients become the updates
+        matrix_update_batch(rule, states, updates, batch[0].row_blocks, steps, self.plan.stack_limit)
+        if not self.plan.lowp(batch[0].param):
+            return {task.param: update for task, update in zip(batch, updates)}
+        mains = [self.state.main.matrices[task.param] for task in batch]
+        if hp.weight_decay:
+            torch._foreach_mul_(mains, 1 - hp.lr * hp.weight_decay)
+        torch._foreach_add_(mains, updates, alpha=-hp.lr)
+        return {task.param: main for task, main in zip(batch, mains)}
+
+    def _neutral(self, batch: Sequence[Task]) -> dict[int, Tensor]:
+        """Results that change nothing: the current main copy, or a zero update."""
+        held = cooperative.held_shape
+        return {t.param: self.state.main.matrices[t.param] if self.plan.lowp(t.param) else
+                torch.zeros(held(t, self.plan.place.tp_rank), dtype=torch.float32, device=self.plan.device) for t in batch}
+
+    def _team_result(self, ctx: StepContext, task: Task, grad: Tensor) -> Tensor:
+        """A team member's slice of its matrix's result; after a failure it goes through the
+        team's remaining all-reduces on zeros, so the other members finish theirs."""
+        group = self.plan.group_of[task.param]
+        hp, calls = ctx.hps[group], cooperative.Calls()
+        if ctx.problem is None:
+            try:
+                states = self._states(ctx.rules[group], task)
+                update = cooperative.team_muon(hp, states[0], grad.float(), task, self.team_groups[task.team],
+                                               self.timeout, calls)
+                if not self.plan.lowp(task.param):
+                    return update
+                main = self.state.main.matrices[task.param]
+                apply_update(main, update, hp.lr, hp.weight_decay)
+                return main
             except CollectiveError:
                 raise
             except Exception as error:  # noqa: BLE001
-                pending.fail(f"updating {self.names[task.param]}: {problem_line(error)}")
-        if task.team:  # the team's other members are in its all-reduces: go through the rest on zeros
-            steps = pending.hps[self._group_of[task.param]].ns_steps or 0
-            cooperative.idle(task, self.pipeline.team_groups[task.team], steps, self.device, self.timeout, calls.count)
-        return torch.zeros(cooperative.held_shape(task, self.tp_rank), dtype=self._dtypes[task.param], device=self.device)
+                ctx.fail(f"updating {self.plan.names[task.param]}: {first_line(error)}")
+        cooperative.idle(task, self.team_groups[task.team], hp.ns_steps or 0, self.plan.device, self.timeout, calls.count)
+        return self._neutral([task])[task.param]
 
-    def _matrix_result(self, task: Task, full_grad: Tensor, pending: Transaction, calls: cooperative.Calls) -> Tensor:
-        group = self._group_of[task.param]
-        rule, hp = pending.rules[group], pending.hps[group]
-        current = self.matrix_state.get(task.param)
-        if task.team:  # this member's slice: its momentum, its part of a shared Newton-Schulz
-            states = logical.clone_states(current) if current else [rule.init_state(*cooperative.held_shape(task, self.tp_rank), self.device)]
-            update = cooperative.team_muon(hp, states[0], full_grad.float(), task, self.pipeline.team_groups[task.team],
-                                           self.timeout, calls)
-        else:
-            states = logical.clone_states(current) if current else init_matrix_state(rule, task.shape, task.row_blocks, self.device)
-            update = matrix_update(rule, states, full_grad, task.row_blocks, self.param_steps[task.param] + 1)
-        pending.matrix[task.param] = states
-        if not self._lowp[task.param]:
-            return update
-        main = self.main.matrices[task.param].clone()
-        apply_update(main, update, hp.lr, hp.weight_decay)
-        pending.main[task.param] = main
-        return main.to(self._dtypes[task.param])
-
-    def _apply(self, values: Tensor, out: Tensor, task: Task, shard: Tensor) -> None:
-        """Write this rank's shard of a matrix's result into the outgoing buffer."""
-        if self._lowp[task.param]:
-            self._local(out, task).copy_(shard)
+    def apply(self, ctx: StepContext, task: Task, shard: Tensor) -> None:
+        """Write this rank's shard of a matrix's result into its parameter: the new values of a
+        bf16/fp16 matrix, or the fp32 update of an fp32 one (p ← p·(1 − lr·wd) − lr·u)."""
+        value = self.plan.value(task.param)
+        if self.plan.lowp(task.param):
+            value.copy_(shard.view(value.shape))
             return
-        pending = self._pending
-        assert pending is not None
-        hp = pending.hps[self._group_of[task.param]]
-        value = self._local(values, task)
-        apply_update(value, shard, hp.lr, hp.weight_decay)
-        self._local(out, task).copy_(value)
+        hp = ctx.hps[self.plan.group_of[task.param]]
+        apply_update(value, shard.view(value.shape), hp.lr, hp.weight_decay)
 
-    def _active_task(self, task: Task) -> bool:
-        pending = self._pending
-        return pending is not None and pending.active[task.param] and self._managed[task.param]
+    # -- AdamW -------------------------------------------------------------------------------
 
-    def _update_matrices(self, grads: Tensor, values: Tensor, out: Tensor) -> None:
-        self.pipeline.run(
-            grad_of=lambda task: self._local(grads, task),
-            update_of=self._host_update,
-            apply=lambda task, shard: self._apply(values, out, task, shard),
-            active=self._active_task,
-        )
-
-    def _adamw_runs_now(self, active: list[bool]) -> list[tuple[int, int, int, int, int]]:
-        """(group, param step, buffer start, state offset, length) of every contiguous run of
-        stepped AdamW elements that share a group and a step count."""
-        runs: list[list[int]] = []
-        for piece, offset in self._adamw_pieces:
-            if not active[piece.param]:
+    def _runs(self, ctx: StepContext) -> list[list[int]]:
+        """[group, param step, position, state offset, length, piece] of every run of stepped
+        AdamW elements: adjacent low-precision pieces (updated on the contiguous main copy)
+        that share a group and a step count merge; an fp32 piece (updated in its parameter)
+        is a run of its own (piece = its position in `plan.adamw`, -1 for a merged run)."""
+        plan, runs = self.plan, []
+        for number, piece in enumerate(plan.adamw):
+            if not (ctx.active[piece.param] and plan.optimized(piece.param)):
                 continue
-            key = (self._group_of[piece.param], self.param_steps[piece.param])
-            start = piece.dst - self._base
-            if runs and (runs[-1][0], runs[-1][1]) == key and runs[-1][2] + runs[-1][4] == start and runs[-1][3] + runs[-1][4] == offset:
-                runs[-1][4] += piece.length
+            key = [plan.group_of[piece.param], self.state.param_steps[piece.param]]
+            last = runs[-1] if runs else None
+            if (plan.lowp(piece.param) and last is not None and last[5] == -1 and last[:2] == key
+                    and last[2] + last[4] == piece.pos and last[3] + last[4] == piece.offset):
+                last[4] += piece.length
             else:
-                runs.append([*key, start, offset, piece.length])
-        return [tuple(run) for run in runs]  # type: ignore[misc]
+                runs.append([*key, piece.pos, piece.offset, piece.length, -1 if plan.lowp(piece.param) else number])
+        return runs
 
-    def _update_adamw(self, grads: Tensor, values: Tensor, pending: Transaction) -> None:
+    def _values(self, run: list[int]) -> Tensor:
+        if run[5] == -1:
+            assert self.state.main.adamw is not None
+            return self.state.main.adamw[run[3] : run[3] + run[4]]
+        piece: AdamwPiece = self.plan.adamw[run[5]]
+        return self.plan.value(piece.param).view(-1)[piece.src : piece.src + piece.length]
+
+    def adamw(self, ctx: StepContext, send: Tensor) -> None:
+        """AdamW on every active piece of this rank's slices (gradients at their positions in
+        `send`); low-precision parameters get their new values from their main copies."""
+        if ctx.problem is not None:
+            return
+        moments, main = self.state.adamw, self.state.main.adamw
         try:
-            moments = {key: value.clone() for key, value in self.adamw_state.items()}
-            for group, steps, start, offset, length in self._adamw_runs_now(pending.active):
-                adamw_(values[start : start + length], grads[start : start + length],
-                       moments["exp_avg"][offset : offset + length], moments["exp_avg_sq"][offset : offset + length],
-                       steps + 1, pending.hps[group])
-            pending.adamw = moments
-        except Exception as error:  # noqa: BLE001
-            pending.fail(f"AdamW: {problem_line(error)}")
-
+            for run in self._runs(ctx):
+                group, steps, position, offset, length, _ = run
+                grad = send[position : position + length]  # spent once the moments have it: the scratch
+                adamw_(self._values(run), grad, moments["exp_avg"][offset : offset + length],
+                       moments["exp_avg_sq"][offset : offset + length], steps + 1, ctx.hps[group], scratch=grad)
+            for piece in self.plan.adamw:
+                if ctx.active[piece.param] and self.plan.optimized(piece.param) and self.plan.lowp(piece.param):
+                    assert main is not None
+                    flat = self.plan.value(piece.param).view(-1)
+                    flat[piece.src : piece.src + piece.length].copy_(main[piece.offset : piece.offset + piece.length])
+        except Exception as error:  # noqa: BLE001 - every rank fails the step at the next safe point
+            ctx.fail(f"AdamW: {first_line(error)}")

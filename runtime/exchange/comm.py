@@ -21,30 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import wait
-from canzona.runtime.layout import DpBucket, Piece
-
-
-def pack(pieces: Sequence[Piece], sources: Sequence[Tensor | None], out: Tensor, base: int = 0,
-         zero_missing: bool = True) -> None:
-    """Copy each piece from its flattened source tensor into `out` at `dst - base`, casting to
-    `out`'s dtype. A missing source (a parameter without a gradient) packs zeros, or is left
-    alone with `zero_missing=False`."""
-    for piece in pieces:
-        target = out[piece.dst - base : piece.dst - base + piece.length]
-        source = sources[piece.param]
-        if source is not None:
-            target.copy_(source[piece.src : piece.src + piece.length])
-        elif zero_missing:
-            target.zero_()
-
-
-def unpack(pieces: Sequence[Piece], buffer: Tensor, targets: Sequence[Tensor | None], base: int = 0) -> None:
-    """Copy each piece from `buffer` (at `dst - base`) into its flattened target tensor
-    (casting to its dtype); pieces whose target is None are skipped."""
-    for piece in pieces:
-        target = targets[piece.param]
-        if target is not None:
-            target[piece.src : piece.src + piece.length].copy_(buffer[piece.dst - base : piece.dst - base + piece.length])
+from canzona.runtime.layout import DpBucket
 
 
 DP_COLLECTIVES = ("rooted", "all_to_all")
@@ -53,6 +30,14 @@ ALL_REDUCE = "all_reduce"  # DP-SC: every rank keeps the whole mean
 
 def _nothing() -> None:
     return None
+
+
+def native_for_equal(bucket: DpBucket, group: dist.ProcessGroup) -> bool:
+    """Whether a bucket goes through the backend's reduce-scatter / all-gather: its slices are
+    equal, and the backend has real ones (gloo builds its reduce-scatter from an all-reduce of a
+    copy of the whole bucket, so there one reduce and one broadcast per slice move less and
+    allocate nothing)."""
+    return bucket.equal and dist.get_backend(group) != dist.Backend.GLOO
 
 
 @dataclass
@@ -75,66 +60,71 @@ class Pending:
 
 
 def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: dist.ProcessGroup,
-                 ranks: Sequence[int], dests: dict[int, Tensor], divisor: int | None = None) -> Pending:
-    """Launch the DP mean of one bucket of the bucket buffer `send` (reduced in place): the sum
-    over `group` divided by `divisor` (default: the group's size; an expert bucket, reduced
-    over the expert-DP group, is divided by the DP size).
+                 ranks: Sequence[int], kept: Sequence[int], divisor: int | None = None) -> Pending:
+    """Launch the DP mean of one bucket of the bucket buffer `send`, in place: once landed, the
+    slices of the group ranks `kept` (this rank's own; every slice for DP-SC's `all_reduce`)
+    hold the sum over `group` divided by `divisor` (default: the group's size; an expert
+    bucket, reduced over the expert-DP group, is divided by the DP size). The rest of the
+    bucket is left undefined. `ranks` are the group ranks' global ranks.
 
-    `dests` maps a group rank to where this rank keeps the mean of that rank's slice (its own
-    slice; every slice for DP-SC's `all_reduce`); `ranks` are the group ranks' global ranks.
     `rooted`: one reduce to each non-empty slice's owner (a native reduce-scatter when the
-    slices are equal); `all_to_all`: one all_to_all_single, summed here in rank order;
-    `all_reduce`: one all-reduce of the bucket."""
+    slices are equal, `native_for_equal`); `all_to_all`: one all_to_all_single, summed here in rank order;
+    `all_reduce`: one all-reduce of the bucket. Transient buffers are at most one slice
+    (all_to_all: the group's copies of it)."""
     chunk = send[bucket.base : bucket.base + bucket.numel]
     world, cuts = len(bucket.slices), bucket.cuts
     scale = divisor or world
 
-    def land_slices() -> None:  # the (reduced) slices of `chunk` into their destinations
-        for r, dest in dests.items():
-            dest.copy_(chunk[cuts[r] : cuts[r + 1]]).div_(scale)
+    def scale_kept() -> None:
+        for r in kept:
+            chunk[cuts[r] : cuts[r + 1]].div_(scale)
 
     if world == 1:
-        return Pending([], land_slices)
+        return Pending([], scale_kept)
     if mode == ALL_REDUCE:
-        return Pending([dist.all_reduce(chunk, group=group, async_op=True)], land_slices)
+        return Pending([dist.all_reduce(chunk, group=group, async_op=True)], scale_kept)
+    mine = chunk[cuts[rank] : cuts[rank + 1]]
     if mode == "all_to_all":
-        mine = bucket.slices[rank]
-        received = torch.empty(world * mine, dtype=send.dtype, device=send.device)
-        work = dist.all_to_all_single(received, chunk, [mine] * world, list(bucket.slices), group=group, async_op=True)
+        received = torch.empty(world * mine.numel(), dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(received, chunk, [mine.numel()] * world, list(bucket.slices), group=group,
+                                      async_op=True)
 
         def land_sum() -> None:
-            dests[rank].copy_(received.view(world, mine).sum(0)).div_(scale)
+            mine.copy_(received.view(world, mine.numel()).sum(0)).div_(scale)
 
         return Pending([work], land_sum, [received])
-    if bucket.equal:
-        work = dist.reduce_scatter_single(dests[rank], chunk, group=group, async_op=True)
+    if native_for_equal(bucket, group):  # the output may not alias the input on every backend: a slice-sized buffer
+        out = torch.empty_like(mine)
+        work = dist.reduce_scatter_single(out, chunk, group=group, async_op=True)
 
         def land_mean() -> None:
-            dests[rank].div_(scale)
+            mine.copy_(out).div_(scale)
 
-        return Pending([work], land_mean)
+        return Pending([work], land_mean, [out])
     works = [dist.reduce(chunk[cuts[r] : cuts[r + 1]], dst=ranks[r], group=group, async_op=True)
              for r in range(world) if cuts[r + 1] > cuts[r]]
-    return Pending(works, land_slices)
+    return Pending(works, scale_kept)
 
 
-def start_gather(gathered: Tensor, mine: Tensor, bucket: DpBucket, mode: str, rank: int,
-                 group: dist.ProcessGroup, ranks: Sequence[int]) -> Pending:
-    """Launch the gather of one bucket into the bucket buffer `gathered`: every rank's slice,
-    this rank's being `mine`. `rooted`: one broadcast from each non-empty slice's owner (a
-    native all-gather when the slices are equal); `all_to_all`: one all_to_all_single."""
+def start_gather(gathered: Tensor, bucket: DpBucket, mode: str, rank: int, group: dist.ProcessGroup,
+                 ranks: Sequence[int]) -> Pending:
+    """Launch the gather of one bucket of the buffer `gathered`, whose slice `rank` already
+    holds this rank's values: afterwards every slice holds its owner's. `rooted`: one
+    broadcast from each non-empty slice's owner (a native all-gather when the slices are
+    equal, `native_for_equal`); `all_to_all`: one all_to_all_single."""
     chunk = gathered[bucket.base : bucket.base + bucket.numel]
     world, cuts = len(bucket.slices), bucket.cuts
     if world == 1:
-        chunk.copy_(mine)
         return Pending([])
+    native = native_for_equal(bucket, group)
+    if mode == "all_to_all" or native:  # the input may not alias the output on every backend
+        mine = chunk[cuts[rank] : cuts[rank + 1]].clone()
     if mode == "all_to_all":
         send = mine.repeat(world)
         work = dist.all_to_all_single(chunk, send, list(bucket.slices), [mine.numel()] * world, group=group, async_op=True)
         return Pending([work], keep=[send])
-    if bucket.equal:
+    if native:
         return Pending([dist.all_gather_single(chunk, mine, group=group, async_op=True)], keep=[mine])
-    chunk[cuts[rank] : cuts[rank + 1]].copy_(mine)
     works = [dist.broadcast(chunk[cuts[r] : cuts[r + 1]], src=ranks[r], group=group, async_op=True)
              for r in range(world) if cuts[r + 1] > cuts[r]]
     return Pending(works)

@@ -1,48 +1,62 @@
 """The DP parameter gather of one step, bucket by bucket, and its overlap with the next forward.
 
-`ParamGather` launches every bucket's gather (`canzona.runtime.exchange.comm.start_gather`) in the
-layout's gather order (the bucket the next forward needs first, first) and writes a bucket's
-new values into the parameters once it has arrived. Without `overlap_param_gather` the step
-waits for all of them before it returns. With it the step returns at once and `ForwardHooks`
-wait, module by module, for the buckets holding the parameters a module is about to use (a
-forward pre-hook), so the next forward starts while later buckets are still in flight.
+After the update every rank holds the new values of what it updated in the parameters
+themselves. `ParamGather` copies this DP rank's own slices of every bucket from the parameters
+into the gather buffer (the bucket buffer's storage, reused in the dtype values travel in: its
+gradients are spent by then), launches every bucket's gather
+(`canzona.runtime.exchange.buckets.start_bucket_gather`) in the layout's gather order (the
+bucket the next forward needs first, first), and writes a bucket's values into the parameters
+once it has arrived. Without `overlap_param_gather` the step waits for all of them before it
+returns. With it the step returns at once and `ForwardHooks` wait, module by module, for the
+buckets holding the parameters a module is about to use (a forward pre-hook), so the next
+forward starts while later buckets are still in flight.
 
 Which buckets a module waits for: those of its own parameters and of the parameters of its
 submodules that have no `forward` of their own (holders such as a weight container), whose
 parameters its forward must be using itself. A module with no parameter to wait for gets no
 hook. Everything else that reads the parameters first waits for every bucket: the end of the
-model's forward, the model's `state_dict` / `load_state_dict`, the optimizer's next step,
-`state_dict`, `load_state_dict`, checkpoints and `finish_gather()`.
+model's forward, the model's `state_dict` / `load_state_dict`, the optimizer's next step and
+the next backward's first gradient (the gather buffer is the gradient buffer), `state_dict`,
+`load_state_dict`, checkpoints and `finish_gather()`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from canzona.runtime.exchange.buckets import DpComms, start_bucket_gather
 from canzona.runtime.exchange.comm import Pending
-
-if TYPE_CHECKING:
-    from canzona.runtime.optimizer import CanzonaOptimizer
+from canzona.runtime.plan import RankPlan
 
 WHAT = "the DP gather of updated parameters"
 
 
-class ParamGather:
-    """The gathers of one step: `out` is this rank's new values (region coordinates, in the
-    dtype they travel in), `active` which parameters the step changed."""
+def gather_buffer(send: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bucket buffer's storage as a buffer of `dtype` values (as many as it has elements)."""
+    return send if dtype == send.dtype else send.view(dtype)[: send.numel()]
 
-    def __init__(self, opt: CanzonaOptimizer, out: Tensor, active: list[bool]) -> None:
-        self.opt = opt
-        self.gathered = torch.empty(opt.layout.total, dtype=out.dtype, device=out.device)
-        self.targets = opt._targets(active)
+
+class ParamGather:
+    """The gathers of one step; `active[i]`: whether entry i changed (only those are written)."""
+
+    def __init__(self, plan: RankPlan, comms: DpComms, send: Tensor, active: list[bool]) -> None:
+        self.plan, self.comms = plan, comms
+        self.gathered = gather_buffer(send, plan.wire_dtype)
+        self.active = active
+        layout = plan.layout
+        for piece in plan.own_pieces:
+            if plan.bound[piece.param] is not None and active[piece.param]:
+                start = layout.flat[piece.param] + piece.src
+                values = plan.value(piece.param).reshape(-1)[piece.src : piece.src + piece.length]
+                self.gathered[start : start + piece.length].copy_(values)
         self.pending: dict[int, Pending] = {}
-        for bucket in opt.layout.gather_order:
-            self.pending[bucket] = opt._start_gather(bucket, self.gathered, out)
+        for bucket in layout.gather_order:
+            self.pending[bucket] = start_bucket_gather(plan, comms, self.gathered, bucket)
 
     @property
     def done(self) -> bool:
@@ -52,22 +66,20 @@ class ParamGather:
     def wait(self, buckets: Iterable[int]) -> None:
         """Wait for `buckets` (those not arrived yet) and write their values into the
         parameters. Raises CollectiveError if a gather failed or timed out."""
-        opt = self.opt
+        plan = self.plan
         for bucket in buckets:
             pending = self.pending.pop(bucket, None)
             if pending is None:
                 continue
-            pending.wait(opt.timeout, WHAT)
-            layout = opt.layout
-            for index in layout.buckets[bucket].params:
-                target = self.targets[index]
-                if target is not None:
-                    start = layout.flat[index]
-                    target.copy_(self.gathered[start : start + opt._numel[index]])
+            pending.wait(self.comms.timeout, WHAT)
+            for index in plan.layout.buckets[bucket].params:
+                if plan.bound[index] is not None and self.active[index]:
+                    start, stop = plan.grad_span(index)
+                    plan.value(index).view(-1).copy_(self.gathered[start:stop])
 
     def finish(self) -> None:
         """Wait for every bucket still in flight, in gather order."""
-        self.wait([b for b in self.opt.layout.gather_order if b in self.pending])
+        self.wait([b for b in self.plan.layout.gather_order if b in self.pending])
 
 
 def _has_forward(module: nn.Module) -> bool:
@@ -103,18 +115,18 @@ def unattributed(model: nn.Module, bucket_of: dict[int, list[int]], attributed: 
 class ForwardHooks:
     """The hooks `overlap_param_gather` installs on the model: a forward pre-hook per module
     that uses optimized parameters, and, on the model itself, a forward hook and state-dict
-    pre-hooks that wait for everything."""
+    pre-hooks that wait for everything. `target()` is the object that waits (held weakly by
+    the caller: None once it is gone), with `wait_gather(buckets)` and `finish_gather()`."""
 
-    def __init__(self, opt: CanzonaOptimizer, model: nn.Module, bucket_of: dict[int, list[int]]) -> None:
+    def __init__(self, target: Callable[[], Any], model: nn.Module, bucket_of: dict[int, list[int]]) -> None:
         self.buckets = module_buckets(model, bucket_of)
         self.eager = unattributed(model, bucket_of, self.buckets)
         self.handles: list[RemovableHandle] = []
-        ref = opt.weak()
         for module, buckets in self.buckets.items():
-            self.handles.append(module.register_forward_pre_hook(_waiter(ref, buckets)))
-        self.handles.append(model.register_forward_hook(_finisher(ref)))
-        self.handles.append(model.register_state_dict_pre_hook(_finisher(ref)))
-        self.handles.append(model.register_load_state_dict_pre_hook(_finisher(ref)))
+            self.handles.append(module.register_forward_pre_hook(_waiter(target, buckets)))
+        self.handles.append(model.register_forward_hook(_finisher(target)))
+        self.handles.append(model.register_state_dict_pre_hook(_finisher(target)))
+        self.handles.append(model.register_load_state_dict_pre_hook(_finisher(target)))
 
     def remove(self) -> None:
         """Uninstall every hook."""

@@ -6,8 +6,9 @@ travels in pieces: each member gets, and sends back, only its slice of the long 
 
 Callbacks keep this module free of optimizer details:
 `grad_of(task)` is this rank's reduced local gradient shard (local shape, fp32),
-`update_of(task, full_grad)` the host's full result for the matrix (full shape, in the task's
-model dtype: an fp32 update for fp32 parameters, the new values for bf16/fp16 ones), and
+`update_of(tasks, full_grads)` the host's full results for the matrices of one micro-group it
+updates, all at once (so that same-shape matrices are computed as one batch): full shape, an
+fp32 update for fp32 parameters, the new values (fp32 main copy) for bf16/fp16 ones, and
 `apply(task, shard)` applies this rank's shard of it. `active(task)` leaves out matrices that
 take no part in this step (no gradient on any rank); every rank must give the same answer.
 Gradients travel in fp32; a micro-group's results travel in its tasks' model dtype when they
@@ -25,11 +26,11 @@ from torch import Tensor
 
 from canzona.runtime.rules import cooperative
 from canzona.runtime.exchange.comm import InFlight, all_gather_equal, start_all_to_all
-from canzona.runtime.layout import Task
+from canzona.runtime.layout import Task, hosts_here
 from canzona.runtime.schedule import DTYPES
 
 GradOf = Callable[[Task], Tensor]
-UpdateOf = Callable[[Task, Tensor], Tensor]
+UpdateOf = Callable[[Sequence[Task], dict[int, Tensor]], dict[int, Tensor]]
 Apply = Callable[[Task, Tensor], None]
 Active = Callable[[Task], bool]
 
@@ -58,12 +59,6 @@ def assemble(task: Task, shards: Sequence[Tensor]) -> Tensor:
 
 def _everything(task: Task) -> bool:
     return True
-
-
-
-def hosts_here(task: Task, rank: int) -> bool:
-    """Whether TP rank `rank` updates `task` (its host, or a member of its team)."""
-    return rank in task.team if task.team else task.host == rank
 
 
 def _gather_numel(task: Task, sender: int, receiver: int) -> int:
@@ -166,8 +161,10 @@ class MicroGroupPipeline:
         """Run every micro-group: gather(g+1) overlaps compute(g), scatter(g) overlaps compute(g+1)."""
         groups = [kept for kept in (tuple(t for t in tasks if active(t)) for tasks in self.groups) if kept]
         if self.size == 1:  # every task is hosted here: nothing to gather or scatter
-            for task in (t for tasks in groups for t in tasks):
-                apply(task, update_of(task, grad_of(task)))
+            for tasks in groups:
+                results = update_of(tasks, {t.param: grad_of(t) for t in tasks})
+                for task in tasks:
+                    apply(task, results[task.param])
             return
         if not groups:
             return
@@ -178,7 +175,7 @@ class MicroGroupPipeline:
             if index + 1 < len(groups):
                 gather = self._start_gather(groups[index + 1], grad_of)
             full = self._full_grads(tasks, received, grad_of)
-            updates = {t.param: update_of(t, full[t.param]) for t in self._hosted(tasks, self.rank)}
+            updates = update_of(self._hosted(tasks, self.rank), full)
             if scatter is not None:
                 self._apply(scatter[0], scatter[1].wait(), apply)
             scatter = (tasks, self._start_scatter(tasks, updates))
@@ -216,5 +213,6 @@ def replicated_updates(tasks: Sequence[Task], tp_rank: int, tp_size: int, tp_gro
     full matrix and applies its own shard (P-fold redundant compute and state)."""
     chosen = [t for t in tasks if active(t)]
     full = gather_replicated(chosen, tp_group, grad_of, device, timeout)
+    results = update_of(chosen, full)
     for task in chosen:
-        apply(task, _shard(update_of(task, full[task.param]), task, tp_rank, tp_size))
+        apply(task, _shard(results[task.param], task, tp_rank, tp_size))

@@ -1,65 +1,92 @@
-"""One round of the DP gradient reduction: every bucket reduced once, in a fixed order.
+"""One round of the DP gradient reduction: every bucket reduced once, in a fixed order, in place
+in the bucket buffer.
 
-A round packs each parameter's gradient (cast to fp32) into the bucket buffer and launches each
-bucket's reduction (`canzona.runtime.exchange.comm.start_reduce`) in the layout's reduction order. It is
-filled one of two ways:
+A round packs each optimized entry's gradient (cast to fp32) at its position in the bucket
+buffer and launches each bucket's reduction (`canzona.runtime.exchange.buckets`) in the layout's
+reduction order. It is filled one of two ways:
 
 - from backward (`overlap_grad_reduce`): a post-accumulate-grad hook packs a parameter as soon
   as backward has its gradient, and a bucket is launched once all its parameters are packed and
   every bucket before it in the order has been launched. At the end of that backward (an
   autograd final callback) the round packs whatever backward did not produce (from the
   gradient attribute as it is, zeros where there is none) and launches the rest;
-- at the step (overlap off, gradients assigned by hand, or a round that must be redone): every
-  parameter packed, then every bucket launched.
+- at the step (overlap off, gradients assigned by hand): every entry packed, then, after the
+  step's safe point, every bucket launched.
+
+Backward-time reduction must never change a result, so a round remembers what it packed: the
+gradient tensor (weakly) and a fingerprint of its values (sum and sum of squares, on the
+device). At the step, `changes` compares them with what each gradient attribute holds then
+(`.grad` edited in place by clipping or a loss scaler, replaced, set to None, summed over TP by a
+hook that ran after canzona's): the buckets of every changed entry are reduced again
+(`redo`), once every rank agrees which. Fingerprints see edits that bump no version counter
+(foreach ops on DTensors, fused multi-tensor kernels).
 
 Either way every rank issues the same collectives in the same order, whatever the timing of its
 hooks, so the DP group never desynchronises. A rank-local problem while packing (a gradient of
-the wrong shape, a non-finite one with `check_finite`) packs zeros, is recorded and is reported
-at the step's safe point, where every rank fails together.
+the wrong shape or device, a non-finite one with `check_finite`) packs zeros, is recorded and is
+reported at the step's safe point, where every rank fails together.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.autograd import Variable
-from torch.utils.hooks import RemovableHandle
 
 from canzona.runtime import binding
+from canzona.runtime.exchange.buckets import DpComms, start_bucket_reduce
 from canzona.runtime.exchange.comm import Pending
-from canzona.runtime.faults import CollectiveError
-
-if TYPE_CHECKING:
-    from canzona.runtime.optimizer import CanzonaOptimizer
+from canzona.runtime.faults import CollectiveError, first_line
+from canzona.runtime.plan import RankPlan
 
 WHAT = "the DP reduction of gradients"
 
 
-def _line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+@dataclass(frozen=True)
+class GradSource:
+    """Where gradients are read (`grad`, or Megatron's `main_grad`) and whether a non-finite
+    one fails the step."""
+
+    attr: str = "grad"
+    check_finite: bool = False
+
+
+def _fingerprint(flat: Tensor) -> Tensor:
+    """Sum and 2-norm of a gradient (accumulated in fp32), on its device, with no host
+    synchronisation. Always taken of the gradient tensor itself, so an unchanged gradient gives
+    the same bits again."""
+    return torch.stack((flat.sum(dtype=torch.float32), torch.linalg.vector_norm(flat, dtype=torch.float32)))
+
+
+def _referent(grad: Tensor | None) -> Callable[[], Tensor | None]:
+    if grad is None:
+        return lambda: None
+    return weakref.ref(grad)
 
 
 class Round:
-    """One reduction of every bucket. `launching`: launch buckets as soon as they are full
-    (backward); otherwise nothing is launched before `launch_rest`."""
+    """One reduction of every bucket into `send`. `launching`: launch buckets as soon as they
+    are full (backward); otherwise nothing is launched before `launch_rest`."""
 
-    def __init__(self, opt: CanzonaOptimizer, launching: bool) -> None:
-        self.opt = opt
+    def __init__(self, plan: RankPlan, comms: DpComms, send: Tensor, source: GradSource, launching: bool) -> None:
+        self.plan, self.comms, self.send, self.source = plan, comms, send, source
         self.launching = launching
-        layout = opt.layout
-        self.missing = [0] * len(layout.buckets)  # parameters of each bucket not packed yet
-        for index in opt._managed_indices:
-            self.missing[layout.bucket_of[index]] += 1
-        self.packed = [False] * len(opt.names)
-        self.has_grad = [False] * len(opt.names)
+        count = len(plan.names)
+        self.missing = [0] * len(plan.layout.buckets)  # parameters of each bucket not packed yet
+        for index in plan.managed:
+            self.missing[plan.layout.bucket_of[index]] += 1
+        self.packed = [False] * count
+        self.has_grad = [False] * count
+        self.referents: list[Callable[[], Tensor | None] | None] = [None] * count  # the gradient each entry was packed from
+        self.fingerprints = torch.zeros(count, 2, dtype=torch.float32, device=plan.device)
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=plan.device)
         self.launched = 0  # buckets launched so far, in reduction order
         self.pending: list[Pending] = []
-        self.grads = torch.empty(opt._size, dtype=torch.float32, device=opt.device)
         self.problem: str | None = None
-        self.stale = False  # a gradient changed after its bucket was launched: redo at the step
+        self.stale: set[int] = set()  # buckets whose gradients arrived again after their launch
         self.failure: CollectiveError | None = None
         self.closed = False  # the backward that filled it has ended
         self.early = 0  # buckets launched by backward's own hooks (the rest at its end or the step)
@@ -68,73 +95,103 @@ class Round:
         """Record the first rank-local problem of the round."""
         self.problem = self.problem or problem
 
+    # -- reading and packing -----------------------------------------------------------------
+
+    def current(self, index: int) -> Tensor | None:
+        """The gradient attribute of entry `index`'s model tensor as it is now (not checked)."""
+        bound = self.plan.bound[index]
+        assert bound is not None
+        return getattr(bound.param, self.source.attr, None)
+
+    def read(self, index: int, grad: Tensor | None) -> Tensor | None:
+        """Entry `index`'s part of the attribute value `grad`, flattened (None: none); ValueError
+        naming what is wrong with it. With `check_finite`, a non-finite value is noted on the
+        device (reported at the safe point, without a synchronisation here)."""
+        plan, name = self.plan, self.plan.names[index]
+        bound = plan.bound[index]
+        assert bound is not None
+        if grad is None:
+            if not hasattr(bound.param, self.source.attr):
+                raise ValueError(f"grad_attr {self.source.attr!r}: no such attribute on {name}")
+            return None
+        local = binding.local_grad(bound, grad)
+        if tuple(local.shape) != tuple(bound.value.shape):
+            raise ValueError(f"the gradient of {name} has shape {list(local.shape)}, the parameter {list(bound.value.shape)}")
+        if local.device != plan.device:
+            raise ValueError(f"the gradient of {name} is on {local.device}, the parameter on {plan.device}")
+        if not local.is_floating_point():
+            raise ValueError(f"the gradient of {name} has dtype {local.dtype}, not a floating-point one")
+        if self.source.check_finite:
+            self.nonfinite |= ~torch.isfinite(local).all()
+        return local.detach().reshape(-1)
+
+    def _pack(self, index: int) -> None:
+        start, stop = self.plan.grad_span(index)
+        target = self.send[start:stop]
+        grad, flat = self.current(index), None
+        try:
+            flat = self.read(index, grad)
+        except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
+            self.fail(str(error) if isinstance(error, ValueError) else
+                      f"packing the gradient of {self.plan.names[index]}: {first_line(error)}")
+        if flat is None:
+            target.zero_()
+        else:
+            target.copy_(flat)
+            if self.launching:  # packed during backward: the step checks whether it changed since
+                self.fingerprints[index] = _fingerprint(flat)
+        self.referents[index] = _referent(grad)
+        if not self.packed[index]:
+            self.missing[self.plan.layout.bucket_of[index]] -= 1
+        self.packed[index] = True
+        self.has_grad[index] = flat is not None
+
     def arrive(self, index: int) -> None:
         """Pack parameter `index` (its gradient is final for this round) and launch what is
         ready. Never raises: problems are recorded for the safe point."""
-        bucket = self.opt.layout.bucket_of[index]
+        bucket = self.plan.layout.bucket_of[index]
         if self.packed[index] and self._is_launched(bucket):
-            self.stale = True
+            self.stale.add(bucket)
             return
         self._pack(index)
         self._launch_ready()
 
-    def _is_launched(self, bucket: int) -> bool:
-        return self.opt.layout.reduce_position[bucket] < self.launched
-
-    def _pack(self, index: int) -> None:
-        opt = self.opt
-        start, count = opt.layout.flat[index], opt._numel[index]
-        target = opt._send[start : start + count]
-        grad = None
-        try:
-            grad = self._gradient(index)
-            if grad is not None:
-                target.copy_(grad)
-        except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
-            self.fail(str(error) if isinstance(error, ValueError) else f"packing the gradient of {opt.names[index]}: {_line(error)}")
-            grad = None
-        if grad is None:
-            target.zero_()
-        if not self.packed[index]:
-            self.missing[opt.layout.bucket_of[index]] -= 1
-        self.packed[index] = True
-        self.has_grad[index] = grad is not None
-
-    def _gradient(self, index: int) -> Tensor | None:
-        """This rank's gradient of parameter `index`, flattened (None: it has none); a problem
-        with it raises ValueError."""
-        opt = self.opt
-        param, bound = opt._param(index), opt._bound[index]
-        assert bound is not None
-        if not hasattr(bound.param, opt.grad_attr):
-            raise ValueError(f"grad_attr {opt.grad_attr!r}: no such attribute on {opt.names[index]}")
-        grad = binding.local_grad(bound, getattr(bound.param, opt.grad_attr))
-        if grad is None:
+    def nonfinite_problem(self) -> str | None:
+        """Which gradient is non-finite, if this rank noted one (a failure path: synchronises)."""
+        if not bool(self.nonfinite):
             return None
-        if tuple(grad.shape) != tuple(param.shape):
-            raise ValueError(f"the gradient of {opt.names[index]} has shape {list(grad.shape)}, the parameter {list(param.shape)}")
-        if opt.check_finite and not bool(torch.isfinite(grad).all()):
-            raise ValueError(f"non-finite gradient in {opt.names[index]}")
-        return grad.detach().reshape(-1)
+        for index in self.plan.managed:
+            grad, bound = self.current(index), self.plan.bound[index]
+            assert bound is not None
+            if grad is not None and not bool(torch.isfinite(binding.local_grad(bound, grad)).all()):
+                return f"non-finite gradient in {self.plan.names[index]}"
+        return "non-finite gradient"
 
     def pack_rest(self) -> None:
         """Pack every parameter not packed yet, from its gradient attribute as it is now."""
-        for index in self.opt._managed_indices:
+        for index in self.plan.managed:
             if not self.packed[index]:
                 self._pack(index)
 
+    # -- launching and waiting ---------------------------------------------------------------
+
+    def _is_launched(self, bucket: int) -> bool:
+        return self.plan.layout.reduce_position[bucket] < self.launched
+
+    def _launch(self, bucket: int) -> None:
+        if self.failure is not None:
+            return
+        try:
+            self.pending.append(start_bucket_reduce(self.plan, self.comms, self.send, bucket))
+        except Exception as error:  # noqa: BLE001 - a broken group: raised at the step
+            self.failure = CollectiveError(f"canzona: launching {WHAT} failed ({first_line(error)}); "
+                                           "restart from the last checkpoint")
+
     def _launch_ready(self) -> None:
-        order = self.opt.layout.reduce_order
+        order = self.plan.layout.reduce_order
         while self.launching and self.launched < len(order) and self.missing[order[self.launched]] == 0:
-            bucket = order[self.launched]
             self.launched += 1
-            if self.failure is not None:
-                continue
-            try:
-                self.pending.append(self.opt._start_reduce(bucket, self.grads))
-            except Exception as error:  # noqa: BLE001 - a broken group: raised at the step
-                self.failure = CollectiveError(f"canzona: launching {WHAT} failed ({_line(error)}); "
-                                               "restart from the last checkpoint")
+            self._launch(order[self.launched - 1])
 
     def launch_rest(self) -> None:
         """Pack what is missing and launch every bucket not launched yet, in order."""
@@ -148,16 +205,14 @@ class Round:
         self.early = self.launched
         self.launch_rest()
 
-    def wait(self) -> Tensor:
-        """Wait for every bucket and return this rank's DP-mean gradients (region coordinates).
+    def wait(self) -> None:
+        """Wait for every bucket launched; this rank's slices of `send` then hold the DP mean.
         Raises CollectiveError if a collective failed or timed out."""
-        assert self.launched == len(self.opt.layout.reduce_order), "wait() before every bucket was launched"
         pending, self.pending = self.pending, []
         if self.failure is not None:
             raise self.failure
         for item in pending:
-            item.wait(self.opt.timeout, WHAT)
-        return self.grads
+            item.wait(self.comms.timeout, WHAT)
 
     def drain(self) -> None:
         """Finish a round nobody will use: launch the rest (so every rank issues the same
@@ -165,45 +220,45 @@ class Round:
         self.launch_rest()
         self.wait()
 
+    # -- after backward: what changed --------------------------------------------------------
 
-def install_grad_hooks(opt: CanzonaOptimizer) -> list[RemovableHandle]:
-    """A post-accumulate-grad hook on every optimized model parameter: its gradient is final
-    (for each schedule entry it holds: a grouped expert tensor holds several)."""
-    ref = opt.weak()
-    return [opt._model_param(indices[0]).register_post_accumulate_grad_hook(_on_grad(ref, indices))
-            for indices in opt._indices_of_tensor.values()]
-
-
-def _on_grad(ref: Any, indices: list[int]) -> Any:
-    def hook(param: Tensor) -> None:
-        opt = ref()
-        if opt is not None:
-            for index in indices:
-                arrived(opt, index)
-
-    return hook
-
-
-def arrived(opt: CanzonaOptimizer, index: int) -> None:
-    """Parameter `index` has its gradient for this backward. Inside `no_sync()` nothing is
-    launched (a round already launched is marked stale: its gradients changed, so the step
-    redoes it). After `clip_grad_norm_` / `reduce_gradients` nothing is launched either: the
-    coming step uses that reduction, as it would without overlap. Otherwise the first gradient
-    of a backward opens a round (finishing one an earlier backward left unstepped), whose
-    end-of-backward callback launches whatever backward did not produce."""
-    current = opt._round
-    if not opt._syncing or opt._reduced is not None:
-        if current is not None:
-            current.stale = True
-        return
-    if current is None or current.closed:
-        opt._round = opened = Round(opt, launching=True)
-        if current is not None:
+    def changes(self) -> Tensor:
+        """Per bucket, 1 where an entry's gradient attribute no longer holds what was packed
+        (another tensor, None, or other values), on the device; also re-reads and checks every
+        such gradient (problems recorded) and updates `has_grad` to what the step will pack."""
+        plan = self.plan
+        flags = torch.zeros(len(plan.layout.buckets), dtype=torch.int32, device=plan.device)
+        for bucket in self.stale:
+            flags[bucket] = 1
+        differs: list[Tensor] = []
+        buckets: list[int] = []
+        for index in plan.managed:
+            grad, referent = self.current(index), self.referents[index]
             try:
-                current.drain()
-            except CollectiveError as error:
-                opened.failure = error
-        if torch._C._current_graph_task_id() != -1:  # inside backward: close the round at its end
-            Variable._execution_engine.queue_callback(opened.close)
-        current = opened
-    current.arrive(index)
+                flat = self.read(index, grad)
+            except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
+                self.fail(str(error) if isinstance(error, ValueError) else first_line(error))
+                flat = None
+            self.has_grad[index] = flat is not None
+            bucket = plan.layout.bucket_of[index]
+            if referent is None or referent() is not grad:
+                flags[bucket] = 1
+            elif flat is not None:
+                differs.append((_fingerprint(flat) != self.fingerprints[index]).any())
+                buckets.append(bucket)
+        if differs:
+            where = torch.tensor(buckets, dtype=torch.int64, device=plan.device)
+            flags.index_add_(0, where, torch.stack(differs).to(torch.int32))
+        return flags.clamp_(max=1)
+
+    def redo(self, buckets: Iterable[int]) -> None:
+        """Pack again every entry of `buckets` from its gradient attribute and reduce those
+        buckets again, in reduction order (every rank calls it with the same buckets)."""
+        chosen = set(buckets)
+        layout = self.plan.layout
+        for bucket in (b for b in layout.reduce_order if b in chosen):
+            for index in layout.buckets[bucket].params:
+                if self.plan.bound[index] is not None:
+                    self._pack(index)
+            self._launch(bucket)
+        self.wait()

@@ -17,6 +17,7 @@ planner priced the schedule with. The formulas are `canzona.runtime.rules.optimi
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,11 +30,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from canzona.runtime.exchange import comm
-from canzona.runtime.faults import StepFailedError, as_timedelta, gather_objects, settle, wait
+from canzona.runtime.faults import StepFailedError, as_timedelta, first_line, gather_objects, settle, wait
 from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
 from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
-from canzona.runtime.state.logical import clone_states
-from canzona.runtime.update import problem_line
 from canzona.runtime.schedule import MATRIX, ScheduleMismatchError, Verdict, disagreement, plan_digest, summary
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
@@ -350,7 +349,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             try:
                 return self._matrix_update(m, grad, hp)
             except Exception as error:  # noqa: BLE001 - reported on every rank by the step's settle
-                self._problem = f"updating {m.name}: {problem_line(error)}"
+                self._problem = f"updating {m.name}: {first_line(error)}"
         return torch.zeros(m.shape, dtype=torch.float32, device=self.device)
 
     def _matrix_update(self, m: Matrix, grad: Tensor, hp: Hyperparameters) -> Tensor:
@@ -358,7 +357,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         commits)."""
         current = self.state[self.tensors[m.position]]
         rule: MatrixRule = make_rule(self.rule_name, hp)
-        states = clone_states(current["matrix"]) if "matrix" in current else init_matrix_state(
+        states = copy.deepcopy(current["matrix"]) if "matrix" in current else init_matrix_state(
             rule, m.shape, m.row_blocks, self.device)
         update = matrix_update(rule, states, grad, m.row_blocks, current["step"] + 1)
         self._pending[m.position] = states

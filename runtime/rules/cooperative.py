@@ -31,7 +31,14 @@ from torch import Tensor
 
 from canzona.runtime.faults import wait
 from canzona.runtime.layout import Task
-from canzona.runtime.rules.optimizers import Hyperparameters, State, compute_dtype, muon_scale
+from canzona.runtime.rules.optimizers import (
+    Hyperparameters,
+    State,
+    compute_dtype,
+    matmul_precision,
+    muon_scale,
+    resolve_ns_dtype,
+)
 from canzona.schedules.teams import long_dim
 
 Box = tuple[tuple[int, int], ...]  # per dim: [start, stop)
@@ -172,21 +179,29 @@ def _all_reduce(tensor: Tensor, group: dist.ProcessGroup, timeout: timedelta | N
 
 def team_newton_schulz(part: Tensor, dim: int, steps: int, coefficients: tuple[float, float, float],
                        group: dist.ProcessGroup, timeout: timedelta | None, calls: Calls | None = None,
-                       eps: float = 1e-7) -> Tensor:
+                       eps: float = 1e-7, precision: str = "fp32") -> Tensor:
     """`newton_schulz` of the matrix whose slices along `dim` (its long side) the team's
-    members hold; `part` is this member's, and so is the result (steps + 1 all-reduces)."""
+    members hold; `part` is this member's, and so is the result (steps + 1 all-reduces). The
+    products run in `precision` (a resolved `ns_dtype`), the norm and the summed Gram X·Xᵀ in
+    fp32."""
     a, b, c = coefficients
     calls = calls if calls is not None else Calls()
-    x = part.to(compute_dtype(part))
+    work = compute_dtype(part)
+    x = part.to(work)
     if dim == 0:
         x = x.T
     norm = x.square().sum().reshape(1)
     _all_reduce(norm, group, timeout, calls)
     x = x / (norm.sqrt() + eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        _all_reduce(gram, group, timeout, calls)
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    x = (x.to(torch.bfloat16) if precision == "bf16" else x).contiguous()
+    with matmul_precision(precision, x.device):
+        for _ in range(steps):
+            gram = (x @ x.T).to(work)
+            _all_reduce(gram, group, timeout, calls)
+            gram = gram.to(x.dtype)
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a, alpha=1.0)
+    x = x.to(work)
     return x.T.contiguous() if dim == 0 else x
 
 
@@ -210,5 +225,7 @@ def team_muon(hp: Hyperparameters, state: State, grad: Tensor, task: Task, group
     buf.mul_(hp.momentum).add_(grad)
     direction = grad.add(buf, alpha=hp.momentum) if hp.nesterov else buf
     assert hp.ns_steps is not None
-    ortho = team_newton_schulz(direction, long_dim(task.shape), hp.ns_steps, hp.ns_coefficients, group, timeout, calls)
+    precision = resolve_ns_dtype(hp.ns_dtype, grad.device)
+    ortho = team_newton_schulz(direction, long_dim(task.shape), hp.ns_steps, hp.ns_coefficients, group, timeout, calls,
+                               precision=precision)
     return ortho.mul_(muon_scale(task.shape[0], task.shape[1], hp.update_scale))

@@ -2,9 +2,18 @@
 
 Shared by the distributed runtime (on the hosts) and the single-process reference, so the oracle
 and the runtime evaluate the same formulas; what the reference checks is everything around them
-(packing, reduction, ownership, gather/scatter, row blocks). Everything is computed in fp32 (the
-runtime; fp64 when given fp64 gradients and state, as the fp64 reference does), on the device of
-the tensors given (state is created on the `device`, in the `dtype`, the caller names).
+(packing, reduction, ownership, gather/scatter, row blocks). State, momentum, normalisation and
+every elementwise step are fp32 (fp64 when given fp64 gradients and state, as the fp64 reference
+does), on the device of the tensors given (state is created on the `device`, in the `dtype`, the
+caller names).
+
+Muon's Newton–Schulz products run in the precision `ns_dtype` names: "bf16" (bf16 operands,
+fp32 accumulation: tensor cores), "tf32" (fp32 operands, TF32 tensor-core products on CUDA;
+plain fp32 elsewhere) or "fp32"; "auto" is bf16 on CUDA and fp32 on every other device (bf16
+matrix products are slow on CPUs). Same-shape matrices are orthogonalised as one batched
+product (`newton_schulz_batched`); a single matrix is a batch of one, so the batched and the
+per-matrix results are the same numbers. Shampoo's and SOAP's eigendecompositions, inverse roots
+and preconditioner products stay in fp32: their accuracy against fp64 is what the tests measure.
 
 A matrix rule turns the gradient of one (sub)matrix into an update direction `u`; the caller
 applies it as ``p ← p·(1 − lr·wd) − lr·u`` (decoupled weight decay).
@@ -13,6 +22,8 @@ applies it as ``p ← p·(1 − lr·wd) − lr·u`` (decoupled weight decay).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
@@ -21,6 +32,7 @@ from torch import Tensor
 
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
 UPDATE_SCALES = ("spectral", "shape", "none")
+NS_DTYPES = ("auto", "bf16", "tf32", "fp32")
 RowBlock = list[list[int]] | tuple[tuple[int, int], ...]
 State = dict[str, Any]
 
@@ -36,6 +48,7 @@ class Hyperparameters:
     nesterov: bool = True
     ns_steps: int | None = None
     ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    ns_dtype: str = "auto"
     update_scale: str = "spectral"
     block_size: int | None = None
     precondition_frequency: int | None = None
@@ -68,6 +81,8 @@ class Hyperparameters:
         """Raise ValueError naming the first impossible setting."""
         if self.update_scale not in UPDATE_SCALES:
             raise ValueError(f"update_scale must be one of {', '.join(UPDATE_SCALES)}, got {self.update_scale!r}")
+        if self.ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {self.ns_dtype!r}")
         for name in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -122,19 +137,91 @@ def compute_dtype(tensor: Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
-def newton_schulz(grad: Tensor, steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7) -> Tensor:
-    """Approximately orthogonalise `grad` (the quintic iteration of Muon), in fp32 (fp64 for
-    an fp64 `grad`)."""
+def resolve_ns_dtype(ns_dtype: str, device: torch.device) -> str:
+    """The Newton–Schulz precision `ns_dtype` means on `device`: "auto" is "bf16" on CUDA and
+    "fp32" elsewhere; "tf32" is "fp32" off CUDA (no TF32 products there)."""
+    if ns_dtype == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if ns_dtype == "tf32" and device.type != "cuda":
+        return "fp32"
+    return ns_dtype
+
+
+@contextmanager
+def matmul_precision(precision: str, device: torch.device) -> Iterator[None]:
+    """TF32 products for fp32 matrices inside the block ("tf32" on CUDA), restored after."""
+    if precision != "tf32" or device.type != "cuda":
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], precision: str) -> Tensor:
+    """Muon's quintic iteration on normalised matrices `x` [k, m, n], one batched product per
+    step: A = X·Xᵀ (Xᵀ·X for a tall matrix), B = b·A + c·A·A and X ← a·X + B·X (X·B) in fused
+    `baddbmm` form. Two buffers of x's size alternate; returns the one holding the result."""
     a, b, c = coefficients
-    x = grad.to(compute_dtype(grad))
-    transposed = x.size(0) > x.size(1)
-    if transposed:
-        x = x.T
-    x = x / (x.norm() + eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
-    return x.T.contiguous() if transposed else x
+    tall = x.size(-2) > x.size(-1)
+    spare = torch.empty_like(x)
+    with matmul_precision(precision, x.device):
+        for _ in range(steps):
+            gram = torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            if tall:
+                torch.baddbmm(x, x, poly, beta=a, alpha=1.0, out=spare)
+            else:
+                torch.baddbmm(x, poly, x, beta=a, alpha=1.0, out=spare)
+            x, spare = spare, x
+    return x
+
+
+def orthogonalize_(matrices: Sequence[Tensor], steps: int, coefficients: tuple[float, float, float],
+                   precision: str = "fp32", eps: float = 1e-7, stack_limit: int | None = None) -> None:
+    """Replace each of `matrices` (same shape, fp32 or fp64) by its approximate
+    orthogonalisation (Muon's Newton–Schulz), in place. Each is normalised by its Frobenius norm
+    where it lies; then at most `stack_limit` elements at a time are stacked, in the precision
+    the products run in (a resolved `ns_dtype`: bf16, tf32 or fp32), iterated as one batch and
+    copied back. The workspace is two stacks (of bf16 for bf16 products)."""
+    if not matrices:
+        return
+    matrices = list(matrices)
+    norms = torch._foreach_norm(matrices)
+    torch._foreach_add_(norms, eps)
+    torch._foreach_div_(matrices, norms)
+    first = matrices[0]
+    dtype = torch.bfloat16 if precision == "bf16" else first.dtype
+    per = max(1, stack_limit // first.numel()) if stack_limit else len(matrices)
+    for start in range(0, len(matrices), per):
+        chunk = matrices[start : start + per]
+        if len(chunk) == 1 and dtype == first.dtype and first.is_contiguous():
+            x = chunk[0].unsqueeze(0)  # a lone matrix is iterated where it lies
+        else:
+            x = torch.empty((len(chunk), *first.shape), dtype=dtype, device=first.device)
+            torch._foreach_copy_(list(x.unbind(0)), chunk)
+        result = _iterate(x, steps, coefficients, precision)
+        if result is not x or x.data_ptr() != chunk[0].data_ptr():
+            torch._foreach_copy_(chunk, list(result.unbind(0)))
+
+
+def newton_schulz_batched(stack: Tensor, steps: int, coefficients: tuple[float, float, float], precision: str = "fp32",
+                          eps: float = 1e-7) -> Tensor:
+    """`orthogonalize_` of every matrix of `stack` ([k, m, n]), as one batch; returns [k, m, n]
+    in fp32 (fp64 for fp64 input): `stack` itself (overwritten) when it has that dtype."""
+    x = stack.to(compute_dtype(stack))
+    orthogonalize_(list(x.unbind(0)), steps, coefficients, precision, eps)
+    return x
+
+
+def newton_schulz(grad: Tensor, steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7,
+                  precision: str = "fp32") -> Tensor:
+    """`newton_schulz_batched` of one matrix (the same numbers as inside a batch); `grad` is
+    left as it is."""
+    return newton_schulz_batched(grad.unsqueeze(0).clone(), steps, coefficients, precision, eps)[0]
 
 
 def muon_scale(rows: int, cols: int, mode: str) -> float:
@@ -166,6 +253,24 @@ class MatrixRule(Protocol):
         ...
 
 
+def muon_update_(hp: Hyperparameters, momenta: Sequence[Tensor], grads: Sequence[Tensor], stack_limit: int | None = None) -> None:
+    """Muon on k same-shape matrices, in place: each momentum buffer becomes μ·buf + g, and each
+    gradient of `grads` (scratch) becomes its update: the direction g + μ·buf (Nesterov) or buf,
+    orthogonalised (`orthogonalize_`, in `hp.ns_dtype` on the tensors' device, stacked at most
+    `stack_limit` elements at a time), then scaled."""
+    momenta, grads = list(momenta), list(grads)
+    torch._foreach_mul_(momenta, hp.momentum)
+    torch._foreach_add_(momenta, grads)
+    if hp.nesterov:
+        torch._foreach_add_(grads, momenta, alpha=hp.momentum)
+    else:
+        torch._foreach_copy_(grads, momenta)
+    assert hp.ns_steps is not None
+    precision = resolve_ns_dtype(hp.ns_dtype, grads[0].device)
+    orthogonalize_(grads, hp.ns_steps, hp.ns_coefficients, precision, stack_limit=stack_limit)
+    torch._foreach_mul_(grads, muon_scale(grads[0].size(-2), grads[0].size(-1), hp.update_scale))
+
+
 @dataclass(frozen=True)
 class Muon:
     """Momentum (optionally Nesterov), Newton–Schulz orthogonalisation, shape-dependent scale."""
@@ -177,13 +282,11 @@ class Muon:
         return {"momentum": torch.zeros(rows, cols, dtype=dtype, device=device)}
 
     def update(self, state: State, grad: Tensor, step: int) -> Tensor:
-        """Moonlight/Megatron form: buf ← μ·buf + g; orthogonalise g + μ·buf (Nesterov) or buf."""
-        buf = state["momentum"]
-        buf.mul_(self.hp.momentum).add_(grad)
-        direction = grad.add(buf, alpha=self.hp.momentum) if self.hp.nesterov else buf
-        assert self.hp.ns_steps is not None
-        ortho = newton_schulz(direction, self.hp.ns_steps, self.hp.ns_coefficients)
-        return ortho.mul_(muon_scale(grad.size(0), grad.size(1), self.hp.update_scale))
+        """Moonlight/Megatron form: buf ← μ·buf + g; orthogonalise g + μ·buf (Nesterov) or buf
+        (`muon_update_` on a batch of one)."""
+        update = grad.to(compute_dtype(grad)).clone()
+        muon_update_(self.hp, [state["momentum"]], [update])
+        return update
 
 
 def _spans(size: int, block: int) -> list[tuple[int, int]]:
@@ -313,20 +416,60 @@ def init_matrix_state(rule: MatrixRule, shape: tuple[int, int], row_blocks: list
     return [rule.init_state(rows, cols, device, dtype) for rows, cols in submatrix_shapes(shape, row_blocks)]
 
 
+def _rows(grad: Tensor, block: RowBlock) -> Tensor:
+    """The rows `block` lists of a matrix, in order: a view for one range, else a new tensor."""
+    parts = [grad[start:stop] for start, stop in block]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _put_rows(out: Tensor, block: RowBlock, values: Tensor) -> None:
+    row = 0
+    for start, stop in block:
+        out[start:stop] = values[row : row + stop - start]
+        row += stop - start
+
+
+def matrix_update_batch(rule: MatrixRule, states: Sequence[list[State]], grads: Sequence[Tensor],
+                        row_blocks: list[RowBlock] | None, steps: Sequence[int], stack_limit: int | None = None) -> None:
+    """Update k same-shape matrices with the same row blocks, in place: each of `grads` (fp32 or
+    fp64 scratch) becomes its matrix's update; `states[i]` are the i-th matrix's submatrix
+    states and `steps[i]` its step (from 1). Muon updates each submatrix position of the
+    matrices as one batch (`muon_update_`), at most `stack_limit` elements of matrices at a time
+    (the rows of a submatrix are copied out and back when they are not one range); Shampoo and
+    SOAP update matrix by matrix."""
+    if not isinstance(rule, Muon):
+        for state, grad, step in zip(states, grads, steps):
+            grad.copy_(matrix_update(rule, state, grad, row_blocks, step))
+        return
+    per = max(1, stack_limit // grads[0].numel()) if stack_limit and grads else max(1, len(grads))
+    for start in range(0, len(grads), per):
+        chunk, held = list(grads[start : start + per]), states[start : start + per]
+        if not row_blocks:
+            muon_update_(rule.hp, [s[0]["momentum"] for s in held], chunk, stack_limit)
+            continue
+        for position, block in enumerate(row_blocks):  # blocks are disjoint: each result overwrites its own rows
+            subs = [_rows(grad, block) for grad in chunk]
+            muon_update_(rule.hp, [s[position]["momentum"] for s in held], subs, stack_limit)
+            if len(block) > 1:
+                for grad, sub in zip(chunk, subs):
+                    _put_rows(grad, block, sub)
+
+
 def matrix_update(rule: MatrixRule, states: list[State], grad: Tensor, row_blocks: list[RowBlock] | None, step: int) -> Tensor:
     """The update of a whole matrix: each submatrix (its rows gathered from `row_blocks`, in
-    order) is updated on its own and the result written back to the same rows."""
-    grad = grad.to(compute_dtype(grad))
+    order) is updated on its own and the result written back to the same rows. Muon goes
+    through `matrix_update_batch` as a batch of one (so batched and single updates agree);
+    `grad` is left as it is."""
+    work = grad.to(compute_dtype(grad))
+    if isinstance(rule, Muon):
+        update = work.clone()
+        matrix_update_batch(rule, [states], [update], row_blocks, [step])
+        return update
     if not row_blocks:
-        return rule.update(states[0], grad, step)
-    out = torch.empty_like(grad)
+        return rule.update(states[0], work, step)
+    out = torch.empty_like(work)
     for state, block in zip(states, row_blocks):
-        sub = torch.cat([grad[start:stop] for start, stop in block]) if len(block) > 1 else grad[block[0][0] : block[0][1]].contiguous()
-        update = rule.update(state, sub, step)
-        row = 0
-        for start, stop in block:
-            out[start:stop] = update[row : row + stop - start]
-            row += stop - start
+        _put_rows(out, block, rule.update(state, _rows(work, block), step))
     return out
 
 
@@ -337,12 +480,16 @@ def apply_update(param: Tensor, update: Tensor, lr: float, weight_decay: float) 
     param.add_(update, alpha=-lr)
 
 
-def adamw_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, hp: Hyperparameters) -> None:
-    """One AdamW step on fp32 vectors, in place (torch.optim.AdamW's formula)."""
+def adamw_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, hp: Hyperparameters,
+           scratch: Tensor | None = None) -> None:
+    """One AdamW step on fp32 vectors, in place (torch.optim.AdamW's formula). `scratch` (the
+    size of `grad`; `grad` itself when the caller no longer needs it) holds the denominator, so
+    the step allocates nothing."""
     beta1, beta2 = hp.adamw_betas
     if hp.adamw_weight_decay:
         param.mul_(1 - hp.adamw_lr * hp.adamw_weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(hp.adamw_eps)
+    denom = torch.sqrt(exp_avg_sq, out=scratch) if scratch is not None else exp_avg_sq.sqrt()
+    denom.div_(math.sqrt(1 - beta2**step)).add_(hp.adamw_eps)
     param.addcdiv_(exp_avg, denom, value=-hp.adamw_lr / (1 - beta1**step))

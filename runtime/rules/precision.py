@@ -12,59 +12,45 @@ rank agrees there, so the TP gather that rebuilds a hosted matrix is entered by 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from canzona.runtime.layout import Task
+from canzona.runtime.plan import RankPlan
 from canzona.runtime.rules.cooperative import held_shape
 
-if TYPE_CHECKING:
-    from canzona.runtime.layout import Piece, Task
-    from canzona.runtime.optimizer import CanzonaOptimizer
+GatherFull = Callable[[Sequence[Task], Callable[[Task], Tensor]], dict[int, Tensor]]
 
 
 @dataclass
 class MainCopies:
-    """This rank's fp32 main copies. `matrices`: hosted low-precision matrices (full shape);
-    `adamw`: indexed like the AdamW moments (None when no slice holds a low-precision
-    parameter; in a model mixing dtypes, the entries of fp32 parameters are unused);
-    `stale`: to be rebuilt from the parameters at the next step."""
+    """This rank's fp32 main copies. `matrices`: hosted low-precision matrices (full shape, or a
+    team member's slice); `adamw`: indexed like the AdamW moments (None when no slice holds a
+    low-precision parameter; in a model mixing dtypes, the entries of fp32 parameters are
+    unused); `stale`: to be rebuilt from the parameters at the next step."""
 
     matrices: dict[int, Tensor] = field(default_factory=dict)
     adamw: Tensor | None = None
     stale: bool = True
 
 
-def main_tasks(opt: CanzonaOptimizer) -> list[Task]:
+def main_tasks(plan: RankPlan) -> list[Task]:
     """The matrices whose main copies this rank's TP group rebuilds together (every optimized
     low-precision matrix its strategy updates here, hosted by any TP rank of the group)."""
-    return [t for t in opt._group_tasks() if opt._managed[t.param] and opt._lowp[t.param]]
+    return [t for tasks in plan.groups for t in tasks if plan.bound[t.param] is not None and plan.lowp(t.param)]
 
 
-def adamw_pieces(opt: CanzonaOptimizer) -> list[tuple[Piece, int]]:
-    """Every AdamW piece of an optimized parameter in this rank's slices, with its offset in the
-    AdamW state vectors, in buffer order."""
-    out, offset = [], 0
-    for rank in opt._ranks:
-        start, stop = opt.layout.adamw_region(rank)
-        for piece in opt.layout.rank_pieces[rank]:
-            if start <= piece.dst < stop and opt._managed[piece.param]:
-                out.append((piece, offset + piece.dst - start))
-        offset += stop - start
-    return out
-
-
-def allocate(opt: CanzonaOptimizer) -> MainCopies:
+def allocate(plan: RankPlan) -> MainCopies:
     """Buffers for every main copy this rank keeps (filled at the next step: stale)."""
-    hosted = set(opt._hosted)
     matrices = {
-        t.param: torch.empty(held_shape(t, opt.tp_rank), dtype=torch.float32, device=opt.device)
-        for t in main_tasks(opt) if t.param in hosted
+        t.param: torch.empty(held_shape(plan.tasks[t.param], plan.place.tp_rank), dtype=torch.float32, device=plan.device)
+        for t in main_tasks(plan) if t.param in plan.tasks
     }
-    lowp = any(opt._lowp[piece.param] for piece, _ in opt._adamw_pieces)
-    adamw = torch.empty(opt.adamw_state["exp_avg"].numel(), dtype=torch.float32, device=opt.device) if lowp else None
+    lowp = any(plan.optimized(piece.param) and plan.lowp(piece.param) for piece in plan.adamw)
+    adamw = torch.empty(plan.adamw_numel, dtype=torch.float32, device=plan.device) if lowp else None
     return MainCopies(matrices, adamw, stale=True)
 
 
@@ -88,24 +74,31 @@ def from_canonical(canonical: Tensor, task: Task, out: Tensor) -> None:
             row += stop - start
 
 
-def adamw_from_params(opt: CanzonaOptimizer, target: Tensor) -> None:
+def adamw_from_params(plan: RankPlan, target: Tensor) -> None:
     """Copy the low-precision AdamW elements this rank updates from the parameters into
     `target` (indexed like the AdamW moments)."""
-    for piece, offset in opt._adamw_pieces:
-        if opt._lowp[piece.param]:
-            flat = opt._param(piece.param).detach().reshape(-1)
-            target[offset : offset + piece.length].copy_(flat[piece.src : piece.src + piece.length])
+    for piece in plan.adamw:
+        if plan.optimized(piece.param) and plan.lowp(piece.param):
+            flat = plan.value(piece.param).detach().reshape(-1)
+            target[piece.offset : piece.offset + piece.length].copy_(flat[piece.src : piece.src + piece.length])
 
 
-def rebuild(opt: CanzonaOptimizer, mine: bool) -> None:
-    """Rebuild the main copies from the parameters (collective over TP: every rank calls it when
-    any rank's copies are stale; `mine`: whether this rank's are, else it only sends shards)."""
-    tasks = main_tasks(opt)
-    full = opt._gather_full(tasks, lambda task: opt._param(task.param).detach().float()) if tasks else {}
-    if not mine:
-        return
-    for param, target in opt.main.matrices.items():
-        target.copy_(full[param])
-    if opt.main.adamw is not None:
-        adamw_from_params(opt, opt.main.adamw)
-    opt.main.stale = False
+def rebuild(plan: RankPlan, main: MainCopies, gather_full: GatherFull, mine: bool) -> None:
+    """Rebuild the main copies from the parameters, micro-group by micro-group, so the gathered
+    matrices in flight never exceed a group's capacity (collective over TP: every rank calls
+    it when any rank's copies are stale; `mine`: whether this rank's are, else it only sends
+    shards)."""
+    wanted = {t.param for t in main_tasks(plan)}
+    for tasks in plan.groups:
+        chosen = [t for t in tasks if t.param in wanted]
+        if not chosen:
+            continue
+        full = gather_full(chosen, lambda task: plan.value(task.param).float())
+        for param, matrix in full.items():
+            if mine and param in main.matrices:
+                main.matrices[param].copy_(matrix)
+        del full
+    if mine and main.adamw is not None:
+        adamw_from_params(plan, main.adamw)
+    if mine:
+        main.stale = False

@@ -23,9 +23,8 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,16 +34,34 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from canzona.runtime.state import logical
 from canzona.runtime.faults import CheckpointError, describe, gather_objects
-from canzona.runtime.optimizer import STATE_FORMAT, CanzonaOptimizer
-from canzona.runtime.state.logical import LogicalTensor
+from canzona.runtime.state.logical import STATE_FORMAT, Destination, LogicalTensor
 from canzona.schedules.reshard import StateLayout, incompatibilities
 
 MANIFEST = "CHECKPOINT.json"
 CHECKPOINT_FORMAT = "canzona-checkpoint/1"
 DATA_PREFIX = "data-"
 DCP_METADATA = ".metadata"
+
+
+class Checkpointable(Protocol):
+    """What a checkpoint needs of an optimizer (`Checkpointable` provides it)."""
+
+    dp_rank: int
+    tp_rank: int
+    dp_size: int
+    tp_size: int
+    step_count: int
+    process_groups: tuple[dist.ProcessGroup, dist.ProcessGroup]
+
+    def finish_gather(self) -> None: ...
+    def state_layout(self) -> StateLayout: ...
+    def logical_record(self) -> dict[str, Any]: ...
+    def export_logical(self, writers_only: bool, clone: bool) -> dict[str, LogicalTensor]: ...
+    def logical_destination(self, available: Any) -> Destination: ...
+    def install_logical(self, dest: Destination, step: int, param_steps: Any) -> None: ...
+    def check_saved_groups(self, saved: Any, saved_experts: Any = ()) -> list[dict[str, Any]] | None: ...
+    def restore_groups(self, saved: list[dict[str, Any]] | None) -> None: ...
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -105,13 +122,13 @@ class _LoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn].chunks[index.index][1]
 
 
-def _grid_rank(opt: CanzonaOptimizer) -> int:
+def _grid_rank(opt: Checkpointable) -> int:
     return opt.dp_rank * opt.tp_size + opt.tp_rank
 
 
-def _exchange(opt: CanzonaOptimizer, problem: str | None, payload: Any, what: str) -> list[Any]:
+def _exchange(opt: Checkpointable, problem: str | None, payload: Any, what: str) -> list[Any]:
     """Every rank's payload (grid order); CheckpointError on every rank if any had a problem."""
-    reports = gather_objects((dist.get_rank(), problem, payload), (opt.tp_group, opt.dp_group), what)
+    reports = gather_objects((dist.get_rank(), problem, payload), opt.process_groups, what)
     failed = [(rank, p) for rank, p, _ in reports if p]
     if failed:
         raise CheckpointError(f"canzona: {what} failed; " + describe(failed))
@@ -177,7 +194,7 @@ def _remove_stale(root: Path, keep: str) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _check_group(opt: CanzonaOptimizer, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+def _check_group(opt: Checkpointable, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     group = group if group is not None else dist.group.WORLD
     assert group is not None, "torch.distributed is not initialised"
     if dist.get_world_size(group) != opt.dp_size * opt.tp_size:
@@ -185,7 +202,7 @@ def _check_group(opt: CanzonaOptimizer, group: dist.ProcessGroup | None) -> dist
     return group
 
 
-def _my_files(opt: CanzonaOptimizer, files: Sequence[str]) -> list[str]:
+def _my_files(opt: Checkpointable, files: Sequence[str]) -> list[str]:
     world = opt.dp_size * opt.tp_size
     return [name for i, name in enumerate(files) if i % world == _grid_rank(opt)]
 
@@ -203,31 +220,28 @@ def _json_value(value: Any) -> Any:
     return value
 
 
-def _json_groups(opt: CanzonaOptimizer) -> list[dict[str, Any]]:
-    """Every group's hyperparameters (and scheduler keys), without the tensors."""
-    return [{key: _json_value(value) for key, value in group.items() if key != "params"} for group in opt.param_groups]
-
-
-def _manifest(opt: CanzonaOptimizer, folder: str, files: dict[str, str]) -> dict[str, Any]:
+def _manifest(opt: Checkpointable, folder: str, files: dict[str, str]) -> dict[str, Any]:
+    record = opt.logical_record()
+    groups = [{key: _json_value(value) for key, value in group.items()} for group in record["param_groups"]]
     return {
-        "format": CHECKPOINT_FORMAT, "state_format": STATE_FORMAT, "data": folder, "step": opt.step_count,
-        "param_steps": logical.export_steps(opt), "strategy": opt.strategy, "layout": opt.state_layout().to_json(),
-        "fingerprint": opt.schedule.fingerprint, "digest": opt.digest, "world": opt.dp_size * opt.tp_size,
-        "hyperparameters": asdict(opt.hp), "param_groups": _json_groups(opt), "files": files,
-        "ep_experts": logical.ep_experts(opt),
+        "format": CHECKPOINT_FORMAT, "state_format": record["format"], "data": folder, "step": record["step"],
+        "param_steps": record["param_steps"], "strategy": record["strategy"], "layout": record["layout"],
+        "fingerprint": record["fingerprint"], "digest": record["digest"], "world": opt.dp_size * opt.tp_size,
+        "hyperparameters": record["hyperparameters"], "param_groups": groups, "files": files,
+        "ep_experts": record["ep_experts"],
     }
 
 
-def _write(opt: CanzonaOptimizer, folder: Path, group: dist.ProcessGroup) -> dict[str, str]:
+def _write(opt: Checkpointable, folder: Path, group: dist.ProcessGroup) -> dict[str, str]:
     """Write this rank's chunks with DCP; the checksums of this rank's share of the files."""
-    chunks = logical.export_state(opt, writers_only=True, clone=False)
+    chunks = opt.export_logical(writers_only=True, clone=False)
     writer = dcp.FileSystemWriter(folder, sync_files=True)
     metadata = dcp.save(chunks, storage_writer=writer, planner=_SavePlanner(), process_group=group)
     names = sorted({info.relative_path for info in metadata.storage_data.values()} | {DCP_METADATA})
     return {name: _sha256(folder / name) for name in _my_files(opt, names)}
 
 
-def save_checkpoint(opt: CanzonaOptimizer, path: str | os.PathLike[str], *, process_group: dist.ProcessGroup | None = None) -> Path:
+def save_checkpoint(opt: Checkpointable, path: str | os.PathLike[str], *, process_group: dist.ProcessGroup | None = None) -> Path:
     """Save `opt`'s logical state to the folder `path` (collective; every rank passes the same
     path on a shared file system). Atomic: until it returns, `path` holds the previous
     checkpoint. Returns the data folder written. CheckpointError on every rank on failure."""
@@ -270,7 +284,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return body
 
 
-def _check_record(opt: CanzonaOptimizer, root: Path, param_groups: bool) -> dict[str, Any]:
+def _check_record(opt: Checkpointable, root: Path, param_groups: bool) -> dict[str, Any]:
     manifest = read_manifest(root)
     try:
         problems = incompatibilities(StateLayout.from_json(manifest["layout"]), opt.state_layout())
@@ -280,14 +294,14 @@ def _check_record(opt: CanzonaOptimizer, root: Path, param_groups: bool) -> dict
         raise CheckpointError("the checkpoint does not fit this optimizer: " + "; ".join(problems))
     if param_groups:
         try:
-            manifest["param_groups"] = logical.check_groups(opt, manifest.get("param_groups"), manifest.get("ep_experts", ()))
+            manifest["param_groups"] = opt.check_saved_groups(manifest.get("param_groups"), manifest.get("ep_experts", ()))
         except ValueError as error:
             raise CheckpointError(f"the checkpoint's param groups do not fit ({error}); load with param_groups=False "
                                   "to keep this optimizer's") from error
     return manifest
 
 
-def _verify(opt: CanzonaOptimizer, folder: Path, files: dict[str, str]) -> None:
+def _verify(opt: Checkpointable, folder: Path, files: dict[str, str]) -> None:
     for name in _my_files(opt, sorted(files)):
         if not (folder / name).is_file():
             raise CheckpointError(f"checkpoint file {str(folder / name)!r} is missing")
@@ -295,13 +309,13 @@ def _verify(opt: CanzonaOptimizer, folder: Path, files: dict[str, str]) -> None:
             raise CheckpointError(f"checkpoint file {str(folder / name)!r} is corrupt (sha256 mismatch: truncated or modified)")
 
 
-def _plan(opt: CanzonaOptimizer, folder: Path) -> logical.Destination:
+def _plan(opt: Checkpointable, folder: Path) -> Destination:
     stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     available = {key: tuple(md.size) for key, md in stored.items() if isinstance(md, TensorStorageMetadata)}
-    return logical.plan_import(opt, available)
+    return opt.logical_destination(available)
 
 
-def load_checkpoint(opt: CanzonaOptimizer, path: str | os.PathLike[str], *, verify: bool = True,
+def load_checkpoint(opt: Checkpointable, path: str | os.PathLike[str], *, verify: bool = True,
                     param_groups: bool = True, process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """Load the checkpoint at `path` into `opt` (collective), whatever schedule of the same model
     saved it: every rank reads the state it holds under `opt`'s schedule (fp32 main copies
@@ -323,9 +337,9 @@ def load_checkpoint(opt: CanzonaOptimizer, path: str | os.PathLike[str], *, veri
     reader = dcp.FileSystemReader(folder)
     _, problem = _attempt(lambda: dcp.load(dest.tensors, storage_reader=reader, planner=_LoadPlanner(), process_group=group))
     _exchange(opt, problem, None, what)
-    logical.install(opt, dest, int(manifest["step"]), manifest.get("param_steps", {}))
+    opt.install_logical(dest, int(manifest["step"]), manifest.get("param_steps", {}))
     if param_groups:
-        logical.restore_groups(opt, manifest.get("param_groups"))
+        opt.restore_groups(manifest.get("param_groups"))
     return manifest
 
 

@@ -12,23 +12,22 @@ the optimizer's device.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from canzona.runtime.groups import group_hyperparameters
-from canzona.runtime.rules.optimizers import State, init_matrix_state
+from canzona.runtime.plan import RankPlan
 from canzona.runtime.rules.cooperative import canonical_chunks, held_shape
+from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, State, init_matrix_state
 from canzona.runtime.rules.precision import adamw_from_params, from_canonical, to_canonical
-from canzona.schedules.reshard import ADAMW_FIELDS, full_runs
+from canzona.runtime.state.store import ADAMW_MOMENTS, OptimizerState
+from canzona.schedules.reshard import full_runs
 
-if TYPE_CHECKING:
-    from canzona.runtime.optimizer import CanzonaOptimizer
-
+STATE_FORMAT = "canzona-logical/1"
 Offsets = tuple[int, ...]
 
 
@@ -105,158 +104,157 @@ def set_leaf(node: Any, path: str, value: Tensor) -> None:
         node[last] = value
 
 
-def adamw_runs(opt: CanzonaOptimizer) -> list[AdamwRun]:
+def adamw_runs(plan: RankPlan) -> list[AdamwRun]:
     """Every run of AdamW state this rank holds (its DP ranks' slices of its TP shards)."""
-    entries = {e.index: e for e in opt.schedule.params}
-    runs, offset = [], 0
-    for rank in opt._ranks:
-        start, stop = opt.layout.adamw_region(rank)
-        for piece in opt.layout.rank_pieces[rank]:
-            if not start <= piece.dst < stop:
-                continue
-            entry, base = entries[piece.param], offset + piece.dst - start
-            for full, local, length in full_runs(tuple(entry.shape), entry.tp_dim, opt.tp_size, opt.tp_rank, piece.src, piece.src + piece.length):
-                runs.append(AdamwRun(piece.param, full, base + local - piece.src, length))
-        offset += stop - start
+    entries = {e.index: e for e in plan.schedule.params}
+    runs = []
+    for piece in plan.adamw:
+        entry = entries[piece.param]
+        for full, local, length in full_runs(tuple(entry.shape), entry.tp_dim, plan.place.tp_size, plan.place.tp_rank,
+                                             piece.src, piece.src + piece.length):
+            runs.append(AdamwRun(piece.param, full, piece.offset + local - piece.src, length))
     return runs
 
 
-def _matrix_template(opt: CanzonaOptimizer, param: int) -> list[State]:
-    task = opt._tasks[param]
+def _matrix_template(plan: RankPlan, rule: MatrixRule, param: int) -> list[State]:
+    task = plan.tasks[param]
     if task.team:  # a team member's slice (`canzona.runtime.rules.cooperative`)
-        return [opt.rule.init_state(*held_shape(task, opt.tp_rank), opt.device)]
-    return init_matrix_state(opt.rule, task.shape, task.row_blocks, opt.device)
+        return [rule.init_state(*held_shape(task, plan.place.tp_rank), plan.device)]
+    return init_matrix_state(rule, task.shape, task.row_blocks, plan.device)
 
 
-def _logical(opt: CanzonaOptimizer, param: int, tensor: Tensor, clone: bool) -> LogicalTensor:
+def _logical(plan: RankPlan, param: int, tensor: Tensor, clone: bool) -> LogicalTensor:
     """A matrix's state tensor (or main copy, already canonical unless teamed) as held here:
     whole, or a team member's slice as its canonical chunks."""
-    task = opt._tasks[param]
+    task = plan.tasks[param]
     if not task.team:
         return LogicalTensor(tuple(tensor.shape), [((0,) * tensor.dim(), tensor.clone() if clone else tensor)])
-    chunks = canonical_chunks(task, task.team.index(opt.tp_rank), tensor)
+    chunks = canonical_chunks(task, task.team.index(plan.place.tp_rank), tensor)
     return LogicalTensor(task.shape, [(offsets, data.clone() if clone else data) for offsets, data in chunks])
 
 
-def _adamw_size(opt: CanzonaOptimizer, param: int) -> tuple[int, ...]:
-    return (opt._numel[param] * (opt.tp_size if opt._tp_dims[param] is not None else 1),)
+def _adamw_size(plan: RankPlan, param: int) -> tuple[int, ...]:
+    return (plan.numel[param] * (plan.place.tp_size if plan.tp_dims[param] is not None else 1),)
 
 
-def _main_runs(opt: CanzonaOptimizer) -> list[AdamwRun]:
+def _main_runs(plan: RankPlan, state: OptimizerState) -> list[AdamwRun]:
     """The AdamW runs whose parameter has an fp32 main copy here."""
-    if opt.main.adamw is None:
+    if state.main.adamw is None:
         return []
-    return [run for run in opt._adamw_runs if opt._managed[run.param] and opt._lowp[run.param]]
+    return [run for run in adamw_runs(plan) if plan.optimized(run.param) and plan.lowp(run.param)]
 
 
-def _export_main(opt: CanzonaOptimizer, writers_only: bool, clone: bool, out: dict[str, LogicalTensor]) -> None:
+def _export_main(plan: RankPlan, state: OptimizerState, writers_only: bool, clone: bool,
+                 out: dict[str, LogicalTensor]) -> None:
     """The main copies (none while stale: they equal the parameters, which a loader rebuilds
     them from)."""
-    if opt.main.stale:
+    main = state.main
+    if main.stale:
         return
-    for param, tensor in opt.main.matrices.items():
-        if opt._writes_matrix(param) or not writers_only:
-            teamed = bool(opt._tasks[param].team)
-            canonical = tensor if teamed else to_canonical(tensor, opt._tasks[param])
-            out[main_key(opt.names[param])] = _logical(opt, param, canonical, clone=teamed and clone)
-    assert opt.main.adamw is not None or not _main_runs(opt)
-    for run in _main_runs(opt):
-        if writers_only and not opt._writes_adamw(opt._tp_dims[run.param] is None):
+    for param, tensor in main.matrices.items():
+        if plan.writes_matrix(param) or not writers_only:
+            teamed = bool(plan.tasks[param].team)
+            canonical = tensor if teamed else to_canonical(tensor, plan.tasks[param])
+            out[main_key(plan.names[param])] = _logical(plan, param, canonical, clone=teamed and clone)
+    for run in _main_runs(plan, state):
+        if writers_only and not plan.writes_adamw(run.param):
             continue
-        data = opt.main.adamw[run.local : run.local + run.length]  # type: ignore[index]
-        entry = out.setdefault(main_key(opt.names[run.param]), LogicalTensor(_adamw_size(opt, run.param)))
+        data = main.adamw[run.local : run.local + run.length]  # type: ignore[index]
+        entry = out.setdefault(main_key(plan.names[run.param]), LogicalTensor(_adamw_size(plan, run.param)))
         entry.chunks.append(((run.full,), data.clone() if clone else data))
 
 
-def export_state(opt: CanzonaOptimizer, writers_only: bool, clone: bool) -> dict[str, LogicalTensor]:
+def export_state(plan: RankPlan, state: OptimizerState, rule: MatrixRule, writers_only: bool,
+                 clone: bool) -> dict[str, LogicalTensor]:
     """The logical state this rank holds (`writers_only`: one copy of every redundant replica,
     as a checkpoint saves it). Matrices not yet stepped export their initial state."""
     out: dict[str, LogicalTensor] = {}
-    for param in opt._hosted:
-        if not (opt._writes_matrix(param) or not writers_only):
+    for param in plan.hosted:
+        if writers_only and not plan.writes_matrix(param):
             continue
-        states = opt.matrix_state.get(param) or _matrix_template(opt, param)
+        states = state.matrix.get(param) or _matrix_template(plan, rule, param)
         for path, tensor in state_leaves(states).items():
             if tensor is not None:
-                out[matrix_key(opt.names[param], path)] = _logical(opt, param, tensor, clone)
-    for run in opt._adamw_runs:
-        if writers_only and not opt._writes_adamw(opt._tp_dims[run.param] is None):
+                out[matrix_key(plan.names[param], path)] = _logical(plan, param, tensor, clone)
+    for run in adamw_runs(plan):
+        if writers_only and not plan.writes_adamw(run.param):
             continue
-        for name in ADAMW_FIELDS:
-            data = opt.adamw_state[name][run.local : run.local + run.length]
-            entry = out.setdefault(adamw_key(opt.names[run.param], name), LogicalTensor(_adamw_size(opt, run.param)))
+        for name in ADAMW_MOMENTS:
+            data = state.adamw[name][run.local : run.local + run.length]
+            entry = out.setdefault(adamw_key(plan.names[run.param], name), LogicalTensor(_adamw_size(plan, run.param)))
             entry.chunks.append(((run.full,), data.clone() if clone else data))
-    _export_main(opt, writers_only, clone, out)
+    _export_main(plan, state, writers_only, clone, out)
     return out
 
 
-def export_steps(opt: CanzonaOptimizer) -> dict[str, int]:
+def export_steps(plan: RankPlan, state: OptimizerState) -> dict[str, int]:
     """Per-parameter step counts that differ from the optimizer's (a parameter skipped on a
     step without gradients, or never optimized)."""
-    return {name: count for name, count in zip(opt.names, opt.param_steps) if count != opt.step_count}
+    return {name: count for name, count in zip(plan.names, state.param_steps) if count != state.step}
 
 
-def _plan_main(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]], dest: Destination) -> None:
+def _plan_main(plan: RankPlan, state: OptimizerState, available: Mapping[str, tuple[int, ...]], dest: Destination) -> None:
     """Destinations for the main copies the saved state has; `main_complete` if it has all."""
     complete = True
-    for param, current in opt.main.matrices.items():
-        key = main_key(opt.names[param])
+    for param, current in state.main.matrices.items():
+        key = main_key(plan.names[param])
         target = torch.empty_like(current)  # canonical order until installed (a team's slice: its own order)
-        wanted = _logical(opt, param, target, clone=False)
+        wanted = _logical(plan, param, target, clone=False)
         if available.get(key) != wanted.size:
             complete = False
             continue
         dest.main_matrices[param] = target
         dest.tensors[key] = wanted
-    if opt.main.adamw is not None:
+    if state.main.adamw is not None:
         # Elements the saved state lacks (vocab padding rows only this layout has) start from
         # the parameters, as a rebuilt main copy would.
-        dest.main_adamw = torch.empty_like(opt.main.adamw)
-        adamw_from_params(opt, dest.main_adamw)
-        for run in _main_runs(opt):
-            key = main_key(opt.names[run.param])
+        dest.main_adamw = torch.empty_like(state.main.adamw)
+        adamw_from_params(plan, dest.main_adamw)
+        for run in _main_runs(plan, state):
+            key = main_key(plan.names[run.param])
             if key not in available:
                 complete = False
                 continue
-            entry = dest.tensors.setdefault(key, LogicalTensor(_adamw_size(opt, run.param)))
+            entry = dest.tensors.setdefault(key, LogicalTensor(_adamw_size(plan, run.param)))
             entry.chunks.append(((run.full,), dest.main_adamw[run.local : run.local + run.length]))
     dest.main_complete = complete
 
 
-def plan_import(opt: CanzonaOptimizer, available: Mapping[str, tuple[int, ...]]) -> Destination:
+def plan_import(plan: RankPlan, state: OptimizerState, rule: MatrixRule,
+                available: Mapping[str, tuple[int, ...]]) -> Destination:
     """Fresh state buffers for everything this rank holds, and the logical chunks that fill
     them; ValueError naming what `available` (key -> full size) lacks."""
     tensors: dict[str, LogicalTensor] = {}
     matrix: dict[int, list[State]] = {}
     missing: list[str] = []
-    for param in opt._hosted:
-        states = matrix[param] = _matrix_template(opt, param)
+    for param in plan.hosted:
+        states = matrix[param] = _matrix_template(plan, rule, param)
         for path, tensor in state_leaves(states).items():
-            key = matrix_key(opt.names[param], path)
+            key = matrix_key(plan.names[param], path)
             if tensor is None and key in available:  # e.g. SOAP's eigenbases, absent before step 1
-                tensor = torch.empty(available[key], dtype=torch.float32, device=opt.device)
+                tensor = torch.empty(available[key], dtype=torch.float32, device=plan.device)
                 set_leaf(states, path, tensor)
             if tensor is None:
                 continue
-            wanted = _logical(opt, param, tensor, clone=False)
+            wanted = _logical(plan, param, tensor, clone=False)
             if available.get(key) != wanted.size:
                 missing.append(key if key not in available else f"{key} (shape {list(available[key])}, expected {list(wanted.size)})")
                 continue
             tensors[key] = wanted
-    adamw = {name: torch.zeros_like(buffer) for name, buffer in opt.adamw_state.items()}
-    for run in opt._adamw_runs:
-        for name in ADAMW_FIELDS:
-            key = adamw_key(opt.names[run.param], name)
+    adamw = {name: torch.zeros_like(buffer) for name, buffer in state.adamw.items()}
+    for run in adamw_runs(plan):
+        for name in ADAMW_MOMENTS:
+            key = adamw_key(plan.names[run.param], name)
             if key not in available:
                 missing.append(key)
                 continue
-            entry = tensors.setdefault(key, LogicalTensor(_adamw_size(opt, run.param)))
+            entry = tensors.setdefault(key, LogicalTensor(_adamw_size(plan, run.param)))
             entry.chunks.append(((run.full,), adamw[name][run.local : run.local + run.length]))
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"the saved state lacks {', '.join(sorted(set(missing))[:3])}{more}")
     dest = Destination(tensors, matrix, adamw)
-    _plan_main(opt, available, dest)
+    _plan_main(plan, state, available, dest)
     return dest
 
 
@@ -303,66 +301,63 @@ def fill_from(dest: Destination, tensors: Mapping[str, LogicalTensor]) -> None:
             _fill_box(key, offsets, target, source, wanted.size)
 
 
-def install(opt: CanzonaOptimizer, dest: Destination, step: int, param_steps: Mapping[str, int]) -> None:
+def install(plan: RankPlan, state: OptimizerState, dest: Destination, step: int, param_steps: Mapping[str, int]) -> None:
     """Make the imported state the optimizer's own (main copies missing from it are rebuilt
     from the parameters at the next step)."""
-    opt.matrix_state = dest.matrix
-    opt.adamw_state = dest.adamw
-    opt.step_count = step
-    opt.param_steps = [int(param_steps.get(name, step)) for name in opt.names]
+    state.matrix = dest.matrix
+    state.adamw = dest.adamw
+    state.step = step
+    state.param_steps = [int(param_steps.get(name, step)) for name in plan.names]
+    main = state.main
     if dest.main_complete:
         for param, canonical in dest.main_matrices.items():
-            if opt._tasks[param].team:
-                opt.main.matrices[param].copy_(canonical)
+            if plan.tasks[param].team:
+                main.matrices[param].copy_(canonical)
             else:
-                from_canonical(canonical, opt._tasks[param], opt.main.matrices[param])
+                from_canonical(canonical, plan.tasks[param], main.matrices[param])
         if dest.main_adamw is not None:
-            opt.main.adamw = dest.main_adamw
-        opt.main.stale = False
+            main.adamw = dest.main_adamw
+        main.stale = False
     else:
-        opt.main.stale = True
+        main.stale = True
 
 
-def ep_experts(opt: CanzonaOptimizer) -> list[str]:
+def ep_experts(plan: RankPlan) -> list[str]:
     """The experts the schedule places by expert parallelism (each rank's groups list only its
     own EP rank's, so group membership is compared without them)."""
-    return [e.name for e in opt.schedule.params if e.ep_rank is not None]
+    return [e.name for e in plan.schedule.params if e.ep_rank is not None]
 
 
-def check_groups(opt: CanzonaOptimizer, saved: Any, saved_experts: Any = ()) -> list[dict[str, Any]] | None:
-    """The saved groups' hyperparameters, checked against the optimizer's groups (the same
+def check_groups(plan: RankPlan, groups: list[dict[str, Any]], defaults: Hyperparameters, saved: Any,
+                 saved_experts: Any = ()) -> list[dict[str, Any]] | None:
+    """The saved groups' hyperparameters, checked against the optimizer's `groups` (the same
     parameters, group by group, leaving out the experts placed by expert parallelism on either
     side, `saved_experts` and this schedule's; and usable values); ValueError if they do not
     fit. None when the state has none."""
     if saved is None:
         return None
-    if not isinstance(saved, list) or len(saved) != len(opt.param_groups):
+    if not isinstance(saved, list) or len(saved) != len(groups):
         found = len(saved) if isinstance(saved, list) else type(saved).__name__
-        raise ValueError(f"the saved state has {found} param groups, this optimizer {len(opt.param_groups)}")
-    rule, placed = opt.schedule.request.optimizer.name, set(ep_experts(opt)) | set(saved_experts or ())
+        raise ValueError(f"the saved state has {found} param groups, this optimizer {len(groups)}")
+    rule, placed = plan.schedule.request.optimizer.name, set(ep_experts(plan)) | set(saved_experts or ())
 
     def members(names: Any) -> list[str]:
         return [name for name in names if name not in placed]
 
-    for position, (group, old) in enumerate(zip(opt.param_groups, saved)):
+    for position, (group, old) in enumerate(zip(groups, saved)):
         if old.get("kind") != group["kind"] or members(old.get("param_names", [])) != members(group["param_names"]):
             raise ValueError(f"param_groups[{position}] holds other parameters in the saved state (the groups must be built the same way)")
         try:
-            group_hyperparameters({**group, **old}, opt.hp, rule)
+            group_hyperparameters({**group, **old}, defaults, rule)
         except ValueError as error:
             raise ValueError(f"saved param_groups[{position}]: {error}") from None
     return saved
 
 
-def restore_groups(opt: CanzonaOptimizer, saved: list[dict[str, Any]] | None) -> None:
+def restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]] | None) -> None:
     """Set every group's hyperparameters (and scheduler keys such as initial_lr) as saved."""
-    for group, old in zip(opt.param_groups, saved or []):
+    for group, old in zip(groups, saved or []):
         group.update({key: value for key, value in old.items() if key not in ("params", "param_names")})
-
-
-def clone_states(states: list[State]) -> list[State]:
-    """An independent copy of a matrix's state (a step updates the copy, committed later)."""
-    return copy.deepcopy(states)
 
 
 UNSUPPORTED_STATE = (
@@ -380,23 +375,3 @@ class LogicalStateDict(dict):  # type: ignore[type-arg]
         if key == "state":
             raise NotImplementedError(UNSUPPORTED_STATE)
         raise KeyError(key)
-
-
-class StateView(Mapping[Tensor, dict[str, Any]]):
-    """`optimizer.state` for code written against torch.optim: each optimized parameter maps to
-    its step count. The state itself is sharded across ranks (see `state_dict()`)."""
-
-    def __init__(self, opt: CanzonaOptimizer) -> None:
-        self._opt = opt
-
-    def __getitem__(self, param: Tensor) -> dict[str, Any]:
-        index = self._opt._index_of_tensor.get(id(param))
-        if index is None:
-            raise KeyError("not a parameter of this optimizer")
-        return {"step": self._opt.param_steps[index]}
-
-    def __iter__(self) -> Iterator[Tensor]:
-        return (self._opt._model_param(indices[0]) for indices in self._opt._indices_of_tensor.values())
-
-    def __len__(self) -> int:
-        return len(self._opt._indices_of_tensor)

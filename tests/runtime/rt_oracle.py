@@ -291,13 +291,13 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
                 _backward_grads(scenario, model, optimizer, step, dp_rank, tp_rank)
             else:
                 _set_grads(scenario, params, step, dp_rank, tp_rank)
-            hooked = optimizer._round
+            hooked = optimizer.engine.round
             rounds.append(None if hooked is None else (hooked.early, hooked.launched, hooked.closed))
             if scenario.max_norm is not None:
                 norms.append(float(optimizer.clip_grad_norm_(scenario.max_norm)))
             skipped = [(n, p.detach().clone()) for n, p in params if not any(_present(scenario, n, step, d) for d in range(dp))]
             optimizer.step()
-            gathers.append(0 if optimizer._gather is None else len(optimizer._gather.pending))
+            gathers.append(0 if optimizer.engine.gather is None else len(optimizer.engine.gather.pending))
             optimizer.zero_grad()
             skipped_changed += [f"{n} at step {step}" for n, before in skipped if not torch.equal(before, dict(params)[n])]
             lrs.append([group["lr"] for group in optimizer.param_groups])

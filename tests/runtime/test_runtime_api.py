@@ -25,15 +25,15 @@ MODEL = DATA / "tiny_moe.json"
 def _collectives(rank: int, world: int, cuts: list[int], mode: str) -> tuple[list[float], list[float]]:
     bucket = DpBucket("matrix", 0, 2, tuple(cuts), tuple(range(world)), ())
     send = torch.cat([torch.full((2,), -1.0), torch.arange(cuts[-1], dtype=torch.float32) * (rank + 1)])
-    mine = bucket.slices[rank]
-    dests = {r: torch.full((bucket.slices[r],), float("nan")) for r in (range(world) if mode == ALL_REDUCE else [rank])}
-    comm.start_reduce(send, bucket, mode, rank, dist.group.WORLD, list(range(world)), dests).wait(None, "test")
+    kept = list(range(world)) if mode == ALL_REDUCE else [rank]
+    comm.start_reduce(send, bucket, mode, rank, dist.group.WORLD, list(range(world)), kept).wait(None, "test")
+    assert send[:2].tolist() == [-1.0, -1.0]  # only the bucket moves
+    mean = torch.cat([send[2 + cuts[r] : 2 + cuts[r + 1]] for r in kept]).tolist()
     gathered = torch.full((2 + cuts[-1],), -1.0)
     if mode != ALL_REDUCE:  # DP-SC gathers nothing
-        mine_values = torch.full((mine,), float(rank))
-        comm.start_gather(gathered, mine_values, bucket, mode, rank, dist.group.WORLD, list(range(world))).wait(None, "test")
-    assert send[:2].tolist() == [-1.0, -1.0]  # only the bucket moves
-    return torch.cat([dests[r] for r in sorted(dests)]).tolist(), gathered.tolist()
+        gathered[2 + cuts[rank] : 2 + cuts[rank + 1]] = float(rank)  # this rank's slice holds its values
+        comm.start_gather(gathered, bucket, mode, rank, dist.group.WORLD, list(range(world))).wait(None, "test")
+    return mean, gathered.tolist()
 
 
 @pytest.mark.slow
@@ -42,7 +42,8 @@ def _collectives(rank: int, world: int, cuts: list[int], mode: str) -> tuple[lis
 @pytest.mark.parametrize("mode", ["rooted", "all_to_all", ALL_REDUCE])
 def test_per_bucket_reduction_and_gather(mode: str, cuts: list[int]) -> None:
     """Each form of the per-bucket collectives gives every rank the DP mean of its slice (every
-    slice for all_reduce) and gathers every rank's slice; an empty slice is fine."""
+    slice for all_reduce), in place in the bucket buffer, and gathers every rank's slice in
+    place; an empty slice is fine."""
     results = run_ranks(_collectives, 4, cuts, mode)
     factor = sum(r + 1 for r in range(4)) / 4
     for rank, (mean, gathered) in enumerate(results):

@@ -49,13 +49,14 @@ def single_rank_run(schedule: Schedule, device: str) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         reference.step(mean)
-    kept = [optimizer._send, *optimizer.adamw_state.values(), *optimizer.main.matrices.values()]
+    state = optimizer.engine.state
+    kept = [optimizer.engine.send, *state.adamw.values(), *state.main.matrices.values()]
     kept += [data for value in optimizer.state_dict()["tensors"].values() for _, data in value.chunks]
     return {
         "devices": sorted({t.device.type for t in kept}),
         "params": [(name, p.detach().cpu(), q.detach().cpu()) for (name, p), (_, q) in zip(ours, theirs)],
-        "main": {name: (optimizer.main.matrices[i].cpu(), reference.state[q]["main"].cpu())
-                 for (name, q), i in zip(theirs, range(len(theirs))) if i in optimizer.main.matrices},
+        "main": {name: (state.main.matrices[i].cpu(), reference.state[q]["main"].cpu())
+                 for (name, q), i in zip(theirs, range(len(theirs))) if i in state.main.matrices},
         "norms": norms,
     }
 

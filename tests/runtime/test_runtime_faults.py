@@ -1,7 +1,10 @@
-"""Faults fail safely and quickly: a rank that raises inside a step makes every rank raise the
-same error and nothing is applied; a killed rank makes the others raise within the timeout
-instead of hanging; a corrupted checkpoint, another model's checkpoint and a save interrupted
-before its commit give clear errors on every rank and never damage the previous checkpoint."""
+"""Faults fail safely and quickly: a rank that fails before the step changes anything (a pre-hook,
+a non-finite gradient) makes every rank raise the same error and nothing is applied; a rank
+that fails while updating makes every rank raise the same error, after which the optimizer
+refuses to step until a checkpoint is loaded; a killed rank makes the others raise within the
+timeout instead of hanging; a corrupted checkpoint, another model's checkpoint and a save
+interrupted before its commit give clear errors on every rank and never damage the previous
+checkpoint."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import canzona.runtime.optimizer as optimizer_module
 import canzona.runtime.state.checkpoint as checkpoint
 from canzona.runtime import (
     CanzonaOptimizer,
@@ -90,10 +94,18 @@ def _failing_step(optimizer: CanzonaOptimizer, params: list[tuple[str, Any]], st
     return str(caught.value), _unchanged(before, _snapshot(optimizer, params))
 
 
+def _failing_rule(failing: Any) -> Any:
+    """Make `make_rule` (as the optimizer calls it) return `failing(rule)` on this rank; returns
+    the original, to put back."""
+    original = optimizer_module.make_rule
+    optimizer_module.make_rule = lambda name, hp: failing(original(name, hp))  # type: ignore[assignment]
+    return original
+
+
 def _inside_step_worker(rank: int, world: int, schedule: Schedule) -> dict[str, Any]:
     optimizer, params = _setup(schedule, rank, check_finite=True)
     _train(optimizer, params, range(2))
-    out: dict[str, Any] = {"hosts": bool(optimizer._hosted)}
+    out: dict[str, Any] = {"hosts": bool(optimizer.plan.hosted)}
     _grads(optimizer, params, 2)
 
     def hook(_: CanzonaOptimizer, args: Any, kwargs: Any) -> None:
@@ -108,11 +120,20 @@ def _inside_step_worker(rank: int, world: int, schedule: Schedule) -> dict[str, 
         params[3][1].grad[0, 0] = float("nan")
     out["nan"] = _failing_step(optimizer, params, 2)
     params[3][1].grad = saved
-    make = optimizer._group_rule
-    if rank == 3:
-        optimizer._group_rule = lambda hp: _FailingRule(make(hp))  # type: ignore[method-assign]
+    # A failure while updating: state may have changed, so the optimizer refuses to go on until
+    # a checkpoint (here: a state dict and the parameters' values) is loaded.
+    state, values = optimizer.state_dict(), [p.detach().clone() for _, p in params]
+    original = _failing_rule(_FailingRule) if rank == 3 else None
     out["compute"] = _failing_step(optimizer, params, 2)
-    optimizer._group_rule = make  # type: ignore[method-assign]
+    if original is not None:
+        optimizer_module.make_rule = original  # type: ignore[assignment]
+    with pytest.raises(StepFailedError) as refused:
+        optimizer.step()
+    out["refused"] = str(refused.value)
+    optimizer.load_state_dict(state)
+    with torch.no_grad():
+        for (_, param), value in zip(params, values):
+            param.copy_(value)
     optimizer.step()  # the groups are still usable: the same step now succeeds
     out["params"] = {name: p.detach().clone() for name, p in params}
     return out
@@ -120,14 +141,13 @@ def _inside_step_worker(rank: int, world: int, schedule: Schedule) -> dict[str, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_a_rank_failing_inside_a_step_fails_every_rank_and_applies_nothing() -> None:
+def test_a_rank_failing_inside_a_step_fails_every_rank() -> None:
     schedule = make_schedule(MODEL, 2, 2, optimizer="shampoo", block_size=16, precondition_frequency=2)
     results = run_ranks(_inside_step_worker, 4, schedule)
     assert results[3]["hosts"], "rank 3 must host a matrix for the compute failure to happen"
     expected = {
         "hook": "rank 2: RuntimeError: gradient norm spike",
         "nan": "rank 1: non-finite gradient in " + ordered(schedule)[3].name,
-        "compute": "rank 3: updating ",
     }
     for case, fragment in expected.items():
         messages = {result[case][0] for result in results}
@@ -135,7 +155,13 @@ def test_a_rank_failing_inside_a_step_fails_every_rank_and_applies_nothing() -> 
         message = messages.pop()
         assert fragment in message and "nothing was applied on any rank" in message and message.startswith("canzona: step 3 failed"), message
         assert all(result[case][1] for result in results), f"{case}: parameters or state changed"
-    assert "LinAlgError: linalg.eigh: The algorithm failed to converge" in results[0]["compute"][0]
+    messages = {result["compute"][0] for result in results}
+    assert len(messages) == 1, f"compute: every rank raises the same error: {messages}"
+    message = messages.pop()
+    assert message.startswith("canzona: step 3 failed while updating") and "rank 3: updating " in message, message
+    assert "LinAlgError: linalg.eigh: The algorithm failed to converge" in message
+    for result in results:
+        assert "load a checkpoint" in result["refused"], result["refused"]
     compare(schedule, [result["params"] for result in results], reference_run(schedule, 3, {}))
 
 
@@ -155,8 +181,7 @@ def _killed_worker(rank: int, world: int, schedule: Schedule, hang_s: float) -> 
     optimizer, params = _setup(schedule, rank)
     _train(optimizer, params, range(2))
     if rank == 3:
-        make = optimizer._group_rule
-        optimizer._group_rule = lambda hp: _Dying(make(hp), hang_s)  # type: ignore[method-assign]
+        _failing_rule(lambda rule: _Dying(rule, hang_s))
     _grads(optimizer, params, 2)
     started = time.monotonic()
     try:

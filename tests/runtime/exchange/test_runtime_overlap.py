@@ -193,17 +193,17 @@ def _mid_backward_worker(rank: int, world: int, schedule: Any, victim: str) -> d
     out: dict[str, Any] = {}
     _backward(optimizer, model, 2, poison=victim if rank == 1 else None)
     out["nan"] = _failing(optimizer, params)
-    gradient = reduction.Round._gradient
+    read = reduction.Round.read
 
-    def broken(self: Any, index: int) -> Any:
-        if self.opt.names[index] == victim:
+    def broken(self: Any, index: int, grad: Any) -> Any:
+        if self.plan.names[index] == victim:
             raise RuntimeError("device lost")
-        return gradient(self, index)
+        return read(self, index, grad)
 
     if rank == 2:
-        reduction.Round._gradient = broken  # type: ignore[method-assign]
+        reduction.Round.read = broken  # type: ignore[method-assign]
     _backward(optimizer, model, 2)
-    reduction.Round._gradient = gradient  # type: ignore[method-assign]
+    reduction.Round.read = read  # type: ignore[method-assign]
     out["raise"] = _failing(optimizer, params)
     _backward(optimizer, model, 2)  # the same step with good gradients now succeeds
     optimizer.step()
@@ -276,7 +276,7 @@ def _irregular_worker(rank: int, world: int, schedule: Any, overlap: bool) -> di
     _backward(optimizer, model, 1)
     with optimizer.no_sync():  # changes gradients already being reduced: redone at the step
         _backward(optimizer, model, 1)
-    stale.append(optimizer._round is not None and optimizer._round.stale)
+    stale.append(optimizer.engine.round is not None and bool(optimizer.engine.round.stale))
     optimizer.step()
     optimizer.zero_grad()
     _backward(optimizer, model, 2)

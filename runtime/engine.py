@@ -1,0 +1,291 @@
+"""The step engine: one rank's buffers, state and process groups, and the stages of a step.
+
+A step is five named stages, run by `CanzonaOptimizer.step` in this order:
+
+1. **reduce**: pack this rank's gradients into the bucket buffer and reduce every bucket over DP
+   at the schedule's cuts, in place (started from backward with `overlap_grad_reduce`);
+2. **agree**: one safe point where every rank learns whether any rank has a problem (a bad
+   gradient, a failing pre-hook or closure, a bad hyperparameter), which entries have a
+   gradient somewhere, which buckets changed after backward reduced them (reduced again), and
+   whether main copies must be rebuilt. Nothing has changed yet: a problem fails the step on
+   every rank, and the step may be retried;
+3. **update micro-groups**: the TP micro-group pipeline (or TP-SC's replicated updates) updates
+   the matrices this rank owns, in place;
+4. **AdamW**: this rank's AdamW slices, in place; then a second safe point confirms that every
+   rank's update succeeded (else every rank raises `StepFailedError`, and the optimizer
+   refuses to step until a checkpoint is loaded: state already changed);
+5. **publish**: the new values are gathered over DP, bucket by bucket, into every rank's
+   parameters (overlapped with the next forward with `overlap_param_gather`).
+
+Memory (bf16 parameters, Muon): the fp32 bucket buffer (4 bytes per parameter, reused for the
+gather), fp32 main copies and momentum of what this rank updates, AdamW moments of its slices,
+and transients bounded by the micro-group capacity. No stage copies the optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from canzona.runtime import binding
+from canzona.runtime.exchange.buckets import DpComms
+from canzona.runtime.exchange.gather import ParamGather
+from canzona.runtime.exchange.gradients import global_norm
+from canzona.runtime.exchange.pipeline import MicroGroupPipeline, gather_replicated, replicated_updates
+from canzona.runtime.exchange.reduction import GradSource, Round
+from canzona.runtime.faults import CollectiveError, StepFailedError, fail_together, settle
+from canzona.runtime.layout import Task
+from canzona.runtime.plan import RankPlan
+from canzona.runtime.rules import precision
+from canzona.runtime.state.store import OptimizerState, fresh_state
+from canzona.runtime.update import StepContext, Updater
+
+LOG = logging.getLogger("canzona")
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups a rank's step runs over (expert-DP: None without expert parallelism)."""
+
+    dp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    expert_dp: dist.ProcessGroup | None = None
+
+
+def _global_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    if group is None:
+        return ()
+    return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+
+
+class Engine:
+    """One rank's step machinery over a frozen `RankPlan` (module docstring)."""
+
+    def __init__(self, plan: RankPlan, groups: Groups, source: GradSource, dp_collectives: str,
+                 timeout: timedelta | None) -> None:
+        self.plan, self.groups, self.source, self.timeout = plan, groups, source, timeout
+        self.comms = DpComms(groups.dp, _global_ranks(groups.dp), groups.expert_dp, _global_ranks(groups.expert_dp),
+                             dp_collectives, timeout)
+        self.send = torch.zeros(plan.layout.total, dtype=torch.float32, device=plan.device)  # the bucket buffer
+        self.state: OptimizerState = fresh_state(plan)
+        place = plan.place
+        self.pipeline = (None if plan.strategy.tp_replicated else
+                         MicroGroupPipeline(plan.groups, place.tp_rank, place.tp_size, groups.tp, plan.device, timeout))
+        self.updater = Updater(plan, self.state, self.pipeline.team_groups if self.pipeline else {}, timeout)
+        self.round: Round | None = None  # a reduction backward launched, not yet stepped
+        self.reduced: list[bool] | None = None  # per entry: has a gradient somewhere (reduced, not yet stepped)
+        self.gather: ParamGather | None = None  # gathers still in flight
+        self.syncing = True  # False inside no_sync()
+        self.broken: str | None = None  # a failed collective: the groups cannot be trusted
+        self.failed: str | None = None  # a step failed after state changed: load a checkpoint
+        self.warned = False
+
+    @property
+    def safe_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """The groups a safe point agrees over (TP, then DP: every rank of the grid)."""
+        return self.groups.tp, self.groups.dp
+
+    @contextmanager
+    def collectives(self) -> Iterator[None]:
+        """Remember a failed collective: the groups cannot be trusted afterwards."""
+        if self.broken:
+            raise CollectiveError(f"canzona: an earlier collective failed ({self.broken}); restart from the last checkpoint")
+        try:
+            yield
+        except CollectiveError as error:
+            self.broken = str(error)
+            raise
+
+    def check_usable(self) -> None:
+        """StepFailedError (on every rank alike: they all failed the same step) once a step
+        failed after changing state."""
+        if self.failed:
+            raise StepFailedError(f"canzona: {self.failed}; load a checkpoint (model and optimizer) before stepping again")
+
+    # -- stage 1 and 2: reduce, agree --------------------------------------------------------
+
+    def arrived(self, index: int) -> None:
+        """Entry `index` has its gradient for this backward (a gradient hook, or `grad_ready`).
+        Inside `no_sync()` nothing is launched (a round already launched is marked stale). After
+        `reduce_gradients` nothing is launched either: the coming step uses that reduction.
+        Otherwise the first gradient of a backward opens a round (finishing one an earlier
+        backward left unstepped and the gathers still in flight: their buffer is this one),
+        whose end-of-backward callback launches whatever backward did not produce."""
+        current = self.round
+        if not self.syncing or self.reduced is not None:
+            if current is not None:
+                current.stale.add(self.plan.layout.bucket_of[index])
+            return
+        if current is None or current.closed:
+            self.finish_gather()
+            self.round = opened = Round(self.plan, self.comms, self.send, self.source, launching=True)
+            if current is not None:
+                try:
+                    current.drain()
+                except CollectiveError as error:
+                    opened.failure = error
+            if torch._C._current_graph_task_id() != -1:  # inside backward: close the round at its end
+                torch.autograd.Variable._execution_engine.queue_callback(opened.close)
+            current = opened
+        current.arrive(index)
+
+    def reduce(self, problem: str | None) -> None:
+        """Stages 1 and 2 (collective): the DP mean of every gradient in this rank's slices of
+        the bucket buffer, agreed by every rank; StepFailedError on every rank if any has a
+        problem (nothing changed). A second call before the step does nothing."""
+        if self.reduced is not None:
+            return
+        step = self.state.step + 1
+        with self.collectives():
+            self.finish_gather()
+            hooked, self.round = self.round, None
+            if hooked is None:
+                self._reduce_fresh(problem, step)
+            else:
+                self._reduce_hooked(hooked, problem, step)
+            binding.sum_partial_over_tp(self.plan.partial_spans, self.send, self.groups.tp, self.timeout)
+
+    def _reduce_fresh(self, problem: str | None, step: int) -> None:
+        fresh = Round(self.plan, self.comms, self.send, self.source, launching=False)
+        if problem is None:
+            fresh.pack_rest()
+        buckets = len(self.plan.layout.buckets)
+        agreed = self._agree(problem or fresh.problem, step, fresh,
+                             torch.zeros(buckets, dtype=torch.int32, device=self.plan.device))
+        fresh.launch_rest()
+        fresh.wait()
+        self.reduced = agreed
+
+    def _reduce_hooked(self, hooked: Round, problem: str | None, step: int) -> None:
+        hooked.launch_rest()
+        hooked.wait()
+        changed = hooked.changes()
+        agreed = self._agree(problem or hooked.problem, step, hooked, changed, "after reducing its gradients")
+        redo = [bucket for bucket, flag in enumerate(self._stale) if flag]
+        if redo:
+            self._warn_overlap_lost(len(redo))
+            hooked.redo(redo)
+        self.reduced = agreed
+
+    def _agree(self, problem: str | None, step: int, done: Round, stale: Tensor,
+               where: str = "before its first collective") -> list[bool]:
+        """The safe point of the reduction: every rank's problem, and agreed flags (a non-finite
+        gradient somewhere, main copies to rebuild, each bucket to reduce again, each entry's
+        gradient); rebuilds stale main copies. Returns, per entry, whether any rank has its
+        gradient."""
+        device = self.plan.device
+        head = torch.tensor([int(self.state.main.stale)], dtype=torch.int32, device=device)
+        has_grad = torch.tensor(done.has_grad, dtype=torch.int32, device=device)
+        flags = torch.cat([done.nonfinite.to(torch.int32).reshape(1), head, stale.to(device=device, dtype=torch.int32), has_grad])
+        failure = f"step {step} failed {where}, nothing was applied on any rank"
+        agreed = settle(problem, self.safe_groups, self.timeout, f"the safe point of step {step} {where}", failure,
+                        device, flags=flags).tolist()
+        if agreed[0]:  # a rank saw a non-finite gradient (check_finite): every rank says which
+            fail_together(done.nonfinite_problem(), self.safe_groups, f"the safe point of step {step} {where}", failure)
+        buckets = len(self.plan.layout.buckets)
+        self._stale = agreed[2 : 2 + buckets]
+        if agreed[1]:
+            precision.rebuild(self.plan, self.state.main, self.gather_full, self.state.main.stale)
+        return [bool(flag) for flag in agreed[2 + buckets :]]
+
+    def _warn_overlap_lost(self, count: int) -> None:
+        if self.warned:
+            return
+        self.warned = True
+        if dist.get_rank() == 0:
+            LOG.warning("canzona: %d gradient bucket(s) changed after backward had reduced them (gradients edited, "
+                        "replaced or summed by a hook after backward); reduced again at the step, so the overlap with "
+                        "backward was lost for them (said once)", count)
+
+    def gather_full(self, tasks: Sequence[Task], shard_of: Callable[[Task], Tensor]) -> dict[int, Tensor]:
+        """Full fp32 matrices of `tasks` on the ranks that update them (collective over TP)."""
+        if self.pipeline is None:
+            return gather_replicated(tasks, self.groups.tp, shard_of, self.plan.device, self.timeout)
+        return self.pipeline.gather_full(tasks, shard_of)
+
+    def clip(self, max_norm: float, norm_type: float) -> Tensor:
+        """Scale the reduced gradients of this rank's slices to global norm `max_norm`
+        (torch's rule); the norm before clipping (collective)."""
+        with self.collectives():
+            norm = global_norm(self.plan, self.send, norm_type, self.safe_groups, self.timeout)
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for start, stop in self.plan.update_spans:
+            self.send[start:stop].mul_(coefficient)
+        return norm
+
+    # -- stage 3 and 4: update, AdamW --------------------------------------------------------
+
+    def update(self, ctx: StepContext) -> None:
+        """Stages 3 and 4, then the safe point that confirms them; on success the step counts
+        advance. StepFailedError on every rank if any rank failed (the optimizer is then
+        unusable until a checkpoint is loaded)."""
+        plan, updater = self.plan, self.updater
+        with self.collectives():
+            active = lambda task: ctx.active[task.param] and plan.optimized(task.param)  # noqa: E731
+            grad_of = lambda task: self.send[slice(*plan.grad_span(task.param))].view(task.local_shape)  # noqa: E731
+            update_of = lambda tasks, full: updater.host_results(ctx, tasks, full)  # noqa: E731
+            apply = lambda task, shard: updater.apply(ctx, task, shard)  # noqa: E731
+            if self.pipeline is None:
+                place = plan.place
+                replicated_updates(plan.groups[0], place.tp_rank, place.tp_size, self.groups.tp, grad_of, update_of,
+                                   apply, plan.device, self.timeout, active)
+            else:
+                self.pipeline.run(grad_of, update_of, apply, active)
+            updater.adamw(ctx, self.send)
+            point = f"the end of step {ctx.step}"
+            try:
+                settle(ctx.problem, self.safe_groups, self.timeout, point,
+                       f"step {ctx.step} failed while updating; state may have changed on some ranks", plan.device)
+            except StepFailedError as error:
+                self.failed = f"step {ctx.step} failed while updating ({error})"
+                raise
+        for index, on in enumerate(ctx.active):
+            if on and plan.counted[index]:
+                self.state.param_steps[index] += 1
+        self.state.step = ctx.step
+
+    # -- stage 5: publish --------------------------------------------------------------------
+
+    def publish(self, active: list[bool], eager: set[int] | None) -> None:
+        """Gather the new values over DP into every rank's parameters; wait for every bucket,
+        or (`eager` given: the forward hooks wait for the rest) only for `eager` buckets."""
+        if self.plan.strategy.all_dp:
+            return  # DP-SC: every rank updated everything in place
+        with self.collectives():
+            gather = self.gather = ParamGather(self.plan, self.comms, self.send, active)
+            if eager is None:
+                gather.finish()
+            else:
+                gather.wait([b for b in self.plan.layout.gather_order if b in eager])
+        if gather.done:
+            self.gather = None
+
+    def finish_gather(self) -> None:
+        """Wait for every parameter gather still in flight."""
+        if self.gather is not None:
+            with self.collectives():
+                self.gather.finish()
+            self.gather = None
+
+    def wait_gather(self, buckets: list[int]) -> None:
+        """Wait for the gathers of `buckets` (a module's forward pre-hook calls this)."""
+        if self.gather is not None:
+            with self.collectives():
+                self.gather.wait(buckets)
+            if self.gather.done:
+                self.gather = None
+
+    def drop_round(self) -> None:
+        """Finish and forget a reduction nobody will step (every rank launches the same)."""
+        current, self.round = self.round, None
+        self.reduced = None
+        if current is not None:
+            with self.collectives():
+                current.drain()
