@@ -48,6 +48,9 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
     ("soap", "soap", {"precondition_frequency": 2, "max_precond_dim": 40}, {}),
     ("shampoo, matrix_eps 1e-3", "shampoo", {"block_size": 16, "precondition_frequency": 2}, {"matrix_eps": 1e-3}),
     ("soap, max_precond_dim 16", "soap", {"precondition_frequency": 2, "max_precond_dim": 16}, {}),
+    # Newton-Schulz products in bf16 (the CUDA default): ref32 is the reference at the same
+    # precision, ref64 the exact fp64 one (the bf16 test's tolerance comes from this row).
+    ("muon, ns_dtype bf16", "muon", {}, {"ns_dtype": "bf16"}),
 ]
 HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 0.01}
 LAYOUTS = {"TP 2 x DP 2": (2, 2), "DP 4": (1, 4)}
@@ -69,10 +72,10 @@ def _worker(rank: int, world: int, schedule: Schedule, steps: int, strategy: str
             param.grad = shard(full_grad(entry, step, dp_rank), entry, tp_rank, tp)
         if step == 0:
             optimizer.reduce_gradients()
-            grads = optimizer._reduced.grads
-            for piece in optimizer.layout.rank_pieces[dp_rank]:
-                start = piece.dst - optimizer._base
-                pieces.append((optimizer.names[piece.param], piece.src, grads[start : start + piece.length].clone()))
+            layout, send = optimizer.plan.layout, optimizer.engine.send  # reduced in place, at their positions
+            for piece in layout.rank_pieces[dp_rank]:
+                start = layout.flat[piece.param] + piece.src
+                pieces.append((optimizer.names[piece.param], piece.src, send[start : start + piece.length].clone()))
         optimizer.step()
         optimizer.zero_grad()
     return {"params": {name: p.detach().clone() for name, p in params}, "grad_pieces": pieces}
@@ -84,7 +87,8 @@ def reference64(schedule: Schedule, steps: int, hp: dict[str, Any]) -> dict[str,
     full = full_params(schedule)
     entries = ordered(schedule)
     params = [(e.name, torch.nn.Parameter(full[e.name].clone())) for e in entries]
-    optimizer = ReferenceOptimizer(params, schedule, dtype=torch.float64, **hp)
+    exact = {**hp, "ns_dtype": "fp32"}  # fp64 products: the yardstick for every precision
+    optimizer = ReferenceOptimizer(params, schedule, dtype=torch.float64, **exact)
     for step in range(steps):
         grads = {e.name: torch.stack([full_grad(e, step, d).double() for d in range(dp)]).sum(0) / dp for e in entries}
         optimizer.step(grads)

@@ -38,7 +38,7 @@ from canzona.runtime.schedule import ADAMW, MATRIX, tensor_problems
 from canzona.schedules.format import ParamEntry
 
 MATRIX_KNOBS: dict[str, tuple[str, ...]] = {
-    "muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "update_scale"),
+    "muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_dtype", "update_scale"),
     "shampoo": ("momentum", "nesterov", "precondition_frequency", "shampoo_beta2", "graft_rms", "matrix_eps"),
     "soap": ("soap_betas", "soap_shampoo_beta", "soap_eps", "precondition_frequency"),
 }
@@ -125,7 +125,7 @@ def _value(key: str, value: Any) -> Any:
         value = value.item()
     if key in TUPLE_KNOBS:
         return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else value
-    if key in INT_KNOBS or key in ("nesterov", "update_scale"):
+    if key in INT_KNOBS or key in ("nesterov", "update_scale", "ns_dtype"):
         return value
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 

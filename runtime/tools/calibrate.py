@@ -1,7 +1,9 @@
 """Time the real optimizer kernels with torch on this device: the measurements behind the
 planner's `profile:` cost model (docs/concepts.md, cost models).
 
-Each matrix row times the runtime's own `matrix_update` (momentum + Newton–Schulz for Muon;
+Each matrix row times the runtime's own `matrix_update` (momentum + Newton–Schulz for Muon, its
+products in the precision the runtime uses by default on the device, `ns_dtype="auto"`: bf16 on
+CUDA, fp32 elsewhere, which the profile records as its `dtype`;
 statistics, inverse roots and preconditioning for Shampoo; statistics, eigenbasis refresh and
 projections for SOAP) on a random fp32 gradient, after warm-up, as the median of several
 repeats (`torch.cuda.synchronize` around each on a GPU). Shampoo and SOAP are timed on a step
@@ -32,7 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from canzona.runtime.rules.optimizers import Hyperparameters, adamw_, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.rules.optimizers import (
+    Hyperparameters,
+    adamw_,
+    init_matrix_state,
+    make_rule,
+    matrix_update,
+    resolve_ns_dtype,
+)
 
 PROFILE_FORMAT = "canzona-profile/1"
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
@@ -48,6 +57,7 @@ class Settings:
     block_size: int = 1024
     precondition_frequency: int = 10
     max_precond_dim: int = 10000
+    ns_dtype: str = "auto"
 
 
 def _sync(device: torch.device) -> None:
@@ -72,7 +82,7 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, warmup: int, rep
 def _hyperparameters(settings: Settings) -> Hyperparameters:
     return Hyperparameters(ns_steps=settings.ns_steps, block_size=settings.block_size,
                            precondition_frequency=settings.precondition_frequency,
-                           max_precond_dim=settings.max_precond_dim)
+                           max_precond_dim=settings.max_precond_dim, ns_dtype=settings.ns_dtype)
 
 
 def matrix_row(optimizer: str, rows: int, cols: int, settings: Settings, device: torch.device,
@@ -172,8 +182,9 @@ def calibrate(shapes: Sequence[tuple[int, int]], settings: Settings = Settings()
             progress(f"adamw {numel}: {rows[-1]['seconds'] * 1e3:.3f} ms")
     profile: dict[str, Any] = {
         "format": PROFILE_FORMAT, "device": target.type, "device_name": device_name(target),
-        "torch": torch.__version__, "dtype": "fp32", "threads": torch.get_num_threads(),
-        "settings": asdict(settings), "rows": rows,
+        "torch": torch.__version__, "dtype": resolve_ns_dtype(settings.ns_dtype, target),
+        "threads": torch.get_num_threads(), "settings": {k: v for k, v in asdict(settings).items() if k != "ns_dtype"},
+        "rows": rows,
     }
     if train_tokens >= 1:
         profile["training"] = training_fit(train_shapes, train_tokens, target, warmup, repeats)
