@@ -71,14 +71,18 @@ class Engine:
     def __init__(self, plan: RankPlan, groups: Groups, source: GradSource, dp_collectives: str,
                  timeout: timedelta | None) -> None:
         self.plan, self.groups, self.source, self.timeout = plan, groups, source, timeout
+        # NCCL's Work.wait(timeout) blocks the host until the collective finishes, which would
+        # serialise the pipeline: on CUDA the waits inside a step are stream waits, bounded by
+        # the process groups' own timeout (NCCL's watchdog); `timeout` bounds the safe points.
+        self.wait_timeout = None if plan.device.type == "cuda" else timeout
         self.comms = DpComms(groups.dp, _global_ranks(groups.dp), groups.expert_dp, _global_ranks(groups.expert_dp),
-                             dp_collectives, timeout)
+                             dp_collectives, self.wait_timeout)
         self.send = torch.zeros(plan.layout.total, dtype=torch.float32, device=plan.device)  # the bucket buffer
         self.state: OptimizerState = fresh_state(plan)
         place = plan.place
-        self.pipeline = (None if plan.strategy.tp_replicated else
-                         MicroGroupPipeline(plan.groups, place.tp_rank, place.tp_size, groups.tp, plan.device, timeout))
-        self.updater = Updater(plan, self.state, self.pipeline.team_groups if self.pipeline else {}, timeout)
+        self.pipeline = (None if plan.strategy.tp_replicated else MicroGroupPipeline(
+            plan.groups, place.tp_rank, place.tp_size, groups.tp, plan.device, self.wait_timeout))
+        self.updater = Updater(plan, self.state, self.pipeline.team_groups if self.pipeline else {}, self.wait_timeout)
         self.round: Round | None = None  # a reduction backward launched, not yet stepped
         self.reduced: list[bool] | None = None  # per entry: has a gradient somewhere (reduced, not yet stepped)
         self.gather: ParamGather | None = None  # gathers still in flight
@@ -150,7 +154,7 @@ class Engine:
                 self._reduce_fresh(problem, step)
             else:
                 self._reduce_hooked(hooked, problem, step)
-            binding.sum_partial_over_tp(self.plan.partial_spans, self.send, self.groups.tp, self.timeout)
+            binding.sum_partial_over_tp(self.plan.partial_spans, self.send, self.groups.tp, self.wait_timeout)
 
     def _reduce_fresh(self, problem: str | None, step: int) -> None:
         fresh = Round(self.plan, self.comms, self.send, self.source, launching=False)
@@ -207,14 +211,14 @@ class Engine:
     def gather_full(self, tasks: Sequence[Task], shard_of: Callable[[Task], Tensor]) -> dict[int, Tensor]:
         """Full fp32 matrices of `tasks` on the ranks that update them (collective over TP)."""
         if self.pipeline is None:
-            return gather_replicated(tasks, self.groups.tp, shard_of, self.plan.device, self.timeout)
+            return gather_replicated(tasks, self.groups.tp, shard_of, self.plan.device, self.wait_timeout)
         return self.pipeline.gather_full(tasks, shard_of)
 
     def clip(self, max_norm: float, norm_type: float) -> Tensor:
         """Scale the reduced gradients of this rank's slices to global norm `max_norm`
         (torch's rule); the norm before clipping (collective)."""
         with self.collectives():
-            norm = global_norm(self.plan, self.send, norm_type, self.safe_groups, self.timeout)
+            norm = global_norm(self.plan, self.send, norm_type, self.safe_groups, self.wait_timeout)
         coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for start, stop in self.plan.update_spans:
             self.send[start:stop].mul_(coefficient)
@@ -235,7 +239,7 @@ class Engine:
             if self.pipeline is None:
                 place = plan.place
                 replicated_updates(plan.groups[0], place.tp_rank, place.tp_size, self.groups.tp, grad_of, update_of,
-                                   apply, plan.device, self.timeout, active)
+                                   apply, plan.device, self.wait_timeout, active)
             else:
                 self.pipeline.run(grad_of, update_of, apply, active)
             updater.adamw(ctx, self.send)
