@@ -3,17 +3,20 @@ hyperparameters each group gives a step.
 
 A script passes `model.named_parameters()` (one group) or a list of dicts whose `"params"` are
 `(name, tensor)` pairs, as for any `torch.optim` optimizer. The names match the schedule.
-Every resulting group is homogeneous in rule, so that its `"lr"` is the learning rate of every
-parameter in it and any `torch.optim.lr_scheduler` drives the right one:
+`param_groups` are exactly those groups, one per dict: a group may hold matrices (Muon /
+Shampoo / SOAP) and AdamW parameters, and carries the keys of both:
 
-- a `"matrix"` group (Muon / Shampoo / SOAP): `lr`, `weight_decay` and the rule's knobs;
-- an `"adamw"` group: `lr`, `weight_decay`, `betas`, `eps` (torch.optim.AdamW's names).
+- `lr`, `weight_decay` and the rule's knobs apply to its matrices;
+- `adamw_lr`, `adamw_weight_decay`, `adamw_betas`, `adamw_eps` apply to its AdamW parameters.
 
-A user group is split into a matrix group and an AdamW group (in that order, empty ones
-dropped). The matrix group takes the user group's `lr`, `weight_decay` and rule knobs; the AdamW
-group its `adamw_lr`, `adamw_weight_decay`, `adamw_betas`, `adamw_eps`; what a group leaves out
-comes from the optimizer's keyword arguments. A key that would apply to no parameter of its
-group (e.g. `weight_decay` in a group of norms only: say `adamw_weight_decay`) is an error.
+What a group leaves out comes from the optimizer's keyword arguments. A key the user sets that
+would apply to no parameter of its group (e.g. `weight_decay` in a group of norms only: say
+`adamw_weight_decay`) is an error.
+
+LR schedulers drive `lr`, and the AdamW parameters follow by the same factor: a step uses
+`adamw_lr · lr / initial_lr` for them, where `initial_lr` is the group's `lr` at construction
+(the base every `torch.optim.lr_scheduler` starts from). So `LambdaLR(optimizer, [f, g])` takes
+one function per group the script passed, and a warm-up scales both rules alike.
 
 Parameters with `requires_grad=False` are not optimized; schedule parameters that are not
 passed at all are treated the same way (pass only the trainable ones if you like).
@@ -42,22 +45,22 @@ MATRIX_KNOBS: dict[str, tuple[str, ...]] = {
     "shampoo": ("momentum", "nesterov", "precondition_frequency", "shampoo_beta2", "graft_rms", "matrix_eps"),
     "soap": ("soap_betas", "soap_shampoo_beta", "soap_eps", "precondition_frequency"),
 }
-# AdamW group key -> (the key a user group sets it with, the Hyperparameters field)
-ADAMW_KEYS: dict[str, tuple[str, str]] = {
-    "lr": ("adamw_lr", "adamw_lr"),
-    "weight_decay": ("adamw_weight_decay", "adamw_weight_decay"),
-    "betas": ("adamw_betas", "adamw_betas"),
-    "eps": ("adamw_eps", "adamw_eps"),
+# a group's AdamW key -> the Hyperparameters field it sets
+ADAMW_KEYS: dict[str, str] = {
+    "adamw_lr": "adamw_lr",
+    "adamw_weight_decay": "adamw_weight_decay",
+    "adamw_betas": "adamw_betas",
+    "adamw_eps": "adamw_eps",
 }
-TUPLE_KNOBS = ("ns_coefficients", "soap_betas", "betas")
+TUPLE_KNOBS = ("ns_coefficients", "soap_betas", "adamw_betas")
 INT_KNOBS = ("ns_steps", "precondition_frequency")
 MAX_LISTED = 3
 
 
 @dataclass
 class ResolvedGroups:
-    """The groups to hand to `torch.optim.Optimizer` (params as (name, tensor) pairs, plus
-    `kind` and every hyperparameter), the schedule parameters left out, and the problems."""
+    """The groups to hand to `torch.optim.Optimizer` (params as (name, tensor) pairs, plus every
+    hyperparameter and `initial_lr`), the schedule parameters left out, and the problems."""
 
     groups: list[dict[str, Any]] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
@@ -130,55 +133,55 @@ def _value(key: str, value: Any) -> Any:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
+def _ratio(group: Mapping[str, Any]) -> float:
+    """How far a scheduler (or the script) has moved the group's `lr` from `initial_lr`."""
+    initial = _value("initial_lr", group.get("initial_lr", group["lr"]))
+    return _value("lr", group["lr"]) / initial if isinstance(initial, float) and initial > 0 else 1.0
+
+
 def group_hyperparameters(group: Mapping[str, Any], defaults: Hyperparameters, rule: str) -> Hyperparameters:
-    """The hyperparameters one group gives a step (its values over the resolved `defaults`);
-    ValueError naming the first bad value."""
+    """The hyperparameters one group gives a step (its values over the resolved `defaults`;
+    the AdamW learning rate scaled as `lr` moved from `initial_lr`); ValueError naming the
+    first bad value."""
     try:
-        if group["kind"] == MATRIX:
-            changes = {key: _value(key, group[key]) for key in matrix_keys(rule)}
-        else:
-            changes = {ADAMW_KEYS[key][1]: _value(key, group[key]) for key in ADAMW_KEYS}
+        changes = {key: _value(key, group[key]) for key in matrix_keys(rule)}
+        changes.update({field_name: _value(user, group[user]) for user, field_name in ADAMW_KEYS.items()})
     except KeyError as error:
         raise ValueError(f"it lacks {error.args[0]!r}") from None
     except (TypeError, ValueError) as error:
         raise ValueError(str(error)) from None
     hp = replace(defaults, **changes)
+    hp.check()
     try:
-        hp.check()
-    except ValueError as error:
-        message = str(error)
-        if group["kind"] == ADAMW:  # name the group's keys, not the defaults' fields
-            for key, (_, field_name) in ADAMW_KEYS.items():
-                message = message.replace(field_name, key)
-        raise ValueError(message) from None
-    return hp
+        ratio = _ratio(group)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"initial_lr: {error}") from None
+    return replace(hp, adamw_lr=hp.adamw_lr * ratio)
 
 
-def _split(index: int, group: dict[str, Any], pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry],
-           rule: str, defaults: Hyperparameters, problems: list[str]) -> list[dict[str, Any]]:
-    """The matrix and AdamW groups of one user group."""
-    matrix = [p for p in pairs if entries[p[0]].optimizer == MATRIX]
-    adamw = [p for p in pairs if entries[p[0]].optimizer == ADAMW]
-    user_adamw = {user for user, _ in ADAMW_KEYS.values()}
-    allowed = set(matrix_keys(rule)) | user_adamw | {"params"}
+def _check_group(index: int, group: dict[str, Any], pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry],
+                 rule: str, problems: list[str]) -> None:
+    """Unknown keys, and keys that would apply to no parameter of the group."""
+    has_matrix = any(entries[name].optimizer == MATRIX for name, _ in pairs)
+    has_adamw = any(entries[name].optimizer == ADAMW for name, _ in pairs)
+    allowed = set(matrix_keys(rule)) | set(ADAMW_KEYS) | {"params", "initial_lr"}
     unknown = sorted(set(group) - allowed)
     if unknown:
         problems.append(f"param group {index}: unknown key(s) {', '.join(map(repr, unknown))}; a group takes "
                         f"{', '.join(sorted(allowed - {'params'}))}")
-    unused = [key for key in group if (key in matrix_keys(rule) and not matrix) or (key in user_adamw and not adamw)]
+    unused = [key for key in group if (key in matrix_keys(rule) and not has_matrix) or (key in ADAMW_KEYS and not has_adamw)]
     if unused and pairs:
-        kind = "matrix" if not matrix else "AdamW"
+        kind = "matrix" if not has_matrix else "AdamW"
         problems.append(f"param group {index}: {', '.join(map(repr, unused))} would apply to its {kind} parameters, "
                         f"but it has none" + ("; AdamW parameters take adamw_lr, adamw_weight_decay, adamw_betas, adamw_eps"
-                                              if not matrix else ""))
-    out = []
-    if matrix:
-        values = {key: group.get(key, getattr(defaults, key)) for key in matrix_keys(rule)}
-        out.append({"params": matrix, "kind": MATRIX, **values})
-    if adamw:
-        values = {key: group.get(user, getattr(defaults, field_name)) for key, (user, field_name) in ADAMW_KEYS.items()}
-        out.append({"params": adamw, "kind": ADAMW, **values})
-    return out
+                                              if not has_matrix else ""))
+
+
+def _group(group: dict[str, Any], pairs: list[tuple[str, Tensor]], rule: str, defaults: Hyperparameters) -> dict[str, Any]:
+    """One optimizer group: its parameters and every key, those left out from `defaults`."""
+    values = {key: group.get(key, getattr(defaults, key)) for key in matrix_keys(rule)}
+    values.update({user: group.get(user, getattr(defaults, field_name)) for user, field_name in ADAMW_KEYS.items()})
+    return {"params": pairs, **values, "initial_lr": group.get("initial_lr", values["lr"])}
 
 
 def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry], tp: int,
@@ -207,7 +210,7 @@ def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, Param
 def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], tp: int, rule: str,
                    defaults: Hyperparameters, grad_attr: str = "grad", fsdp: bool = False) -> ResolvedGroups:
     """Check what a script passed against the schedule (`entries` by name, TP size `tp`) and
-    build the homogeneous groups; every problem is returned, nothing raises. `fsdp`: the
+    build one group per user group; every problem is returned, nothing raises. `fsdp`: the
     parameters are FSDP2-sharded, so their global shapes are checked (their placements are
     the FSDP optimizer's to check)."""
     result = ResolvedGroups()
@@ -219,7 +222,8 @@ def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], t
         _check_names(index, pairs, entries, seen, result.problems)
         every += pairs
         trainable = [(name, tensor) for name, tensor in pairs if name in entries and tensor.requires_grad]
-        result.groups += _split(index, group, trainable, entries, rule, defaults, result.problems)
+        _check_group(index, group, trainable, entries, rule, result.problems)
+        result.groups.append(_group(group, trainable, rule, defaults))
     result.problems += _model_problems(every, entries, tp, grad_attr, fsdp)
     managed = {name for group in result.groups for name, _ in group["params"]}
     result.frozen = [name for name in sorted(entries, key=lambda n: entries[n].index) if name not in managed]
@@ -229,15 +233,5 @@ def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], t
         try:
             group_hyperparameters(group, defaults, rule)
         except ValueError as error:
-            result.problems.append(f"param_groups[{position}] ({group['kind']}): {error}")
+            result.problems.append(f"param_groups[{position}]: {error}")
     return result
-
-
-def is_finite_number(value: Any) -> bool:
-    """Whether `value` is a finite real number (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def device_of(pairs: list[tuple[str, Tensor]]) -> torch.device:
-    """The one device the parameters live on (CPU when there are none)."""
-    return pairs[0][1].device if pairs else torch.device("cpu")

@@ -193,7 +193,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             try:
                 hps.append(group_hyperparameters(group, self.hp, rule))
             except ValueError as error:
-                return [self.hp] * len(self.param_groups), f"param_groups[{position}] ({group['kind']}): {error}"
+                return [self.hp] * len(self.param_groups), f"param_groups[{position}]: {error}"
         return hps, None
 
     def _run_pre_hooks(self, closure: Callable[[], Any] | None) -> tuple[Callable[[], Any] | None, str | None]:
@@ -265,8 +265,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             engine.reduce(problem or hp_problem)
             active = engine.reduced
             assert active is not None
-            rules: dict[int, MatrixRule] = {g: make_rule(self.schedule.request.optimizer.name, hps[g])
-                                            for g, group in enumerate(self.param_groups) if group["kind"] == "matrix"}
+            rules: dict[int, MatrixRule] = {g: make_rule(self.schedule.request.optimizer.name, hp) for g, hp in enumerate(hps)}
             engine.update(StepContext(engine.state.step + 1, active, hps, rules))
         finally:
             engine.reduced = None

@@ -345,7 +345,7 @@ def check_groups(plan: RankPlan, groups: list[dict[str, Any]], defaults: Hyperpa
         return [name for name in names if name not in placed]
 
     for position, (group, old) in enumerate(zip(groups, saved)):
-        if old.get("kind") != group["kind"] or members(old.get("param_names", [])) != members(group["param_names"]):
+        if members(old.get("param_names", [])) != members(group["param_names"]):
             raise ValueError(f"param_groups[{position}] holds other parameters in the saved state (the groups must be built the same way)")
         try:
             group_hyperparameters({**group, **old}, defaults, rule)

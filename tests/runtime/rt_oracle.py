@@ -314,7 +314,7 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
         "skipped_changed": skipped_changed,
         "norms": norms,
         "lrs": lrs,
-        "kinds": [group["kind"] for group in optimizer.param_groups],
+        "groups": len(optimizer.param_groups),
         "main": {key: value for key, value in state["tensors"].items() if key.startswith("main/")},
         "param_steps": state["param_steps"],
         "rounds": rounds,  # per step, the reduction backward launched: (by its hooks, in all, closed)
@@ -354,7 +354,7 @@ def scenario_reference(scenario: Scenario) -> dict[str, Any]:
             scheduler.step()
     mains = {name: optimizer.state[p]["main"] for name, p in params if "main" in optimizer.state[p]}
     return {"params": {name: p.detach() for name, p in params}, "norms": norms, "lrs": lrs, "main": mains,
-            "kinds": [group["kind"] for group in optimizer.param_groups],
+            "groups": len(optimizer.param_groups),
             "param_steps": {name: optimizer.state[p]["step"] for name, p in params if p.requires_grad}}
 
 
