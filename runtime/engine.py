@@ -48,6 +48,40 @@ from canzona.runtime.state.store import OptimizerState, fresh_state
 from canzona.runtime.update import StepContext, Updater
 
 LOG = logging.getLogger("canzona")
+SCALES_DIFFER = ("the loss scaler's scale differs across ranks (an overflow only some ranks saw changed theirs): use "
+                 "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler and call scaler.unscale_(optimizer) "
+                 "before scaler.step(optimizer): it agrees overflows across ranks")
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """What a loss scaler (`torch.amp.GradScaler`) hands a step: this rank's overflow flag and
+    the scale to divide the gradients by (None when the script unscaled them already)."""
+
+    found_inf: Tensor
+    scale: Tensor | None
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What the reduction's safe point settled: buckets to reduce again, which entries have a
+    gradient on some rank, and whether a loss scaler saw an overflow on some rank."""
+
+    redo: list[int]
+    has_grad: list[bool]
+    overflow: bool
+
+
+def _scaling_flags(scaling: LossScaling | None, device: torch.device) -> dict[str, Tensor]:
+    """The loss scaler's flags for a safe point: any overflow, and the scale's bits both ways
+    (a positive fp32's bits order like its value: MAX of both gives the largest and smallest)."""
+    if scaling is None:
+        return {}
+    flags = {"overflow": (scaling.found_inf.to(device) > 0).to(torch.int32)}
+    if scaling.scale is not None:
+        bits = scaling.scale.to(device=device, dtype=torch.float32).reshape(1).view(torch.int32)
+        flags.update(scale_max=bits, scale_min=-bits)
+    return flags
 
 
 @dataclass(frozen=True)
@@ -89,6 +123,7 @@ class Engine:
         self.syncing = True  # False inside no_sync()
         self.broken: str | None = None  # a failed collective: the groups cannot be trusted
         self.failed: str | None = None  # a step failed after state changed: load a checkpoint
+        self.skipped = False  # the step's gradients overflowed under a loss scaler: nothing to apply
         self.warned = False
 
     @property
@@ -115,8 +150,9 @@ class Engine:
 
     # -- stage 1 and 2: reduce, agree --------------------------------------------------------
 
-    def arrived(self, index: int) -> None:
-        """Entry `index` has its gradient for this backward (a gradient hook, or `grad_ready`).
+    def arrived(self, indices: Sequence[int]) -> None:
+        """The entries `indices` (one model tensor's) have their gradient for this backward (a
+        gradient hook, or `grad_ready`).
         Inside `no_sync()` nothing is launched (a round already launched is marked stale). After
         `reduce_gradients` nothing is launched either: the coming step uses that reduction.
         Otherwise the first gradient of a backward opens a round (finishing one an earlier
@@ -125,7 +161,7 @@ class Engine:
         current = self.round
         if not self.syncing or self.reduced is not None:
             if current is not None:
-                current.stale.add(self.plan.layout.bucket_of[index])
+                current.stale.update(self.plan.layout.bucket_of[index] for index in indices)
             return
         if current is None or current.closed:
             self.finish_gather()
@@ -138,12 +174,14 @@ class Engine:
             if torch._C._current_graph_task_id() != -1:  # inside backward: close the round at its end
                 torch.autograd.Variable._execution_engine.queue_callback(opened.close)
             current = opened
-        current.arrive(index)
+        current.arrive(indices)
 
-    def reduce(self, problem: str | None) -> None:
+    def reduce(self, problem: str | None, scaling: LossScaling | None = None) -> None:
         """Stages 1 and 2 (collective): the DP mean of every gradient in this rank's slices of
         the bucket buffer, agreed by every rank; StepFailedError on every rank if any has a
-        problem (nothing changed). A second call before the step does nothing."""
+        problem (nothing changed). With a loss scaler's `scaling`, the ranks also agree whether
+        any found an overflow (then `skipped` is set and nothing else happens) and the mean is
+        unscaled. A second call before the step does nothing."""
         if self.reduced is not None:
             return
         step = self.state.step + 1
@@ -151,53 +189,70 @@ class Engine:
             self.finish_gather()
             hooked, self.round = self.round, None
             if hooked is None:
-                self._reduce_fresh(problem, step)
+                fresh = Round(self.plan, self.comms, self.send, self.source, launching=False)
+                if problem is None:
+                    fresh.pack_rest()
+                buckets = torch.zeros(len(self.plan.layout.buckets), dtype=torch.int32, device=self.plan.device)
+                agreed = self._agree(problem or fresh.problem, step, fresh, buckets, scaling)
+                fresh.launch_rest()
+                fresh.wait()
             else:
-                self._reduce_hooked(hooked, problem, step)
+                hooked.launch_rest()
+                hooked.wait()
+                where = "after reducing its gradients"
+                agreed = self._agree(problem or hooked.problem, step, hooked, hooked.changes(), scaling, where)
+                if agreed.redo:
+                    self._warn_overlap_lost(len(agreed.redo))
+                    hooked.redo(agreed.redo)
             binding.sum_partial_over_tp(self.plan.partial_spans, self.send, self.groups.tp, self.wait_timeout)
+            self.skipped = agreed.overflow
+            if scaling is not None and scaling.scale is not None and not agreed.overflow:
+                self._unscale(scaling.scale)
+            self.reduced = agreed.has_grad
 
-    def _reduce_fresh(self, problem: str | None, step: int) -> None:
-        fresh = Round(self.plan, self.comms, self.send, self.source, launching=False)
-        if problem is None:
-            fresh.pack_rest()
-        buckets = len(self.plan.layout.buckets)
-        agreed = self._agree(problem or fresh.problem, step, fresh,
-                             torch.zeros(buckets, dtype=torch.int32, device=self.plan.device))
-        fresh.launch_rest()
-        fresh.wait()
-        self.reduced = agreed
-
-    def _reduce_hooked(self, hooked: Round, problem: str | None, step: int) -> None:
-        hooked.launch_rest()
-        hooked.wait()
-        changed = hooked.changes()
-        agreed = self._agree(problem or hooked.problem, step, hooked, changed, "after reducing its gradients")
-        redo = [bucket for bucket, flag in enumerate(self._stale) if flag]
-        if redo:
-            self._warn_overlap_lost(len(redo))
-            hooked.redo(redo)
-        self.reduced = agreed
-
-    def _agree(self, problem: str | None, step: int, done: Round, stale: Tensor,
-               where: str = "before its first collective") -> list[bool]:
+    def _agree(self, problem: str | None, step: int, done: Round, stale: Tensor, scaling: LossScaling | None,
+               where: str = "before its first collective") -> Agreed:
         """The safe point of the reduction: every rank's problem, and agreed flags (a non-finite
-        gradient somewhere, main copies to rebuild, each bucket to reduce again, each entry's
-        gradient); rebuilds stale main copies. Returns, per entry, whether any rank has its
-        gradient."""
-        device = self.plan.device
-        head = torch.tensor([int(self.state.main.stale)], dtype=torch.int32, device=device)
-        has_grad = torch.tensor(done.has_grad, dtype=torch.int32, device=device)
-        flags = torch.cat([done.nonfinite.to(torch.int32).reshape(1), head, stale.to(device=device, dtype=torch.int32), has_grad])
-        failure = f"step {step} failed {where}, nothing was applied on any rank"
-        agreed = settle(problem, self.safe_groups, self.timeout, f"the safe point of step {step} {where}", failure,
-                        device, flags=flags).tolist()
-        if agreed[0]:  # a rank saw a non-finite gradient (check_finite): every rank says which
-            fail_together(done.nonfinite_problem(), self.safe_groups, f"the safe point of step {step} {where}", failure)
-        buckets = len(self.plan.layout.buckets)
-        self._stale = agreed[2 : 2 + buckets]
-        if agreed[1]:
+        gradient somewhere, main copies to rebuild, a loss-scaler overflow and the scale, each
+        bucket to reduce again, each entry's gradient); rebuilds stale main copies."""
+        device, buckets = self.plan.device, len(self.plan.layout.buckets)
+        heads = {"nonfinite": done.nonfinite, "rebuild": self.state.main.stale, **_scaling_flags(scaling, device)}
+        flags = torch.cat([*(torch.as_tensor(v, device=device).to(torch.int32).reshape(1) for v in heads.values()),
+                           stale.to(device=device, dtype=torch.int32),
+                           torch.tensor(done.has_grad, dtype=torch.int32, device=device)])
+        point, failure = f"the safe point of step {step} {where}", f"step {step} failed {where}, nothing was applied on any rank"
+        values = settle(problem, self.safe_groups, self.timeout, point, failure, device, flags=flags).tolist()
+        named = dict(zip(heads, values))
+        if named["nonfinite"]:  # a rank saw a non-finite gradient (check_finite): every rank says which
+            fail_together(done.nonfinite_problem(), self.safe_groups, point, failure)
+        if scaling is not None and scaling.scale is not None and named["scale_max"] != -named["scale_min"]:
+            fail_together(SCALES_DIFFER, self.safe_groups, point, failure)
+        if named["rebuild"]:
             precision.rebuild(self.plan, self.state.main, self.gather_full, self.state.main.stale)
-        return [bool(flag) for flag in agreed[2 + buckets :]]
+        rest = values[len(heads):]
+        return Agreed([b for b, flag in enumerate(rest[:buckets]) if flag], [bool(f) for f in rest[buckets:]],
+                      bool(named.get("overflow", 0)))
+
+    def agree_scaling(self, problem: str | None, scaling: LossScaling | None) -> None:
+        """When the gradients were reduced before the step (by `clip_grad_norm_`): one safe point
+        for the step's own problems and the loss scaler's overflow (collective)."""
+        step = self.state.step + 1
+        flags = torch.cat([torch.as_tensor(v, device=self.plan.device).to(torch.int32).reshape(1)
+                           for v in _scaling_flags(scaling, self.plan.device).values()] or
+                          [torch.zeros(1, dtype=torch.int32, device=self.plan.device)])
+        if scaling is not None and scaling.scale is not None:
+            problem = problem or ("clip_grad_norm_ ran on loss-scaled gradients: unscale them first "
+                                  "(scaler.unscale_(optimizer)), then clip")
+        with self.collectives():
+            values = settle(problem, self.safe_groups, self.timeout, f"the start of step {step}",
+                            f"step {step} failed before applying its update, nothing was applied on any rank",
+                            self.plan.device, flags=flags).tolist()
+        self.skipped = bool(scaling is not None and values[0])
+
+    def _unscale(self, scale: Tensor) -> None:
+        inverse = scale.double().reciprocal().float().to(self.plan.device)
+        for start, stop in self.plan.update_spans:
+            self.send[start:stop].mul_(inverse)
 
     def _warn_overlap_lost(self, count: int) -> None:
         if self.warned:

@@ -33,12 +33,12 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 from canzona.runtime import binding, experts
-from canzona.runtime.engine import Engine, Groups
+from canzona.runtime.engine import Engine, Groups, LossScaling
 from canzona.runtime.exchange import comm
 from canzona.runtime.exchange.gather import ForwardHooks
 from canzona.runtime.exchange.gradients import clip_problem
 from canzona.runtime.exchange.reduction import GradSource
-from canzona.runtime.faults import as_timedelta, first_line, settle
+from canzona.runtime.faults import as_timedelta, first_line
 from canzona.runtime.fsdp.checks import fsdp_mismatch
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
 from canzona.runtime.layout import local_entries
@@ -83,6 +83,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     (matrix settings default to the schedule's; `ns_dtype` picks the Newton–Schulz precision)."""
 
     strategy: Strategy = CANZONA
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands step() its scale and overflow flag
 
     def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *,
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
@@ -248,6 +249,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One optimizer step of every parameter (collective: every rank must call it); returns
         the closure's loss (the closure runs with gradients enabled, after the pre-hooks).
+        Under `torch.amp.GradScaler` (`scaler.step(optimizer)`) the reduced gradients are
+        unscaled here, and a step where any rank's gradients overflowed is skipped on every rank.
 
         Raises `StepFailedError` on every rank if any rank failed, `CollectiveError` if a
         collective failed or timed out (module docstring)."""
@@ -256,21 +259,27 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         closure, problem = self._run_pre_hooks(closure)
         loss, problem = self._run_closure(closure, problem)
         hps, hp_problem = self._hyperparameters()
-        if engine.reduced is not None and (problem or hp_problem):  # reduced by clip_grad_norm_: agree once more
-            with engine.collectives():
-                step = engine.state.step + 1
-                settle(problem or hp_problem, engine.safe_groups, engine.timeout, f"the start of step {step}",
-                       f"step {step} failed before applying its update, nothing was applied on any rank", self.plan.device)
+        scaling = self._loss_scaling()
         try:
-            engine.reduce(problem or hp_problem)
+            if engine.reduced is not None:  # reduced by clip_grad_norm_: the step agrees on its own problems
+                engine.agree_scaling(problem or hp_problem, scaling)
+            engine.reduce(problem or hp_problem, scaling)
             active = engine.reduced
             assert active is not None
+            if engine.skipped:
+                return loss
             rules: dict[int, MatrixRule] = {g: make_rule(self.schedule.request.optimizer.name, hp) for g, hp in enumerate(hps)}
             engine.update(StepContext(engine.state.step + 1, active, hps, rules))
         finally:
             engine.reduced = None
         engine.publish(active, self._forward_hooks.eager if self._forward_hooks else None)
         return loss
+
+    def _loss_scaling(self) -> LossScaling | None:
+        """What `torch.amp.GradScaler.step` set on this optimizer (`_step_supports_amp_scaling`):
+        its overflow flag and the scale (None once the script called `scaler.unscale_`)."""
+        found_inf = getattr(self, "found_inf", None)
+        return None if found_inf is None else LossScaling(found_inf, getattr(self, "grad_scale", None))
 
     # -- overlap -----------------------------------------------------------------------------
 
@@ -291,8 +300,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         if indices is None:
             raise ValueError("grad_ready: not a parameter this optimizer updates")
         if self.overlap_grad_reduce:
-            for index in indices:
-                self.engine.arrived(index)
+            self.engine.arrived(indices)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -516,7 +524,6 @@ def _on_grad(engine: Callable[[], Engine | None], indices: tuple[int, ...]) -> C
     def hook(param: Tensor) -> None:
         target = engine()
         if target is not None:
-            for index in indices:
-                target.arrived(index)
+            target.arrived(indices)
 
     return hook

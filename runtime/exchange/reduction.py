@@ -5,10 +5,13 @@ A round packs each optimized entry's gradient (cast to fp32) at its position in 
 buffer and launches each bucket's reduction (`canzona.runtime.exchange.buckets`) in the layout's
 reduction order. It is filled one of two ways:
 
-- from backward (`overlap_grad_reduce`): a post-accumulate-grad hook packs a parameter as soon
-  as backward has its gradient, and a bucket is launched once all its parameters are packed and
-  every bucket before it in the order has been launched. At the end of that backward (an
-  autograd final callback) the round packs whatever backward did not produce (from the
+- from backward (`overlap_grad_reduce`): a post-accumulate-grad hook says a parameter's
+  gradient is final, and the round packs it when the next parameter's hook fires (or backward
+  ends): by then every hook of the first parameter has run, whatever order they were
+  registered in (transformers registers the hook that sums q_norm's gradient over TP at the
+  first forward, after the optimizer's). A bucket is launched once all its parameters are
+  packed and every bucket before it in the order has been launched. At the end of that backward
+  (an autograd final callback) the round packs whatever backward did not produce (from the
   gradient attribute as it is, zeros where there is none) and launches the rest;
 - at the step (overlap off, gradients assigned by hand): every entry packed, then, after the
   step's safe point, every bucket launched.
@@ -30,7 +33,7 @@ reported at the step's safe point, where every rank fails together.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +93,7 @@ class Round:
         self.failure: CollectiveError | None = None
         self.closed = False  # the backward that filled it has ended
         self.early = 0  # buckets launched by backward's own hooks (the rest at its end or the step)
+        self.waiting: list[int] = []  # arrived, packed once the next parameter's hook fires
 
     def fail(self, problem: str) -> None:
         """Record the first rank-local problem of the round."""
@@ -146,14 +150,23 @@ class Round:
         self.packed[index] = True
         self.has_grad[index] = flat is not None
 
-    def arrive(self, index: int) -> None:
-        """Pack parameter `index` (its gradient is final for this round) and launch what is
-        ready. Never raises: problems are recorded for the safe point."""
-        bucket = self.plan.layout.bucket_of[index]
-        if self.packed[index] and self._is_launched(bucket):
-            self.stale.add(bucket)
-            return
-        self._pack(index)
+    def arrive(self, indices: Sequence[int]) -> None:
+        """The entries `indices` (one model tensor's) have their final gradient for this round:
+        pack those that arrived before them (their hooks have all run by now) and launch what is
+        ready; these wait for the next arrival or the end of backward. Never raises: problems
+        are recorded for the safe point."""
+        self.flush()
+        self.waiting = list(indices)
+
+    def flush(self) -> None:
+        """Pack the entries waiting to be packed and launch what is ready."""
+        waiting, self.waiting = self.waiting, []
+        for index in waiting:
+            bucket = self.plan.layout.bucket_of[index]
+            if self.packed[index] and self._is_launched(bucket):
+                self.stale.add(bucket)
+                continue
+            self._pack(index)
         self._launch_ready()
 
     def nonfinite_problem(self) -> str | None:
@@ -195,6 +208,7 @@ class Round:
 
     def launch_rest(self) -> None:
         """Pack what is missing and launch every bucket not launched yet, in order."""
+        self.flush()
         self.pack_rest()
         self.launching = True
         self._launch_ready()

@@ -70,6 +70,33 @@ def parallelize_titan(model: TitanModel, tp_mesh: Any) -> TitanModel:
     return model
 
 
+def apply_transformers_tp_plan(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """transformers' own TP plan of the model (`config.base_model_tp_plan`: colwise / rowwise
+    projections, and q_norm / k_norm `replicated_with_grad_allreduce`, whose gradients
+    transformers sums over TP in a hook it registers at the first forward), applied as
+    `from_pretrained(tp_plan="auto")` applies it while loading: each style shards its module's
+    parameters (every rank keeps its own chunk of the same seeded initialisation) and wraps its
+    forward."""
+    import re
+
+    from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+
+    modules = dict(model.named_modules())
+    for pattern, style_name in model.config.base_model_tp_plan.items():
+        rule = re.compile("^model\\." + re.escape(pattern).replace("\\*", "\\d+") + "$")
+        for name in [n for n in modules if rule.match(n)]:
+            style = ALL_PARALLEL_STYLES[style_name]
+            for param in list(modules[name]._parameters):
+                style.shard_param(modules[name], param, tp_mesh)
+            style.install_forward(modules[name], tp_mesh)
+    return model
+
+
+def make_tiny_hf_qwen3_auto_tp2() -> nn.Module:
+    """The tiny HF Qwen3 under transformers' own TP plan at TP 2 (fake mesh)."""
+    return apply_transformers_tp_plan(make_tiny_hf_qwen3(), _fake_tp_mesh())
+
+
 def make_tiny_hf_qwen3_tp2() -> nn.Module:
     """The tiny HF Qwen3 under `parallelize_hf_qwen3` at TP 2 (fake mesh)."""
     return parallelize_hf_qwen3(make_tiny_hf_qwen3(), _fake_tp_mesh())

@@ -38,9 +38,12 @@ STEPS = 5
 RESUME_AT = 3  # the checkpointed cases save after this step and go on from the checkpoint
 MAX_NORM = 0.5
 HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 0.01}
-MAKE = {"hf": models.make_tiny_hf_qwen3, "hf_moe": models.make_tiny_hf_qwen3_moe, "titan": models.make_tiny_titan}
-PARALLELIZE = {"hf": models.parallelize_hf_qwen3, "titan": models.parallelize_titan}
+MAKE = {"hf": models.make_tiny_hf_qwen3, "hf_moe": models.make_tiny_hf_qwen3_moe, "titan": models.make_tiny_titan,
+        "hf_auto": models.make_tiny_hf_qwen3}
+PARALLELIZE = {"hf": models.parallelize_hf_qwen3, "titan": models.parallelize_titan,
+               "hf_auto": models.apply_transformers_tp_plan}
 FACTORY = {("hf", 1): "make_tiny_hf_qwen3", ("hf", 2): "make_tiny_hf_qwen3_tp2", ("hf_moe", 1): "make_tiny_hf_qwen3_moe",
+           ("hf_auto", 2): "make_tiny_hf_qwen3_auto_tp2",
            ("titan", 1): "make_tiny_titan", ("titan", 2): "make_tiny_titan_tp2", ("toy", 1): "make_toy",
            ("toy", 2): "make_toy_tp2"}
 
@@ -164,6 +167,9 @@ CASES = {  # (model, tp, dp, plan flags, resumed from a checkpoint)
     "hf_moe-dp2": ("hf_moe", 1, 2, (), True),
     "titan-dp2": ("titan", 1, 2, (), False),
     "titan-tp2xdp2-sp": ("titan", 2, 2, ("--sequence-parallel",), False),
+    # transformers' own TP plan: it sums q_norm / k_norm gradients over TP itself, in a hook it
+    # registers at the first forward, after the optimizer's; the schedule sums nothing.
+    "hf_auto-tp2xdp2": ("hf_auto", 2, 2, (), False),
 }
 
 
@@ -173,7 +179,9 @@ CASES = {  # (model, tp, dp, plan flags, resumed from a checkpoint)
 def test_real_models_match_the_reference(case: str, tmp_path: Path) -> None:
     model, tp, dp, flags, resumed = CASES[case]
     schedule = plan(tmp_path, model, tp, dp, *flags)
-    if tp > 1:  # every norm's gradient is partial over TP: q_norm / k_norm (plain) and the sequence-parallel ones (Partial)
+    if model == "hf_auto":
+        assert not any(e.grad_reduce for e in schedule.params), "transformers sums q_norm / k_norm itself"
+    elif tp > 1:  # every norm's gradient is partial over TP: q_norm / k_norm (plain) and the sequence-parallel ones (Partial)
         partial = {e.name for e in schedule.params if e.grad_reduce}
         assert partial and all("norm" in name for name in partial)
         assert any(name.endswith("q_norm.weight") for name in partial)
