@@ -91,24 +91,25 @@ def counting_batch(batch: int, seq: int, seed: int) -> torch.Tensor:
     return (starts + torch.arange(seq)) % CONFIG["vocab_size"]
 
 
-def train(schedule: str, steps: int, batch: int = 4, seq: int = 16) -> list[float]:
-    """Train on this rank (inside an initialised process group); the DP-mean loss of every step."""
+def train(schedule: str, steps: int, batch: int = 4, seq: int = 16, device: torch.device = torch.device("cpu")) -> list[float]:
+    """Train on this rank (inside an initialised process group, on `device`); the DP-mean loss
+    of every step."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from canzona.runtime import CanzonaOptimizer, load_schedule
 
     plan = load_schedule(schedule)
     dp, tp = plan.request.dp, plan.request.tp
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = make_model()
+    model = make_model().to(device)
     if tp > 1:
         parallelize(model, mesh["tp"])
     optimizer = CanzonaOptimizer(model.named_parameters(), plan, mesh=mesh, timeout=timedelta(seconds=60),
                                  lr=0.05, adamw_lr=1e-2, weight_decay=0.01)
     dp_rank, losses = mesh.get_local_rank("dp"), []
     for step in range(steps):
-        loss = loss_of(model, counting_batch(batch, seq, seed=step * dp + dp_rank))
+        loss = loss_of(model, counting_batch(batch, seq, seed=step * dp + dp_rank).to(device))
         loss.backward()
         optimizer.clip_grad_norm_(1.0)
         optimizer.step()
@@ -125,9 +126,10 @@ def main() -> None:
     parser.add_argument("--schedule", required=True, help="schedule file from `canzona plan` (it sets DP x TP)")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    losses = train(args.schedule, args.steps)
+    from launch import init_distributed
+
+    device = init_distributed(timedelta(seconds=60))
+    losses = train(args.schedule, args.steps, device=device)
     if int(os.environ.get("RANK", "0")) == 0:
         for step, loss in enumerate(losses):
             print(f"step {step + 1}: loss {loss:.4f}")

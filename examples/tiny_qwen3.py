@@ -166,8 +166,8 @@ class Attention(nn.Module):
 def _rope(x: Tensor, base: float = 10000.0) -> Tensor:
     """Rotary embedding over the last dim of [batch, length, heads, dim]."""
     length, dim = x.size(1), x.size(-1)
-    freqs = base ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    angles = torch.arange(length, dtype=torch.float32)[:, None] * freqs[None]
+    freqs = base ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=x.device) / dim)
+    angles = torch.arange(length, dtype=torch.float32, device=x.device)[:, None] * freqs[None]
     cos, sin = angles.cos()[None, :, None].to(x.dtype), angles.sin()[None, :, None].to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)

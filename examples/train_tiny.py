@@ -5,9 +5,12 @@ warm-up then cosine decay of every group's learning rate, global gradient-norm c
 gradient accumulation over micro-batches (`no_sync()` on all but the last), the gradient
 reduction overlapped with backward and the parameter gather with the next forward.
 
-    canzona plan --model examples/tiny_qwen3.yaml --tp 2 --dp 2 --bucket-size 20000 \\
+    canzona plan --model examples/tiny_qwen3.yaml --tp 2 --dp 4 --bucket-size 20000 \\
         --group-mb 0.03 -o /tmp/tiny.yaml
-    torchrun --nproc-per-node 4 examples/train_tiny.py --tp 2 --dp 2 --schedule /tmp/tiny.yaml
+    torchrun --nproc-per-node 8 examples/train_tiny.py --tp 2 --dp 4 --schedule /tmp/tiny.yaml
+
+NCCL with one GPU per process where the machine has GPUs, gloo on the CPU otherwise
+(`launch.py`); the script is the same.
 
 The MoE variant (tiny_qwen3_moe.py: 4 experts, top-2 routing) under expert parallelism:
 
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch import init_distributed  # noqa: E402
 from tiny_qwen3 import TinyConfig, TinyQwen3, init_full_state, shard_state, synthetic_batch  # noqa: E402
 import tiny_qwen3_moe as moe  # noqa: E402
 
@@ -107,14 +111,13 @@ def build_model(config: dict[str, Any], args: argparse.Namespace, tp_rank: int) 
 def main(argv: list[str] | None = None) -> None:
     """Train and report."""
     args = parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=TIMEOUT)
+    device = init_distributed(TIMEOUT)
     if dist.get_world_size() != args.dp * args.tp:
         raise SystemExit(f"world size {dist.get_world_size()} is not dp {args.dp} x tp {args.tp}")
     dp_rank, tp_rank = divmod(dist.get_rank(), args.tp)
     dtype = DTYPES[load_schedule(args.schedule).params[0].dtype]
     model, groups = build_model(json.loads(Path(args.config).read_text()), args, tp_rank)
-    model = model.to(dtype)
+    model = model.to(device=device, dtype=dtype)
     cfg, dp_group = model.cfg, groups["dp_group"]
     overlap = not args.no_overlap
     optimizer = STRATEGIES[args.strategy](param_groups(model, args.weight_decay), args.schedule, **groups, lr=args.lr, adamw_lr=args.adamw_lr, model=model,
@@ -123,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     times, first = [], None
     for step in range(args.steps):
         started = time.perf_counter()
-        batch = synthetic_batch(cfg, args.batch, args.seq, seed=step * args.dp + dp_rank)
-        loss = torch.zeros(())
+        batch = synthetic_batch(cfg, args.batch, args.seq, seed=step * args.dp + dp_rank).to(device)
+        loss = torch.zeros((), device=device)
         for part, tokens in enumerate(batch.chunk(args.micro_batches)):
             micro = model(tokens) / args.micro_batches  # waits, module by module, for the last gather
             if part < args.micro_batches - 1:

@@ -133,30 +133,52 @@ def test_overlap_modes_and_accumulation_on_the_example_model() -> None:
             torch.testing.assert_close(split[rank]["off"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
+def _torchrun(processes: int, script: str, *args: str) -> str:
+    """`torchrun --standalone --nproc-per-node N examples/SCRIPT ARGS` (gloo here: no GPU); stdout."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes), str(EXAMPLES / script), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_train_script_loss_falls(model: str, tmp_path: Path) -> None:
-    """The dense example at TP 2 x DP 2; the MoE one at EP 2 x DP 4 (expert-DP 2)."""
+    """The README's recipe: plan TP 2 x DP 4, then `torchrun --nproc-per-node 8` (NCCL on GPUs,
+    gloo here); the MoE example at EP 2 x DP 4 (expert-DP 2) on 4 ranks."""
+    from canzona.cli.main import main as canzona
+
     path = tmp_path / "tiny.yaml"
     if model == "dense":
-        schedule = make_schedule(EXAMPLES / "tiny_qwen3.yaml", 2, 2, bucket_size=20000, group_bytes=40000, dtype="bf16")
-        layout = ["--tp", "2", "--dp", "2", "--steps", "12"]
+        assert canzona(["plan", "--model", str(EXAMPLES / "tiny_qwen3.yaml"), "--tp", "2", "--dp", "4",
+                        "--bucket-size", "20000", "--group-mb", "0.03", "-o", str(path)]) == 0
+        processes, layout = 8, ["--tp", "2", "--dp", "4", "--steps", "12"]
     else:
-        schedule = make_schedule(MOE_CONFIG, 1, 4, ep=2, bucket_size=3000, group_bytes=8192, dtype="bf16")
-        layout = ["--tp", "1", "--dp", "4", "--ep", "2", "--config", str(MOE_CONFIG), "--steps", "20"]
-    write_schedule(schedule, path)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(EXAMPLES / "train_tiny.py"),
-               *layout, "--schedule", str(path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=150, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = re.search(r"loss ([\d.]+) -> ([\d.]+); median iteration ([\d.]+) ms", result.stdout)
-    assert summary, result.stdout
+        write_schedule(make_schedule(MOE_CONFIG, 1, 4, ep=2, bucket_size=3000, group_bytes=8192, dtype="bf16"), path)
+        processes, layout = 4, ["--tp", "1", "--dp", "4", "--ep", "2", "--config", str(MOE_CONFIG), "--steps", "20"]
+    out = _torchrun(processes, "train_tiny.py", *layout, "--schedule", str(path))
+    summary = re.search(r"loss ([\d.]+) -> ([\d.]+); median iteration ([\d.]+) ms", out)
+    assert summary, out
     assert float(summary.group(2)) < 0.7 * float(summary.group(1))
-    norms = [float(n) for n in re.findall(r"grad norm ([\d.]+)", result.stdout)]
-    assert norms and all(n > 0 for n in norms), result.stdout
+    norms = [float(n) for n in re.findall(r"grad norm ([\d.]+)", out)]
+    assert norms and all(n > 0 for n in norms), out
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fsdp_recipe_loss_falls(tmp_path: Path) -> None:
+    """examples/fsdp_qwen3.py's recipe: plan the plain model with --fsdp, train it under FSDP2."""
+    pytest.importorskip("transformers")
+    from canzona.cli.main import main as canzona
+
+    path = tmp_path / "fsdp.yaml"
+    assert canzona(["plan", "--model", f"py:{EXAMPLES / 'fsdp_qwen3.py'}:make_model", "--dp", "4", "--fsdp",
+                    "-o", str(path)]) == 0
+    out = _torchrun(4, "fsdp_qwen3.py", "--schedule", str(path), "--steps", "10")
+    summary = re.search(r"loss ([\d.]+) -> ([\d.]+)", out)
+    assert summary and float(summary.group(2)) < 0.8 * float(summary.group(1)), out
 
 
 def _moe_worker(rank: int, world: int, schedule: Schedule) -> dict[str, Any]:
