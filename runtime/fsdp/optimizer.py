@@ -17,7 +17,6 @@ planner priced the schedule with. The formulas are `canzona.runtime.rules.optimi
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,7 +31,15 @@ from torch.distributed.tensor import DTensor
 from canzona.runtime.exchange import comm
 from canzona.runtime.faults import StepFailedError, as_timedelta, first_line, gather_objects, settle, wait
 from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
-from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, adamw_, apply_update, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.rules.optimizers import (
+    Hyperparameters,
+    MatrixRule,
+    adamw_,
+    apply_update,
+    init_matrix_state,
+    make_rule,
+    matrix_update_batch,
+)
 from canzona.runtime.schedule import MATRIX, ScheduleMismatchError, Verdict, disagreement, plan_digest, summary
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
@@ -193,7 +200,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
             for group in self.schedule.tp.ranks[0].groups
         ]
         self._problem: str | None = None  # the first failure of the step in progress
-        self._pending: dict[int, list[Any]] = {}  # hosted matrices' new state, until the step commits
+        self._failed: str | None = None  # a step failed after hosts changed state: load a state first
+        self.stack_limit = max(1, self.schedule.request.group_bytes // 32)  # as CanzonaOptimizer's hosts
         for tensor in self.tensors:
             self.state[tensor]["step"] = 0
             if tensor.dtype != torch.float32:
@@ -218,23 +226,29 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One step of every parameter with a gradient (the same ones on every rank)."""
+        """One step of every parameter with a gradient (the same ones on every rank). Hosts
+        update their matrices' state in place; if a host fails, every rank raises the same
+        `StepFailedError` at the end of the step, with no parameter changed, and the optimizer
+        refuses to step until a state is loaded (`load_state_dict`)."""
+        if self._failed:
+            raise StepFailedError(f"canzona: {self._failed}; load the optimizer state before stepping again")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         active = self._active()
         hps = [group_hyperparameters(group, self.hp, self.rule_name) for group in self.param_groups]
-        self._problem, self._pending = None, {}
+        self._problem = None
         received = self._step_matrices(active, hps)
-        # Hosts computed into copies of their state: if any failed, every rank raises here and
-        # nothing (state, parameters, step counts) has changed anywhere.
-        settle(self._problem, [dist.group.WORLD], self.timeout, "the end of the FSDP step",
-               "an FSDP optimizer step failed on some ranks, and no rank applied it", self.device)
+        try:
+            settle(self._problem, [dist.group.WORLD], self.timeout, "the end of the FSDP step",
+                   "an FSDP optimizer step failed on some ranks, and no rank applied it (hosted matrices' state may "
+                   "have changed)", self.device)
+        except StepFailedError as error:
+            self._failed = str(error).removeprefix("canzona: ")
+            raise
         for position in (p for p, on in enumerate(active) if on):
             self.state[self.tensors[position]]["step"] += 1
-        for position, states in self._pending.items():
-            self.state[self.tensors[position]]["matrix"] = states
         for group, pieces in received:
             self._apply(group, pieces, hps)
         self._step_adamw(active, hps)
@@ -322,7 +336,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         return comm.start_all_to_all(send, splits, recv, self.group, self.timeout, what)
 
     def _host_updates(self, group: list[Matrix], received: Tensor, hps: list[Hyperparameters]) -> dict[int, Tensor]:
-        """The update of every matrix this device hosts, from the pieces it received."""
+        """The update of every matrix this device hosts, from the pieces it received: matrices
+        of one param group, shape and row blocks updated as one batch (`matrix_update_batch`),
+        their state in place."""
         layout, me = self.place.layout, self.place.fragment
         mine = [m for m in group if m.host == me]
         pieces: dict[tuple[int, int], Tensor] = {}
@@ -334,34 +350,39 @@ class FsdpOptimizer(torch.optim.Optimizer):
                     shape = shard_shape(m.shape, m.tp_dim, layout, sender)
                     pieces[(m.position, sender)] = received[offset : offset + size].view(shape)
                     offset += size
-        updates = {}
+        full = {}
         for m in mine:
             columns = range(layout.tp) if m.tp_dim is not None else [me % layout.tp]
             parts = [torch.cat([pieces[(m.position, s * layout.tp + t)] for s in range(layout.shards)]) for t in columns]
-            full = parts[0] if m.tp_dim is None else torch.cat(parts, dim=m.tp_dim)
-            updates[m.position] = self._host_update(m, full, hps[self.group_of[m.position]])
-        return updates
+            full[m.position] = parts[0] if m.tp_dim is None else torch.cat(parts, dim=m.tp_dim)
+        batches: dict[Any, list[Matrix]] = {}
+        for m in mine:
+            blocks = tuple(tuple(map(tuple, block)) for block in m.row_blocks) if m.row_blocks else None
+            batches.setdefault((self.group_of[m.position], m.shape, blocks), []).append(m)
+        for batch in batches.values():
+            self._host_batch(batch, [full[m.position] for m in batch], hps[self.group_of[batch[0].position]])
+        return full
 
-    def _host_update(self, m: Matrix, grad: Tensor, hp: Hyperparameters) -> Tensor:
-        """A hosted matrix's update; a failure is recorded for the end of the step (a zero
-        update keeps the collectives going meanwhile)."""
+    def _host_batch(self, batch: list[Matrix], grads: list[Tensor], hp: Hyperparameters) -> None:
+        """Turn `grads` (scratch) into the batch's updates, or, once a host failed this step,
+        into zero updates that keep the collectives going (the step then fails everywhere)."""
         if self._problem is None:
             try:
-                return self._matrix_update(m, grad, hp)
+                rule: MatrixRule = make_rule(self.rule_name, hp)
+                states = [self._matrix_state(m, rule) for m in batch]
+                steps = [self.state[self.tensors[m.position]]["step"] + 1 for m in batch]
+                matrix_update_batch(rule, states, grads, batch[0].row_blocks, steps, self.stack_limit)
+                return
             except Exception as error:  # noqa: BLE001 - reported on every rank by the step's settle
-                self._problem = f"updating {m.name}: {first_line(error)}"
-        return torch.zeros(m.shape, dtype=torch.float32, device=self.device)
+                self._problem = f"updating {batch[0].name}: {first_line(error)}"
+        for grad in grads:
+            grad.zero_()
 
-    def _matrix_update(self, m: Matrix, grad: Tensor, hp: Hyperparameters) -> Tensor:
-        """The update of one matrix, computed on a copy of its state (kept until the step
-        commits)."""
-        current = self.state[self.tensors[m.position]]
-        rule: MatrixRule = make_rule(self.rule_name, hp)
-        states = copy.deepcopy(current["matrix"]) if "matrix" in current else init_matrix_state(
-            rule, m.shape, m.row_blocks, self.device)
-        update = matrix_update(rule, states, grad, m.row_blocks, current["step"] + 1)
-        self._pending[m.position] = states
-        return update
+    def _matrix_state(self, m: Matrix, rule: MatrixRule) -> list[Any]:
+        state = self.state[self.tensors[m.position]]
+        if "matrix" not in state:
+            state["matrix"] = init_matrix_state(rule, m.shape, m.row_blocks, self.device)
+        return state["matrix"]
 
     def _piece(self, update: Tensor, m: Matrix, fragment: int) -> Tensor:
         """Fragment rank `fragment`'s piece of a whole matrix's update."""
@@ -407,3 +428,4 @@ class FsdpOptimizer(torch.optim.Optimizer):
             raise ValueError("canzona: this optimizer state was saved under another FSDP schedule or by another device "
                              "(FsdpOptimizer loads only the layout it saved; resharding FSDP optimizer state is not supported)")
         super().load_state_dict(state_dict)
+        self._failed = None
