@@ -281,32 +281,39 @@ class Engine:
 
     # -- stage 3 and 4: update, AdamW --------------------------------------------------------
 
-    def update(self, ctx: StepContext) -> None:
-        """Stages 3 and 4, then the safe point that confirms them; on success the step counts
-        advance. StepFailedError on every rank if any rank failed (the optimizer is then
-        unusable until a checkpoint is loaded)."""
+    def update_matrices(self, ctx: StepContext) -> None:
+        """Stage 3 (collective over TP): the micro-group pipeline updates the matrices this DP
+        rank owns (or TP-SC's replicated updates), in place."""
         plan, updater = self.plan, self.updater
+        active = lambda task: ctx.active[task.param] and plan.optimized(task.param)  # noqa: E731
+        grad_of = lambda task: self.send[slice(*plan.grad_span(task.param))].view(task.local_shape)  # noqa: E731
+        update_of = lambda tasks, full: updater.host_results(ctx, tasks, full)  # noqa: E731
+        apply = lambda task, shard: updater.apply(ctx, task, shard)  # noqa: E731
         with self.collectives():
-            active = lambda task: ctx.active[task.param] and plan.optimized(task.param)  # noqa: E731
-            grad_of = lambda task: self.send[slice(*plan.grad_span(task.param))].view(task.local_shape)  # noqa: E731
-            update_of = lambda tasks, full: updater.host_results(ctx, tasks, full)  # noqa: E731
-            apply = lambda task, shard: updater.apply(ctx, task, shard)  # noqa: E731
             if self.pipeline is None:
                 place = plan.place
                 replicated_updates(plan.groups[0], place.tp_rank, place.tp_size, self.groups.tp, grad_of, update_of,
                                    apply, plan.device, self.wait_timeout, active)
             else:
                 self.pipeline.run(grad_of, update_of, apply, active)
-            updater.adamw(ctx, self.send)
-            point = f"the end of step {ctx.step}"
-            try:
-                settle(ctx.problem, self.safe_groups, self.timeout, point,
-                       f"step {ctx.step} failed while updating; state may have changed on some ranks", plan.device)
-            except StepFailedError as error:
-                self.failed = f"step {ctx.step} failed while updating ({error})"
-                raise
+
+    def update_adamw(self, ctx: StepContext) -> None:
+        """Stage 4 (local): AdamW on this rank's slices, in place."""
+        self.updater.adamw(ctx, self.send)
+
+    def confirm(self, ctx: StepContext) -> None:
+        """The safe point after the update (collective): StepFailedError on every rank if any
+        failed (the optimizer is then unusable until a checkpoint is loaded); else the step
+        counts advance."""
+        try:
+            with self.collectives():
+                settle(ctx.problem, self.safe_groups, self.timeout, f"the end of step {ctx.step}",
+                       f"step {ctx.step} failed while updating; state may have changed on some ranks", self.plan.device)
+        except StepFailedError as error:
+            self.failed = f"step {ctx.step} failed while updating ({error})"
+            raise
         for index, on in enumerate(ctx.active):
-            if on and plan.counted[index]:
+            if on and self.plan.counted[index]:
                 self.state.param_steps[index] += 1
         self.state.step = ctx.step
 

@@ -263,16 +263,19 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         try:
             if engine.reduced is not None:  # reduced by clip_grad_norm_: the step agrees on its own problems
                 engine.agree_scaling(problem or hp_problem, scaling)
-            engine.reduce(problem or hp_problem, scaling)
+            engine.reduce(problem or hp_problem, scaling)  # stages 1-2: reduce over DP, agree
             active = engine.reduced
             assert active is not None
-            if engine.skipped:
+            if engine.skipped:  # a loss scaler saw an overflow on some rank: nothing to apply
                 return loss
             rules: dict[int, MatrixRule] = {g: make_rule(self.schedule.request.optimizer.name, hp) for g, hp in enumerate(hps)}
-            engine.update(StepContext(engine.state.step + 1, active, hps, rules))
+            context = StepContext(engine.state.step + 1, active, hps, rules)
+            engine.update_matrices(context)  # stage 3: the micro-group pipeline, in place
+            engine.update_adamw(context)  # stage 4: AdamW on this rank's slices
+            engine.confirm(context)  # every rank's update succeeded
         finally:
             engine.reduced = None
-        engine.publish(active, self._forward_hooks.eager if self._forward_hooks else None)
+        engine.publish(active, self._forward_hooks.eager if self._forward_hooks else None)  # stage 5: gather over DP
         return loss
 
     def _loss_scaling(self) -> LossScaling | None:
