@@ -1,20 +1,16 @@
 """Index arithmetic of a schedule: where every element travels. No tensors, no collectives.
 
-Two coordinate systems. The *bucket* buffer is Megatron's gradient buffer: every DP bucket
-(dense matrix buckets, expert buckets, then AdamW buckets) whole, one after the other; each
-parameter's local (TP-shard) elements are one contiguous run at `DpLayout.flat[param]`. Gradients are packed and
-reduced there, bucket by bucket, and updated values gathered there. The *region* buffer
-concatenates, rank by rank, that rank's slice of every bucket (matrix slices first, then
-AdamW slices): region k is what DP rank k updates, so the reduced gradients and the new values
-of a rank are one contiguous region. A `Piece` is a run of one parameter's elements that is
-contiguous both in the parameter and in the region buffer: a matrix parameter is one piece
-(cuts lie on parameter boundaries), an AdamW one may be split by cuts.
+The *bucket buffer* is Megatron's gradient buffer: every DP bucket (dense matrix buckets,
+expert buckets, then AdamW buckets) whole, one after the other; each parameter's local
+(TP-shard) elements are one contiguous run at `DpLayout.flat[param]`. Gradients are packed and
+reduced there, bucket by bucket, and updated values gathered there. Bucket b is cut into one
+slice per rank of its group; a `Piece` is the part of one parameter inside one slice: a matrix
+parameter is one piece (cuts lie on parameter boundaries), an AdamW one may be split by cuts.
 
 Under expert parallelism (schedule `ep` > 1) a layout is built for one EP rank: its expert
 buffer holds that EP rank's experts only (every EP rank lays its experts out alike), each expert
 bucket is cut over the expert-data-parallel group, the DP ranks `o · ep + ep_rank` for
-expert-DP rank o, and region k holds expert slice k // ep when k is in that group (nothing for
-the other EP ranks' DP ranks). Other EP ranks' experts are not in the layout.
+expert-DP rank o. Other EP ranks' experts are not in the layout.
 
 `DpBucket.reduce_key` / `gather_key` order the buckets the way the collectives are issued (and
 the simulator prices them): reductions in the order backward makes buckets ready (the bucket
@@ -27,7 +23,6 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any
 
 from canzona.schedules.format import ParamEntry, Schedule
 from canzona.runtime.schedule import ADAMW, MATRIX, local_shape
@@ -38,11 +33,11 @@ EXPERT = "expert"  # the expert buffer (a matrix buffer cut over the expert-DP g
 @dataclass(frozen=True)
 class Piece:
     """`length` elements of parameter `param` (registration index) from `src` in its flattened
-    local tensor, at `dst` in the DP exchange buffer."""
+    local tensor, at `pos` in the bucket buffer."""
 
     param: int
     src: int
-    dst: int
+    pos: int
     length: int
 
 
@@ -52,18 +47,16 @@ BUFFER_ORDER = {MATRIX: 0, EXPERT: 1, ADAMW: 2}  # the simulator's order of buff
 @dataclass(frozen=True)
 class DpBucket:
     """One DP bucket: its buffer (`kind`) and index there, where it starts in the bucket
-    buffer, its n + 1 cuts (bucket coordinates) over the n ranks of its group, where each
-    group rank's slice of it starts in the region buffer, the registration indices of its
-    parameters, and the DP ranks of its group in group-rank order (every DP rank; for an
-    expert bucket the expert-DP group). `lead`: the registration index that orders an expert
-    bucket, that of EP rank 0's expert at its start, so that every EP rank issues the buckets
-    in one order (the simulator's)."""
+    buffer, its n + 1 cuts (bucket coordinates) over the n ranks of its group, the
+    registration indices of its parameters, and the DP ranks of its group in group-rank order
+    (every DP rank; for an expert bucket the expert-DP group). `lead`: the registration index
+    that orders an expert bucket, that of EP rank 0's expert at its start, so that every EP rank
+    issues the buckets in one order (the simulator's)."""
 
     kind: str
     index: int
     base: int
     cuts: tuple[int, ...]
-    region_starts: tuple[int, ...]
     params: tuple[int, ...]
     dp_ranks: tuple[int, ...] = ()
     lead: int | None = None
@@ -83,6 +76,13 @@ class DpBucket:
         """Whether every slice has the same size (a native reduce-scatter / all-gather fits)."""
         return len(set(self.slices)) == 1
 
+    def slice_of(self, dp_rank: int) -> tuple[int, int] | None:
+        """[start, stop) of DP rank `dp_rank`'s slice in the bucket buffer (None: not in the group)."""
+        if dp_rank not in self.dp_ranks:
+            return None
+        position = self.dp_ranks.index(dp_rank)
+        return self.base + self.cuts[position], self.base + self.cuts[position + 1]
+
     @property
     def first(self) -> int:
         """The smallest registration index in the bucket (EP rank 0's for an expert bucket):
@@ -101,18 +101,14 @@ class DpBucket:
 
 @dataclass(frozen=True)
 class DpLayout:
-    """The DP buffers: per-rank region sizes and starts and every piece in the region buffer;
-    the buckets, each parameter's start in the bucket buffer and its bucket (position in
-    `buckets`), and the positions of the buckets in reduction and in gather order."""
+    """The DP buffers: the buckets, each parameter's start in the bucket buffer and its bucket
+    (position in `buckets`), the pieces of each DP rank's slices (buffer order), and the
+    positions of the buckets in reduction and in gather order."""
 
-    sizes: tuple[int, ...]
-    starts: tuple[int, ...]
-    matrix_sizes: tuple[int, ...]
-    pieces: tuple[Piece, ...]
+    buckets: tuple[DpBucket, ...]
+    flat: tuple[int, ...]
+    bucket_of: tuple[int, ...]
     rank_pieces: tuple[tuple[Piece, ...], ...]
-    buckets: tuple[DpBucket, ...] = ()
-    flat: tuple[int, ...] = ()
-    bucket_of: tuple[int, ...] = ()
     reduce_order: tuple[int, ...] = ()
     gather_order: tuple[int, ...] = ()
 
@@ -123,12 +119,8 @@ class DpLayout:
 
     @property
     def total(self) -> int:
-        """Elements of the whole exchange buffer (every bucket of both buffers, padded)."""
-        return sum(self.sizes)
-
-    def adamw_region(self, rank: int) -> tuple[int, int]:
-        """[start, stop) of `rank`'s AdamW slices inside the exchange buffer."""
-        return self.starts[rank] + self.matrix_sizes[rank], self.starts[rank] + self.sizes[rank]
+        """Elements of the whole bucket buffer (every bucket of every buffer, padded)."""
+        return self.buckets[-1].base + self.buckets[-1].numel if self.buckets else 0
 
 
 def buffer_of(entry: ParamEntry) -> str:
@@ -152,57 +144,34 @@ def group_dp_ranks(schedule: Schedule, kind: str, ep_rank: int) -> tuple[int, ..
 
 
 def build_dp_layout(schedule: Schedule, ep_rank: int = 0) -> DpLayout:
-    """The exchange buffer of `schedule` (bucket cuts of every buffer) on a rank of EP rank
+    """The bucket buffer of `schedule` (bucket cuts of every buffer) on a rank of EP rank
     `ep_rank` (0 without expert parallelism)."""
-    dp = schedule.request.dp
-    buffers = {MATRIX: schedule.dp.buckets, EXPERT: schedule.dp.expert_buckets, ADAMW: schedule.dp.adamw_buckets}
-    members = {kind: group_dp_ranks(schedule, kind, ep_rank) for kind in buffers}
-    position_of = {kind: {r: p for p, r in enumerate(ranks)} for kind, ranks in members.items()}
-    segment: dict[tuple[str, int, int], int] = {}
-    sizes, matrix_sizes = [0] * dp, [0] * dp
-    for rank in range(dp):
-        for kind in (MATRIX, EXPERT, ADAMW):
-            where = position_of[kind].get(rank)
-            for position, bucket in enumerate(buffers[kind]):
-                segment[(kind, position, rank)] = sizes[rank]
-                if where is not None:
-                    sizes[rank] += bucket.cuts[where + 1] - bucket.cuts[where]
-            if kind == EXPERT:
-                matrix_sizes[rank] = sizes[rank]
-    starts = [sum(sizes[:rank]) for rank in range(dp)]
     entries = local_entries(schedule, ep_rank)
-    buckets, flat, bucket_of = _buckets(schedule, entries, buffers, members, segment, starts)
-    pieces: list[list[Piece]] = [[] for _ in range(dp)]
+    buckets, flat, bucket_of = _buckets(schedule, entries, ep_rank)
+    pieces: list[list[Piece]] = [[] for _ in range(schedule.request.dp)]
     for entry in entries:
-        kind = buffer_of(entry)
-        cuts, ranks = buffers[kind][entry.bucket].cuts, members[kind]
+        bucket = buckets[bucket_of[entry.index]]
+        cuts = bucket.cuts
         first = max(0, bisect_right(cuts, entry.offset) - 1)
-        last = min(len(ranks), bisect_left(cuts, entry.offset + entry.numel))
+        last = min(len(bucket.dp_ranks), bisect_left(cuts, entry.offset + entry.numel))
         for where in range(first, last):
             low, high = max(entry.offset, cuts[where]), min(entry.offset + entry.numel, cuts[where + 1])
             if low < high:
-                rank = ranks[where]
-                dst = starts[rank] + segment[(kind, entry.bucket, rank)] + low - cuts[where]
-                pieces[rank].append(Piece(entry.index, low - entry.offset, dst, high - low))
+                pieces[bucket.dp_ranks[where]].append(Piece(entry.index, low - entry.offset, bucket.base + low, high - low))
+    for rank in pieces:
+        rank.sort(key=lambda piece: piece.pos)
     return DpLayout(
-        sizes=tuple(sizes),
-        starts=tuple(starts),
-        matrix_sizes=tuple(matrix_sizes),
-        pieces=tuple(p for rank in pieces for p in rank),
-        rank_pieces=tuple(tuple(rank) for rank in pieces),
-        buckets=buckets,
-        flat=flat,
-        bucket_of=bucket_of,
+        buckets=buckets, flat=flat, bucket_of=bucket_of, rank_pieces=tuple(tuple(rank) for rank in pieces),
         reduce_order=tuple(sorted(range(len(buckets)), key=lambda b: buckets[b].reduce_key())),
         gather_order=tuple(sorted(range(len(buckets)), key=lambda b: buckets[b].gather_key())),
     )
 
 
-def _buckets(schedule: Schedule, entries: list[ParamEntry], buffers: dict[str, Any], members: dict[str, tuple[int, ...]],
-             segment: dict[tuple[str, int, int], int],
-             starts: list[int]) -> tuple[tuple[DpBucket, ...], tuple[int, ...], tuple[int, ...]]:
+def _buckets(schedule: Schedule, entries: list[ParamEntry],
+             ep_rank: int) -> tuple[tuple[DpBucket, ...], tuple[int, ...], tuple[int, ...]]:
     """Every DP bucket in buffer order, each parameter's start in the bucket buffer and the
     position of its bucket (0 for another EP rank's experts, which are not in the layout)."""
+    buffers = {MATRIX: schedule.dp.buckets, EXPERT: schedule.dp.expert_buckets, ADAMW: schedule.dp.adamw_buckets}
     params: dict[tuple[str, int], list[int]] = {}
     for entry in entries:
         params.setdefault((buffer_of(entry), entry.bucket), []).append(entry.index)
@@ -212,12 +181,10 @@ def _buckets(schedule: Schedule, entries: list[ParamEntry], buffers: dict[str, A
             leads[entry.bucket] = min(leads.get(entry.bucket, entry.index), entry.index)
     out, base, position = [], 0, {}
     for kind in (MATRIX, EXPERT, ADAMW):
-        ranks = members[kind]
+        ranks = group_dp_ranks(schedule, kind, ep_rank)
         for index, bucket in enumerate(buffers[kind]):
             position[(kind, index)] = len(out)
-            out.append(DpBucket(kind, index, base, tuple(bucket.cuts),
-                                tuple(starts[r] + segment[(kind, index, r)] for r in ranks),
-                                tuple(sorted(params.get((kind, index), []))), ranks,
+            out.append(DpBucket(kind, index, base, tuple(bucket.cuts), tuple(sorted(params.get((kind, index), []))), ranks,
                                 leads.get(index) if kind == EXPERT else None))
             base += bucket.cuts[-1]
     flat, bucket_of = [0] * len(schedule.params), [0] * len(schedule.params)

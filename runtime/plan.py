@@ -26,7 +26,7 @@ import torch
 from canzona.runtime import binding
 from canzona.runtime.binding import Bound
 from canzona.runtime.layout import DpLayout, Piece, Task, build_dp_layout, hosts_here, local_entries, micro_groups, owned_tasks
-from canzona.runtime.schedule import DTYPES
+from canzona.runtime.schedule import ADAMW, DTYPES
 from canzona.schedules.format import Schedule
 
 Span = tuple[int, int]  # [start, stop) of the bucket buffer
@@ -182,9 +182,8 @@ def merged(spans: Iterable[Span]) -> tuple[Span, ...]:
     return tuple(out)
 
 
-def _piece_span(layout: DpLayout, piece: Piece) -> Span:
-    start = layout.flat[piece.param] + piece.src
-    return start, start + piece.length
+def _piece_span(piece: Piece) -> Span:
+    return piece.pos, piece.pos + piece.length
 
 
 def _bind(schedule: Schedule, param_groups: list[dict[str, Any]], ep_rank: int) -> tuple[list[Bound | None], list[int], dict[int, tuple[int, ...]]]:
@@ -219,12 +218,15 @@ def _adamw_pieces(layout: DpLayout, ranks: tuple[int, ...]) -> tuple[tuple[Adamw
     ranks' AdamW slices one after the other, in buffer order), and the vectors' length."""
     pieces, offset = [], 0
     for rank in ranks:
-        start, stop = layout.adamw_region(rank)
-        for piece in layout.rank_pieces[rank]:
-            if start <= piece.dst < stop:
-                position = _piece_span(layout, piece)[0]
-                pieces.append(AdamwPiece(piece.param, piece.src, position, offset + piece.dst - start, piece.length))
-        offset += stop - start
+        for bucket in (b for b in layout.buckets if b.kind == ADAMW):
+            span = bucket.slice_of(rank)
+            if span is None:
+                continue
+            start, stop = span
+            for piece in layout.rank_pieces[rank]:
+                if start <= piece.pos < stop:
+                    pieces.append(AdamwPiece(piece.param, piece.src, piece.pos, offset + piece.pos - start, piece.length))
+            offset += stop - start
     return tuple(pieces), offset
 
 
@@ -253,7 +255,7 @@ def build_rank_plan(schedule: Schedule, param_groups: list[dict[str, Any]], plac
         counted=tuple(bound[i] is not None or i not in local for i in range(len(entries))),
         bound=tuple(bound), group_of=tuple(group_of), tensor_entries=tensor_entries, layout=layout, ranks=ranks,
         groups=groups, tasks=tasks, adamw=adamw, adamw_numel=adamw_numel,
-        update_spans=merged(_piece_span(layout, p) for p in mine if bound[p.param] is not None),
-        norm_spans=merged(_piece_span(layout, p) for p in counted_once),
-        partial_spans=merged(_piece_span(layout, p) for p in mine if partial[p.param] and bound[p.param] is not None),
+        update_spans=merged(_piece_span(p) for p in mine if bound[p.param] is not None),
+        norm_spans=merged(_piece_span(p) for p in counted_once),
+        partial_spans=merged(_piece_span(p) for p in mine if partial[p.param] and bound[p.param] is not None),
     )

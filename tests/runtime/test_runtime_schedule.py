@@ -96,20 +96,25 @@ def test_parameter_problems_name_what_differs(schedule: Schedule) -> None:
 
 
 def test_exchange_layout_covers_every_element_once(schedule: Schedule) -> None:
+    """Every element of every parameter lies in exactly one rank's slice, at its own position;
+    a matrix lies whole in its owner's slice."""
     layout = build_dp_layout(schedule)
     assert layout.total == sum(b.numel for b in schedule.dp.buckets) + sum(b.numel for b in schedule.dp.adamw_buckets)
     covered = torch.zeros(layout.total, dtype=torch.int32)
     per_param: dict[int, int] = {}
-    for piece in layout.pieces:
-        covered[piece.dst : piece.dst + piece.length] += 1
-        per_param[piece.param] = per_param.get(piece.param, 0) + piece.length
+    for rank, pieces in enumerate(layout.rank_pieces):
+        for piece in pieces:
+            covered[piece.pos : piece.pos + piece.length] += 1
+            per_param[piece.param] = per_param.get(piece.param, 0) + piece.length
+            assert piece.pos == layout.flat[piece.param] + piece.src
+            start, stop = layout.buckets[layout.bucket_of[piece.param]].slice_of(rank)  # type: ignore[misc]
+            assert start <= piece.pos and piece.pos + piece.length <= stop
     assert int(covered.max()) == 1
     assert all(per_param[e.index] == e.numel for e in schedule.params)
     for entry in schedule.params:
         if entry.optimizer == "matrix":
             (piece,) = [p for p in layout.rank_pieces[entry.owner] if p.param == entry.index]
-            start = layout.starts[entry.owner]
-            assert start <= piece.dst < start + layout.matrix_sizes[entry.owner]
+            assert piece.length == entry.numel
 
 
 def test_micro_groups_follow_the_tp_section(schedule: Schedule) -> None:
