@@ -20,7 +20,7 @@ from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT
 from canzona.planner.partition.tp import MODES, MicroGroup, Task, group_stats, schedule_tasks
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, validate_model
-from canzona.schedules.fsdp import FsdpLayout, dp_loads, fragment_traffic, padding_ratio, shard_elements
+from canzona.schedules.fsdp import REDUNDANT, ROUND_ROBIN, FsdpLayout, dp_loads, fragment_traffic, padding_ratio, shard_elements
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     DeviceMetrics,
@@ -42,8 +42,6 @@ from canzona.schedules.format import (
 
 if TYPE_CHECKING:
     from canzona.planner.plan import PlanRequest
-
-REDUNDANT, ROUND_ROBIN = "redundant", "round_robin"
 
 
 @dataclass(frozen=True)

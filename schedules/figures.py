@@ -27,14 +27,10 @@ Member = tuple[int, int, float, str]
 def bucket_traffic(numel: int, cuts: Sequence[int], param_bytes: int) -> list[tuple[int, int]]:
     """(sent, received) bytes of one bucket's reduce-scatter and all-gather, per rank of the
     len(cuts) - 1 ranks it is cut over (`param_bytes`: bytes per element of its parameters)."""
-    ranks = len(cuts) - 1
-    out = []
-    for rank in range(ranks):
-        own = cuts[rank + 1] - cuts[rank]
-        others, copies = numel - own, (ranks - 1) * own
-        out.append((GRAD_BYTES_PER_ELEMENT * others + param_bytes * copies,
-                    GRAD_BYTES_PER_ELEMENT * copies + param_bytes * others))
-    return out
+    ranks, grad = len(cuts) - 1, GRAD_BYTES_PER_ELEMENT
+    owns = [stop - start for start, stop in zip(cuts, cuts[1:])]
+    return [(grad * (numel - own) + param_bytes * (ranks - 1) * own, grad * (ranks - 1) * own + param_bytes * (numel - own))
+            for own in owns]
 
 
 def task_moves(size: int, team_size: int, replicated: bool, tp: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -20,6 +20,9 @@ from math import prod
 
 from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT, fsdp_rows
 
+REDUNDANT, ROUND_ROBIN = "redundant", "round_robin"
+FSDP_BASELINES = (REDUNDANT, ROUND_ROBIN)  # the strategies an FSDP plan is compared with, in order
+
 
 @dataclass(frozen=True)
 class FsdpLayout:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 Range = tuple[int, int]
 Blocks = tuple[tuple[Range, ...], ...]
@@ -137,35 +138,49 @@ def expanded_by_canzona(source: str, sha256: str | None, names: str) -> bool:
     return (sha256 is None and not source.startswith("py:")) or names != "megatron"
 
 
-def derived_problem(name: str, shape: Sequence[int], blocks: Blocks, tp: int, names: str, split_qkv: str,
-                    split_fc1: bool, shape_of: Lookup) -> str | None:
-    """Why `blocks` are not what `split_qkv` / `split_fc1` give the matrix `name` of `shape`
-    (a parameter canzona expanded under the `names` convention at TP size `tp`), or None.
-    `shape_of` finds another parameter's shape (the layer's output projection, whose columns
-    are the query rows)."""
-    rows = shape[0]
+def _kind(name: str, names: str) -> str:
+    """Which of canzona's splits a parameter of the `names` convention is subject to."""
     fc1 = _FC1.get(names)
     if fc1 is not None and fc1.search(name):
-        wanted = fused_row_blocks(rows, 2, tp, split_fc1)
-        return None if blocks == wanted else f"split_fc1 {str(split_fc1).lower()} gives it {_spell(wanted)}"
+        return "fc1"
     if names == "megatron" and _QKV.search(name):
-        return _qkv_problem(name, rows, blocks, split_qkv, shape_of)
+        return "qkv"
     projection = _PROJECTIONS.get(names)
-    if projection is not None and projection.search(name) and split_qkv == "head":
-        return None if not blocks or _head_form(blocks, rows) else "split_qkv head gives it one block per head"
-    return None if not blocks else "the request's split options give it none"
+    return "projection" if projection is not None and projection.search(name) else "other"
 
 
-def _qkv_problem(name: str, rows: int, blocks: Blocks, split: str, shape_of: Lookup) -> str | None:
-    if split == "none":
-        return None if not blocks else "split_qkv none gives it none"
-    form = _qkv_form(blocks, rows, split) if blocks else None
-    if form is None:
-        return f"split_qkv {split} gives it Megatron's grouped Q, K, V blocks"
-    groups, heads, d = form
+def _derived(kind: str, rows: int, blocks: Blocks, tp: int, split_qkv: str, split_fc1: bool) -> tuple[str | None, int]:
+    """(why `blocks` are not what the split options give a matrix of this kind, the query rows
+    of a grouped QKV matrix or 0)."""
+    if kind == "fc1":
+        wanted = fused_row_blocks(rows, 2, tp, split_fc1)
+        return (None if blocks == wanted else f"split_fc1 {str(split_fc1).lower()} gives it {_spell(wanted)}"), 0
+    if kind == "qkv" and split_qkv != "none":
+        form = _qkv_form(blocks, rows, split_qkv) if blocks else None
+        if form is None:
+            return f"split_qkv {split_qkv} gives it Megatron's grouped Q, K, V blocks", 0
+        return None, form[0] * form[1] * form[2]
+    if kind == "projection" and split_qkv == "head":
+        return (None if not blocks or _head_form(blocks, rows) else "split_qkv head gives it one block per head"), 0
+    return (None if not blocks else f"split_qkv {split_qkv} and split_fc1 {str(split_fc1).lower()} give it none"), 0
+
+
+def derived_problem(name: str, shape: Sequence[int], blocks: Blocks, tp: int, names: str, split_qkv: str,
+                    split_fc1: bool, shape_of: Lookup, cache: dict[tuple[Any, ...], Any]) -> str | None:
+    """Why `blocks` are not what `split_qkv` / `split_fc1` give the matrix `name` of `shape`
+    (a parameter canzona expanded under the `names` convention at TP size `tp`), or None.
+    `shape_of` finds another parameter's shape (a grouped QKV matrix's query rows are its
+    layer's linear_proj's input columns); `cache` keeps verdicts on equal matrices."""
+    kind = _kind(name, names)
+    key = (kind, shape[0], blocks)
+    if key not in cache:
+        cache[key] = _derived(kind, shape[0], blocks, tp, split_qkv, split_fc1)
+    problem, query_rows = cache[key]
+    if problem or not query_rows:
+        return problem  # type: ignore[no-any-return]
     output = shape_of(name.replace("linear_qkv.weight", "linear_proj.weight"))
-    if output is not None and (len(output) != 2 or output[1] != groups * heads * d):
-        return f"its query rows ({groups * heads * d}) are not the input columns of its linear_proj"
+    if output is not None and (len(output) != 2 or output[1] != query_rows):
+        return f"its query rows ({query_rows}) are not the input columns of its linear_proj"
     return None
 
 
