@@ -1,9 +1,11 @@
 """Plain wording for the terminal: counts with the right plural, percentages without a negative
-zero, and times in the unit a person reads them in."""
+zero, times in the unit a person reads them in, and text that is always printable (`echo`)."""
 
 from __future__ import annotations
 
 import math
+
+import typer
 
 
 def plural(count: int, word: str, many: str | None = None) -> str:
@@ -42,3 +44,18 @@ def duration(seconds: float) -> str:
     if whole < 3600:
         return f"{whole // 60} min {whole % 60} s"
     return f"{whole // 3600} h {whole % 3600 // 60} min"
+
+
+def printable(text: str) -> str:
+    """`text` with every character a terminal would not print as itself (control characters
+    such as ESC, format characters such as bidirectional overrides, line separators) spelled as
+    a Python escape, line breaks kept: anything a schedule file holds reaches the terminal only
+    this way, so a file cannot move the cursor, clear the screen or hide text."""
+    return "\n".join(line if line.isprintable() else "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in line)
+        for line in text.split("\n"))
+
+
+def echo(message: object = "", err: bool = False, nl: bool = True) -> None:
+    """typer.echo of `printable(message)`: how every command writes to the terminal."""
+    typer.echo(printable(str(message)), err=err, nl=nl)
