@@ -42,6 +42,7 @@ from canzona.schedules.format import (
     model_parameters,
     sealed,
 )
+from canzona.schedules.limits import recorded_settings
 
 
 def canzona_version() -> str:
@@ -62,7 +63,8 @@ def request_section(req: PlanRequest, model: ModelSpec) -> Request:
         model=ModelSource(name=model.name, source=model.source, sha256=model.source_sha256),
         tp=req.tp,
         dp=req.dp,
-        optimizer=OptimizerSettings(**vars(req.optimizer)),
+        optimizer=OptimizerSettings(name=req.optimizer.name, **recorded_settings(
+            req.optimizer.name, {key: value for key, value in vars(req.optimizer).items() if key != "name"})),
         cost=req.cost,
         alpha=req.alpha,
         bucket_size=req.bucket_size,

@@ -117,6 +117,30 @@ def settings_problem(name: str, ns_steps: object, block_size: object, preconditi
     )
 
 
+SETTING_DEFAULTS = {"ns_steps": 5, "block_size": 1024, "precondition_frequency": 10, "max_precond_dim": 10000}
+SETTING_USERS = {  # setting -> the matrix optimizers it changes
+    "ns_steps": ("muon",),
+    "block_size": ("shampoo",),
+    "precondition_frequency": ("shampoo", "soap"),
+    "max_precond_dim": ("soap",),
+}
+
+
+def recorded_settings(name: str, values: dict[str, int]) -> dict[str, int]:
+    """The settings a schedule records for optimizer `name`: those it does not use at their
+    defaults (`plan` refuses setting them, so a file that differs was edited)."""
+    return {key: value if name in SETTING_USERS[key] else SETTING_DEFAULTS[key] for key, value in values.items()}
+
+
+def unused_settings_problem(name: str, values: dict[str, int]) -> str | None:
+    """A setting optimizer `name` does not use, recorded at another value than its default."""
+    for key, users in SETTING_USERS.items():
+        if name not in users and values.get(key) != SETTING_DEFAULTS[key]:
+            return (f"{key} {values.get(key)} has no effect on {name} (only {' and '.join(users)} use it): "
+                    f"a schedule records it at its default {SETTING_DEFAULTS[key]}")
+    return None
+
+
 def choice_problem(label: str, value: object, choices: tuple[str, ...]) -> str | None:
     """`value` must be one of `choices`."""
     if value in choices:

@@ -29,7 +29,6 @@ _RESOLVER = yaml.resolver.Resolver()
 _TYPED_TAGS = {f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "bool", "null")}
 _CANONICAL = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:e[-+][0-9]+)?)?|true|false|null|\.nan|-?\.inf")
 _TOKENS_IN_USE = re.compile(r"(?=__canzona_rows(\d+)_)")
-_KEY_STRINGS = re.compile(r'"((?:[^"\\]|\\.)*)"(\s*:)?')
 _ROW_RUN = re.compile(r"^( *)- \{.*(?:\n(?:\1- \{.*|[ \t\r]*(?:#.*)?$))*", re.MULTILINE)
 _COLLECTIONS = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
 _NODES = (yaml.ScalarEvent, *_COLLECTIONS)
@@ -178,61 +177,52 @@ def _split_rows(text: str, token: str, read_rows: bool = True) -> tuple[str, lis
     return _ROW_RUN.sub(collect, text), runs
 
 
-def _duplicate_key(row: str) -> str | None:
-    """A key that appears twice in a row's JSON object, or None (also for a row that is not
-    JSON: pydantic refuses that with its line). One regex pass over a flat row; a row holding
-    another object, or a brace inside a string, is read by the JSON decoder instead."""
-    if row.count("{") != 1:
-        return _duplicate_key_decoded(row)
-    seen: set[str] = set()
-    for match in _KEY_STRINGS.finditer(row):
-        if match.group(2) is not None:
-            key = match.group(1)
-            if "\\" in key:
-                key = _decoded(key)
-            if key in seen:
-                return key
-            seen.add(key)
-    return None
-
-
-def _decoded(key: str) -> str:
-    try:
-        return str(json.loads(f'"{key}"'))
-    except ValueError:
-        return key
-
-
-def _duplicate_key_decoded(row: str) -> str | None:
+def _repeated_key(text: str) -> str | None:
+    """The first key some JSON object of `text` holds twice (keys compared decoded, as every
+    JSON reader compares them), or None, also when `text` is not JSON (pydantic refuses that
+    with its line)."""
     repeated: list[str] = []
 
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [key for key, _ in items]
-        if len(set(keys)) != len(keys):
-            repeated.append(_first_repeat(keys))
-        return {}
+    def pairs(items: list[tuple[str, Any]]) -> None:
+        if not repeated and len(items) != len({key for key, _ in items}):
+            seen: set[str] = set()
+            repeated.append(next(key for key, _ in items if key in seen or seen.add(key)))  # type: ignore[func-returns-value]
 
     try:
-        json.loads(row, object_pairs_hook=pairs)
+        json.loads(text, object_pairs_hook=pairs)
     except (ValueError, RecursionError):
         return None
     return repeated[0] if repeated else None
 
 
-def _first_repeat(keys: list[str]) -> str:
-    seen: set[str] = set()
-    return next(key for key in keys if key in seen or seen.add(key))  # type: ignore[func-returns-value]
-
-
 def _check_row_keys(runs: list[_Run]) -> None:
     """UnsafeDocument naming the line of the first table row that holds a key twice (JSON
-    readers keep the last one, so a reviewer reading the first would be misled)."""
+    readers keep the last one, so a reviewer reading the first would be misled). One pass over
+    every row; rows one by one only when that pass cannot decide."""
+    rows = [row for run in runs for row in run.rows]
+    if not rows or _all_rows_unique(rows):
+        return
     for run in runs:
         for position, row in enumerate(run.rows):
-            key = _duplicate_key(row)
+            key = _repeated_key(row)
             if key is not None:
                 number = _row_lines(run)[position][0]
                 raise UnsafeDocument(f"line {number}: key {key[:40]!r} appears twice in a table row")
+
+
+def _all_rows_unique(rows: list[str]) -> bool:
+    """Whether every row parses as JSON in one pass and no object of them repeats a key."""
+    repeated: list[bool] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> None:
+        if len(items) != len({key for key, _ in items}):
+            repeated.append(True)
+
+    try:
+        json.loads("[" + ",".join(rows) + "]", object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return False
+    return not repeated
 
 
 class _Scanner:
@@ -244,7 +234,7 @@ class _Scanner:
     def __init__(self, allow_aliases: bool) -> None:
         self.allow_aliases = allow_aliases
         self.canonical = not allow_aliases  # schedules: numbers, booleans and null as canzona writes them
-        self.frames: list[list[Any]] = []  # [is mapping, expecting a key, keys, expanded count at start, anchor]
+        self.frames: list[list[Any]] = []  # [is mapping, expecting a key, keys, expanded count at start, anchor, last key]
         self.anchors: dict[str, int] = {}
         self.expanded = 0
 
@@ -269,13 +259,14 @@ class _Scanner:
             self._grow(self.anchors.get(event.anchor, 1), where)
         elif isinstance(event, yaml.ScalarEvent):
             self._grow(1, where)
-            if self.canonical and event.style is None and event.implicit[0]:
-                _check_spelling(event.value, where)
+            if self.canonical and not event.style and event.implicit[0]:  # plain (libyaml: "", PyYAML: None)
+                key = self.frames[-1][5] if self.frames and self.frames[-1][0] and self.frames[-1][1] else None
+                _check_spelling(event.value, where + (f"{str(key)[:40]}: " if key is not None else ""))
             if anchor is not None:
                 self.anchors[anchor] = 1
         elif isinstance(event, _COLLECTIONS):
             self._grow(1, where)
-            self.frames.append([isinstance(event, yaml.MappingStartEvent), True, set(), self.expanded, anchor])
+            self.frames.append([isinstance(event, yaml.MappingStartEvent), True, set(), self.expanded, anchor, None])
             if len(self.frames) > MAX_NESTING:
                 raise UnsafeDocument(f"{where}nested deeper than {MAX_NESTING} levels")
         elif isinstance(event, _ENDS):
@@ -297,6 +288,7 @@ class _Scanner:
             if event.value in frame[2]:
                 raise UnsafeDocument(f"{where}key {event.value!r} appears twice")
             frame[2].add(event.value)
+            frame[5] = event.value
         frame[1] = not frame[1]
 
 

@@ -48,6 +48,7 @@ from canzona.schedules.limits import (
     request_problem,
     settings_problem,
     sharding_problem,
+    unused_settings_problem,
 )
 from canzona.schedules.splits import Blocks, as_blocks, derived_problem, expanded_by_canzona, listed_problem, submatrices
 from canzona.schedules.teams import placements, team_problem
@@ -90,6 +91,7 @@ def _check_request(schedule: Schedule) -> None:
             seed=req.seed, order=req.order,
         )
         or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+        or unused_settings_problem(opt.name, opt.model_dump(exclude={"name"}))
         or cost_problem(req.cost)
         or choice_problem("split_qkv", req.split_qkv, QKV_SPLITS)
         or choice_problem("router_optimizer", req.router_optimizer, OPTIMIZER_CLASSES)

@@ -211,6 +211,11 @@ def check_modes(schedule: Schedule, chosen: dict[str, float]) -> None:
     for key in (*(k for k in chosen if k != "cooperative"), "worst_device_load", "device_imbalance"):
         expect(f"metrics.tp.modes.{req.tp_mode}.{key}", float(getattr(m.modes[req.tp_mode], key)), float(getattr(m, key)),
                f"metrics.tp.{key}")
+    for mode, score in m.modes.items():
+        if min(score.critical_time, score.worst_device_load, score.max_saturation) < 0 or score.device_imbalance < 1 - REL_TOL \
+                or not 0 <= score.efficiency <= 1 + REL_TOL:
+            fail(f"metrics.tp.modes.{mode}: times, loads and saturation must be >= 0, device_imbalance >= 1 and efficiency "
+                 "in [0, 1]")
 
 
 def _check_tp_metrics(schedule: Schedule) -> None:

@@ -24,7 +24,7 @@ from canzona.schedules.costs import (  # noqa: F401 - the formulas, re-exported 
     soap_flops,
 )
 from canzona.schedules.costs import param_state_bytes as shared_state_bytes
-from canzona.schedules.limits import COST_MODELS
+from canzona.schedules.limits import COST_MODELS, SETTING_DEFAULTS
 from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
 
 
@@ -33,10 +33,10 @@ class OptimizerConfig:
     """The matrix optimizer and the settings its cost depends on."""
 
     name: str = "muon"
-    ns_steps: int = 5
-    block_size: int = 1024
-    precondition_frequency: int = 10
-    max_precond_dim: int = 10000
+    ns_steps: int = SETTING_DEFAULTS["ns_steps"]
+    block_size: int = SETTING_DEFAULTS["block_size"]
+    precondition_frequency: int = SETTING_DEFAULTS["precondition_frequency"]
+    max_precond_dim: int = SETTING_DEFAULTS["max_precond_dim"]
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
