@@ -126,29 +126,46 @@ def _solve(model: Any, time_limit: float, seed: int) -> tuple[Any, str, float]:
 def _interruptible(solver: Any, model: Any) -> int:
     """`solver.Solve(model)` on a worker thread while this thread waits in Python, so that a
     signal (SIGINT, SIGTERM, check's deadline) is handled at once: its exception stops the
-    search (CP-SAT's StopSearch is thread-safe) and propagates once the worker is done, within
-    moments instead of after the budget. The search itself is unchanged (one worker, seeded)."""
+    search (CP-SAT's StopSearch is thread-safe) and propagates once the solve has returned,
+    within moments instead of after the budget. The search itself is unchanged (one worker,
+    seeded). An Event, not Thread.join, is waited on: a join interrupted by an exception may
+    return before its thread ends, and a process leaving CP-SAT running aborts at exit."""
     result: list[int] = []
     failure: list[BaseException] = []
+    done = threading.Event()
 
     def solve() -> None:
         try:
             result.append(solver.Solve(model))
         except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
             failure.append(error)
+        finally:
+            done.set()
 
     worker = threading.Thread(target=solve, name="canzona-cp-sat", daemon=True)
     worker.start()
     try:
-        while worker.is_alive():
-            worker.join(POLL_SECONDS)
+        while not done.wait(POLL_SECONDS):
+            pass
     except BaseException:
         solver.StopSearch()
-        worker.join()
+        _wait_out(done)
         raise
+    worker.join()
     if failure:
         raise failure[0]
     return result[0]
+
+
+def _wait_out(done: threading.Event) -> None:
+    """Wait until the stopped solve has returned, whatever further signals arrive meanwhile
+    (the first one's exception is already on its way)."""
+    while True:
+        try:
+            if done.wait(POLL_SECONDS):
+                return
+        except BaseException:  # noqa: BLE001 - a second Ctrl-C must not leave CP-SAT running
+            continue
 
 
 def _solved(status: str) -> bool:
