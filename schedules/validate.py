@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from math import lcm, prod
 from typing import TYPE_CHECKING, Any
 
-from canzona.schedules.checks import Problem, close, expect, fail
+from canzona.schedules.checks import Problem, check_group, close, dp_rank_of, expect, fail
 from canzona.schedules.costs import BUILT_IN_COSTS, adamw_cost, matrix_cost
 from canzona.schedules.geometry import (
     BUCKET_END_ALIGNMENT,
@@ -51,7 +51,8 @@ from canzona.schedules.limits import (
     unused_settings_problem,
 )
 from canzona.schedules.splits import Blocks, as_blocks, derived_problem, expanded_by_canzona, listed_problem, submatrices
-from canzona.schedules.teams import placements, team_problem
+from canzona.schedules.validate_fsdp import check_fsdp
+from canzona.schedules.validate_metrics import check_metrics
 
 if TYPE_CHECKING:
     from canzona.schedules.format import BucketEntry, ParamEntry, Schedule
@@ -60,14 +61,10 @@ if TYPE_CHECKING:
 def schedule_problem(schedule: Schedule) -> str | None:
     """The first inconsistency of `schedule` (one line), or None when it is executable as
     recorded and its figures agree with its plan."""
-    from canzona.schedules.validate_metrics import check_metrics
-
     try:
         _check_request(schedule)
         _check_params(schedule)
         if schedule.request.sharding == FSDP:
-            from canzona.schedules.validate_fsdp import check_fsdp
-
             check_fsdp(schedule)
             return None
         _check_buffers(schedule)
@@ -396,12 +393,6 @@ def _check_cuts(kind: str, position: int, bucket: BucketEntry, members: list[Par
 # TP micro-groups
 
 
-def dp_rank_of(entry: ParamEntry, ep: int) -> int:
-    """The DP rank whose micro-groups update a matrix (owner · ep + ep_rank for experts)."""
-    assert entry.owner is not None
-    return entry.owner if entry.ep_rank is None else entry.owner * ep + entry.ep_rank
-
-
 def _check_tp_section(schedule: Schedule) -> None:
     req, section = schedule.request, schedule.tp
     if section.mode != req.tp_mode or section.group_bytes != req.group_bytes:
@@ -428,34 +419,3 @@ def _check_tp_section(schedule: Schedule) -> None:
         for position, group in enumerate(plan.groups):
             check_group(f"tp section, DP rank {plan.dp_rank} group {position}", group, entries, req.tp,
                         req.group_bytes, req.tp_mode, req.optimizer.name)
-
-
-def check_group(where: str, group: Any, entries: dict[str, ParamEntry], tp: int, capacity: int, mode: str,
-                optimizer: str) -> None:
-    """One micro-group of `tp` hosts: its teams, and its per-host loads and bytes, makespan and
-    saturation recomputed from its matrices (`entries` by name; every one of the group's)."""
-    if len(group.host_loads) != tp or len(group.host_bytes) != tp:
-        fail(f"{where}: host_loads and host_bytes must hold one value per host ({tp})")
-    host_of = dict(zip(group.params, group.hosts))
-    if len({team.param for team in group.teams}) != len(group.teams):
-        fail(f"{where}: a matrix has two teams")
-    for team in group.teams:
-        problem = (f"{team.param!r} is not in the group" if team.param not in host_of
-                   else team_problem(team, entries[team.param], host_of[team.param], tp, optimizer))
-        if problem:
-            fail(f"{where}: team of {team.param!r}: {problem}")
-    loads, sizes, counts = [0.0] * tp, [0] * tp, [0] * tp
-    for host, cost, size in placements(group, entries):
-        loads[host] += cost
-        sizes[host] += size
-        counts[host] += 1
-    if not all(close(a, b) for a, b in zip(group.host_loads, loads)):
-        fail(f"{where}: host_loads disagree with its matrices' costs")
-    if list(group.host_bytes) != sizes:
-        fail(f"{where}: host_bytes disagree with its matrices' gathered fp32 sizes")
-    expect(f"{where} makespan", group.makespan, max(loads), "its largest host load")
-    expect(f"{where} saturation", group.saturation, max(sizes) / capacity, "its largest host bytes / group_bytes")
-    if mode == "rollback":
-        over = next((h for h in range(tp) if sizes[h] > capacity and counts[h] > 1), None)
-        if over is not None:
-            fail(f"{where}: TP host {over} holds {sizes[over]} bytes, over the group capacity {capacity}")

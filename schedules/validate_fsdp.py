@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from canzona.schedules.checks import expect, fail
+from canzona.schedules.checks import check_group, expect, fail
 from canzona.schedules.costs import BUILT_IN_COSTS, adamw_cost
 from canzona.schedules.fsdp import (
     FSDP_BASELINES,
@@ -20,7 +20,6 @@ from canzona.schedules.fsdp import (
 )
 from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT
 from canzona.schedules.limits import ADAMW, MATRIX
-from canzona.schedules.validate import check_group
 from canzona.schedules.validate_metrics import (
     adamw_bytes,
     check_baselines,
