@@ -53,7 +53,7 @@ class _Entry(BaseModel):
         if not self.name:
             raise ValueError("name must not be empty")
         if not self.shape or min(self.shape) < 1 or len(self.shape) > MAX_PARAM_DIMS:
-            raise ValueError(f"shape {self.shape[:MAX_PARAM_DIMS + 1]} must be a list of 1 to {MAX_PARAM_DIMS} positive sizes")
+            raise ValueError(f"shape {self.shape[:MAX_PARAM_DIMS + 1]} must be a non-empty list of at most {MAX_PARAM_DIMS} positive sizes")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.shape):
