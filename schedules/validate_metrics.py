@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from canzona.schedules.checks import REL_TOL, dp_rank_of, expect, fail
 from canzona.schedules.costs import BUILT_IN_COSTS, adamw_bytes_per_element, adamw_cost, param_state_bytes
-from canzona.schedules.figures import BASELINE_PADDING, BASELINES, Member, baseline_loads, bucket_traffic, micro_group_traffic
+from canzona.schedules.figures import BASELINE_PADDING, Member, baseline_loads, bucket_traffic, micro_group_traffic
 from canzona.schedules.geometry import DTYPE_BYTES, GRAD_BYTES_PER_ELEMENT, PARAM_ALIGNMENT, padded_bucket_numel, round_up, slice_sizes
 from canzona.schedules.limits import ADAMW, MATRIX, TP_MODES
 from canzona.schedules.searches import DEFAULT_ALPHAS, DEFAULT_BUCKET_SIZES, alpha_winner, bucket_winner
