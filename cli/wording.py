@@ -7,6 +7,8 @@ import math
 
 import typer
 
+from canzona.schedules.text import printable
+
 
 def plural(count: int, word: str, many: str | None = None) -> str:
     """`1 micro-group`, `2 micro-groups`; `many` for irregular plurals (matrix -> matrices)."""
@@ -46,16 +48,7 @@ def duration(seconds: float) -> str:
     return f"{whole // 3600} h {whole % 3600 // 60} min"
 
 
-def printable(text: str) -> str:
-    """`text` with every character a terminal would not print as itself (control characters
-    such as ESC, format characters such as bidirectional overrides, line separators) spelled as
-    a Python escape, line breaks kept: anything a schedule file holds reaches the terminal only
-    this way, so a file cannot move the cursor, clear the screen or hide text."""
-    return "\n".join(line if line.isprintable() else "".join(
-        char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in line)
-        for line in text.split("\n"))
-
-
 def echo(message: object = "", err: bool = False, nl: bool = True) -> None:
-    """typer.echo of `printable(message)`: how every command writes to the terminal."""
+    """typer.echo of `printable(message)`: how every command writes to the terminal, so that
+    nothing a schedule file holds reaches it unescaped."""
     typer.echo(printable(str(message)), err=err, nl=nl)
