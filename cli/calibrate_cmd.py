@@ -19,7 +19,7 @@ import typer
 
 from canzona.cli.options import output_path, refuse_unless, refuse_unused_settings, write_output
 from canzona.cli.progress import note, progress
-from canzona.cli.wording import duration, plural
+from canzona.cli.wording import duration, echo, plural
 from canzona.planner.spec import PlanError
 from canzona.schedules.files import check_output
 from canzona.schedules.limits import bounded_int_problem, settings_problem
@@ -146,7 +146,7 @@ def calibrate(
 
     validated = Profile.model_validate(profile)
     write_output(target, dump_profile(validated))
-    typer.echo(f"wrote {target}: {plural(len(validated.rows), 'row')} on {validated.device_name}")
+    echo(f"wrote {target}: {plural(len(validated.rows), 'row')} on {validated.device_name}")
 
 
 def calibrate_problem(repeats: int, warmup: int, threads: int | None, comm_ranks: int, max_side: int,

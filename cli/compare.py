@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
@@ -15,7 +19,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from canzona.cli.options import SCHEDULE_HELP, library_hint, load_schedule, write_output
-from canzona.cli.wording import percent, plural
+from canzona.cli.wording import echo, percent, plural
 from canzona.schedules.format import (
     Request,
     Schedule,
@@ -24,13 +28,15 @@ from canzona.schedules.format import (
     parse_schedule,
     read_request,
     read_schedule,
+    schedule_text,
 )
 from canzona.schedules.library import resolve_schedule
-from canzona.schedules.limits import MAX_SCHEDULE_BYTES
+from canzona.schedules.limits import MAX_SCHEDULE_BYTES, PROFILE_PREFIX
 from canzona.schedules.reading import UnsafeDocument, read_text
 
 EXIT_REGRESSION = 1
 EXIT_REFUSED = 2  # bad input, as every command's one-line errors
+DEFAULT_TIMEOUT = 120.0  # seconds check may spend regenerating one schedule (the library's largest: ~20 s)
 GIB = 1 << 30
 
 
@@ -51,9 +57,20 @@ def _max_device(schedule: Schedule, field: str) -> float:
 
 
 def _predicted_step(schedule: Schedule) -> float | None:
-    """The simulator's predicted step (s) at the chosen α, for schedules planned with α auto."""
-    trials = schedule.metrics.alpha_search or []
-    return next((t.predicted_step_s for t in trials if t.alpha == schedule.request.alpha), None)
+    """The predicted step (s) of a schedule planned with α auto, simulated again on the built-in
+    hardware model its search used: the file's recorded prediction is the simulator's own, which
+    no validator re-checks, so diff never trusts it. None without α auto or for a measured
+    profile (diff reads no file a schedule names)."""
+    device = schedule.request.alpha_device
+    if device is None or device.startswith(PROFILE_PREFIX):
+        return None
+    from canzona.planner.partition.costs import OptimizerConfig
+    from canzona.planner.predict.hardware import resolve_device
+    from canzona.planner.predict.simulate import simulate
+
+    model = resolve_device(device)
+    settings = OptimizerConfig(**schedule.request.optimizer.model_dump())
+    return float(simulate(schedule, model.hardware, model.time_model(settings)).get("canzona").step)
 
 
 METRICS: tuple[Metric, ...] = (
@@ -143,16 +160,16 @@ def diff(
     limits = {"imbalance": max_imbalance_increase, "gap": max_gap_increase, "memory": max_memory_increase}
     modes = (before.request.sharding, before.request.dp_replicate), (after.request.sharding, after.request.dp_replicate)
     if modes[0] != modes[1]:
-        typer.echo(f"canzona: note: the sharding modes differ (OLD {_mode(*modes[0])}, NEW {_mode(*modes[1])}): the DP "
+        echo(f"canzona: note: the sharding modes differ (OLD {_mode(*modes[0])}, NEW {_mode(*modes[1])}): the DP "
                    "figures are per DP rank of each mode (owners and buckets vs FSDP hosts)", err=True)
     rows = compare(before, after, limits)
     if as_json:
-        typer.echo(json.dumps([vars(row) for row in rows], indent=2))
+        echo(json.dumps([vars(row) for row in rows], indent=2))
     else:
-        typer.echo(diff_text(old, new, rows))
+        echo(diff_text(old, new, rows))
     failed = [row for row in rows if row.verdict == "REGRESSION"]
     for row in failed:
-        typer.echo(f"canzona: regression: {row.name} {_format(row.old)} -> {_format(row.new)}", err=True)
+        echo(f"canzona: regression: {row.name} {_format(row.old)} -> {_format(row.new)}", err=True)
     if failed:
         raise typer.Exit(EXIT_REGRESSION)
 
@@ -197,8 +214,48 @@ def regenerate(path: Path, request: Request) -> Schedule:
     if request.model.sha256 is not None and not is_live(recorded) and not Path(recorded).exists():
         source = str(path.parent / recorded)
     planner_request = plan_request(request, source)
+    planner_request.validate()
     spec = replace(load_source(source, planner_request.tp, planner_request.options), source=recorded)
     return compile_schedule(*plan_for_request(spec, planner_request))
+
+
+class Overtime(Exception):
+    """check's deadline passed while regenerating a schedule."""
+
+
+@contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Raise Overtime in this thread once `seconds` pass (SIGALRM; the planner is Python and a
+    CP-SAT solve waits interruptibly, so it stops within moments). Only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise Overtime()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def regenerate_within(path: Path, request: Request, seconds: float) -> Schedule:
+    """`regenerate`, refused (one line) when its request cannot be planned or planning it takes
+    longer than `seconds`."""
+    from canzona.planner.spec import PlanError
+
+    try:
+        with deadline(seconds):
+            return regenerate(path, request)
+    except Overtime:
+        raise Refused(f"regenerating it takes longer than {seconds:g} s (check's --timeout); "
+                      "regenerate it with `canzona plan`, or give check more time") from None
+    except (PlanError, ScheduleError) as error:
+        raise Refused(f"its request cannot be planned: {error}") from None
 
 
 def staleness(old: Schedule, new: Schedule) -> str | None:
@@ -253,15 +310,17 @@ def gate_code(request: Request, policy: CodePolicy) -> None:
         raise Refused(str(error)) from None
 
 
-def check_file(path: Path, policy: CodePolicy, fix: bool = False) -> tuple[str | None, Schedule]:
+def check_file(path: Path, policy: CodePolicy, fix: bool = False,
+               seconds: float = DEFAULT_TIMEOUT) -> tuple[str | None, Schedule]:
     """Why `path` differs from the regeneration of its recorded request (None: byte-identical),
-    and that regeneration. The file is read and validated (digest included) before anything is
-    regenerated: an invalid one is Refused, except under `fix`, which rewrites it from its
-    request when that request can be read. A live model is regenerated only as `policy` allows."""
+    and that regeneration. The file is read (`schedule_text`, as every reader does) and
+    validated (digest included) before anything is regenerated: an invalid one is Refused,
+    except under `fix`, which rewrites it from its request when that request can be read. A
+    live model is regenerated only as `policy` allows; regeneration gets `seconds`."""
     try:
-        text = read_text(path, MAX_SCHEDULE_BYTES)
-    except UnsafeDocument as error:
-        raise Refused(f"cannot read schedule: {error}") from None
+        text = schedule_text(path)
+    except ScheduleError as error:
+        raise Refused(str(error).replace(f"schedule {str(path)!r}: ", "schedule: ")) from None
     try:
         old: Schedule | None = parse_schedule(text, str(path))
         request, invalid = old.request, None  # type: ignore[union-attr]
@@ -271,7 +330,7 @@ def check_file(path: Path, policy: CodePolicy, fix: bool = False) -> tuple[str |
             raise Refused(f"invalid ({invalid}); `canzona check --fix` rewrites it from its request") from None
         old, request = None, _readable_request(text, path)
     gate_code(request, policy)
-    new = regenerate(path, request)
+    new = regenerate_within(path, request, seconds)
     if invalid is not None:
         return f"invalid ({invalid})", new
     reason = staleness(old, new)  # type: ignore[arg-type]
@@ -352,12 +411,16 @@ def table(
         raise ScheduleError(f"--update rewrites the table inside {str(readme)!r}, which does not exist")
     rows = library_rows(schedule_files([folder]), folder)
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
+        echo(json.dumps(rows, indent=2))
     elif not update:
-        typer.echo(library_table(rows), nl=False)
+        echo(library_table(rows), nl=False)
     else:
-        write_output(readme, _with_table(readme.read_text(encoding="utf-8"), library_table(rows)))
-        typer.echo(f"updated {readme}")
+        try:
+            text = read_text(readme, MAX_SCHEDULE_BYTES)
+        except UnsafeDocument as error:
+            raise ScheduleError(f"cannot read {str(readme)!r}: {error}") from None
+        write_output(readme, _with_table(text, library_table(rows)))
+        echo(f"updated {readme}")
 
 
 def check(
@@ -365,40 +428,44 @@ def check(
     fix: Annotated[bool, typer.Option("--fix", help="Rewrite stale files (atomically), and invalid ones from their request.")] = False,
     allow_code: Annotated[bool, typer.Option("--allow-code", help="Regenerate schedules of live models (py:MODULE:FACTORY) by importing and calling their factory: this RUNS the code the file names. Only for your own files; the module must lie inside a checked folder or the current directory.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON report: every file's status and reason.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to regenerate one schedule; a slower one is refused (exit 2).")] = DEFAULT_TIMEOUT,
 ) -> None:
     """Regenerate each schedule from its recorded request and compare bytes; exit 1 if any
-    differs (content or formatting), 2 if any is invalid or names a live model (code is run only
-    with --allow-code). A file is validated, digest included, before anything is regenerated."""
+    differs (content or formatting), 2 if any is invalid, names a live model (code is run only
+    with --allow-code) or takes longer than --timeout to regenerate. A file is validated, digest
+    included, before anything is regenerated."""
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ScheduleError(f"--timeout must be a finite number of seconds > 0, got {timeout}")
     roots = paths or [Path("schedules")]
     files = schedule_files(roots)
     policy = CodePolicy(allow_code, (Path.cwd(), *(root if root.is_dir() else resolve_schedule(root).parent
                                                    for root in roots)))
-    results = [_check_one(path, fix, policy) for path in files]
+    results = [_check_one(path, fix, policy, timeout) for path in files]
     results += [result for root in roots if (result := _check_readme(root, fix)) is not None]
     stale = sum(1 for result in results if result["status"] == "stale")
     refused = [result for result in results if result["status"] == "refused"]
     if as_json:
-        typer.echo(json.dumps({"files": results, "stale": stale, "fixed": sum(r["status"] == "fixed" for r in results),
+        echo(json.dumps({"files": results, "stale": stale, "fixed": sum(r["status"] == "fixed" for r in results),
                                "refused": len(refused)}, indent=2))
     else:
         for result in results:
             if result["status"] == "refused":
                 continue
             label = {"fresh": "fresh ", "stale": "STALE ", "fixed": "fixed "}[result["status"]]
-            typer.echo(f"{label} {result['path']}" + (f": {result['reason']}" if result["reason"] else ""))
+            echo(f"{label} {result['path']}" + (f": {result['reason']}" if result["reason"] else ""))
     for result in refused:
-        typer.echo(f"canzona: error: {result['path']}: {result['reason']}", err=True)
+        echo(f"canzona: error: {result['path']}: {result['reason']}", err=True)
     if stale:
-        typer.echo(f"canzona: {plural(stale, 'stale file')}; run `canzona check --fix`", err=True)
+        echo(f"canzona: {plural(stale, 'stale file')}; run `canzona check --fix`", err=True)
     if refused:
         raise typer.Exit(EXIT_REFUSED)
     if stale:
         raise typer.Exit(EXIT_REGRESSION)
 
 
-def _check_one(path: Path, fix: bool, policy: CodePolicy) -> dict[str, Any]:
+def _check_one(path: Path, fix: bool, policy: CodePolicy, seconds: float) -> dict[str, Any]:
     try:
-        reason, new = check_file(path, policy, fix)
+        reason, new = check_file(path, policy, fix, seconds)
     except Refused as error:
         return {"path": str(path), "status": "refused", "reason": str(error)}
     if reason is not None and fix:
@@ -410,8 +477,13 @@ def _check_readme(root: Path, fix: bool) -> dict[str, Any] | None:
     readme = root / LIBRARY_README
     if not (root.is_dir() and readme.exists()):
         return None
-    text = readme.read_text(encoding="utf-8")
-    wanted = _with_table(text, folder_table(root))
+    try:
+        text = read_text(readme, MAX_SCHEDULE_BYTES)
+        wanted = _with_table(text, folder_table(root))
+    except UnsafeDocument as error:
+        return {"path": str(readme), "status": "refused", "reason": f"cannot read it: {error}"}
+    except ScheduleError as error:  # a schedule of the folder is refused above, with its reason
+        return {"path": str(readme), "status": "refused", "reason": f"its metrics table cannot be made ({error})"}
     if wanted == text:
         return {"path": str(readme), "status": "fresh", "reason": None}
     if fix:

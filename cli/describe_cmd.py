@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from canzona.cli.wording import echo
 from canzona.cli.sources import describe_source, is_live, source_files
 from canzona.planner.spec import PlanError
 from canzona.schedules.files import check_output, write_atomic
@@ -27,11 +28,11 @@ def describe(
     description = describe_source(model, sequence_parallel)
     text = description.to_yaml()
     if output is None:
-        typer.echo(text, nl=False)
+        echo(text, nl=False)
         return
     write_atomic(output, text)
     grouped = sum(p.grouped_experts for p in description.params)
     matrices = sum(p.optimizer == "matrix" for p in description.params)
     tp = f", TP {description.tp}" if description.tp is not None else ""
-    typer.echo(f"wrote {output}: {len(description.params)} parameters of {description.name} ({matrices} matrices, "
+    echo(f"wrote {output}: {len(description.params)} parameters of {description.name} ({matrices} matrices, "
                f"{grouped} grouped expert tensors{tp})")

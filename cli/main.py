@@ -34,7 +34,7 @@ from canzona.cli.options import (
 )
 from canzona.cli.progress import progress, warn
 from canzona.cli.sources import load_source, source_files
-from canzona.cli.wording import plural
+from canzona.cli.wording import echo, plural
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB
@@ -72,7 +72,7 @@ def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
 
-        typer.echo(f"canzona {version('canzona')}")
+        echo(f"canzona {version('canzona')}")
         raise typer.Exit()
 
 
@@ -171,7 +171,7 @@ def models(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
     from canzona.planner.sources.load import count_params, list_presets
 
     rows = [report.preset_row(name, arch, count_params(arch)) for name, arch in list_presets()]
-    typer.echo(json.dumps(rows, indent=2) if as_json else report.presets_table(rows))
+    echo(json.dumps(rows, indent=2) if as_json else report.presets_table(rows))
 
 
 @app.command()
@@ -258,7 +258,7 @@ def plan(
         schedule = compile_schedule(the_plan, search)
     write_output(path, dump_schedule(schedule))
     summary = report.plan_summary(schedule, str(path), time.perf_counter() - started)
-    typer.echo(json.dumps(summary, indent=2) if as_json else report.summary_text(summary))
+    echo(json.dumps(summary, indent=2) if as_json else report.summary_text(summary))
     if not warned:
         _warn_idle_ranks(schedule)
 
@@ -315,12 +315,12 @@ def show(
         if not 0 <= rank < world:
             raise ScheduleError(f"rank {rank} is outside the world of {world} devices")
         part = report.rank_part(schedule, rank)
-        typer.echo(json.dumps(part, indent=2) if as_json else report.rank_text(part))
+        echo(json.dumps(part, indent=2) if as_json else report.rank_text(part))
     elif as_json:
-        data = {"request": schedule.request.model_dump(mode="json"), "metrics": schedule.metrics.model_dump(mode="json")}
-        typer.echo(json.dumps(data, indent=2))
+        data = {"request": schedule.request.model_dump(mode="json"), "metrics": report.metrics_data(schedule)}
+        echo(json.dumps(data, indent=2))
     else:
-        typer.echo(report.show_text(schedule))
+        echo(report.show_text(schedule))
 
 
 app.command()(describe_cmd.describe)
@@ -350,29 +350,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=args or ["--help"], prog_name="canzona", standalone_mode=False)
     except ClickException as error:
-        typer.echo(f"canzona: error: {error.format_message()}", err=True)
+        echo(f"canzona: error: {error.format_message()}", err=True)
         return EXIT_BAD_INPUT
     except (KeyboardInterrupt, typer.Abort):  # typer itself turns Ctrl-C into exit code 130
-        typer.echo("canzona: interrupted", err=True)
+        echo("canzona: interrupted", err=True)
         return EXIT_INTERRUPTED
     except Terminated:
-        typer.echo("canzona: terminated", err=True)
+        echo("canzona: terminated", err=True)
         return EXIT_TERMINATED
     except KNOWN_ERRORS as error:
         if debug:
             raise
-        typer.echo(f"canzona: error: {error}", err=True)
+        echo(f"canzona: error: {error}", err=True)
         return EXIT_BAD_INPUT
     except OSError as error:  # a file the command had to read or write
         if debug:
             raise
         where = f"{error.filename}: " if error.filename else ""
-        typer.echo(f"canzona: error: {where}{error.strerror or error}", err=True)
+        echo(f"canzona: error: {where}{error.strerror or error}", err=True)
         return EXIT_BAD_INPUT
     except Exception as error:  # noqa: BLE001 - the last line of defence against tracebacks
         if debug:
             raise
-        typer.echo(f"canzona: internal error: {type(error).__name__}: {error} (CANZONA_DEBUG=1 for details)", err=True)
+        echo(f"canzona: internal error: {type(error).__name__}: {error} (CANZONA_DEBUG=1 for details)", err=True)
         return EXIT_INTERNAL
     finally:
         if previous is not None:

@@ -12,7 +12,7 @@ from canzona.planner.spec import PlanError
 from canzona.schedules.files import OutputError, write_atomic
 from canzona.schedules.format import Schedule, ScheduleError, read_schedule
 from canzona.schedules.library import library_names, resolve_schedule
-from canzona.schedules.limits import PROFILE_PREFIX
+from canzona.schedules.limits import PROFILE_PREFIX, SETTING_USERS
 
 try:  # typer >= 0.20 vendors click
     from typer._click.core import ParameterSource
@@ -103,12 +103,7 @@ def refuse_unless(needed: bool, parameters: tuple[str, ...], why: str) -> None:
         raise PlanError(f"{option_name(extra[0])} has no effect here: {why}")
 
 
-OPTIMIZER_SETTINGS = {  # option -> the matrix optimizers it changes
-    "ns_steps": ("muon",),
-    "block_size": ("shampoo",),
-    "precondition_frequency": ("shampoo", "soap"),
-    "max_precond_dim": ("soap",),
-}
+OPTIMIZER_SETTINGS = SETTING_USERS  # option -> the matrix optimizers it changes
 
 
 def refuse_unused_settings(optimizers: list[str]) -> None:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import typer
+from canzona.cli.wording import echo
 
 Step = Callable[[str], None]
 
@@ -24,12 +24,12 @@ def interactive() -> bool:
 
 def warn(message: str) -> None:
     """One `canzona: warning: ...` line on stderr."""
-    typer.echo(f"canzona: warning: {message}", err=True)
+    echo(f"canzona: warning: {message}", err=True)
 
 
 def note(message: str) -> None:
     """One `canzona: ...` line on stderr (what the command is about to do)."""
-    typer.echo(f"canzona: {message}", err=True)
+    echo(f"canzona: {message}", err=True)
 
 
 @contextmanager
@@ -44,7 +44,7 @@ def progress(description: str, total: int | None = None, *, lines: bool = False)
             nonlocal done
             done += 1
             if lines:
-                typer.echo(f"[{done}/{total}] {label}" if total else label, err=True)
+                echo(f"[{done}/{total}] {label}" if total else label, err=True)
 
         yield plain
         return

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from canzona.cli.options import DEVICE_HELP, SCHEDULE_HELP, device_option, output_path, schedule_path, write_output
-from canzona.cli.wording import plural, table_unit
+from canzona.cli.wording import echo, plural, table_unit
 from canzona.schedules.files import check_output
 from canzona.schedules.format import Schedule, ScheduleError, read_schedule
 
@@ -188,7 +188,7 @@ def render(
         plt.close(figure)
     write_output(target, image.getvalue())
     if as_json:
-        typer.echo(json.dumps({"output": str(target), "format": kind, "bytes": len(image.getvalue()),
+        echo(json.dumps({"output": str(target), "format": kind, "bytes": len(image.getvalue()),
                                "timeline": timeline}, indent=2))
     else:
-        typer.echo(f"wrote {target}")
+        echo(f"wrote {target}")

@@ -196,10 +196,10 @@ def _tp_lines(schedule: Schedule) -> list[str]:
         f"critical path {tp.critical_time:.4g} vs lower bound {tp.critical_lower_bound:.4g}"
         + (f"; {plural(tp.cooperative, 'matrix', 'matrices')} hosted cooperatively" if tp.cooperative else ""),
     ]
-    rows = [
-        [mode, str(s.num_groups), f"{s.efficiency:.3f}", f"{s.critical_time / tp.critical_lower_bound if tp.critical_lower_bound else 1:.3f}", f"{s.device_imbalance:.3f}", f"{s.max_saturation:.2f}"]
-        for mode, s in tp.modes.items()
-    ]
+    s = tp.modes[tp.mode]  # older files also hold other modes' scores, which nothing re-checks: not shown
+    rows = [[tp.mode, str(s.num_groups), f"{s.efficiency:.3f}",
+             f"{s.critical_time / tp.critical_lower_bound if tp.critical_lower_bound else 1:.3f}",
+             f"{s.device_imbalance:.3f}", f"{s.max_saturation:.2f}"]]
     lines.append(_table(["mode", "groups", "efficiency", "critical/bound", "device imbalance", "max saturation"], rows))
     loads = [d.load for d in devices]
     lines += ["", *_bars(loads, sum(loads) / len(loads), "compute load per device")]
@@ -214,6 +214,14 @@ def _tp_lines(schedule: Schedule) -> list[str]:
         f"received max {max(d.bytes_received for d in devices) / GIB:.2f} GiB per step"
     )
     return lines
+
+
+def metrics_data(schedule: Schedule) -> dict[str, Any]:
+    """The schedule's metrics as plain data, the TP modes reduced to the chosen one (older files
+    also hold the others' scores, which nothing re-checks)."""
+    data = schedule.metrics.model_dump(mode="json")
+    data["tp"]["modes"] = {schedule.metrics.tp.mode: data["tp"]["modes"][schedule.metrics.tp.mode]}
+    return data
 
 
 def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:

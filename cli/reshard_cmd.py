@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from canzona.cli.wording import echo
 from canzona.cli.options import SCHEDULE_HELP, load_schedule
 from canzona.schedules.format import Schedule
 from canzona.schedules.reshard import ReshardReport, reshard_report
@@ -91,8 +92,8 @@ def reshard_check(
     before, after = load_schedule(old), load_schedule(new)
     report = reshard_report(before, after)
     data = report_json(before, after, report)
-    typer.echo(json.dumps(data, indent=2) if as_json else report_text(data))
+    echo(json.dumps(data, indent=2) if as_json else report_text(data))
     for problem in report.problems:
-        typer.echo(f"canzona: incompatible: {problem}", err=True)
+        echo(f"canzona: incompatible: {problem}", err=True)
     if not report.compatible:
         raise typer.Exit(EXIT_INCOMPATIBLE)

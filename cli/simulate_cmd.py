@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from canzona.cli.options import DEVICE_HELP, SCHEDULE_HELP, device_option, load_schedule, refuse_unless
-from canzona.cli.wording import table_unit
+from canzona.cli.wording import echo, table_unit
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
 from canzona.planner.predict.hardware import CPU_GPUS_PER_NODE, Device
@@ -211,7 +211,7 @@ def simulate(
     sim = run_simulation(schedule, chosen.hardware, chosen.time_model(config), fused=fused,
                          rooted=dp_collectives == "rooted", training=training, overlap_grad_reduce=overlap_grad_reduce,
                          overlap_param_gather=overlap_param_gather, routed_fraction=routed_fraction)
-    typer.echo(json.dumps(simulation_dict(sim), indent=2) if as_json else simulation_text(sim))
+    echo(json.dumps(simulation_dict(sim), indent=2) if as_json else simulation_text(sim))
 
 
 def _simulate_fsdp(schedule: Schedule, device: str, network: tuple[Any, ...], as_json: bool) -> None:
@@ -222,7 +222,7 @@ def _simulate_fsdp(schedule: Schedule, device: str, network: tuple[Any, ...], as
     sim = simulate_fsdp(schedule, chosen.hardware, chosen.time_model(optimizer_config(schedule)))
     canzona = sim.get("canzona").step
     if as_json:
-        typer.echo(json.dumps({"model": sim.model, "tp": sim.tp, "dp": sim.dp, "dp_replicate": sim.dp_replicate,
+        echo(json.dumps({"model": sim.model, "tp": sim.tp, "dp": sim.dp, "dp_replicate": sim.dp_replicate,
                                "optimizer": sim.optimizer, "device": sim.hardware.name, "num_groups": sim.num_groups,
                                "strategies": [asdict(s) for s in sim.strategies]}, indent=2))
         return
@@ -233,4 +233,4 @@ def _simulate_fsdp(schedule: Schedule, device: str, network: tuple[Any, ...], as
     rows = [[s.name, f"{s.step / scale:.3f}", f"{s.step / canzona:.2f}x" if canzona else "-", s.description]
             for s in sim.strategies]
     lines.append(_table(["strategy", f"step {unit}", "vs canzona", "what"], rows))
-    typer.echo("\n".join(lines))
+    echo("\n".join(lines))

@@ -1,9 +1,13 @@
 """Plain wording for the terminal: counts with the right plural, percentages without a negative
-zero, and times in the unit a person reads them in."""
+zero, times in the unit a person reads them in, and text that is always printable (`echo`)."""
 
 from __future__ import annotations
 
 import math
+
+import typer
+
+from canzona.schedules.text import printable
 
 
 def plural(count: int, word: str, many: str | None = None) -> str:
@@ -42,3 +46,9 @@ def duration(seconds: float) -> str:
     if whole < 3600:
         return f"{whole // 60} min {whole % 60} s"
     return f"{whole // 3600} h {whole % 3600 // 60} min"
+
+
+def echo(message: object = "", err: bool = False, nl: bool = True) -> None:
+    """typer.echo of `printable(message)`: how every command writes to the terminal, so that
+    nothing a schedule file holds reaches it unescaped."""
+    typer.echo(printable(str(message)), err=err, nl=nl)

@@ -9,7 +9,7 @@ from canzona.planner.partition.baselines import BaselineLoads
 from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.devices import device_figures, device_lower_bound, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
-from canzona.planner.partition.tp import MODES, MicroGroup, Task, group_stats
+from canzona.planner.partition.tp import MicroGroup, Task, group_stats
 from canzona.planner.fsdp import FsdpPlan, compile_fsdp
 from canzona.planner.plan import AutoSearch, BufferPlan, Plan, PlanRequest, TrainingSetup
 from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec
@@ -42,6 +42,7 @@ from canzona.schedules.format import (
     model_parameters,
     sealed,
 )
+from canzona.schedules.limits import recorded_settings
 
 
 def canzona_version() -> str:
@@ -62,7 +63,8 @@ def request_section(req: PlanRequest, model: ModelSpec) -> Request:
         model=ModelSource(name=model.name, source=model.source, sha256=model.source_sha256),
         tp=req.tp,
         dp=req.dp,
-        optimizer=OptimizerSettings(**vars(req.optimizer)),
+        optimizer=OptimizerSettings(name=req.optimizer.name, **recorded_settings(
+            req.optimizer.name, {key: value for key, value in vars(req.optimizer).items() if key != "name"})),
         cost=req.cost,
         alpha=req.alpha,
         bucket_size=req.bucket_size,
@@ -255,8 +257,9 @@ def _pieces(plan: Plan) -> list[float]:
 
 
 def _tp_metrics(plan: Plan) -> TpMetrics:
-    scores = {mode: tp_score(plan, plan.groups[mode]) for mode in MODES}
-    chosen = scores[plan.request.tp_mode]
+    # Only the chosen mode is recorded: the others' figures could not be re-checked without
+    # re-planning (docs/schedule-format.md).
+    chosen = tp_score(plan, plan.chosen_groups)
     loads = [figure.load for figure in device_figures(plan, plan.chosen_groups)]
     bound = device_lower_bound(loads, _pieces(plan))
     return TpMetrics(
@@ -272,7 +275,7 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
         worst_device_load=chosen.worst_device_load,
         device_imbalance=chosen.device_imbalance,
         max_saturation=chosen.max_saturation,
-        modes={mode: TpModeScore(**vars(score)) for mode, score in scores.items()},
+        modes={plan.request.tp_mode: TpModeScore(**vars(chosen))},
         cooperative=sum(team is not None for rank in plan.chosen_groups for group in rank for team in group.teams),
         device_lower_bound=bound,
         device_gap=chosen.worst_device_load / bound - 1 if bound else 0.0,

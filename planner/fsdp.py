@@ -20,7 +20,7 @@ from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT
 from canzona.planner.partition.tp import MODES, MicroGroup, Task, group_stats, schedule_tasks
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, validate_model
-from canzona.schedules.fsdp import FsdpLayout, dp_loads, fragment_traffic, padding_ratio, shard_numel
+from canzona.schedules.fsdp import REDUNDANT, ROUND_ROBIN, FsdpLayout, dp_loads, fragment_traffic, padding_ratio, shard_elements
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     DeviceMetrics,
@@ -42,8 +42,6 @@ from canzona.schedules.format import (
 
 if TYPE_CHECKING:
     from canzona.planner.plan import PlanRequest
-
-REDUNDANT, ROUND_ROBIN = "redundant", "round_robin"
 
 
 @dataclass(frozen=True)
@@ -93,11 +91,7 @@ def _hosted(plan: FsdpPlan, groups: tuple[MicroGroup, ...], values: tuple[float,
 
 def _adamw_elements(plan: FsdpPlan) -> list[int]:
     """Per FSDP shard rank, the AdamW elements one of its devices updates."""
-    layout = plan.layout
-    return [
-        sum(shard_numel(p.shape, p.tp_dim, layout, shard * layout.tp) for p in plan.model.params if p.optimizer == ADAMW)
-        for shard in range(layout.shards)
-    ]
+    return shard_elements([(p.shape, p.tp_dim) for p in plan.model.params if p.optimizer == ADAMW], plan.layout)
 
 
 def _adamw_device_load(plan: FsdpPlan) -> list[float]:
@@ -140,8 +134,8 @@ def _dp_metrics(plan: FsdpPlan) -> DpMetrics:
     bound = max(sum(costs) / layout.shards, max(costs, default=0.0))
     score = _score(loads, total, bound, None)
     matrices = [params[i] for i in plan.matrices]
-    slice_bytes = [GRAD_BYTES_PER_ELEMENT * sum(shard_numel(p.shape, p.tp_dim, layout, (d % layout.shards) * layout.tp)
-                                                for p in matrices) for d in range(layout.dp)]
+    held = shard_elements([(p.shape, p.tp_dim) for p in matrices], layout)
+    slice_bytes = [GRAD_BYTES_PER_ELEMENT * held[d % layout.shards] for d in range(layout.dp)]
     hosted_state = dp_loads(_hosted(plan, plan.chosen_groups, plan.state_bytes), layout)
     adamw_bytes = adamw_slice_bytes_per_element(params)
     elements, adamw = _adamw_elements(plan), _adamw_device_load(plan)
@@ -171,11 +165,10 @@ def _mode_score(plan: FsdpPlan, groups: tuple[MicroGroup, ...]) -> TpModeScore:
 
 
 def _tp_metrics(plan: FsdpPlan) -> TpMetrics:
-    scores = {mode: _mode_score(plan, plan.groups[mode]) for mode in MODES}
-    chosen = scores[plan.request.tp_mode]
+    chosen = _mode_score(plan, plan.chosen_groups)  # the only mode recorded (docs/schedule-format.md)
     costs = [task.cost for task in plan.tasks]
     return TpMetrics(mode=plan.request.tp_mode, critical_lower_bound=max(sum(costs) / plan.layout.hosts, max(costs))
-                     if costs else 0.0, modes=scores, **chosen.model_dump())
+                     if costs else 0.0, modes={plan.request.tp_mode: chosen}, **chosen.model_dump())
 
 
 def _tp_section(plan: FsdpPlan) -> TpSection:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from math import prod
 
 from canzona.schedules.geometry import DTYPE_BYTES  # noqa: F401 - re-exported for the planner
+from canzona.schedules.splits import fused_row_blocks  # noqa: F401 - the model sources build fc1's blocks with it
 
 from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedule file is checked against
     ADAMW,
@@ -190,21 +191,3 @@ def _validate_row_blocks(param: ParamSpec) -> None:
     )
     if not chained or ranges[0][0] != 0 or ranges[-1][1] != param.shape[0]:
         raise PlanError(f"parameter {param.name!r}: row blocks do not cover every row exactly once")
-
-
-def fused_row_blocks(rows: int, parts: int, tp: int, split: bool) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Row blocks of a matrix fused from `parts` equal row parts (fc1: gate, up) whose TP
-    shards each hold [part 0 shard; part 1 shard; ...]: in gathered rows the parts interleave.
-
-    `split`: one submatrix per part; else one submatrix in canonical order (part 0 then part
-    1 ...), which is the gathered matrix itself only when tp == 1 (then no blocks are needed).
-    """
-    shard = rows // (parts * tp)
-    per_rank = parts * shard
-    blocks = tuple(
-        tuple((rank * per_rank + part * shard, rank * per_rank + (part + 1) * shard) for rank in range(tp))
-        for part in range(parts)
-    )
-    if split:
-        return blocks
-    return () if tp == 1 else (tuple(r for block in blocks for r in block),)

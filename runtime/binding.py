@@ -131,11 +131,16 @@ def _split_dim(placement: Any, ndim: int) -> int | None:
 
 
 def placement_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
-    """Where a DTensor parameter's mesh and placements differ from its (model-level) entry:
-    TP dim, TP size, a split over another mesh dim; empty for a plain tensor or a match."""
+    """Where a DTensor parameter's full shape, mesh and placements differ from its (model-level)
+    entry: full shape, TP dim, TP size, a split over another mesh dim; empty for a plain tensor
+    (whose full shape and TP dim only a Megatron-style `partition_dim` tells: `tensor_problems`)
+    or a match."""
     if not isinstance(tensor, DTensor):
         return []
     mesh, placements, problems = tensor.device_mesh, tensor.placements, []
+    if tuple(tensor.shape) != tuple(entry.shape):  # a DTensor knows its full shape: a swapped tp_dim shows here
+        problems.append(f"{entry.name}: full shape {list(tensor.shape)}, the schedule says {list(entry.shape)} "
+                        f"(tp_dim {entry.tp_dim})")
     axis = _tp_axis(tensor)
     for dim, placement in enumerate(placements):
         if dim != axis and not isinstance(placement, Replicate):

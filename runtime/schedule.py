@@ -19,6 +19,7 @@ from torch import Tensor
 
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.library import resolve_schedule
+from canzona.schedules.text import printable
 from canzona.schedules.validate import schedule_problem
 from canzona.runtime.rules.optimizers import MATRIX_OPTIMIZERS
 
@@ -124,7 +125,7 @@ def agree(verdict: Verdict, dp_group: dist.ProcessGroup, tp_group: dist.ProcessG
     dist.all_gather_object(grid, tp_verdicts, group=dp_group)
     message = disagreement(grid)  # type: ignore[arg-type]
     if message:
-        raise ScheduleMismatchError(message)
+        raise ScheduleMismatchError(printable(message))  # names from the file, shown on a terminal
 
 
 def _ranks(verdicts: list[Verdict]) -> str:

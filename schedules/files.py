@@ -20,7 +20,6 @@ is one of the command's inputs.
 
 from __future__ import annotations
 
-import glob
 import os
 import stat
 import tempfile
@@ -89,17 +88,19 @@ def check_output(path: str | os.PathLike[str], inputs: Iterable[str | os.PathLik
     return target
 
 
-def _remove_stale_temporaries(folder: Path, name: str) -> None:
-    """Temp files of `name` whose writer is gone (or that are older than an hour)."""
+def _remove_stale_temporaries(folder: Path) -> None:
+    """Temporary files in `folder`, of any target, whose writer is gone (or that are older than
+    an hour): what a killed writer (SIGKILL) left behind."""
     now = time.time()
-    for leftover in folder.glob(glob.escape(f".{name}.") + "*" + TEMP_SUFFIX):
+    for leftover in folder.glob(".*" + TEMP_SUFFIX):
+        parts = leftover.name[: -len(TEMP_SUFFIX)].rsplit(".", 2)  # ".<name>", pid, random
         try:
-            pid = int(leftover.name[len(name) + 2 :].split(".")[0])
-        except ValueError:
+            pid = int(parts[1]) if len(parts) == 3 else -1
+            if pid < 0 or (_alive(pid) and now - leftover.stat().st_mtime < STALE_AFTER_S):
+                continue
+            leftover.unlink(missing_ok=True)
+        except (ValueError, OSError):  # not ours, or gone meanwhile
             continue
-        if _alive(pid) and now - leftover.stat().st_mtime < STALE_AFTER_S:
-            continue
-        leftover.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -128,7 +129,7 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> bool:
         mode = 0o666 & ~_umask()
     if not os.path.islink(path):
         target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(target.parent, target.name)
+    _remove_stale_temporaries(target.parent)
     handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=TEMP_SUFFIX, dir=target.parent)
     try:
         with os.fdopen(handle, "wb") as stream:

@@ -9,24 +9,22 @@ The format is described in docs/schedule-format.md.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from canzona.schedules import reading, validate
 from canzona.schedules.files import OutputError, write_atomic
 from canzona.schedules.limits import MAX_FILE_INT, MAX_SCHEDULE_BYTES
+from canzona.schedules.writing import dump_schedule, flow_value  # noqa: F401 - the writer, re-exported
 
 SCHEMA_VERSION = 2
-
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 class ScheduleError(ValueError):
@@ -34,7 +32,9 @@ class ScheduleError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # strict: a value of another type is refused, never converted ("16", 16.0 or true for an
+    # integer; an integer is still accepted for a float, as JSON does not tell them apart).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 Count = Annotated[int, Field(ge=0, le=MAX_FILE_INT)]
@@ -407,80 +407,6 @@ def sealed(schedule: Schedule) -> Schedule:
     return schedule.model_copy(update={"digest": schedule_digest(schedule)})
 
 
-_ROW_LINE = re.compile(r"^( *)- (__canzona_rows_\d+__)$", re.MULTILINE)
-_YAML_UNSAFE = re.compile("[^\x09\x0a\x0d\x20-\x7e\xa0-\u2027\u202a-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
-
-
-def _is_flat(value: Any) -> bool:
-    if isinstance(value, list):
-        return all(_is_flat(item) and not isinstance(item, dict) for item in value)
-    return value is None or isinstance(value, (str, int, float, bool))
-
-
-def _is_table(node: Any) -> bool:
-    """A non-empty list of mappings whose values are scalars or lists of scalars."""
-    return (
-        isinstance(node, list)
-        and bool(node)
-        and all(isinstance(row, dict) and all(_is_flat(v) for v in row.values()) for row in node)
-    )
-
-
-def flow_value(value: Any) -> str:
-    """JSON text of a flat value (scalars, lists, one-level mappings) that YAML reads back as
-    the same value: floats spelled as YAML 1.1 reads them (always a dot), characters YAML
-    refuses escaped. What table rows are written with, here and in parameter lists."""
-    return _flow(value)
-
-
-def _flow(value: Any) -> str:
-    """JSON text of a flat value, with floats spelled as YAML 1.1 reads them (always a dot)."""
-    if isinstance(value, str):
-        # Not ensure_ascii: JSON would spell non-BMP characters as surrogate pairs, which YAML
-        # reads differently. Raw UTF-8 reads the same in both, except characters YAML refuses
-        # or reads as line breaks: those get \u escapes, which both read alike.
-        return _YAML_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(value, ensure_ascii=False))
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    if isinstance(value, float):
-        text = repr(value).lower()
-        return text.replace("e", ".0e") if "." not in text and "e" in text else text
-    if isinstance(value, list):
-        return "[" + ", ".join(_flow(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_flow(k)}: {_flow(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)
-
-
-def dump_schedule(schedule: Schedule) -> str:
-    """The YAML text of a schedule (deterministic: same schedule, same bytes).
-
-    Table rows (one parameter, one bucket) are written one per line as JSON objects, which
-    YAML reads as flow mappings: the file diffs line by line and loads fast (`parse_schedule`).
-    Fields at their default value are left out (as in the digest).
-    """
-    tables: list[list[dict[str, Any]]] = []
-
-    def extract(node: Any) -> Any:
-        if _is_table(node):
-            tables.append(node)
-            return [f"__canzona_rows_{len(tables) - 1}__"]
-        if isinstance(node, dict):
-            return {key: extract(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [extract(item) for item in node]
-        return node
-
-    data = schedule.model_dump(mode="json", exclude_defaults=True)
-    skeleton = yaml.dump(extract(data), Dumper=_Dumper, sort_keys=False, width=1 << 16)
-
-    def rows(match: re.Match[str]) -> str:
-        indent, table = match.group(1), tables[int(match.group(2)[len("__canzona_rows_") : -2])]
-        return "\n".join(f"{indent}- {_flow(row)}" for row in table)
-
-    return _ROW_LINE.sub(rows, skeleton)
-
-
 def write_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> bool:
     """Write atomically (`files.write_atomic`: temporary file, fsync, rename; umask or the
     existing file's mode; through symlinks). False when the file already held these bytes.
@@ -514,6 +440,25 @@ def check_version(version: Any, origin: str) -> None:
 def parse_schedule(text: str, origin: str = "<text>") -> Schedule:
     """Validate YAML text as a schedule: structure (pydantic), fingerprint, digest, and every
     semantic invariant (`validate.schedule_problem`). ScheduleError with one line on any problem."""
+    with _collector_paused():
+        return _parse(text, origin)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Reading a large schedule builds millions of small objects that hold no reference cycles;
+    Python's cyclic collector would scan them again and again (doubling the reading time of a
+    10 MB file), so it waits until the file is read."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse(text: str, origin: str) -> Schedule:
     try:
         document = reading.schedule_json(text)
     except reading.UnsafeDocument as error:
@@ -538,22 +483,27 @@ def parse_schedule(text: str, origin: str = "<text>") -> Schedule:
 
 def read_request(text: str, origin: str = "<text>") -> Request:
     """Only the request of a schedule text (of any schema version that has one), read as safely
-    as a whole schedule: what `canzona check --fix` regenerates a file from that no longer
+    as a whole schedule but without its tables (a file whose rows are damaged still has a
+    readable request): what `canzona check --fix` regenerates a file from that no longer
     validates."""
     try:
-        document = reading.schedule_json(text)
-        request = json.loads(document.json).get("request")
-        return Request.model_validate(request)
+        request = reading.schedule_skeleton(text).get("request")
+        return Request.model_validate_json(json.dumps(request))
     except reading.UnsafeDocument as error:
         raise ScheduleError(f"{origin}: {error}") from None
     except ValidationError as error:
         raise ScheduleError(f"{origin}: cannot read its request ({_one_line(error).replace('invalid schedule at ', 'request.')})") from None
 
 
-def read_schedule(path: str | os.PathLike[str]) -> Schedule:
-    """Read and validate a schedule file (at most MAX_SCHEDULE_BYTES)."""
+def schedule_text(path: str | os.PathLike[str]) -> str:
+    """The text of a schedule file (at most MAX_SCHEDULE_BYTES, UTF-8, a regular file: a FIFO, a
+    socket or a device is refused before a byte is read): how every reader opens a schedule."""
     try:
-        text = reading.read_text(path, MAX_SCHEDULE_BYTES)
+        return reading.read_text(path, MAX_SCHEDULE_BYTES)
     except reading.UnsafeDocument as error:
         raise ScheduleError(f"cannot read schedule {str(path)!r}: {error}") from None
-    return parse_schedule(text, str(path))
+
+
+def read_schedule(path: str | os.PathLike[str]) -> Schedule:
+    """Read and validate a schedule file (`schedule_text`, then `parse_schedule`)."""
+    return parse_schedule(schedule_text(path), str(path))

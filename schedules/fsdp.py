@@ -14,11 +14,14 @@ own fragmentation group (HSDP has already averaged the gradients over the replic
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
 
 from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT, fsdp_rows
+
+REDUNDANT, ROUND_ROBIN = "redundant", "round_robin"
+FSDP_BASELINES = (REDUNDANT, ROUND_ROBIN)  # the strategies an FSDP plan is compared with, in order
 
 
 @dataclass(frozen=True)
@@ -81,21 +84,65 @@ def sends_to_host(tp_dim: int | None, sender: int, host: int, tp: int) -> bool:
     return sender != host and (tp_dim is not None or sender % tp == host % tp)
 
 
+def _chunks(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout) -> tuple[int, int, int, int]:
+    """A TP shard's FSDP2 chunks, as (elements of a full chunk, how many shards hold one, the
+    elements of the short chunk the next shard holds, the TP shard's elements); the shards
+    after that hold nothing (torch.chunk's rule, `geometry.fsdp_rows`)."""
+    local = local_shape(shape, tp_dim, layout.tp)
+    rows, width = local[0], prod(local[1:])
+    chunk = -(-rows // layout.shards)
+    full = rows // chunk
+    return chunk * width, full, (rows - full * chunk) * width, rows * width
+
+
+def _spread(totals: list[int], chunks: tuple[int, int, int, int], scale: int) -> None:
+    """Add `scale` x each shard's chunk elements to a difference array over shards."""
+    chunk, full, short, _ = chunks
+    totals[0] += scale * chunk
+    totals[full] += scale * (short - chunk)
+    totals[full + 1] -= scale * short
+
+
+def _summed(differences: list[int]) -> list[int]:
+    out, running = [], 0
+    for value in differences[:-2]:
+        running += value
+        out.append(running)
+    return out
+
+
+def shard_elements(matrices: Iterable[tuple[Sequence[int], int | None]], layout: FsdpLayout) -> list[int]:
+    """Per FSDP shard rank, the elements one of its devices holds of `matrices` (full shape,
+    tp_dim): linear in the matrices plus the shards."""
+    differences = [0] * (layout.shards + 2)
+    for shape, tp_dim in matrices:
+        _spread(differences, _chunks(shape, tp_dim, layout), 1)
+    return _summed(differences)
+
+
 def fragment_traffic(matrices: Sequence[tuple[Sequence[int], int | None, int]], layout: FsdpLayout) -> list[tuple[int, int]]:
     """Per fragment rank, (sent, received) bytes per step of the gather and scatter all-to-alls
-    (fp32 pieces) of `matrices`, each (full shape, tp_dim, host fragment rank)."""
+    (fp32 pieces) of `matrices`, each (full shape, tp_dim, host fragment rank): every other
+    fragment rank sends its piece to the host (for a matrix replicated over TP only the host's
+    TP rank column, `sends_to_host`), and the host sends every piece, copies included, back.
+    Linear in the matrices plus the fragment ranks."""
+    tp, shards, b = layout.tp, layout.shards, GRAD_BYTES_PER_ELEMENT
+    received_all, sent_all = [0] * (shards + 2), [0] * (shards + 2)
+    sent_column = [[0] * (shards + 2) for _ in range(tp)]
     sent, received = [0] * layout.hosts, [0] * layout.hosts
     for shape, tp_dim, host in matrices:
-        for fragment in range(layout.hosts):
-            if fragment == host:
-                continue
-            size = GRAD_BYTES_PER_ELEMENT * shard_numel(shape, tp_dim, layout, fragment)
-            if sends_to_host(tp_dim, fragment, host, layout.tp):
-                sent[fragment] += size
-                received[host] += size
-            sent[host] += size  # the scatter: every piece, copies included, goes back
-            received[fragment] += size
-    return list(zip(sent, received))
+        chunks = _chunks(shape, tp_dim, layout)
+        own = b * shard_numel(shape, tp_dim, layout, host)
+        column = b * chunks[3]  # every piece of one TP rank column
+        _spread(received_all, chunks, b)
+        _spread(sent_all if tp_dim is not None else sent_column[host % tp], chunks, b)
+        senders = tp * column if tp_dim is not None else column
+        sent[host] += tp * column - 2 * own
+        received[host] += senders - 2 * own
+    received_by, sent_by = _summed(received_all), _summed(sent_all)
+    columns = [_summed(c) for c in sent_column]
+    return [(sent[f] + sent_by[f // tp] + columns[f % tp][f // tp], received[f] + received_by[f // tp])
+            for f in range(layout.hosts)]
 
 
 def padding_ratio(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout) -> float:

@@ -40,12 +40,12 @@ def packed_fill(sizes: Sequence[int]) -> int:
 
 def equal_cuts(bucket_numel: int, num_ranks: int) -> tuple[int, ...]:
     """Stock ZeRO-1 cuts: D equal contiguous slices (bucket size is a multiple of D)."""
-    return tuple(rank * bucket_numel // num_ranks for rank in range(num_ranks + 1))
+    return tuple([rank * bucket_numel // num_ranks for rank in range(num_ranks + 1)])
 
 
 def slice_sizes(cuts: Sequence[int]) -> list[int]:
     """Elements of each rank's slice, from D + 1 cuts."""
-    return [cuts[r + 1] - cuts[r] for r in range(len(cuts) - 1)]
+    return [stop - start for start, stop in zip(cuts, cuts[1:])]
 
 
 def slice_owner(cuts: Sequence[int], offset: int) -> int:

@@ -32,9 +32,10 @@ MAX_EP = 1024
 MAX_DEVICES = 131072  # TP x DP
 MAX_PARAMS = 65536  # parameters of one model
 MAX_PARAM_NUMEL = 1 << 40  # elements of one parameter
+MAX_PARAM_DIMS = 8  # dims of one parameter's shape
 MAX_BUCKET_SIZE = 1 << 40
 MAX_GROUP_BYTES = 1 << 50
-MAX_TIME_LIMIT = 1e6  # CP-SAT deterministic seconds
+MAX_TIME_LIMIT = 300.0  # CP-SAT deterministic seconds (for the DP cuts, and again for all TP groups)
 MAX_SEED = (1 << 31) - 1
 MAX_NS_STEPS = 100
 MAX_PRECONDITION_FREQUENCY = 1_000_000
@@ -114,6 +115,30 @@ def settings_problem(name: str, ns_steps: object, block_size: object, preconditi
         or bounded_int_problem("precondition_frequency", precondition_frequency, MAX_PRECONDITION_FREQUENCY, "steps")
         or bounded_int_problem("max_precond_dim", max_precond_dim, MAX_BLOCK_SIZE, "(preconditioner side)")
     )
+
+
+SETTING_DEFAULTS = {"ns_steps": 5, "block_size": 1024, "precondition_frequency": 10, "max_precond_dim": 10000}
+SETTING_USERS = {  # setting -> the matrix optimizers it changes
+    "ns_steps": ("muon",),
+    "block_size": ("shampoo",),
+    "precondition_frequency": ("shampoo", "soap"),
+    "max_precond_dim": ("soap",),
+}
+
+
+def recorded_settings(name: str, values: dict[str, int]) -> dict[str, int]:
+    """The settings a schedule records for optimizer `name`: those it does not use at their
+    defaults (`plan` refuses setting them, so a file that differs was edited)."""
+    return {key: value if name in SETTING_USERS[key] else SETTING_DEFAULTS[key] for key, value in values.items()}
+
+
+def unused_settings_problem(name: str, values: dict[str, int]) -> str | None:
+    """A setting optimizer `name` does not use, recorded at another value than its default."""
+    for key, users in SETTING_USERS.items():
+        if name not in users and values.get(key) != SETTING_DEFAULTS[key]:
+            return (f"{key} {values.get(key)} has no effect on {name} (only {' and '.join(users)} use it): "
+                    f"a schedule records it at its default {SETTING_DEFAULTS[key]}")
+    return None
 
 
 def choice_problem(label: str, value: object, choices: tuple[str, ...]) -> str | None:

@@ -11,6 +11,7 @@ whole document reaches pydantic as one JSON text. A row line that is not one JSO
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -24,6 +25,10 @@ from pydantic import ValidationError
 from canzona.schedules.limits import MAX_EXPANDED_NODES, MAX_NESTING
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_RESOLVER = yaml.resolver.Resolver()
+_TYPED_TAGS = {f"tag:yaml.org,2002:{kind}" for kind in ("int", "float", "bool", "null")}
+_CANONICAL = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+(?:e[-+][0-9]+)?)?|true|false|null|\.nan|-?\.inf")
+_TOKENS_IN_USE = re.compile(r"(?=__canzona_rows(\d+)_)")
 _ROW_RUN = re.compile(r"^( *)- \{.*(?:\n(?:\1- \{.*|[ \t\r]*(?:#.*)?$))*", re.MULTILINE)
 _COLLECTIONS = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
 _NODES = (yaml.ScalarEvent, *_COLLECTIONS)
@@ -35,21 +40,52 @@ class UnsafeDocument(ValueError):
 
 
 def read_text(path: str | os.PathLike[str], limit: int) -> str:
-    """The UTF-8 text of a regular file (or pipe) of at most `limit` bytes."""
+    """The UTF-8 text of a regular file of at most `limit` bytes: how canzona opens every file
+    it reads. Anything else (a folder, a FIFO, a socket, a device; named directly or through a
+    symlink) is refused before a byte is read: the path is checked, then opened without
+    blocking (a FIFO without a writer would otherwise wait forever) and checked again on the
+    open descriptor."""
     try:
-        mode = os.stat(path).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
-            raise UnsafeDocument("a directory" if stat.S_ISDIR(mode) else "not a regular file")
-        with open(path, "rb") as stream:
-            data = stream.read(limit + 1)
+        _regular(os.stat(path))
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        reason = "not a regular file (a socket?)" if error.errno == errno.ENXIO else error.strerror or str(error)
+        raise UnsafeDocument(reason) from None
+    try:
+        size = _regular(os.fstat(descriptor))
+        if size > limit:
+            raise UnsafeDocument(f"larger than {limit >> 20} MiB")
+        data = _read_at_most(descriptor, limit + 1)
     except OSError as error:
         raise UnsafeDocument(error.strerror or str(error)) from None
+    finally:
+        os.close(descriptor)
     if len(data) > limit:
         raise UnsafeDocument(f"larger than {limit >> 20} MiB")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise UnsafeDocument(f"not UTF-8 text (byte {error.start})") from None
+
+
+def _regular(info: os.stat_result) -> int:
+    """The size of a regular file; UnsafeDocument for anything else."""
+    if stat.S_ISDIR(info.st_mode):
+        raise UnsafeDocument("a directory")
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafeDocument("not a regular file (a FIFO, a socket or a device)")
+    return info.st_size
+
+
+def _read_at_most(descriptor: int, count: int) -> bytes:
+    chunks, left = [], count
+    while left > 0:
+        chunk = os.read(descriptor, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 @dataclass
@@ -106,16 +142,19 @@ def _without_comment(row: str, line: int) -> str:
 
 
 def _token(text: str) -> str:
-    """A placeholder prefix that occurs nowhere in `text`."""
-    serial = 0
-    while f"__canzona_rows{serial}_" in text:
-        serial += 1
-    return f"__canzona_rows{serial}_"
+    """A placeholder prefix that occurs nowhere in `text`, found in one pass (every serial the
+    text holds, overlapping ones included, is skipped)."""
+    taken = {int(serial) for serial in _TOKENS_IN_USE.findall(text) if len(serial) < 10}
+    serial = next(number for number in range(len(taken) + 1) if number not in taken)
+    token = f"__canzona_rows{serial}_"
+    if token in text:  # cannot happen: every occurrence was counted
+        raise UnsafeDocument("the file holds the reader's placeholder text")
+    return token
 
 
-def _split_rows(text: str, token: str) -> tuple[str, list[_Run]]:
+def _split_rows(text: str, token: str, read_rows: bool = True) -> tuple[str, list[_Run]]:
     """The YAML skeleton (each row run replaced by one placeholder item, line numbers kept) and
-    the runs."""
+    the runs (their rows, a trailing `# comment` cut off, unless `read_rows` is False)."""
     runs: list[_Run] = []
     position, line = 0, 1
 
@@ -125,8 +164,9 @@ def _split_rows(text: str, token: str) -> tuple[str, list[_Run]]:
         position = match.start()
         run = _Run(line, len(match.group(1)), match.group(0))
         prefix = match.group(1) + "- {"
-        run.rows = [row[run.indent + 2 :] for row in run.text.split("\n") if row.startswith(prefix)]
-        if "#" in run.text:
+        if read_rows:
+            run.rows = [row[run.indent + 2 :] for row in run.text.split("\n") if row.startswith(prefix)]
+        if read_rows and "#" in run.text:
             run.rows = [
                 _without_comment(row[run.indent + 2 :], number) if "#" in row else row[run.indent + 2 :]
                 for number, row in _row_lines(run)
@@ -137,6 +177,54 @@ def _split_rows(text: str, token: str) -> tuple[str, list[_Run]]:
     return _ROW_RUN.sub(collect, text), runs
 
 
+def _repeated_key(text: str) -> str | None:
+    """The first key some JSON object of `text` holds twice (keys compared decoded, as every
+    JSON reader compares them), or None, also when `text` is not JSON (pydantic refuses that
+    with its line)."""
+    repeated: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> None:
+        if not repeated and len(items) != len({key for key, _ in items}):
+            seen: set[str] = set()
+            repeated.append(next(key for key, _ in items if key in seen or seen.add(key)))  # type: ignore[func-returns-value]
+
+    try:
+        json.loads(text, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None
+    return repeated[0] if repeated else None
+
+
+def _check_row_keys(runs: list[_Run]) -> None:
+    """UnsafeDocument naming the line of the first table row that holds a key twice (JSON
+    readers keep the last one, so a reviewer reading the first would be misled). One pass over
+    every row; rows one by one only when that pass cannot decide."""
+    rows = [row for run in runs for row in run.rows]
+    if not rows or _all_rows_unique(rows):
+        return
+    for run in runs:
+        for position, row in enumerate(run.rows):
+            key = _repeated_key(row)
+            if key is not None:
+                number = _row_lines(run)[position][0]
+                raise UnsafeDocument(f"line {number}: key {key[:40]!r} appears twice in a table row")
+
+
+def _all_rows_unique(rows: list[str]) -> bool:
+    """Whether every row parses as JSON in one pass and no object of them repeats a key."""
+    repeated: list[bool] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> None:
+        if len(items) != len({key for key, _ in items}):
+            repeated.append(True)
+
+    try:
+        json.loads("[" + ",".join(rows) + "]", object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return False
+    return not repeated
+
+
 class _Scanner:
     """Checks libyaml's event stream (nothing is composed): no tags, no complex or duplicate
     keys, nesting at most MAX_NESTING; and either no anchors, aliases or merge keys at all
@@ -145,7 +233,8 @@ class _Scanner:
 
     def __init__(self, allow_aliases: bool) -> None:
         self.allow_aliases = allow_aliases
-        self.frames: list[list[Any]] = []  # [is mapping, expecting a key, keys, expanded count at start, anchor]
+        self.canonical = not allow_aliases  # schedules: numbers, booleans and null as canzona writes them
+        self.frames: list[list[Any]] = []  # [is mapping, expecting a key, keys, expanded count at start, anchor, last key]
         self.anchors: dict[str, int] = {}
         self.expanded = 0
 
@@ -170,11 +259,14 @@ class _Scanner:
             self._grow(self.anchors.get(event.anchor, 1), where)
         elif isinstance(event, yaml.ScalarEvent):
             self._grow(1, where)
+            if self.canonical and not event.style and event.implicit[0]:  # plain (libyaml: "", PyYAML: None)
+                key = self.frames[-1][5] if self.frames and self.frames[-1][0] and self.frames[-1][1] else None
+                _check_spelling(event.value, where + (f"{str(key)[:40]}: " if key is not None else ""))
             if anchor is not None:
                 self.anchors[anchor] = 1
         elif isinstance(event, _COLLECTIONS):
             self._grow(1, where)
-            self.frames.append([isinstance(event, yaml.MappingStartEvent), True, set(), self.expanded, anchor])
+            self.frames.append([isinstance(event, yaml.MappingStartEvent), True, set(), self.expanded, anchor, None])
             if len(self.frames) > MAX_NESTING:
                 raise UnsafeDocument(f"{where}nested deeper than {MAX_NESTING} levels")
         elif isinstance(event, _ENDS):
@@ -196,7 +288,19 @@ class _Scanner:
             if event.value in frame[2]:
                 raise UnsafeDocument(f"{where}key {event.value!r} appears twice")
             frame[2].add(event.value)
+            frame[5] = event.value
         frame[1] = not frame[1]
+
+
+def _check_spelling(value: str, where: str) -> None:
+    """A plain scalar YAML reads as a number, a boolean or null must be spelled as canzona
+    writes it: YAML 1.1 also reads 0x2, 1_000, 0o17, 1:30, yes or ~, which a reviewer may
+    not read as YAML does."""
+    if _CANONICAL.fullmatch(value):
+        return
+    if _RESOLVER.resolve(yaml.ScalarNode, value, (True, False)) in _TYPED_TAGS:
+        raise UnsafeDocument(f"{where}{value[:40]!r} is not spelled as canzona writes numbers, booleans and null "
+                             "(plain decimal, true, false, null)")
 
 
 def _not_json(value: Any) -> Any:
@@ -224,6 +328,17 @@ def safe_load(text: str) -> Any:
     return _load_skeleton(text.removeprefix("\ufeff"), allow_aliases=True)
 
 
+def schedule_skeleton(text: str) -> dict[str, Any]:
+    """A schedule's YAML without its tables (each a placeholder), read as safely as the whole
+    file: what is left to read when its rows are damaged (the request)."""
+    text = text.removeprefix("\ufeff")
+    skeleton, _ = _split_rows(text, _token(text), read_rows=False)
+    data = _load_skeleton(skeleton)
+    if not isinstance(data, dict):
+        raise UnsafeDocument("not a schedule file (expected a mapping)")
+    return data
+
+
 def schedule_json(text: str) -> Document:
     """The schedule text as one JSON document (UnsafeDocument on anything unusual)."""
     text = text.removeprefix("\ufeff")
@@ -232,16 +347,20 @@ def schedule_json(text: str) -> Document:
     data = _load_skeleton(skeleton)
     if not isinstance(data, dict):
         raise UnsafeDocument("not a schedule file (expected a mapping)")
+    _check_row_keys(runs)
     try:
         skeleton_json = json.dumps(data, ensure_ascii=True, default=_not_json)
     except TypeError as error:  # a mapping key that JSON cannot spell
         raise UnsafeDocument(f"a key is not plain data ({_first_line(str(error))})") from None
-    placeholder = re.compile(r'\["' + re.escape(token) + r'(\d+)"\]')
+    placeholder = re.compile(r'\["' + re.escape(token) + r'(\d{1,9})"\]')
     used: set[int] = set()
 
     def splice(match: re.Match[str]) -> str:
-        used.add(int(match.group(1)))
-        return "[" + ",".join(runs[int(match.group(1))].rows) + "]"
+        index = int(match.group(1))
+        if index >= len(runs) or index in used:  # the token spelled with YAML escapes in a value
+            raise UnsafeDocument("a value holds the reader's placeholder text")
+        used.add(index)
+        return "[" + ",".join(runs[index].rows) + "]"
 
     joined = placeholder.sub(splice, skeleton_json)
     if len(used) != len(runs):

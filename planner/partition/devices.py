@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model
-from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, equal_cuts, slice_sizes
-from canzona.planner.partition.tp import MicroGroup, Task, group_stats
+from canzona.planner.partition.layout import BufferLayout, equal_cuts, slice_sizes
+from canzona.planner.partition.tp import MicroGroup, group_stats
 from canzona.planner.spec import DTYPE_BYTES
+from canzona.schedules.figures import bucket_traffic, micro_group_traffic
 
 if TYPE_CHECKING:  # the figures read a finished plan; partition never imports plan at run time
     from canzona.planner.plan import Plan
@@ -52,15 +53,10 @@ def _dp_traffic(
 ) -> list[tuple[int, int]]:
     """(sent, received) bytes of one buffer's reduce-scatter + all-gather over a data-parallel
     group of `group` ranks, per rank of that group."""
-    dp = group
-    traffic = [(0, 0)] * dp
+    traffic = [(0, 0)] * group
     for bucket, cuts in zip(layout.buckets, cuts_of):
         param_bytes = DTYPE_BYTES[plan.model.params[bucket.entries[0].param].dtype]
-        slices = slice_sizes(cuts)
-        for rank, own in enumerate(slices):
-            others, copies = bucket.numel - own, (dp - 1) * own
-            sent = GRAD_BYTES_PER_ELEMENT * others + param_bytes * copies
-            received = GRAD_BYTES_PER_ELEMENT * copies + param_bytes * others
+        for rank, (sent, received) in enumerate(bucket_traffic(bucket.numel, cuts, param_bytes)):
             traffic[rank] = (traffic[rank][0] + sent, traffic[rank][1] + received)
     return traffic
 
@@ -68,29 +64,19 @@ def _dp_traffic(
 def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[tuple[int, int], tuple[int, int]]:
     """(sent, received) bytes of the micro-group all-to-alls, per (dp_rank, tp_rank)."""
     tp = plan.request.tp
-    traffic = {(r, t): (0, 0) for r in range(plan.request.dp) for t in range(tp)}
+    traffic = {}
     for dp_rank, rank_groups in enumerate(groups):
         tasks = plan.tasks[dp_rank]
-        for group in rank_groups:
-            for position, (index, host) in enumerate(zip(group.tasks, group.hosts)):
-                team = group.team(position)
-                for member in team.hosts if team else (host,):
-                    _add_moved(traffic, dp_rank, tp, member, tasks[index], len(team.hosts) if team else 1)
+        parts = [
+            (member, tasks[index].size, len(team.hosts) if team else 1, tasks[index].replicated)
+            for group in rank_groups
+            for position, (index, host) in enumerate(zip(group.tasks, group.hosts))
+            for team in (group.team(position),)
+            for member in (team.hosts if team else (host,))
+        ]
+        for tp_rank, moved in enumerate(micro_group_traffic(parts, tp)):
+            traffic[(dp_rank, tp_rank)] = moved
     return traffic
-
-
-def _add_moved(traffic: dict[tuple[int, int], tuple[int, int]], dp_rank: int, tp: int, host: int, task: Task,
-               team_size: int) -> None:
-    """Gather and scatter bytes of one host's part (1/team_size) of a task, on every TP rank."""
-    part = task.size // team_size
-    for tp_rank in range(tp):
-        if tp_rank == host:
-            peers = tp - 1
-            moved = (part * peers, 0) if task.replicated else (part * peers // tp,) * 2
-        else:
-            moved = (0, part) if task.replicated else (part // tp,) * 2
-        sent, received = traffic[(dp_rank, tp_rank)]
-        traffic[(dp_rank, tp_rank)] = (sent + moved[0], received + moved[1])
 
 
 def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> list[DeviceFigures]:
@@ -98,7 +84,10 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
     req = plan.request
     index_of = {param.name: index for index, param in enumerate(plan.model.params)}
     adamw_cuts = [equal_cuts(bucket.numel, req.dp) for bucket in plan.adamw_layout.buckets]
-    adamw_elements = [sum(slice_sizes(cuts)[r] for cuts in adamw_cuts) for r in range(req.dp)]
+    adamw_elements = [0] * req.dp
+    for cuts in adamw_cuts:
+        for rank, elements in enumerate(slice_sizes(cuts)):
+            adamw_elements[rank] += elements
     adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
     adamw_bytes = adamw_slice_bytes_per_element(plan.model.params)
     matrix_traffic = _dp_traffic(plan, plan.dense.layout, list(plan.dense.cuts), req.dp)

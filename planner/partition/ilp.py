@@ -18,6 +18,7 @@ are converted back conservatively (each rounded cost may be off by half a unit).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,9 @@ MAX_MODEL_PAIRS = 200_000
 
 WALL_FACTOR, WALL_SLACK = 10.0, 5.0
 """Wall-clock safety net: WALL_FACTOR · time_limit + WALL_SLACK seconds."""
+
+POLL_SECONDS = 0.05
+"""How often the thread waiting for CP-SAT wakes to handle signals."""
 
 UNAVAILABLE = "--solver ilp needs OR-Tools: pip install 'canzona[ilp]'"
 
@@ -115,8 +119,53 @@ def _solve(model: Any, time_limit: float, seed: int) -> tuple[Any, str, float]:
     solver.parameters.max_time_in_seconds = WALL_FACTOR * time_limit + WALL_SLACK
     solver.parameters.log_search_progress = False
     start = time.perf_counter()
-    status = solver.Solve(model)
+    status = _interruptible(solver, model)
     return solver, solver.StatusName(status), time.perf_counter() - start
+
+
+def _interruptible(solver: Any, model: Any) -> int:
+    """`solver.Solve(model)` on a worker thread while this thread waits in Python, so that a
+    signal (SIGINT, SIGTERM, check's deadline) is handled at once: its exception stops the
+    search (CP-SAT's StopSearch is thread-safe) and propagates once the solve has returned,
+    within moments instead of after the budget. The search itself is unchanged (one worker,
+    seeded). An Event, not Thread.join, is waited on: a join interrupted by an exception may
+    return before its thread ends, and a process leaving CP-SAT running aborts at exit."""
+    result: list[int] = []
+    failure: list[BaseException] = []
+    done = threading.Event()
+
+    def solve() -> None:
+        try:
+            result.append(solver.Solve(model))
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(error)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=solve, name="canzona-cp-sat", daemon=True)
+    worker.start()
+    try:
+        while not done.wait(POLL_SECONDS):
+            pass
+    except BaseException:
+        solver.StopSearch()
+        _wait_out(done)
+        raise
+    worker.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def _wait_out(done: threading.Event) -> None:
+    """Wait until the stopped solve has returned, whatever further signals arrive meanwhile
+    (the first one's exception is already on its way)."""
+    while True:
+        try:
+            if done.wait(POLL_SECONDS):
+                return
+        except BaseException:  # noqa: BLE001 - a second Ctrl-C must not leave CP-SAT running
+            continue
 
 
 def _solved(status: str) -> bool:

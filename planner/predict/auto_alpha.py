@@ -28,9 +28,8 @@ from canzona.planner.predict.hardware import Device, Hardware
 from canzona.planner.predict.simulate import simulate
 from canzona.planner.spec import ModelSpec, PlanError
 from canzona.schedules.limits import FSDP
+from canzona.schedules.searches import DEFAULT_ALPHAS, alpha_winner
 
-DEFAULT_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
-TIE_TOLERANCE = 1e-9  # relative: predicted times this close count as equal
 
 
 def trial(plan: Plan, value: float, hardware: Hardware, time_model: CostModel | None,
@@ -64,21 +63,18 @@ def choose_alpha(
     for alpha in candidates:
         if not 0.0 <= alpha <= 1.0:
             raise PlanError(f"alpha must be in [0, 1], got {alpha}")
-    best: tuple[float, Plan] | None = None
     tried: dict[float, SearchTrial] = {}
     planned: list[Plan] = []
     for alpha in candidates:
         # Every coarser plan seeds this one: a larger α is never worse in max load.
         plan = make_plan(model, replace(request, alpha=alpha), seeds=tuple(planned))
         planned.append(plan)
-        tried[alpha] = result = trial(plan, alpha, hardware, time_model, training, fused, rooted)
+        tried[alpha] = trial(plan, alpha, hardware, time_model, training, fused, rooted)
         if progress:
             progress(f"alpha {alpha:g}")
-        if best is None or result.iteration_s <= best[0] * (1 + TIE_TOLERANCE):
-            best = (min(result.iteration_s, best[0]) if best else result.iteration_s, plan)
-    assert best is not None
+    best = planned[alpha_winner([tried[alpha].iteration_s for alpha in candidates])]
     order = list(dict.fromkeys(float(a) for a in alphas))
-    return best[1], [tried[alpha] for alpha in order]
+    return best, [tried[alpha] for alpha in order]
 
 
 def alpha_table(tried: Sequence[SearchTrial], chosen: float) -> str:

@@ -23,29 +23,19 @@ from canzona.planner.plan import Plan, PlanRequest, SearchTrial, TrainingSetup, 
 from canzona.planner.predict.auto_alpha import trial
 from canzona.planner.predict.hardware import Hardware
 from canzona.planner.spec import ModelSpec, PlanError
-
-ONE_BUCKET = 1 << 40  # larger than any buffer: one bucket per buffer
-DEFAULT_BUCKET_SIZES = (10_000_000, 20_000_000, 40_000_000, 100_000_000, 200_000_000, 400_000_000, ONE_BUCKET)
-TIE_TOLERANCE = 1e-9  # relative: predicted iterations this close count as equal
-
-
-def size_label(size: int) -> str:
-    """A bucket size as people write it (40M, or 'one bucket')."""
-    if size >= ONE_BUCKET:
-        return "one bucket"
-    return f"{size / 1e6:g}M" if size % 1_000_000 == 0 else str(size)
+from canzona.schedules.searches import (  # noqa: F401 - the candidates and the rule, re-exported
+    DEFAULT_BUCKET_SIZES,
+    ONE_BUCKET,
+    bucket_winner,
+    size_label,
+)
 
 
 def pick(trials: Sequence[SearchTrial]) -> tuple[SearchTrial, str]:
     """The winning trial by the module's rule, and the reason, in one line."""
-    overlapping = [t for t in trials if t.num_buckets >= 2]
-    pool = overlapping or list(trials)
-    fastest = min(t.iteration_s for t in pool)
-    chosen = min((t for t in pool if t.iteration_s <= fastest * (1 + TIE_TOLERANCE)), key=lambda t: t.value)
-    scope = ("sizes that keep >= 2 matrix buckets to overlap with backward" if overlapping
-             else "every size (none keeps 2 matrix buckets)")
-    return chosen, (f"{size_label(int(chosen.value))} ({chosen.num_buckets} matrix buckets): the fastest predicted "
-                    f"iteration, {chosen.iteration_s * 1e3:.3f} ms, among {scope}")
+    chosen, reason = bucket_winner([int(t.value) for t in trials], [t.num_buckets for t in trials],
+                                   [t.iteration_s for t in trials])
+    return trials[chosen], reason
 
 
 def choose_bucket_size(

@@ -24,6 +24,7 @@ from canzona.planner.spec import (
     fused_row_blocks,
 )
 from canzona.schedules.limits import MAX_PARAMS
+from canzona.schedules.splits import qkv_row_blocks
 
 VOCAB_DIVISOR = 128
 """Megatron's default `--make-vocab-size-divisible-by`; the vocab is padded to this times TP."""
@@ -308,17 +309,7 @@ def _qkv_submatrices(arch: Architecture, split: str) -> Submatrices:
 def _qkv_row_blocks(arch: Architecture, split: str) -> RowBlocks:
     """Megatron groups QKV rows per KV group as [q heads, k, v]; shards split on groups, so
     the gathered matrix is the canonical one."""
-    d, heads_per_group = arch.head_dim, arch.num_heads // arch.num_kv_groups
-    stride = (heads_per_group + 2) * d
-    starts = [group * stride for group in range(arch.num_kv_groups)]
-    q_heads = tuple(((s + j * d, s + (j + 1) * d),) for s in starts for j in range(heads_per_group))
-    k_rows = tuple((s + heads_per_group * d, s + (heads_per_group + 1) * d) for s in starts)
-    v_rows = tuple((start + d, stop + d) for start, stop in k_rows)
-    if split == "qkv":
-        return (tuple((s, s + heads_per_group * d) for s in starts), k_rows, v_rows)
-    if split == "head":
-        return q_heads + tuple((r,) for r in k_rows) + tuple((r,) for r in v_rows)
-    return ()
+    return qkv_row_blocks(arch.num_kv_groups, arch.num_heads // arch.num_kv_groups, arch.head_dim, split)
 
 
 def _fc1_row_blocks(ffn: int, tp: int, split: bool) -> RowBlocks:

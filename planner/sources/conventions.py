@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ParamSpec, PlanError, fused_row_blocks
+from canzona.schedules.splits import head_row_blocks
 
 if TYPE_CHECKING:
     from canzona.planner.sources.catalog import Architecture
@@ -122,8 +123,7 @@ def _projection(name: str, rows: int, cols: int, head_dim: int, split: str) -> P
     heads = rows // head_dim
     if split != "head" or heads == 1:
         return _matrix(name, (rows, cols), 0)
-    blocks = tuple(((h * head_dim, (h + 1) * head_dim),) for h in range(heads))
-    return _matrix(name, (rows, cols), 0, ((head_dim, cols),) * heads, blocks)
+    return _matrix(name, (rows, cols), 0, ((head_dim, cols),) * heads, head_row_blocks(rows, head_dim))
 
 
 def _hf_mlp(prefix: str, h: int, ffn: int) -> list[ParamSpec]:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic import model_validator
 
 from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError, fused_row_blocks
-from canzona.schedules.limits import MAX_MODEL_FILE_BYTES, MAX_PARAMS
+from canzona.schedules.limits import MAX_MODEL_FILE_BYTES, MAX_PARAM_DIMS, MAX_PARAMS
 from canzona.schedules.reading import UnsafeDocument, read_text, safe_load
 
 _ADAMW_NAME_HINTS = ("embed", "output_layer", "lm_head", "norm")
@@ -52,8 +52,8 @@ class _Entry(BaseModel):
     def _check(self) -> _Entry:
         if not self.name:
             raise ValueError("name must not be empty")
-        if not self.shape or min(self.shape) < 1:
-            raise ValueError(f"shape {self.shape} must be a non-empty list of positive sizes")
+        if not self.shape or min(self.shape) < 1 or len(self.shape) > MAX_PARAM_DIMS:
+            raise ValueError(f"shape {self.shape[:MAX_PARAM_DIMS + 1]} must be a non-empty list of at most {MAX_PARAM_DIMS} positive sizes")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.shape):

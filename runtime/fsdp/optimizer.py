@@ -46,6 +46,7 @@ from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard
 from canzona.schedules.geometry import fsdp_rows
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.limits import FSDP
+from canzona.schedules.text import printable
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def _agree_on(schedule: Schedule | None, problem: str | None, frozen: str | None
     grid = [flat[start : start + tp] for start in range(0, world, tp)] if world % tp == 0 else [flat]
     message = disagreement(grid)
     if message:
-        raise ScheduleMismatchError(message)
+        raise ScheduleMismatchError(printable(message))  # names from the file, shown on a terminal
 
 
 def _load(schedule: Schedule | str | os.PathLike[str]) -> Schedule:

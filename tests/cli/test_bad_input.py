@@ -35,6 +35,7 @@ PLAN = ["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4"]
         (["--ep", "3"], ["ep 3 does not divide dp 4"]),
         (["--solver", "ilp", "--time-limit", "nan"], ["time limit must be a finite number"]),
         (["--solver", "ilp", "--time-limit", "inf"], ["time limit must be a finite number"]),
+        (["--solver", "ilp", "--time-limit", "301"], ["time limit must be <= 300"]),
         (["--solver", "ilp", "--seed", "-1"], ["seed must be >= 0"]),
         (["--solver", "ilp", "--seed", str(1 << 31)], ["31-bit"]),
         (["--solver", "ilp", "--order", "free"], ["--order free does not combine with --solver ilp"]),

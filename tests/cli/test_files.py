@@ -147,13 +147,14 @@ def test_stale_temporaries_are_cleaned_and_live_ones_kept(tmp_path: Path) -> Non
     stale = tmp_path / f".s.yaml.{dead.pid}.abc{TEMP_SUFFIX}"
     live = tmp_path / f".s.yaml.{os.getppid()}.def{TEMP_SUFFIX}"
     old = tmp_path / f".s.yaml.{os.getppid()}.ghi{TEMP_SUFFIX}"
-    other = tmp_path / f".t.yaml.{dead.pid}.jkl{TEMP_SUFFIX}"
-    for path in (stale, live, old, other):
+    other = tmp_path / f".t.yaml.{dead.pid}.jkl{TEMP_SUFFIX}"  # another file's, its writer killed: the folder's write cleans it
+    other_live = tmp_path / f".t.yaml.{os.getppid()}.mno{TEMP_SUFFIX}"
+    for path in (stale, live, old, other, other_live):
         path.write_text("partial")
     ancient = time.time() - 2 * files.STALE_AFTER_S
     os.utime(old, (ancient, ancient))
     write_atomic(target, "a: 1\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other_live.name])
 
 
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])

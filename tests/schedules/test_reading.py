@@ -58,20 +58,21 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
 
 
 @pytest.mark.parametrize(
-    "document, needle",
+    "document, needles",
     [
-        (alias_bomb(), "aliases"),
-        ("a: " + "[" * 30_000 + "]" * 30_000 + "\n", "nested deeper"),  # segfaulted libyaml's composer
-        ("a: " + "[" * 20_000 + "\n", "nested deeper"),
-        ("a: " + "{b: " * 1_000 + "\n", "nested deeper"),  # once a RecursionError
+        (alias_bomb(), ("aliases",)),
+        # Newer libyaml refuses deep flow nesting itself before our scanner counts it.
+        ("a: " + "[" * 30_000 + "]" * 30_000 + "\n", ("nested deeper", "not valid YAML")),  # segfaulted libyaml's composer
+        ("a: " + "[" * 20_000 + "\n", ("nested deeper", "not valid YAML")),
+        ("a: " + "{b: " * 1_000 + "\n", ("nested deeper",)),  # once a RecursionError
     ],
     ids=["alias-bomb", "30k-brackets", "20k-brackets", "1k-mappings"],
 )
-def test_bombs_are_refused_within_a_second_and_100_mb(document: str, needle: str) -> None:
+def test_bombs_are_refused_within_a_second_and_100_mb(document: str, needles: tuple[str, ...]) -> None:
     result = subprocess.run([sys.executable, "-c", PROBE], input=document, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     message, seconds, grown_kib = result.stdout.splitlines()
-    assert needle in message and "\n" not in message
+    assert any(needle in message for needle in needles) and message.startswith("x.yaml: "), message
     assert float(seconds) < 1.0
     assert int(grown_kib) < 100 * 1024  # ru_maxrss is in KiB on Linux
 

@@ -1,0 +1,122 @@
+"""The built-in cost models and optimizer state sizes, as pure formulas: one definition that
+the planner balances by and the schedule validator recomputes every recorded cost and state
+figure with (so a file whose optimizer settings were changed after planning is refused).
+
+Costs are in the model's own units: elements for `numel`, floating-point operations for
+`flops`. A matrix updated as several submatrices (Q/K/V, heads, gate/up: its row blocks) costs
+the sum of its pieces. `profile:FILE` cost models are measured seconds, which only the profile
+file holds: the planner's `canzona.planner.predict.profile_cost` prices them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+NUMEL, FLOPS = "numel", "flops"
+BUILT_IN_COSTS = (NUMEL, FLOPS)  # cost models whose figures a schedule file holds enough to recompute
+ADAMW_FLOPS_PER_ELEMENT = 10
+ELEMENTWISE_FLOPS_PER_ELEMENT = 10  # momentum / moment updates around the matrix work
+ADAMW_STATE_BYTES_PER_ELEMENT = 8
+MUON_STATE_BYTES_PER_ELEMENT = 4
+MAIN_COPY_BYTES_PER_ELEMENT = 4  # the runtime's fp32 main copy of a bf16/fp16 parameter
+
+
+class Settings(Protocol):
+    """The matrix optimizer's settings a cost or state size depends on (the planner's
+    `OptimizerConfig` and a schedule's `request.optimizer` both have them)."""
+
+    name: str
+    ns_steps: int
+    block_size: int
+    precondition_frequency: int
+    max_precond_dim: int
+
+
+def muon_flops(rows: int, cols: int, ns_steps: int) -> float:
+    """Newton–Schulz: T·(4r²c + 2r³) with r = min, c = max, plus elementwise work."""
+    r, c = min(rows, cols), max(rows, cols)
+    return float(ns_steps * (4 * r * r * c + 2 * r**3) + ELEMENTWISE_FLOPS_PER_ELEMENT * rows * cols)
+
+
+def _blocks(size: int, block: int) -> list[tuple[int, int]]:
+    """(block length, how many) pairs covering `size` in blocks of at most `block`."""
+    full, rest = divmod(size, block)
+    pairs = [(block, full)] if full else []
+    return pairs + ([(rest, 1)] if rest else [])
+
+
+def shampoo_flops(rows: int, cols: int, block_size: int, frequency: int) -> float:
+    """Blocked Shampoo: 4·bm·bn·(bm+bn) per block per step + 11·(bm³+bn³)/f for the roots."""
+    total = 0.0
+    for bm, num_row_blocks in _blocks(rows, block_size):
+        for bn, num_col_blocks in _blocks(cols, block_size):
+            per_block = 4 * bm * bn * (bm + bn) + 11 * (bm**3 + bn**3) / frequency
+            total += num_row_blocks * num_col_blocks * per_block
+    return total + ELEMENTWISE_FLOPS_PER_ELEMENT * rows * cols
+
+
+def soap_flops(rows: int, cols: int, frequency: int, max_precond_dim: int) -> float:
+    """SOAP: per preconditioned side s, 6·mn·s per step + (22/3)·s³/f for the eigenbasis."""
+    total = float(ELEMENTWISE_FLOPS_PER_ELEMENT * rows * cols)
+    for side in (rows, cols):
+        if side <= max_precond_dim:
+            total += 6 * rows * cols * side + (22 / 3) * side**3 / frequency
+    return total
+
+
+def matrix_flops(rows: int, cols: int, settings: Settings) -> float:
+    """FLOPs of one update of a full rows x cols matrix by the configured optimizer."""
+    if settings.name == "muon":
+        return muon_flops(rows, cols, settings.ns_steps)
+    if settings.name == "shampoo":
+        return shampoo_flops(rows, cols, settings.block_size, settings.precondition_frequency)
+    return soap_flops(rows, cols, settings.precondition_frequency, settings.max_precond_dim)
+
+
+def matrix_cost(model: str, rows: int, cols: int, settings: Settings) -> float:
+    """Cost of one matrix-optimizer update of a rows x cols matrix under a built-in model."""
+    return float(rows * cols) if model == NUMEL else matrix_flops(rows, cols, settings)
+
+
+def adamw_cost(model: str, numel: int) -> float:
+    """Cost of an AdamW update of `numel` elements under a built-in model (AdamW is
+    memory-bound: ~10 FLOPs per element keeps its buffers comparable)."""
+    return float(numel) if model == NUMEL else float(ADAMW_FLOPS_PER_ELEMENT * numel)
+
+
+def matrix_state_bytes(rows: int, cols: int, settings: Settings) -> float:
+    """Optimizer state (fp32) of one full matrix, bytes."""
+    if settings.name == "muon":
+        return float(MUON_STATE_BYTES_PER_ELEMENT * rows * cols)
+    if settings.name == "shampoo":
+        total = 0.0
+        for bm, num_row_blocks in _blocks(rows, settings.block_size):
+            for bn, num_col_blocks in _blocks(cols, settings.block_size):
+                total += num_row_blocks * num_col_blocks * (8 * (bm * bm + bn * bn) + 4 * bm * bn)
+        return total
+    sides = sum(side * side for side in (rows, cols) if side <= settings.max_precond_dim)
+    return float(8 * rows * cols + 8 * sides)
+
+
+def main_copy_bytes(dtype: str) -> int:
+    """Bytes per element of the fp32 main copy the runtime keeps of a parameter of `dtype`."""
+    return 0 if dtype == "fp32" else MAIN_COPY_BYTES_PER_ELEMENT
+
+
+def adamw_bytes_per_element(dtypes: Sequence[str]) -> int:
+    """State bytes per AdamW slice element given the AdamW parameters' dtypes: two fp32
+    moments, plus an fp32 main copy when any is bf16/fp16 (the runtime then keeps it over the
+    whole slice)."""
+    lowp = any(dtype != "fp32" for dtype in dtypes)
+    return ADAMW_STATE_BYTES_PER_ELEMENT + (MAIN_COPY_BYTES_PER_ELEMENT if lowp else 0)
+
+
+def param_state_bytes(numel: int, dtype: str, submatrices: Sequence[tuple[int, int]], settings: Settings) -> float:
+    """Optimizer state bytes of a whole parameter of `numel` elements: an AdamW one (no
+    submatrices) or a matrix updated as `submatrices`, its fp32 main copy included when the
+    parameter is bf16/fp16."""
+    main = float(main_copy_bytes(dtype) * numel)
+    if not submatrices:
+        return float(ADAMW_STATE_BYTES_PER_ELEMENT * numel) + main
+    return sum(matrix_state_bytes(rows, cols, settings) for rows, cols in submatrices) + main
