@@ -113,7 +113,7 @@ def _rank_main(rank: int, world: int, init_file: str, schedule: Schedule, result
     generator = torch.Generator().manual_seed(rank)
     params = []
     for entry in sorted(schedule.params, key=lambda e: e.index):
-        shape = local_shape(entry, 1)
+        shape = local_shape(entry, 1, 0)
         param = torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.02).to(DTYPES[entry.dtype]))
         param.grad = torch.randn(shape, generator=generator).to(param.dtype)
         params.append((entry.name, param))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from canzona.schedules.geometry import DTYPE_BYTES  # noqa: F401 - re-exported for the planner
+from canzona.schedules.geometry import DTYPE_BYTES, tp_slot_shape  # noqa: F401 - DTYPE_BYTES re-exported for the planner
 from canzona.schedules.splits import fused_row_blocks  # noqa: F401 - the model sources build fc1's blocks with it
 
 from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedule file is checked against
@@ -76,8 +76,9 @@ class ParamSpec:
         return prod(self.shape)
 
     def local_numel(self, tp: int) -> int:
-        """Number of elements of this rank's TP shard."""
-        return self.numel if self.tp_dim is None else self.numel // tp
+        """Elements of a TP rank's slot for its shard (`geometry.tp_slot_shape`: the largest
+        shard when TP does not divide the sharded dim)."""
+        return prod(tp_slot_shape(self.shape, self.tp_dim, tp))
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,9 @@ class ModelSpec:
 
 
 def validate_model(model: ModelSpec, tp: int) -> None:
-    """Raise PlanError unless every parameter is well formed and its TP dim divides by `tp`."""
+    """Raise PlanError unless every parameter is well formed. A TP dim that `tp` does not divide
+    is sharded unevenly (torch.chunk's rule), except under a parameter updated as several
+    submatrices, which each TP rank must hold whole."""
     seen: set[str] = set()
     if not model.params:
         raise PlanError(f"model {model.name!r} has no parameters")
@@ -125,10 +128,10 @@ def validate_model(model: ModelSpec, tp: int) -> None:
         if param.tp_dim is not None:
             if not 0 <= param.tp_dim < len(param.shape):
                 raise PlanError(f"parameter {param.name!r}: tp_dim {param.tp_dim} out of range")
-            if param.shape[param.tp_dim] % tp:
+            if param.shape[param.tp_dim] % tp and (param.row_blocks or len(param.submatrices) > 1):
                 raise PlanError(
-                    f"tp {tp} does not divide dim {param.tp_dim} (size "
-                    f"{param.shape[param.tp_dim]}) of {param.name!r}"
+                    f"tp {tp} does not divide dim {param.tp_dim} (size {param.shape[param.tp_dim]}) of "
+                    f"{param.name!r}, whose submatrices each TP rank must hold whole"
                 )
     _validate_slices(model.params)
 
@@ -166,7 +169,10 @@ class ModelOptions:
     up halves of fc1 separately. `router_optimizer` sends MoE routers to "matrix" (Megatron's
     choice) or "adamw". `names`: the naming convention presets and Hugging Face configs expand
     to ("megatron", "hf" or "torchtitan"). `sequence_parallel`: every norm's gradient is a
-    partial sum over TP (the model leaves it to the optimizer to sum them).
+    partial sum over TP (the model leaves it to the optimizer to sum them). `dtype`: the dtype
+    every parameter is planned in ("fp32", "bf16" or "fp16"); None keeps the source's own (a
+    config.json's `dtype` / `torch_dtype`, bf16 for a preset or a config without one, each
+    entry's for a parameter list or a live model).
     """
 
     split_qkv: str = "qkv"
@@ -174,6 +180,7 @@ class ModelOptions:
     router_optimizer: str = MATRIX
     names: str = "megatron"
     sequence_parallel: bool = False
+    dtype: str | None = None
 
 
 def _validate_row_blocks(param: ParamSpec) -> None:

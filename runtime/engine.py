@@ -286,7 +286,7 @@ class Engine:
         rank owns (or TP-SC's replicated updates), in place."""
         plan, updater = self.plan, self.updater
         active = lambda task: ctx.active[task.param] and plan.optimized(task.param)  # noqa: E731
-        grad_of = lambda task: self.send[slice(*plan.grad_span(task.param))].view(task.local_shape)  # noqa: E731
+        grad_of = lambda task: self.send[slice(*plan.grad_span(task.param))].view(task.shard_shape(plan.place.tp_rank))  # noqa: E731
         update_of = lambda tasks, full: updater.host_results(ctx, tasks, full)  # noqa: E731
         apply = lambda task, shard: updater.apply(ctx, task, shard)  # noqa: E731
         with self.collectives():

@@ -184,16 +184,16 @@ def _group(group: dict[str, Any], pairs: list[tuple[str, Tensor]], rule: str, de
     return {"params": pairs, **values, "initial_lr": group.get("initial_lr", values["lr"])}
 
 
-def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry], tp: int,
+def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry], tp: int, tp_rank: int,
                     grad_attr: str, fsdp: bool) -> list[str]:
     problems = []
     for name, tensor in pairs:
         if name not in entries:
             continue
         if fsdp:  # FSDP2 shards over DP too: global shapes here, placements in fsdp_checks
-            problems += tensor_problems(entries[name], tensor, tp)
+            problems += tensor_problems(entries[name], tensor, tp, tp_rank)
         else:
-            problems += placement_problems(entries[name], tensor, tp) + tensor_problems(entries[name], local(tensor), tp)
+            problems += placement_problems(entries[name], tensor, tp) + tensor_problems(entries[name], local(tensor), tp, tp_rank)
     devices = sorted({str(tensor.device) for _, tensor in pairs})
     if len(devices) > 1:
         problems.append(f"parameters are on several devices ({', '.join(devices)}); one optimizer serves one device")
@@ -208,8 +208,10 @@ def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, Param
 
 
 def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], tp: int, rule: str,
-                   defaults: Hyperparameters, grad_attr: str = "grad", fsdp: bool = False) -> ResolvedGroups:
-    """Check what a script passed against the schedule (`entries` by name, TP size `tp`) and
+                   defaults: Hyperparameters, grad_attr: str = "grad", fsdp: bool = False,
+                   tp_rank: int = 0) -> ResolvedGroups:
+    """Check what a script passed against the schedule (`entries` by name, TP size `tp`, this
+    rank's TP rank `tp_rank`) and
     build one group per user group; every problem is returned, nothing raises. `fsdp`: the
     parameters are FSDP2-sharded, so their global shapes are checked (their placements are
     the FSDP optimizer's to check)."""
@@ -224,7 +226,7 @@ def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], t
         trainable = [(name, tensor) for name, tensor in pairs if name in entries and tensor.requires_grad]
         _check_group(index, group, trainable, entries, rule, result.problems)
         result.groups.append(_group(group, trainable, rule, defaults))
-    result.problems += _model_problems(every, entries, tp, grad_attr, fsdp)
+    result.problems += _model_problems(every, entries, tp, tp_rank, grad_attr, fsdp)
     managed = {name for group in result.groups for name, _ in group["params"]}
     result.frozen = [name for name in sorted(entries, key=lambda n: entries[n].index) if name not in managed]
     if user_groups and not managed and not result.problems:

@@ -23,9 +23,11 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, replace
 from functools import cached_property
+from math import prod
 
 from canzona.schedules.format import ParamEntry, Schedule
 from canzona.runtime.schedule import ADAMW, MATRIX, local_shape
+from canzona.schedules.geometry import chunk_bounds
 
 EXPERT = "expert"  # the expert buffer (a matrix buffer cut over the expert-DP group)
 
@@ -143,19 +145,21 @@ def group_dp_ranks(schedule: Schedule, kind: str, ep_rank: int) -> tuple[int, ..
     return tuple(range(dp))
 
 
-def build_dp_layout(schedule: Schedule, ep_rank: int = 0) -> DpLayout:
+def build_dp_layout(schedule: Schedule, ep_rank: int = 0, tp_rank: int = 0) -> DpLayout:
     """The bucket buffer of `schedule` (bucket cuts of every buffer) on a rank of EP rank
-    `ep_rank` (0 without expert parallelism)."""
+    `ep_rank` (0 without expert parallelism) and TP rank `tp_rank`. A parameter's slot is its
+    schedule `numel`; where this rank's TP shard is shorter (uneven TP), its pieces cover the
+    shard only and the rest of the slot is padding that nothing reads."""
     entries = local_entries(schedule, ep_rank)
     buckets, flat, bucket_of = _buckets(schedule, entries, ep_rank)
     pieces: list[list[Piece]] = [[] for _ in range(schedule.request.dp)]
     for entry in entries:
         bucket = buckets[bucket_of[entry.index]]
-        cuts = bucket.cuts
+        cuts, stop = bucket.cuts, entry.offset + prod(local_shape(entry, schedule.request.tp, tp_rank))
         first = max(0, bisect_right(cuts, entry.offset) - 1)
-        last = min(len(bucket.dp_ranks), bisect_left(cuts, entry.offset + entry.numel))
+        last = min(len(bucket.dp_ranks), bisect_left(cuts, stop))
         for where in range(first, last):
-            low, high = max(entry.offset, cuts[where]), min(entry.offset + entry.numel, cuts[where + 1])
+            low, high = max(entry.offset, cuts[where]), min(stop, cuts[where + 1])
             if low < high:
                 pieces[bucket.dp_ranks[where]].append(Piece(entry.index, low - entry.offset, bucket.base + low, high - low))
     for rank in pieces:
@@ -196,27 +200,33 @@ def _buckets(schedule: Schedule, entries: list[ParamEntry],
 
 @dataclass(frozen=True)
 class Task:
-    """The update of one matrix: its registration index, host TP rank, local shape (every TP
-    rank's shard has it), full shape, TP dim (None: replicated), row blocks, the model
-    dtype of the parameter (the schedule's name: fp32, bf16, fp16) and, when a team hosts it
-    (`canzona.runtime.rules.cooperative`), the team's TP ranks."""
+    """The update of one matrix: its registration index, host TP rank, full shape, TP dim
+    (None: replicated) and TP size, row blocks, the model dtype of the parameter (the
+    schedule's name: fp32, bf16, fp16) and, when a team hosts it
+    (`canzona.runtime.rules.cooperative`), the team's TP ranks. TP rank r holds its chunk of
+    the TP dim by torch.chunk's rule (`shard_box`): the last ranks' may be shorter, or empty."""
 
     param: int
     host: int
-    local_shape: tuple[int, ...]
     shape: tuple[int, int]
     tp_dim: int | None
+    tp_size: int
     row_blocks: list[list[list[int]]] | None
     dtype: str = "fp32"
     team: tuple[int, ...] = ()  # cooperative hosting: the TP ranks sharing it (`host` among them)
 
-    @property
-    def numel(self) -> int:
-        """Elements of one TP rank's shard."""
-        count = 1
-        for size in self.local_shape:
-            count *= size
-        return count
+    def shard_box(self, tp_rank: int) -> tuple[tuple[int, int], ...]:
+        """Per dim, the [start, stop) of TP rank `tp_rank`'s shard in the full matrix."""
+        return tuple(chunk_bounds(size, self.tp_size)[tp_rank] if dim == self.tp_dim else (0, size)
+                     for dim, size in enumerate(self.shape))
+
+    def shard_shape(self, tp_rank: int) -> tuple[int, ...]:
+        """The shape of TP rank `tp_rank`'s shard (the full shape when replicated)."""
+        return tuple(stop - start for start, stop in self.shard_box(tp_rank))
+
+    def shard_numel(self, tp_rank: int) -> int:
+        """Elements of TP rank `tp_rank`'s shard."""
+        return prod(self.shard_shape(tp_rank))
 
 
 def hosts_here(task: Task, rank: int) -> bool:
@@ -229,7 +239,7 @@ def matrix_tasks(schedule: Schedule, names: list[str] | None = None) -> dict[str
     tp = schedule.request.tp
     wanted = set(names) if names is not None else None
     return {
-        e.name: Task(e.index, 0, local_shape(e, tp), (e.shape[0], e.shape[1]), e.tp_dim, e.row_blocks, e.dtype)
+        e.name: Task(e.index, 0, (e.shape[0], e.shape[1]), e.tp_dim, tp, e.row_blocks, e.dtype)
         for e in schedule.params
         if e.optimizer == MATRIX and (wanted is None or e.name in wanted)
     }

@@ -479,7 +479,8 @@ def _prepare(given: list[Any], schedule: Schedule | str | os.PathLike[str], defa
     except (TypeError, ValueError) as error:
         return loaded, None, None, f"bad hyperparameters: {error}"
     entries = binding.model_entries(local_entries(loaded, ep_rank))  # dense and this EP rank's experts
-    resolved = resolve_param_groups(given, entries, loaded.request.tp, loaded.request.optimizer.name, hp, grad_attr)
+    resolved = resolve_param_groups(given, entries, loaded.request.tp, loaded.request.optimizer.name, hp, grad_attr,
+                                    tp_rank=place.tp_rank)
     problems = [p for p in [layout_problem(loaded, place.dp_size, place.tp_size)] if p]
     if ep > 1:
         pairs = [pair for group in resolved.groups for pair in group["params"]]

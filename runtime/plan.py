@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from math import prod
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from canzona.runtime import binding
 from canzona.runtime.binding import Bound
 from canzona.runtime.layout import DpLayout, Piece, Task, build_dp_layout, hosts_here, local_entries, micro_groups, owned_tasks
-from canzona.runtime.schedule import ADAMW, DTYPES
+from canzona.runtime.schedule import ADAMW, DTYPES, local_shape
 from canzona.schedules.format import Schedule
 
 Span = tuple[int, int]  # [start, stop) of the bucket buffer
@@ -90,7 +91,8 @@ class RankPlan:
     names: tuple[str, ...]
     tp_dims: tuple[int | None, ...]
     dtypes: tuple[torch.dtype, ...]
-    numel: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]  # full (unsharded) shapes
+    numel: tuple[int, ...]  # elements of this rank's TP shard (its slot in the buffer may be longer)
     partial: tuple[bool, ...]  # gradient partial over TP (grad_reduce: tp)
     expert: tuple[bool, ...]
     counted: tuple[bool, ...]  # step counts kept (every entry but this rank's frozen ones)
@@ -236,7 +238,7 @@ def build_rank_plan(schedule: Schedule, param_groups: list[dict[str, Any]], plac
     "param_names"), checked against the schedule beforehand."""
     entries = sorted(schedule.params, key=lambda e: e.index)
     bound, group_of, tensor_entries = _bind(schedule, param_groups, place.ep_rank)
-    layout = build_dp_layout(schedule, place.ep_rank)
+    layout = build_dp_layout(schedule, place.ep_rank, place.tp_rank)
     ranks = tuple(range(place.dp_size)) if strategy.all_dp else (place.dp_rank,)
     groups, tasks = _matrix_work(schedule, place, strategy, ranks)
     adamw, adamw_numel = _adamw_pieces(layout, ranks)
@@ -250,7 +252,8 @@ def build_rank_plan(schedule: Schedule, param_groups: list[dict[str, Any]], plac
     return RankPlan(
         schedule=schedule, place=place, strategy=strategy, device=device,
         names=tuple(e.name for e in entries), tp_dims=tp_dims, dtypes=tuple(DTYPES[e.dtype] for e in entries),
-        numel=tuple(e.numel for e in entries), partial=partial, expert=tuple(e.ep_rank is not None for e in entries),
+        shapes=tuple(tuple(e.shape) for e in entries),
+        numel=tuple(prod(local_shape(e, place.tp_size, place.tp_rank)) for e in entries), partial=partial, expert=tuple(e.ep_rank is not None for e in entries),
         # another EP rank's experts count too: the ranks agree which entries had a gradient
         counted=tuple(bound[i] is not None or i not in local for i in range(len(entries))),
         bound=tuple(bound), group_of=tuple(group_of), tensor_entries=tensor_entries, layout=layout, ranks=ranks,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
+from canzona.schedules.geometry import chunk_bounds, tp_shard_shape
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.text import printable
 from canzona.schedules.validate import schedule_problem
@@ -40,12 +41,19 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
     return schedule
 
 
-def local_shape(entry: ParamEntry, tp: int) -> tuple[int, ...]:
-    """The shape of one TP rank's shard of `entry`."""
-    shape = list(entry.shape)
-    if entry.tp_dim is not None:
-        shape[entry.tp_dim] //= tp
-    return tuple(shape)
+def local_shape(entry: ParamEntry, tp: int, tp_rank: int) -> tuple[int, ...]:
+    """The shape of TP rank `tp_rank`'s shard of `entry` (torch.chunk's rule, as DTensor
+    shards: the last ranks' may be shorter, or empty)."""
+    return tp_shard_shape(entry.shape, entry.tp_dim, tp, tp_rank)
+
+
+def tp_shard(tensor: Tensor, tp_dim: int | None, tp: int, tp_rank: int) -> Tensor:
+    """TP rank `tp_rank`'s shard of a full tensor (a view; the whole tensor when `tp_dim` is
+    None), by torch.chunk's rule but always one of `tp` (torch.chunk may return fewer)."""
+    if tp_dim is None:
+        return tensor
+    start, stop = chunk_bounds(tensor.shape[tp_dim], tp)[tp_rank]
+    return tensor.narrow(tp_dim, start, stop - start)
 
 
 def check_schedule(schedule: Schedule, origin: str = "<schedule>") -> None:
@@ -68,15 +76,18 @@ def plan_digest(schedule: Schedule) -> str:
     return hashlib.sha256(schedule.model_dump_json().encode()).hexdigest()
 
 
-def tensor_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
-    """Where a live parameter differs from its schedule entry (local shape, dtype, TP dim,
-    layout); empty when it matches."""
+def tensor_problems(entry: ParamEntry, tensor: Tensor, tp: int, tp_rank: int = 0) -> list[str]:
+    """Where TP rank `tp_rank`'s live parameter differs from its schedule entry (local shape,
+    dtype, TP dim, layout); empty when it matches."""
     problems = []
-    shape = local_shape(entry, tp)
+    shape = local_shape(entry, tp, tp_rank)
     if tuple(tensor.shape) != shape:
-        problems.append(f"{entry.name}: local shape {list(tensor.shape)}, schedule expects {list(shape)} (full {entry.shape}, tp_dim {entry.tp_dim}, tp {tp})")
+        problems.append(f"{entry.name}: local shape {list(tensor.shape)}, schedule expects {list(shape)} "
+                        f"(full {entry.shape}, tp_dim {entry.tp_dim}, TP rank {tp_rank} of {tp})")
     if DTYPES.get(entry.dtype) != tensor.dtype:
-        problems.append(f"{entry.name}: dtype {tensor.dtype}, schedule says {entry.dtype}")
+        flag = next((name for name, dtype in DTYPES.items() if dtype == tensor.dtype), None)
+        fix = f" (plan with --dtype {flag})" if flag else ""
+        problems.append(f"{entry.name}: dtype {tensor.dtype}, schedule says {entry.dtype}{fix}")
     if getattr(tensor, "tensor_model_parallel", False) and tp > 1 and getattr(tensor, "partition_dim", entry.tp_dim) != entry.tp_dim:
         problems.append(f"{entry.name}: split along dim {getattr(tensor, 'partition_dim')}, schedule says tp_dim {entry.tp_dim}")
     if not tensor.is_contiguous():

@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -75,7 +75,8 @@ class Request(_Strict):
     size was chosen by the simulator on that device; `training` is what the `alpha_device` /
     `bucket_device` searches assumed. `names` is the naming convention a preset or a Hugging
     Face config was expanded to; `sequence_parallel` marks every norm's gradient as partial
-    over TP. `sharding` is how parameters lie over DP: "replicated" (ZeRO-1, the DP section's
+    over TP; `dtype`, when set, is the dtype every parameter was planned in (`--dtype`, over
+    the source's own). `sharding` is how parameters lie over DP: "replicated" (ZeRO-1, the DP section's
     buckets and owners) or "fsdp" (FSDP2 `fully_shard`: every parameter is sharded over the DP
     shard dim, the matrices' micro-groups span DP shard x TP); `dp_replicate` > 1 is HSDP, dp =
     dp_replicate x shard ranks. `coop` is the cooperative hosting mode (off, auto, force)."""
@@ -92,6 +93,7 @@ class Request(_Strict):
     router_optimizer: str
     names: str = "megatron"
     sequence_parallel: bool = False
+    dtype: Literal["fp32", "bf16", "fp16"] | None = None
     tp_mode: str
     group_bytes: int = Field(ge=1, le=MAX_FILE_INT)
     ep: int = Field(default=1, ge=1, le=MAX_FILE_INT)

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
 
-from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT, fsdp_rows
+from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT, fsdp_rows, tp_shard_shape, tp_slot_shape
 
 REDUNDANT, ROUND_ROBIN = "redundant", "round_robin"
 FSDP_BASELINES = (REDUNDANT, ROUND_ROBIN)  # the strategies an FSDP plan is compared with, in order
@@ -57,17 +57,15 @@ class FsdpLayout:
 
 
 def local_shape(shape: Sequence[int], tp_dim: int | None, tp: int) -> tuple[int, ...]:
-    """The shape of one TP rank's shard (the whole parameter when `tp_dim` is None)."""
-    local = list(shape)
-    if tp_dim is not None:
-        local[tp_dim] //= tp
-    return tuple(local)
+    """The shape of a TP slot (`geometry.tp_slot_shape`: the largest TP shard; the whole
+    parameter when `tp_dim` is None). The predicted figures price every TP rank at it."""
+    return tp_slot_shape(shape, tp_dim, tp)
 
 
 def shard_shape(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout, fragment: int) -> tuple[int, ...]:
     """The shape of the piece fragment rank `fragment` holds: its FSDP chunk of dim 0 of its
-    TP shard (possibly zero rows)."""
-    local = local_shape(shape, tp_dim, layout.tp)
+    TP shard (possibly zero rows; TP shards may be uneven, `geometry.tp_shard_shape`)."""
+    local = tp_shard_shape(shape, tp_dim, layout.tp, fragment % layout.tp)
     start, stop = fsdp_rows(local[0], layout.shards)[layout.shard_of(fragment)]
     return (stop - start, *local[1:])
 
@@ -75,6 +73,13 @@ def shard_shape(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout, fr
 def shard_numel(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout, fragment: int) -> int:
     """Elements of the piece fragment rank `fragment` holds."""
     return prod(shard_shape(shape, tp_dim, layout, fragment))
+
+
+def _slot_piece_numel(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout, fragment: int) -> int:
+    """`shard_numel` as the predicted figures price it: the FSDP chunk of a TP slot."""
+    local = local_shape(shape, tp_dim, layout.tp)
+    start, stop = fsdp_rows(local[0], layout.shards)[layout.shard_of(fragment)]
+    return (stop - start) * prod(local[1:])
 
 
 def sends_to_host(tp_dim: int | None, sender: int, host: int, tp: int) -> bool:
@@ -132,7 +137,7 @@ def fragment_traffic(matrices: Sequence[tuple[Sequence[int], int | None, int]], 
     sent, received = [0] * layout.hosts, [0] * layout.hosts
     for shape, tp_dim, host in matrices:
         chunks = _chunks(shape, tp_dim, layout)
-        own = b * shard_numel(shape, tp_dim, layout, host)
+        own = b * _slot_piece_numel(shape, tp_dim, layout, host)
         column = b * chunks[3]  # every piece of one TP rank column
         _spread(received_all, chunks, b)
         _spread(sent_all if tp_dim is not None else sent_column[host % tp], chunks, b)

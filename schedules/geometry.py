@@ -53,9 +53,32 @@ def slice_owner(cuts: Sequence[int], offset: int) -> int:
     return min(max(bisect.bisect_right(cuts, offset) - 1, 0), len(cuts) - 2)
 
 
+def chunk_bounds(size: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of each of `parts` chunks of a dim of `size`: torch.chunk's rule, which
+    DTensor's `Shard` and FSDP2 follow (chunks of ceil(size / parts); the last ones may be
+    shorter or empty)."""
+    chunk = -(-size // parts)
+    return [(min(size, s * chunk), min(size, (s + 1) * chunk)) for s in range(parts)]
+
+
 def fsdp_rows(rows: int, shards: int) -> list[tuple[int, int]]:
-    """[start, stop) rows of dim 0 that each of `shards` FSDP2 ranks holds: torch.chunk's rule,
-    which `fully_shard` follows (chunks of ceil(rows / shards) rows; the last ones may be
-    shorter or empty, and FSDP2 pads them to the chunk size internally)."""
-    chunk = -(-rows // shards)
-    return [(min(rows, s * chunk), min(rows, (s + 1) * chunk)) for s in range(shards)]
+    """[start, stop) rows of dim 0 that each of `shards` FSDP2 ranks holds (`chunk_bounds`;
+    FSDP2 pads the short chunks to the chunk size internally)."""
+    return chunk_bounds(rows, shards)
+
+
+def tp_shard_shape(shape: Sequence[int], tp_dim: int | None, tp: int, tp_rank: int) -> tuple[int, ...]:
+    """The shape of TP rank `tp_rank`'s shard of a parameter (`chunk_bounds` along `tp_dim`,
+    so possibly shorter than the others, or empty; the whole shape when `tp_dim` is None)."""
+    local = list(shape)
+    if tp_dim is not None:
+        start, stop = chunk_bounds(local[tp_dim], tp)[tp_rank]
+        local[tp_dim] = stop - start
+    return tuple(local)
+
+
+def tp_slot_shape(shape: Sequence[int], tp_dim: int | None, tp: int) -> tuple[int, ...]:
+    """The shape every TP rank reserves for its shard in the schedule's buffers: the largest
+    shard (TP rank 0's), ceil(size / tp) along `tp_dim`. A shorter shard fills the start of its
+    slot and leaves the rest zero."""
+    return tp_shard_shape(shape, tp_dim, tp, 0)

@@ -50,6 +50,7 @@ from typing import Any
 
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, registration_order
 from canzona.schedules.fsdp import FsdpLayout, shard_numel
+from canzona.schedules.geometry import chunk_bounds, tp_shard_shape
 from canzona.schedules.limits import FSDP
 
 MATRIX, ADAMW = "matrix", "adamw"
@@ -262,25 +263,27 @@ def fusion_notes(old: Schedule, new: Schedule) -> list[str]:
 
 
 def full_runs(shape: Shape, tp_dim: int | None, tp: int, tp_rank: int, start: int, stop: int) -> list[tuple[int, int, int]]:
-    """Where elements [start, stop) of TP rank `tp_rank`'s flattened shard lie in the flattened
-    full tensor: (full offset, local offset, length) runs (one unless tp_dim > 0)."""
+    """Where elements [start, stop) of TP rank `tp_rank`'s flattened shard (torch.chunk's
+    rule, `geometry.tp_shard_shape`) lie in the flattened full tensor: (full offset, local
+    offset, length) runs (one unless tp_dim > 0)."""
     if stop <= start:
         return []
     if tp_dim is None or tp == 1:
         return [(start, start, stop - start)]
-    inner_full = prod(shape[tp_dim:])
-    inner_local = inner_full // tp
+    inner_full, tail = prod(shape[tp_dim:]), prod(shape[tp_dim + 1:])
+    first, last = chunk_bounds(shape[tp_dim], tp)[tp_rank]
+    inner_local = (last - first) * tail
     runs, index = [], start
     while index < stop:
         outer, within = divmod(index, inner_local)
         length = min(stop - index, inner_local - within)
-        runs.append((outer * inner_full + tp_rank * inner_local + within, index, length))
+        runs.append((outer * inner_full + first * tail + within, index, length))
         index += length
     return runs
 
 
-def _local_numel(entry: ParamEntry, tp: int) -> int:
-    return prod(entry.shape) // (tp if entry.tp_dim is not None else 1)
+def _local_numel(entry: ParamEntry, tp: int, tp_rank: int) -> int:
+    return prod(tp_shard_shape(entry.shape, entry.tp_dim, tp, tp_rank))
 
 
 def adamw_runs(schedule: Schedule, entry: ParamEntry, writers_only: bool) -> list[tuple[int, int, int]]:
@@ -288,12 +291,12 @@ def adamw_runs(schedule: Schedule, entry: ParamEntry, writers_only: bool) -> lis
     rank), for the ranks that hold them (`writers_only`: TP rank 0 for a replicated one)."""
     tp = schedule.request.tp
     cuts = schedule.dp.adamw_buckets[entry.bucket].cuts
-    stop_offset = entry.offset + _local_numel(entry, tp)
     tp_ranks = [0] if entry.tp_dim is None and writers_only else range(tp)
     runs = []
     for dp_rank in range(schedule.request.dp):
-        low, high = max(entry.offset, cuts[dp_rank]), min(stop_offset, cuts[dp_rank + 1])
         for tp_rank in tp_ranks:
+            stop_offset = entry.offset + _local_numel(entry, tp, tp_rank)
+            low, high = max(entry.offset, cuts[dp_rank]), min(stop_offset, cuts[dp_rank + 1])
             for full, _, length in full_runs(tuple(entry.shape), entry.tp_dim, tp, tp_rank, low - entry.offset, high - entry.offset):
                 runs.append((full, full + length, dp_rank * tp + tp_rank))
     return sorted(runs)

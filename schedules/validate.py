@@ -30,6 +30,7 @@ from canzona.schedules.geometry import (
     round_up,
     slice_owner,
     slice_sizes,
+    tp_slot_shape,
 )
 from canzona.schedules.limits import (
     ADAMW,
@@ -100,6 +101,8 @@ def _check_request(schedule: Schedule) -> None:
         fail(f"request: {problem}")
     if not 1 <= len(schedule.params) <= MAX_PARAMS:
         fail(f"the schedule lists {len(schedule.params)} parameters (canzona plans 1 to {MAX_PARAMS})")
+    if req.dtype is not None and any(e.dtype != req.dtype for e in schedule.params):
+        fail(f"request.dtype is {req.dtype}, but not every parameter is")
     if (req.alpha_device is None) != (schedule.metrics.alpha_search is None):
         fail("request.alpha_device and metrics.alpha_search must be given together (alpha auto)")
     if (req.bucket_device is None) != (schedule.metrics.bucket_search is None):
@@ -145,7 +148,8 @@ def _check_shape(e: ParamEntry, tp: int) -> int:
     numel = prod(e.shape)
     if numel > MAX_PARAM_NUMEL:
         fail(f"parameter {e.name!r}: invalid shape {e.shape} (more than {MAX_PARAM_NUMEL} elements)")
-    if e.tp_dim is not None and (e.tp_dim >= len(e.shape) or e.shape[e.tp_dim] % tp):
+    # TP may shard a dim unevenly (torch.chunk), but not through the head blocks of row_blocks
+    if e.tp_dim is not None and (e.tp_dim >= len(e.shape) or (e.row_blocks and e.shape[e.tp_dim] % tp)):
         fail(f"parameter {e.name!r}: tp_dim {e.tp_dim} cannot be split {tp} ways for shape {e.shape}")
     return numel
 
@@ -156,9 +160,9 @@ def _check_entry(e: ParamEntry, tp: int, dp: int, ep: int) -> None:
     if e.dtype not in DTYPE_BYTES:
         fail(f"parameter {e.name!r}: unknown dtype {e.dtype!r} (expected one of {', '.join(DTYPE_BYTES)})")
     numel = _check_shape(e, tp)
-    local = numel if e.tp_dim is None else numel // tp
+    local = prod(tp_slot_shape(e.shape, e.tp_dim, tp))
     if e.numel != local:
-        fail(f"parameter {e.name!r}: numel {e.numel}, but its TP shard of {e.shape} has {local} elements")
+        fail(f"parameter {e.name!r}: numel {e.numel}, but a TP slot of {e.shape} has {local} elements")
     if e.cost < 0:
         fail(f"parameter {e.name!r}: negative cost {e.cost!r}")
     if e.grad_reduce is not None and (e.grad_reduce not in GRAD_REDUCE_AXES or e.tp_dim is not None or tp == 1):

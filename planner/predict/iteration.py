@@ -115,7 +115,7 @@ def expert_indices(schedule: Schedule) -> frozenset[int]:
 
     req = schedule.request
     try:
-        options = ModelOptions(req.split_qkv, req.split_fc1, req.router_optimizer, req.names, req.sequence_parallel)
+        options = ModelOptions(req.split_qkv, req.split_fc1, req.router_optimizer, req.names, req.sequence_parallel, req.dtype)
         model = load_model(req.model.source, req.tp, options)
     except PlanError:
         return frozenset()

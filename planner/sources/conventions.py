@@ -36,8 +36,8 @@ RowBlocks = tuple[tuple[tuple[int, int], ...], ...]
 
 def expand_named(arch: Architecture, options: ModelOptions, tp: int) -> list[ParamSpec]:
     """The parameters of `arch` under `options.names` ("hf" or "torchtitan"), in registration
-    order, full (unsharded) shapes; PlanError when TP does not divide a dim it splits or the
-    stack has no such model."""
+    order, full (unsharded) shapes; PlanError when TP does not divide the attention heads or
+    the stack has no such model (other dims TP may shard unevenly)."""
     check_named(arch, options, tp)
     layer_params = _hf_layer if options.names == HF else _torchtitan_layer
     params = [_adamw("model.embed_tokens.weight" if options.names == HF else "tok_embeddings.weight", (arch.vocab, arch.h), 0)]
@@ -60,7 +60,7 @@ def num_named_entries(arch: Architecture, options: ModelOptions) -> int:
 
 
 def check_named(arch: Architecture, options: ModelOptions, tp: int) -> None:
-    """PlanError unless `arch` exists in the stack and TP divides every dim its plan splits."""
+    """PlanError unless `arch` exists in the stack and TP divides its attention heads."""
     stack = options.names
     if options.split_qkv == "none":
         raise PlanError(f"split_qkv none updates a fused QKV weight, which {stack} models do not have "
@@ -68,19 +68,13 @@ def check_named(arch: Architecture, options: ModelOptions, tp: int) -> None:
     if stack == TORCHTITAN and (arch.is_mla or arch.qkv_bias):
         feature = "multi-head latent attention" if arch.is_mla else "QKV biases"
         raise PlanError(f"torchtitan names: the catalog has no torchtitan model with {feature}; use --names hf or megatron")
-    sizes = {"vocab": arch.vocab}
-    if not arch.is_mla:  # transformers' plan for DeepSeek-V3 leaves attention replicated
-        sizes.update(num_heads=arch.num_heads, num_kv_groups=arch.num_kv_groups)
-    if arch.has_dense_layer:
-        sizes["ffn"] = arch.ffn
-    if arch.has_moe_layer:
-        sizes["expert_ffn"] = arch.expert_ffn
-        if arch.num_shared_experts:
-            sizes["shared_expert_ffn"] = arch.shared_expert_ffn
-    for field_name, size in sizes.items():
+    if arch.is_mla:  # transformers' plan for DeepSeek-V3 leaves attention replicated
+        return
+    # DTensor shards every other dim unevenly (torch.chunk), but attention splits whole heads
+    for field_name, size in (("num_heads", arch.num_heads), ("num_kv_groups", arch.num_kv_groups)):
         if size % tp:
-            raise PlanError(f"{stack} names: tp {tp} does not divide {field_name} {size}"
-                            + (" (the vocab is not padded)" if field_name == "vocab" else ""))
+            raise PlanError(f"{stack} names: tp {tp} does not divide {field_name} {size} "
+                            "(each TP rank computes whole attention heads)")
 
 
 def mark_partial_norms(params: list[ParamSpec]) -> list[ParamSpec]:

@@ -16,11 +16,13 @@ from canzona.planner.sources.catalog import PRESETS, Architecture, check_tp_size
 from canzona.planner.sources.conventions import HF, MEGATRON, mark_partial_norms
 from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import params_from_data, read_structured_file
-from canzona.planner.spec import ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
+from canzona.planner.spec import DTYPE_BYTES, ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
 
 __all__ = ["NAMES_AUTO", "count_params", "list_presets", "load_model", "model_from_data"]
 
 _FILE_SUFFIXES = (".json", ".yaml", ".yml")
+DEFAULT_DTYPE = "bf16"  # presets, and configs that declare no dtype, train in bf16
+HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 NAMES_AUTO = "auto"
 """`ModelOptions.names` that picks the source's own convention: transformers' names for a
 Hugging Face config.json, Megatron-core's for a preset."""
@@ -57,11 +59,34 @@ def model_from_data(data: object, name: str, source: str, sha256: str, tp: int, 
 
 
 def finish(model: ModelSpec, tp: int, options: ModelOptions) -> ModelSpec:
-    """`model` with sequence-parallel norms marked (if asked), validated at TP size `tp`."""
+    """`model` with sequence-parallel norms marked (if asked) and every parameter in
+    `options.dtype` (if given), validated at TP size `tp`."""
     if options.sequence_parallel:
         model = replace(model, params=tuple(mark_partial_norms(list(model.params))))
+    if options.dtype is not None:
+        model = with_dtype(model, options.dtype)
     validate_model(model, tp)
     return model
+
+
+def with_dtype(model: ModelSpec, dtype: str) -> ModelSpec:
+    """`model` with every parameter in `dtype` (PlanError for a dtype canzona does not plan)."""
+    if dtype not in DTYPE_BYTES:
+        raise PlanError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    return replace(model, params=tuple(replace(p, dtype=dtype) for p in model.params))
+
+
+def config_dtype(config: dict[str, Any]) -> str:
+    """The dtype a Hugging Face config declares (`dtype`, or the older `torch_dtype`) as a
+    schedule dtype; bf16 when it declares none (or "auto")."""
+    declared = config.get("dtype", config.get("torch_dtype"))
+    if declared is None or declared == "auto":
+        return DEFAULT_DTYPE
+    name = str(declared).removeprefix("torch.")
+    if name not in HF_DTYPES:
+        raise PlanError(f"config.json: dtype {str(declared)[:40]!r} is not one canzona plans ({', '.join(HF_DTYPES)}); "
+                        "give --dtype bf16, fp16 or fp32")
+    return HF_DTYPES[name]
 
 
 def _check_parameter_list_names(options: ModelOptions) -> None:
@@ -104,6 +129,8 @@ def _load_file(source: str, tp: int, options: ModelOptions) -> ModelSpec:
         name = default_name
         names = HF if options.names == NAMES_AUTO else options.names
         params = enumerate_params(name, architecture_from_hf(data), tp, replace(options, names=names))
+        dtype = options.dtype or config_dtype(data)
+        params = tuple(replace(p, dtype=dtype) for p in params)
     else:
         _check_parameter_list_names(options)
         name, params = params_from_data(data, default_name, tp)

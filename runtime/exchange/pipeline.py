@@ -27,7 +27,7 @@ from torch import Tensor
 from canzona.runtime.rules import cooperative
 from canzona.runtime.exchange.comm import InFlight, all_gather_equal, start_all_to_all
 from canzona.runtime.layout import Task, hosts_here
-from canzona.runtime.schedule import DTYPES
+from canzona.runtime.schedule import DTYPES, tp_shard
 
 GradOf = Callable[[Task], Tensor]
 UpdateOf = Callable[[Sequence[Task], dict[int, Tensor]], dict[int, Tensor]]
@@ -49,12 +49,17 @@ def payload_dtype(tasks: Sequence[Task]) -> torch.dtype:
 
 def _shard(update: Tensor, task: Task, rank: int, size: int) -> Tensor:
     """TP rank `rank`'s part of a full update (the whole update for a replicated matrix)."""
-    return update if task.tp_dim is None else update.chunk(size, dim=task.tp_dim)[rank]
+    return tp_shard(update, task.tp_dim, size, rank)
 
 
 def assemble(task: Task, shards: Sequence[Tensor]) -> Tensor:
-    """The gathered matrix: the TP shards (local shape) concatenated along the TP dim."""
+    """The gathered matrix: the TP shards (each rank's shape) concatenated along the TP dim."""
     return shards[0] if task.tp_dim is None else torch.cat(list(shards), dim=task.tp_dim)
+
+
+def _padded(flat: Tensor, numel: int) -> Tensor:
+    """`flat` followed by zeros up to `numel` elements."""
+    return flat if flat.numel() == numel else torch.cat([flat, flat.new_zeros(numel - flat.numel())])
 
 
 def _everything(task: Task) -> bool:
@@ -66,14 +71,14 @@ def _gather_numel(task: Task, sender: int, receiver: int) -> int:
     none, every rank has it)."""
     if task.tp_dim is None or not hosts_here(task, receiver):
         return 0
-    return cooperative.piece_numel(task, sender, task.team.index(receiver)) if task.team else task.numel
+    return cooperative.piece_numel(task, sender, task.team.index(receiver)) if task.team else task.shard_numel(sender)
 
 
 def _scatter_numel(task: Task, sender: int, receiver: int) -> int:
     """Elements of `task`'s result the scatter moves from `sender` to `receiver`."""
     if not hosts_here(task, sender):
         return 0
-    return cooperative.piece_numel(task, receiver, task.team.index(sender)) if task.team else task.numel
+    return cooperative.piece_numel(task, receiver, task.team.index(sender)) if task.team else task.shard_numel(receiver)
 
 
 class MicroGroupPipeline:
@@ -126,7 +131,7 @@ class MicroGroupPipeline:
                 full[task.param] = cooperative.assemble_slice(task, task.team.index(self.rank), pieces[task.param],
                                                               received.dtype, self.device)
             else:
-                full[task.param] = assemble(task, [p.view(task.local_shape) for p in pieces[task.param]])
+                full[task.param] = assemble(task, [p.view(task.shard_shape(sender)) for sender, p in enumerate(pieces[task.param])])
         return full
 
     def _start_scatter(self, tasks: tuple[Task, ...], updates: dict[int, Tensor]) -> InFlight:
@@ -152,7 +157,7 @@ class MicroGroupPipeline:
                 if task.team:
                     team_pieces[task.param].append(piece)
                 else:
-                    apply(task, piece.view(task.local_shape))
+                    apply(task, piece.view(task.shard_shape(self.rank)))
         for task in tasks:
             if task.team:
                 apply(task, cooperative.assemble_shard(task, self.rank, team_pieces[task.param], received.dtype, self.device))
@@ -195,11 +200,14 @@ def gather_replicated(tasks: Sequence[Task], tp_group: dist.ProcessGroup, grad_o
                       timeout: timedelta | None = None) -> dict[int, Tensor]:
     """Every task's full fp32 matrix on every TP rank: one fused all-gather of the sharded ones."""
     sharded = [t for t in tasks if t.tp_dim is not None]
-    gathered = all_gather_equal(_flat([grad_of(t) for t in sharded], device), tp_group, timeout) if sharded else []
+    # every rank sends its shards padded to the largest (TP rank 0's), for one equal all-gather
+    slots = [_padded(grad_of(t).reshape(-1), t.shard_numel(0)) for t in sharded]
+    gathered = all_gather_equal(_flat(slots, device), tp_group, timeout) if sharded else []
     full, offset = {}, 0
     for task in sharded:
-        full[task.param] = assemble(task, [g[offset : offset + task.numel].view(task.local_shape) for g in gathered])
-        offset += task.numel
+        shards = [g[offset : offset + task.shard_numel(r)].view(task.shard_shape(r)) for r, g in enumerate(gathered)]
+        full[task.param] = assemble(task, shards)
+        offset += task.shard_numel(0)
     for task in tasks:
         if task.tp_dim is None:
             full[task.param] = grad_of(task)

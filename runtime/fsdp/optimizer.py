@@ -40,7 +40,7 @@ from canzona.runtime.rules.optimizers import (
     make_rule,
     matrix_update_batch,
 )
-from canzona.runtime.schedule import MATRIX, ScheduleMismatchError, Verdict, disagreement, plan_digest, summary
+from canzona.runtime.schedule import MATRIX, ScheduleMismatchError, Verdict, disagreement, plan_digest, summary, tp_shard
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
 from canzona.schedules.geometry import fsdp_rows
@@ -388,7 +388,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
     def _piece(self, update: Tensor, m: Matrix, fragment: int) -> Tensor:
         """Fragment rank `fragment`'s piece of a whole matrix's update."""
         layout = self.place.layout
-        local = update if m.tp_dim is None else update.chunk(layout.tp, dim=m.tp_dim)[fragment % layout.tp]
+        local = tp_shard(update, m.tp_dim, layout.tp, fragment % layout.tp)
         start, stop = fsdp_rows(local.shape[0], layout.shards)[layout.shard_of(fragment)]
         return local[start:stop].reshape(-1)
 

@@ -46,10 +46,7 @@ Box = tuple[tuple[int, int], ...]  # per dim: [start, stop)
 
 def _shard_box(task: Task, tp_rank: int) -> Box:
     """Where TP rank `tp_rank`'s shard lies in the gathered matrix."""
-    return tuple(
-        (tp_rank * local, (tp_rank + 1) * local) if dim == task.tp_dim else (0, full)
-        for dim, (local, full) in enumerate(zip(task.local_shape, task.shape))
-    )
+    return task.shard_box(tp_rank)
 
 
 def slice_box(task: Task, member: int) -> Box:
@@ -124,7 +121,7 @@ def assemble_slice(task: Task, member: int, pieces: Sequence[Tensor], dtype: tor
 def assemble_shard(task: Task, tp_rank: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
     """Rank `tp_rank`'s shard (local shape) from every member's piece (flat, in team order)."""
     frame = _shard_box(task, tp_rank)
-    out = torch.empty(task.local_shape, dtype=dtype, device=device)
+    out = torch.empty(task.shard_shape(tp_rank), dtype=dtype, device=device)
     return _fill(out, frame, ((_meet(frame, slice_box(task, member)), piece) for member, piece in enumerate(pieces)))
 
 

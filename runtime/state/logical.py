@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 import torch
@@ -134,7 +135,7 @@ def _logical(plan: RankPlan, param: int, tensor: Tensor, clone: bool) -> Logical
 
 
 def _adamw_size(plan: RankPlan, param: int) -> tuple[int, ...]:
-    return (plan.numel[param] * (plan.place.tp_size if plan.tp_dims[param] is not None else 1),)
+    return (prod(plan.shapes[param]),)
 
 
 def _main_runs(plan: RankPlan, state: OptimizerState) -> list[AdamwRun]:

@@ -15,6 +15,7 @@ from titan_model import Attention, TitanConfig, TitanModel, parallelize_titan
 QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=256, tie_word_embeddings=False)
 TITAN = TitanConfig(moe_layers=(), hidden_dim=130)  # w1/w3 rows split unevenly by FSDP2 (33, 33, 33, 31 over 4)
+TITAN_ODD = TitanConfig(moe_layers=(), hidden_dim=130, vocab_size=255)  # a vocabulary TP 2 shards unevenly (128, 127)
 
 
 def qwen3() -> nn.Module:
@@ -61,6 +62,22 @@ def titan() -> nn.Module:
 def titan_tp2() -> nn.Module:
     """The torchtitan model under torchtitan's TP plan at TP 2 (for planning only)."""
     model = titan()
+    parallelize_titan(model, _fake_tp2_mesh())
+    return model
+
+
+def titan_odd() -> nn.Module:
+    """`titan` with a vocabulary of 255 rows, which TP 2 shards unevenly (as DTensor chunks)."""
+    torch.manual_seed(0)
+    model = TitanModel(TITAN_ODD)
+    for block in model.layers.values():
+        block.attention.__class__ = LocalAttention
+    return model
+
+
+def titan_odd_tp2() -> nn.Module:
+    """`titan_odd` under torchtitan's TP plan at TP 2 (for planning only)."""
+    model = titan_odd()
     parallelize_titan(model, _fake_tp2_mesh())
     return model
 
@@ -118,6 +135,8 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, tp_mesh: Any = None) -> torc
         if tp_mesh is not None:
             from torch.distributed.tensor import DTensor, Shard
 
-            logits = DTensor.from_local(logits, tp_mesh, [Shard(2)]).full_tensor()
+            shape = (*logits.shape[:2], model.output.weight.shape[0])  # the local logits may be a shorter chunk
+            stride = (shape[1] * shape[2], shape[2], 1)
+            logits = DTensor.from_local(logits, tp_mesh, [Shard(2)], shape=shape, stride=stride).full_tensor()
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
     return model(input_ids=tokens, labels=tokens).loss

@@ -33,6 +33,12 @@ _fake_tp_mesh = hf_qwen3.fake_tp_mesh
 QWEN3_MOE: dict[str, Any] = dict(QWEN3, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
                                  norm_topk_prob=True)
 TITAN = TitanConfig(moe_layers=())
+# TP 2 and TP 3 shard its vocabulary (251) unevenly, as DTensor does (torch.chunk; torch's colwise /
+# rowwise styles infer an activation's global shape from even shards, so the FFN (102) divides);
+# its 6 heads split whole over either
+QWEN3_ODD: dict[str, Any] = dict(QWEN3, vocab_size=251, intermediate_size=102, num_attention_heads=6,
+                                 num_key_value_heads=6, head_dim=8, hidden_size=48)
+QWEN3_VOCAB: dict[str, Any] = dict(QWEN3_ODD, vocab_size=151936, num_hidden_layers=1)  # Qwen3's own vocabulary
 
 
 def make_tiny_hf_qwen3_moe() -> nn.Module:
@@ -41,6 +47,35 @@ def make_tiny_hf_qwen3_moe() -> nn.Module:
 
     config = transformers.Qwen3MoeConfig(**QWEN3_MOE, attn_implementation="eager")
     return transformers.Qwen3MoeForCausalLM(config)
+
+
+def make_tiny_hf_qwen3_odd() -> nn.Module:
+    """transformers' Qwen3ForCausalLM with dims TP 2 and TP 3 shard unevenly (`QWEN3_ODD`)."""
+    import transformers
+
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_ODD, attn_implementation="eager"))
+
+
+def make_tiny_hf_qwen3_vocab() -> nn.Module:
+    """`make_tiny_hf_qwen3_odd` with Qwen3's vocabulary of 151936 and one layer (`QWEN3_VOCAB`)."""
+    import transformers
+
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_VOCAB, attn_implementation="eager"))
+
+
+def qwen3_vocab_config() -> dict[str, Any]:
+    """The config.json of `make_tiny_hf_qwen3_vocab`, as `save_pretrained` writes it for the
+    fp32 model (with its dtype)."""
+    import transformers
+
+    config = transformers.Qwen3Config(**QWEN3_VOCAB)
+    config.architectures = ["Qwen3ForCausalLM"]
+    return config.to_dict() | {"dtype": "float32"}
+
+
+def make_tiny_hf_qwen3_odd_tp2() -> nn.Module:
+    """`make_tiny_hf_qwen3_odd` under `parallelize_hf_qwen3` at TP 2 (fake mesh)."""
+    return parallelize_hf_qwen3(make_tiny_hf_qwen3_odd(), _fake_tp_mesh(2))
 
 
 def make_tiny_titan() -> nn.Module:

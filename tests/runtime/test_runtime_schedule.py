@@ -26,7 +26,7 @@ def schedule() -> Schedule:
 
 def _live(schedule: Schedule) -> list[tuple[str, torch.Tensor]]:
     entries = sorted(schedule.params, key=lambda e: e.index)
-    return [(e.name, torch.zeros(local_shape(e, schedule.request.tp))) for e in entries]
+    return [(e.name, torch.zeros(local_shape(e, schedule.request.tp, 0))) for e in entries]
 
 
 def test_load_schedule_reads_a_planner_file(schedule: Schedule, tmp_path: Path) -> None:

@@ -203,7 +203,7 @@ def test_sequence_parallel_marks_every_norm_and_nothing_else() -> None:
     [
         ("qwen3-8b", ModelOptions(names="hf", split_qkv="none"), 1, ["split_qkv none", "separate parameters"]),
         ("deepseek-v3", ModelOptions(names="torchtitan"), 1, ["torchtitan names", "latent attention"]),
-        ("qwen3-8b", ModelOptions(names="hf"), 3, ["hf names: tp 3 does not divide"]),
+        ("qwen3-8b", ModelOptions(names="hf"), 3, ["hf names: tp 3 does not divide num_heads 32", "whole attention heads"]),
         ("qwen3-8b", ModelOptions(names="flax"), 1, ["unknown naming convention 'flax'"]),
         ("examples/tiny_qwen3.yaml", ModelOptions(names="hf"), 1, ["--names hf applies to presets", "parameter list"]),
     ],
@@ -215,9 +215,11 @@ def test_convention_errors(source: str, options: ModelOptions, tp: int, needles:
     assert "\n" not in message and all(needle in message for needle in needles), message
 
 
-def test_vocab_is_not_padded() -> None:
-    with pytest.raises(PlanError, match=r"torchtitan names: tp 2 does not divide vocab 251 \(the vocab is not padded\)"):
-        enumerate_params("m", tiny_moe(vocab=251), 2, TITAN)
+def test_hf_and_torchtitan_shard_the_vocab_unevenly_megatron_pads_it() -> None:
+    for options in (TITAN, ModelOptions(names="hf")):
+        embedding = enumerate_params("m", tiny_moe(vocab=251), 2, options)[0]
+        assert embedding.shape == (251, 64) and embedding.tp_dim == 0  # DTensor chunks of 126 and 125 rows
+        assert embedding.local_numel(2) == 126 * 64  # each TP rank's slot: the larger chunk
     assert enumerate_params("m", tiny_moe(vocab=251), 2, ModelOptions())[0].shape == (256, 64)  # Megatron pads
 
 

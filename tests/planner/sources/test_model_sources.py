@@ -333,7 +333,7 @@ def test_bad_param_entry_names_index_and_field(
         ([], ["lists no parameters"]),
         ("just text", ["must hold a list of parameters", "str"]),
         ([{"name": "w", "shape": [2], "tp_dim": None}] * 2, ["'w' appears twice"]),
-        ([{"name": "w", "shape": [6, 4], "tp_dim": 0}], ["tp 4 does not divide dim 0", "'w'"]),
+        ([{"name": "w", "shape": [6, 4], "tp_dim": 0, "submatrices": [[3, 4], [3, 4]]}], ["tp 4 does not divide dim 0", "'w'"]),
     ],
 )
 def test_bad_param_file_raises(tmp_path: Path, data: Any, fragments: list[str]) -> None:
@@ -417,3 +417,63 @@ def test_bad_fused_entries(tmp_path: Path, entry: dict, tp: int, message: str) -
     with pytest.raises(PlanError, match=message) as error:
         load_model(write(tmp_path / "m.yaml", [entry]), tp=tp)
     assert "\n" not in str(error.value) and "parameter entry 0 ('w')" in str(error.value)
+
+
+# --- dtype: from the config, or --dtype ---------------------------------------------------
+
+
+def _config_file(tmp_path: Path, **changes: Any) -> str:
+    path = tmp_path / "qwen3" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    config = {key: value for key, value in QWEN3_8B.items() if key != "torch_dtype"}
+    path.write_text(json.dumps(config | changes))
+    return str(path)
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    ({"torch_dtype": "float32"}, "fp32"),
+    ({"dtype": "float16"}, "fp16"),
+    ({"dtype": "float32", "torch_dtype": "bfloat16"}, "fp32"),  # transformers writes `dtype` now
+    ({"torch_dtype": "bfloat16"}, "bf16"),
+    ({}, "bf16"),
+    ({"torch_dtype": "auto"}, "bf16"),
+])
+def test_a_config_plans_in_its_own_dtype(tmp_path: Path, changes: dict[str, Any], expected: str) -> None:
+    model = load_model(_config_file(tmp_path, **changes), 1)
+    assert {p.dtype for p in model.params} == {expected}
+
+
+def test_dtype_option_overrides_every_source(tmp_path: Path) -> None:
+    for source in (_config_file(tmp_path, torch_dtype="float32"), "qwen3-0.6b", "examples/tiny_qwen3.yaml"):
+        model = load_model(source, 1, ModelOptions(dtype="fp16"))
+        assert {p.dtype for p in model.params} == {"fp16"}, source
+    # an override also stands in for a dtype canzona would refuse
+    assert {p.dtype for p in load_model(_config_file(tmp_path, torch_dtype="float64"), 1, ModelOptions(dtype="fp32")).params} == {"fp32"}
+
+
+def test_an_unplannable_config_dtype_names_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(PlanError) as err:
+        load_model(_config_file(tmp_path, torch_dtype="float64"), 1)
+    assert_one_line_error(err, "float64", "--dtype")
+
+
+# --- uneven TP shards (torch.chunk) ---------------------------------------------------------
+
+
+def test_tp_shards_what_it_does_not_divide_in_torch_chunk_sizes(tmp_path: Path) -> None:
+    """Qwen3's vocabulary (151936) and an FFN of 6001 over TP 3: DTensor's chunks; heads divide."""
+    source = _config_file(tmp_path, num_attention_heads=24, num_key_value_heads=6, intermediate_size=6001)
+    model = load_model(source, 3, ModelOptions(names="auto"))
+    by_name = {p.name: p for p in model.params}
+    head, down = by_name["lm_head.weight"], by_name["model.layers.0.mlp.down_proj.weight"]
+    assert head.shape == (151936, 4096) and head.local_numel(3) == 50646 * 4096  # chunks 50646, 50646, 50644
+    assert down.shape == (4096, 6001) and down.tp_dim == 1 and down.local_numel(3) == 4096 * 2001
+
+
+def test_heads_must_divide_and_megatron_keeps_padding(tmp_path: Path) -> None:
+    with pytest.raises(PlanError) as err:
+        load_model(_config_file(tmp_path), 3, ModelOptions(names="auto"))  # 32 heads
+    assert_one_line_error(err, "tp 3 does not divide num_heads 32", "whole attention heads")
+    padded = load_model(_config_file(tmp_path, num_attention_heads=24, num_key_value_heads=6), 3,
+                        ModelOptions(names="megatron"))
+    assert padded.params[0].shape[0] % (3 * 128) == 0  # Megatron pads the vocabulary to 128 x TP

@@ -103,7 +103,7 @@ def _train(rank: int, world: int, factory: str, path: str, mesh_shape: tuple[int
             resumed = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
             resumed.load_state_dict(schedulers[0].state_dict())
             schedulers[0] = resumed
-        tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 * step + dp_rank))
+        tokens = torch.randint(0, 255, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 * step + dp_rank))
         fsdp_models.loss_of(model, tokens, mesh["tp"] if "tp" in names else None).backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         with torch.device("meta"):  # every tensor the step creates names its device
@@ -216,14 +216,17 @@ def test_hsdp_2x2_equals_the_reference(folder: str) -> None:
     run_ranks(_train, 4, "qwen3", path, (2, 2), ("replicate", "shard"), timeout=180)
 
 
-@pytest.mark.parametrize("factory", ["titan_tp2", "qwen3_tp2"])
+@pytest.mark.parametrize("factory", ["titan_tp2", "qwen3_tp2", "titan_odd_tp2"])
 def test_tp2_x_fsdp2_equals_the_reference(factory: str, folder: str) -> None:
     pytest.importorskip("transformers")
     path = planned(factory, 2, 2, 1, folder)
     matrices = [e for e in read_schedule(path).params if e.optimizer == "matrix"]
-    # qwen3: matrices replicated over TP too; titan: TP shards that FSDP2 splits unevenly (65 rows over 2)
+    # qwen3: matrices replicated over TP too; titan: TP shards that FSDP2 splits unevenly (65 rows
+    # over 2); titan_odd: TP shards of different sizes too (its vocabulary, 128 and 127 rows)
     assert any(e.tp_dim is None for e in matrices) == (factory == "qwen3_tp2")
-    assert any(e.tp_dim == 0 and e.shape[0] // 2 % 2 for e in matrices) == (factory == "titan_tp2")
+    assert any(e.tp_dim == 0 and e.shape[0] // 2 % 2 for e in matrices) == (factory != "qwen3_tp2")
+    uneven = [e.name for e in read_schedule(path).params if e.tp_dim is not None and e.shape[e.tp_dim] % 2]
+    assert ("output.weight" in uneven) == (factory == "titan_odd_tp2")
     run_ranks(_train, 4, factory, path, (2, 2), ("dp", "tp"), timeout=180)
 
 
