@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from canzona.cli.options import Dtype
 from canzona.cli.wording import echo
 from canzona.cli.sources import describe_source, is_live, source_files
 from canzona.planner.spec import PlanError
@@ -17,6 +18,7 @@ def describe(
     model: Annotated[str, typer.Option(help="A live model: py:MODULE:FACTORY (built on the meta device, no memory).")],
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Parameter-list YAML to write (default: stdout).")] = None,
     sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Mark every norm's gradient as a partial sum over TP.")] = False,
+    dtype: Annotated[Optional[Dtype], typer.Option(help="Dtype of every parameter, where the model trains in another dtype than the factory builds it in.", show_default=False)] = None,
 ) -> None:
     """Describe a live model as a parameter list: names, global shapes, dtypes, TP dims from
     DTensor placements, grouped 3-D experts, partial gradients."""
@@ -26,6 +28,8 @@ def describe(
     if output is not None:
         check_output(output, source_files(model), "--output")
     description = describe_source(model, sequence_parallel)
+    if dtype is not None:
+        description = description.with_dtype(dtype.value)
     text = description.to_yaml()
     if output is None:
         echo(text, nl=False)

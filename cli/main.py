@@ -22,6 +22,7 @@ import typer
 
 from canzona.cli import calibrate_cmd, compare, describe_cmd, render, report, reshard_cmd, simulate_cmd
 from canzona.cli.options import (
+    Dtype,
     DEVICE_HELP,
     SCHEDULE_HELP,
     device_file,
@@ -192,6 +193,7 @@ def plan(
     router_optimizer: Annotated[RouterOptimizer, typer.Option(help="Optimizer of MoE routers.")] = RouterOptimizer.matrix,
     names: Annotated[Names, typer.Option(help="Parameter names of a preset or HF config: megatron, hf (transformers), torchtitan; auto: hf for a config.json, megatron for a preset.")] = Names.auto,
     sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Every norm's gradient is a partial sum over TP, which the optimizer sums (leave off if the model reduces them itself).")] = False,
+    dtype: Annotated[Optional[Dtype], typer.Option(help="Dtype of every parameter, over the source's own (a config.json's dtype / torch_dtype, bf16 for a preset or a config without one, each entry's for a parameter list or live model).", show_default=False)] = None,
     ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
     precondition_frequency: Annotated[int, typer.Option(help="Shampoo/SOAP preconditioner refresh every N steps.")] = 10,
@@ -230,7 +232,8 @@ def plan(
                   "cooperative hosting applies to Muon with tp > 1, without --fsdp")
     refuse_unused_settings([optimizer.value])
     searched_on = device_option(device) if searching else None
-    options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value, names.value, sequence_parallel)
+    options = ModelOptions(split_qkv.value, split_fc1, router_optimizer.value, names.value, sequence_parallel,
+                           None if dtype is None else dtype.value)
     settings = OptimizerConfig(optimizer.value, ns_steps, block_size, precondition_frequency, max_precond_dim)
     request = PlanRequest(
         model, tp, dp, settings, cost, 1.0 if auto else _alpha(alpha), DEFAULT_BUCKET_SIZE if size is None else size, options,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import errno
 import os
+from enum import Enum
 from pathlib import Path
 
 from canzona.planner.spec import PlanError
@@ -20,6 +21,14 @@ try:  # typer >= 0.20 vendors click
 except ImportError:  # pragma: no cover - older typer depends on click
     from click.core import ParameterSource
     from click.globals import get_current_context
+
+class Dtype(str, Enum):
+    """--dtype: every parameter's dtype, over the model source's own."""
+
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
 
 SCHEDULE_HELP = "Schedule file, or a library name such as qwen3-8b/muon-tp2-dp4."
 DEVICE_HELP = "Hardware model: h100, h200, a100, cpu, or profile:FILE (a `canzona calibrate` profile)."

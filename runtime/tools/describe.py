@@ -34,7 +34,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,11 @@ class ModuleDescription:
     name: str
     tp: int | None
     params: tuple[ParamDescription, ...]
+
+    def with_dtype(self, dtype: str) -> ModuleDescription:
+        """The same model with every parameter in `dtype` (as it trains, where it is built in
+        another dtype: `canzona describe --dtype`)."""
+        return replace(self, params=tuple(replace(p, dtype=dtype) for p in self.params))
 
     def to_data(self) -> dict[str, Any]:
         """The parameter-list document the planner reads."""

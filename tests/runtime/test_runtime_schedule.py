@@ -90,6 +90,7 @@ def test_parameter_problems_name_what_differs(schedule: Schedule) -> None:
     assert "local shape [3, 3]" in _problems(schedule, reshaped)[0]
     halfs = [(n, torch.nn.Parameter(t.detach().half())) for n, t in live]
     assert "dtype torch.float16" in _problems(schedule, halfs)[0]
+    assert "plan with --dtype fp16" in _problems(schedule, halfs)[0]  # names the flag that fixes it
     name, tensor = next((n, t) for n, t in live if n.endswith("linear_proj.weight"))
     tensor.tensor_model_parallel, tensor.partition_dim = True, 0  # type: ignore[attr-defined]
     assert any("split along dim 0" in p for p in _problems(schedule, live))
@@ -154,3 +155,34 @@ def test_load_schedule_by_library_name_and_errors() -> None:
         load_schedule("qwen3-32b/nope")
     moe = load_schedule("qwen3-30b-a3b/muon-tp2-dp16-ep8")  # expert parallelism loads (and executes)
     assert moe.request.ep == 8 and moe.dp.expert_buckets
+
+
+def test_uneven_tp_shards_fill_the_start_of_their_slots(tmp_path: Path) -> None:
+    """TP 3 over dims of 7 and 5 (torch.chunk: 3, 3, 1 and 2, 2, 1): every TP rank's pieces
+    cover exactly its own shard, once, from the start of each parameter's slot."""
+    import json
+    from math import prod
+
+    params = [{"name": "w", "shape": [7, 6], "tp_dim": 0}, {"name": "v", "shape": [4, 5], "tp_dim": 1},
+              {"name": "b", "shape": [5], "tp_dim": 0, "optimizer": "adamw"}]
+    path = tmp_path / "uneven.json"
+    path.write_text(json.dumps({"name": "uneven", "params": params}))
+    schedule = make_schedule(path, tp=3, dp=2, bucket_size=16)
+    for tp_rank in range(3):
+        layout = build_dp_layout(schedule, 0, tp_rank)
+        for entry in schedule.params:
+            pieces = sorted((p for rank in layout.rank_pieces for p in rank if p.param == entry.index), key=lambda p: p.src)
+            numel = prod(local_shape(entry, 3, tp_rank))
+            assert [(p.src, p.src + p.length) for p in pieces] == _chained(pieces), entry.name
+            assert sum(p.length for p in pieces) == numel <= entry.numel, (entry.name, tp_rank)
+            assert all(p.pos == layout.flat[entry.index] + p.src for p in pieces)
+    assert [local_shape(e, 3, r) for e in schedule.params if e.name == "w" for r in range(3)] == [(3, 6), (3, 6), (1, 6)]
+
+
+def _chained(pieces: list) -> list[tuple[int, int]]:
+    """The runs `pieces` would be if they followed each other from 0 without a gap."""
+    out, start = [], 0
+    for piece in pieces:
+        out.append((start, start + piece.length))
+        start += piece.length
+    return out
