@@ -208,8 +208,10 @@ def _tp_lines(schedule: Schedule) -> list[str]:
             f"worst device {tp.worst_device_load:.4g}: gap {percent(tp.device_gap)} above the device lower bound "
             f"{tp.device_lower_bound:.4g} = max(total / devices, largest piece)"
         )
+    peaks = [d.peak_bytes for d in devices if d.peak_bytes is not None]
+    peak = f"predicted peak memory max {max(peaks) / GIB:.2f} GiB (above params + grads), " if peaks else ""
     lines.append(
-        f"per device: state max {max(d.state_bytes for d in devices) / GIB:.2f} GiB, "
+        f"per device: {peak}state max {max(d.state_bytes for d in devices) / GIB:.2f} GiB, "
         f"sent max {max(d.bytes_sent for d in devices) / GIB:.2f} GiB, "
         f"received max {max(d.bytes_received for d in devices) / GIB:.2f} GiB per step"
     )
@@ -236,7 +238,8 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
                    "hosted": [name for name, h in zip(g.params, g.hosts) if h == host], "teamed": []}
                   for g in schedule.tp.ranks[0].groups]
         return {"rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
-                "load": device.load, "state_bytes": device.state_bytes, "bytes_sent": device.bytes_sent,
+                "load": device.load, "state_bytes": device.state_bytes, "peak_bytes": device.peak_bytes,
+                "bytes_sent": device.bytes_sent,
                 "bytes_received": device.bytes_received, "owned": [n for g in groups for n in g["hosted"]], "slices": [],
                 "groups": groups, "sharding": req.sharding}
     slices = [
@@ -254,7 +257,8 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
     ]
     return {
         "rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
-        "load": device.load, "state_bytes": device.state_bytes, "bytes_sent": device.bytes_sent,
+        "load": device.load, "state_bytes": device.state_bytes, "peak_bytes": device.peak_bytes,
+        "bytes_sent": device.bytes_sent,
         "bytes_received": device.bytes_received,
         "owned": [p.name for p in schedule.params if p.owner == dp_rank], "slices": slices, "groups": groups,
     }
@@ -266,7 +270,8 @@ def rank_text(part: dict[str, Any]) -> str:
         f"device {part['rank']} = dp rank {part['dp_rank']}, tp rank {part['tp_rank']} of {part['model']} "
         f"tp {part['tp']} x dp {part['dp']}",
         f"compute load {part['load']:.4g}  state {part['state_bytes'] / GIB:.3f} GiB  "
-        f"sent {part['bytes_sent'] / GIB:.3f} GiB  received {part['bytes_received'] / GIB:.3f} GiB per step",
+        + (f"peak memory {part['peak_bytes'] / GIB:.3f} GiB  " if part.get("peak_bytes") is not None else "")
+        + f"sent {part['bytes_sent'] / GIB:.3f} GiB  received {part['bytes_received'] / GIB:.3f} GiB per step",
         "",
         f"owns {plural(len(part['owned']), 'matrix', 'matrices')}; slices of the matrix buffer:",
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from importlib import metadata
+from typing import Any
 
 from canzona.planner.partition.baselines import BaselineLoads
 from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
@@ -42,6 +43,7 @@ from canzona.schedules.format import (
     model_parameters,
     sealed,
 )
+from canzona.schedules.costs import predicted_peak_bytes
 from canzona.schedules.limits import recorded_settings
 
 
@@ -323,12 +325,23 @@ def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) ->
         metrics=Metrics(
             dp=_dp_metrics(plan, buckets, expert_buckets),
             tp=_tp_metrics(plan),
-            device=[DeviceMetrics(**vars(figure)) for figure in device_figures(plan, plan.chosen_groups)],
+            device=_device_metrics(plan, [*buckets, *expert_buckets, *adamw_buckets]),
             solver=SolverMetrics(**vars(plan.solver)) if plan.solver else None,
             **_searches(search),
         ),
     )
     return sealed(schedule)
+
+
+def _device_metrics(plan: Plan, buckets: list[Any]) -> list[DeviceMetrics]:
+    """Every device's figures, with its predicted peak memory (the bucket buffer holds every
+    bucket whole on every device)."""
+    buffer, largest = sum(b.numel for b in buckets), max((b.numel for b in buckets), default=0)
+    return [
+        DeviceMetrics(**vars(figure), peak_bytes=predicted_peak_bytes(
+            figure.state_bytes, buffer, largest, plan.request.group_bytes, plan.request.dp))
+        for figure in device_figures(plan, plan.chosen_groups)
+    ]
 
 
 def plan_request(request: Request, model_source: str | None = None) -> PlanRequest:

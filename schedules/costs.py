@@ -120,3 +120,18 @@ def param_state_bytes(numel: int, dtype: str, submatrices: Sequence[tuple[int, i
     if not submatrices:
         return float(ADAMW_STATE_BYTES_PER_ELEMENT * numel) + main
     return sum(matrix_state_bytes(rows, cols, settings) for rows, cols in submatrices) + main
+
+
+REDUCTION_BYTES_PER_ELEMENT = 4  # the runtime reduces gradients in an fp32 bucket buffer
+
+
+def predicted_peak_bytes(state_bytes: float, buffer_elements: int, largest_bucket: int, group_bytes: int,
+                         dp: int) -> float:
+    """A device's predicted peak optimizer memory above its parameters and gradients under
+    `CanzonaOptimizer`: the fp32 bucket buffer (every DP bucket whole, `buffer_elements`), its
+    optimizer state (`state_bytes`: hosted matrices' state and main copies, its AdamW slices'),
+    and a step's transients: a micro-group's gathered gradients and Newton-Schulz workspace,
+    bounded by the micro-group capacity `group_bytes`, and over DP one bucket's collective
+    buffer (fp32). `benchmarks/memory.py` compares it with the measured peak."""
+    collective = REDUCTION_BYTES_PER_ELEMENT * largest_bucket if dp > 1 else 0
+    return float(REDUCTION_BYTES_PER_ELEMENT * buffer_elements + state_bytes + group_bytes + collective)

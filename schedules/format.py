@@ -279,7 +279,9 @@ class TpMetrics(_Strict):
 
 class DeviceMetrics(_Strict):
     """One device (global rank = dp_rank · tp + tp_rank): its optimizer compute, state bytes,
-    and bytes it sends / receives per step in the TP all-to-alls."""
+    bytes it sends / receives per step in the TP all-to-alls, and (`peak_bytes`, plans for
+    `CanzonaOptimizer`) its predicted peak optimizer memory above parameters and gradients
+    (`costs.predicted_peak_bytes`)."""
 
     rank: Count
     dp_rank: Count
@@ -288,6 +290,7 @@ class DeviceMetrics(_Strict):
     state_bytes: float
     bytes_sent: Count
     bytes_received: Count
+    peak_bytes: float | None = None
 
 
 class SolverMetrics(_Strict):

@@ -150,6 +150,8 @@ def _check_devices(schedule: Schedule, layout: FsdpLayout, hosts: dict[str, int]
         fail(f"metrics.device must list ranks 0..{world - 1} as dp_rank * tp + tp_rank, in order")
     if any(d.load < 0 or d.state_bytes < 0 for d in devices):
         fail("metrics.device: loads and state bytes must be non-negative")
+    if any(d.peak_bytes is not None for d in devices):
+        fail("metrics.device: peak_bytes is predicted for CanzonaOptimizer plans, not for FSDP ones")
     _check_memory(schedule, layout, hosts)
     matrices = [e for e in schedule.params if e.optimizer == MATRIX]
     traffic = fragment_traffic([(e.shape, e.tp_dim, hosts[e.name]) for e in matrices], layout)

@@ -13,7 +13,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from canzona.schedules.checks import REL_TOL, dp_rank_of, expect, fail
-from canzona.schedules.costs import BUILT_IN_COSTS, adamw_bytes_per_element, adamw_cost, param_state_bytes
+from canzona.schedules.costs import BUILT_IN_COSTS, adamw_bytes_per_element, adamw_cost, param_state_bytes, predicted_peak_bytes
 from canzona.schedules.figures import BASELINE_PADDING, Member, baseline_loads, bucket_traffic, micro_group_traffic
 from canzona.schedules.geometry import DTYPE_BYTES, GRAD_BYTES_PER_ELEMENT, PARAM_ALIGNMENT, padded_bucket_numel, round_up, slice_sizes
 from canzona.schedules.limits import ADAMW, MATRIX, TP_MODES
@@ -297,12 +297,17 @@ def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[lis
         for rank, size in enumerate(sizes):
             elements[rank] += size
     per_element, traffic = adamw_bytes(schedule), _traffic(schedule)
+    sizes = [b.numel for b in (*schedule.dp.buckets, *schedule.dp.expert_buckets, *schedule.dp.adamw_buckets)]
+    buffer, largest = sum(sizes), max(sizes, default=0)
     for d in devices:
         if req.cost in BUILT_IN_COSTS:
             expect(f"metrics.device[{d.rank}].load", d.load, hosted[d.rank] + schedule.metrics.dp.adamw_load[d.dp_rank] / req.tp,
                    "its hosted matrices plus its share of metrics.dp.adamw_load")
         expect(f"metrics.device[{d.rank}].state_bytes", d.state_bytes, held[d.rank] + per_element * elements[d.dp_rank],
                "the state of its hosted matrices (a team member: its share) and of its AdamW slice")
+        if d.peak_bytes is not None:
+            expect(f"metrics.device[{d.rank}].peak_bytes", d.peak_bytes, predicted_peak_bytes(
+                d.state_bytes, buffer, largest, req.group_bytes, req.dp), "the bucket buffer, its state and a step's transients")
         if (d.bytes_sent, d.bytes_received) != traffic[d.rank]:
             fail(f"metrics.device[{d.rank}]: bytes sent and received are {d.bytes_sent} and {d.bytes_received}, but its "
                  f"buckets' collectives and micro-groups move {traffic[d.rank][0]} and {traffic[d.rank][1]}")

@@ -115,14 +115,15 @@ def test_show_text_json_and_rank(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert run(["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4", "-o", str(target)], capsys)[0] == 0
     code, out, _ = run(["show", str(target)], capsys)
     assert code == 0
-    for needle in ("imbalance", "start-owner", "layer-wise", "rollback", "compute load per device"):
+    for needle in ("imbalance", "start-owner", "layer-wise", "rollback", "compute load per device",
+                   "predicted peak memory max"):
         assert needle in out
     assert "sorted" not in out and "heap" not in out  # only the chosen mode is recorded
     code, out, _ = run(["show", str(target), "--json"], capsys)
     data = json.loads(out)
     assert code == 0 and data["request"]["dp"] == 4 and len(data["metrics"]["device"]) == 8
     code, out, _ = run(["show", str(target), "--rank", "3"], capsys)
-    assert code == 0 and out.startswith("device 3 = dp rank 1, tp rank 1")
+    assert code == 0 and out.startswith("device 3 = dp rank 1, tp rank 1") and "peak memory" in out
     code, _, err = run(["show", str(target), "--rank", "8"], capsys)
     assert code == 2 and "outside the world of 8 devices" in err
 

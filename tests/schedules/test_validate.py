@@ -274,3 +274,22 @@ def test_registration_order_is_checked_and_free_order_is_not() -> None:
 
 def test_alpha_search_goes_with_alpha_device() -> None:
     rejected(dense(), lambda d: d["request"].update(alpha_device="h100"), "alpha_device")
+
+
+def test_predicted_peak_memory_is_recomputed() -> None:
+    """Each device's peak_bytes is its bucket buffer (fp32, every bucket), its state and a step's
+    transients (a micro-group's capacity, one bucket over DP); a tampered figure is refused, an
+    older file without it still reads."""
+    schedule = dense()
+    buckets = [*schedule.dp.buckets, *schedule.dp.expert_buckets, *schedule.dp.adamw_buckets]
+    for device in schedule.metrics.device:
+        expected = (4 * sum(b.numel for b in buckets) + device.state_bytes + schedule.request.group_bytes
+                    + 4 * max(b.numel for b in buckets))
+        assert device.peak_bytes == pytest.approx(expected)
+    rejected(schedule, lambda d: d["metrics"]["device"][3].__setitem__("peak_bytes", 1.0), "metrics.device[3].peak_bytes")
+
+    def without_peaks(data: dict[str, Any]) -> None:
+        for device in data["metrics"]["device"]:
+            device.pop("peak_bytes")
+
+    assert parse_schedule(edited(schedule, without_peaks), "plan.yaml").metrics.device[0].peak_bytes is None
