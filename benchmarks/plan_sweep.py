@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost
 from canzona.planner.partition.dp import DpInstance, lower_bound, partition, rank_loads
 from canzona.planner.partition.layout import build_buffer
-from canzona.planner.plan import dp_instance
+from canzona.planner.buffers import dp_instance
 from canzona.planner.sources.catalog import PRESETS
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, PlanError

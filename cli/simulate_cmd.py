@@ -19,7 +19,7 @@ from canzona.cli.wording import table_unit
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
 from canzona.planner.predict.hardware import CPU_GPUS_PER_NODE, Device
-from canzona.planner.predict.simulate import Simulation
+from canzona.planner.predict.simulate import AS_RECORDED, DP_COLLECTIVE_CHOICES, Simulation
 from canzona.schedules.format import Schedule
 
 STEP_FIELDS = ("name", "description", "step", "compute", "comm", "exposed_comm", "dp_comm", "tp_comm", "critical_device")
@@ -31,7 +31,8 @@ def simulation_dict(sim: Simulation) -> dict[str, Any]:
     ratios, iteration_ratios = sim.ratios(), sim.iteration_ratios()
     data: dict[str, Any] = {
         "model": sim.model, "tp": sim.tp, "dp": sim.dp, "ep": sim.ep, "optimizer": sim.optimizer,
-        "hardware": asdict(sim.hardware), "time_model": sim.time_model, "fused": sim.fused, "rooted": sim.rooted,
+        "hardware": asdict(sim.hardware), "time_model": sim.time_model, "fused": sim.fused,
+        "dp_collectives": sim.dp_collectives,
         "strategies": [
             {**{key: getattr(s, key) for key in STEP_FIELDS}, "optimizer_stage": s.optimizer_stage, "ratio": ratios[s.name]}
             for s in sim.strategies
@@ -67,15 +68,20 @@ def _header(sim: Simulation) -> list[str]:
         + f", α {hw.latency * 1e6:.3g} µs per step",
         f"source: {hw.source}",
         "DP collectives: " + ("one fused exchange per buffer" if sim.fused else "one per bucket")
-        + ("; canzona's uneven ones as rooted reduces/broadcasts" if sim.rooted else "; canzona's uneven ones as all_to_all"),
+        + ("; canzona's matrix buckets as the schedule records them" if sim.dp_collectives == AS_RECORDED
+           else f"; every canzona matrix bucket as {sim.dp_collectives}"),
     ]
     if sim.training is not None:
         tr, canzona = sim.training, sim.iteration("canzona")
         lines.append(
             f"training: global batch {tr.global_batch} x {tr.seq_len} tokens, {tr.validate(sim.dp)} micro-batches per DP "
-            f"rank; forward+backward {hw.training_flops() / 1e12:.3g} TFLOP/s per device (6 x params x tokens); "
-            "canzona: gradient reduction " + ("overlapped with backward" if canzona.overlap_grad else "after backward")
-            + ", parameter gather " + ("overlapped with the next forward" if canzona.overlap_param else "before the step returns")
+            f"rank; forward+backward {hw.training_flops() / 1e12:.3g} TFLOP/s per device (6 x params x tokens)"
+        )
+        lines.append(
+            "overlap, the same for every strategy that has such collectives: gradient reduction "
+            + ("overlapped with backward" if canzona.overlap_grad else "after backward") + ", parameter gather "
+            + ("overlapped with the next forward" if canzona.overlap_param else "before the step returns")
+            + " (defaults: the runtime's and Megatron-Core's, --overlap-param-gather to change)"
         )
     return lines + [""]
 
@@ -167,12 +173,12 @@ def simulate(
     gpus_per_node: Annotated[Optional[int], typer.Option(help="Devices per node.")] = None,
     latency_us: Annotated[Optional[float], typer.Option(help="α: microseconds per collective step.")] = None,
     fused: Annotated[bool, typer.Option("--fused", help="One DP collective per buffer instead of one per bucket.")] = False,
-    dp_collectives: Annotated[str, typer.Option(help="How the runtime does canzona's uneven DP collectives: rooted (its default) or all_to_all.")] = "rooted",
+    dp_collectives: Annotated[str, typer.Option(help="canzona's matrix buckets: schedule (each bucket's recorded collective, the runtime's default), or ring, rooted or all_to_all for every bucket.")] = AS_RECORDED,
     global_batch: Annotated[int, typer.Option(help="Iteration: sequences per optimizer step, over all DP ranks.")] = DEFAULT_GLOBAL_BATCH,
     seq_len: Annotated[int, typer.Option(help="Iteration: tokens per sequence.")] = DEFAULT_SEQ_LEN,
     micro_batches: Annotated[Optional[int], typer.Option(help="Iteration: forward/backward passes per DP rank (default: global batch / dp).")] = None,
-    overlap_grad_reduce: Annotated[bool, typer.Option(help="canzona and TP-SC reduce gradients during backward (the runtime's default).")] = True,
-    overlap_param_gather: Annotated[bool, typer.Option(help="canzona and TP-SC gather parameters during the next forward (runtime option).")] = False,
+    overlap_grad_reduce: Annotated[bool, typer.Option(help="Every strategy reduces gradients during backward (the runtime's default).")] = True,
+    overlap_param_gather: Annotated[bool, typer.Option(help="Every strategy with per-bucket parameter gathers runs them during the next forward (a runtime option).")] = False,
     train_tflops: Annotated[Optional[float], typer.Option(help="Achieved training forward+backward TFLOP/s per device (default: the device model's).")] = None,
     routed_fraction: Annotated[Optional[float], typer.Option(help="MoE: top_k / num_experts (default: from the model's preset or config).")] = None,
     step_only: Annotated[bool, typer.Option("--step-only", help="Predict the optimizer step only, not the iteration.")] = False,
@@ -184,8 +190,8 @@ def simulate(
     from canzona.planner.spec import PlanError
 
     _check_network(gpus_per_node, intra_gbps, inter_gbps, latency_us, train_tflops)
-    if dp_collectives not in ("rooted", "all_to_all"):
-        raise PlanError(f"--dp-collectives must be rooted or all_to_all, got {dp_collectives!r}")
+    if dp_collectives not in DP_COLLECTIVE_CHOICES:
+        raise PlanError(f"--dp-collectives must be one of {', '.join(DP_COLLECTIVE_CHOICES)}, got {dp_collectives!r}")
     refuse_unless(not step_only, ("global_batch", "seq_len", "micro_batches", "overlap_grad_reduce",
                                   "overlap_param_gather", "train_tflops", "routed_fraction"),
                   "--step-only predicts no training iteration")
@@ -209,7 +215,7 @@ def simulate(
     chosen = schedule_device(schedule, device, (intra_gbps, inter_gbps, gpus_per_node, latency_us), train_tflops)
     config = optimizer_config(schedule)
     sim = run_simulation(schedule, chosen.hardware, chosen.time_model(config), fused=fused,
-                         rooted=dp_collectives == "rooted", training=training, overlap_grad_reduce=overlap_grad_reduce,
+                         dp_collectives=dp_collectives, training=training, overlap_grad_reduce=overlap_grad_reduce,
                          overlap_param_gather=overlap_param_gather, routed_fraction=routed_fraction)
     typer.echo(json.dumps(simulation_dict(sim), indent=2) if as_json else simulation_text(sim))
 

@@ -6,13 +6,15 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from canzona.planner.partition.baselines import BaselineLoads
+from canzona.planner.partition.collectives import REFERENCE_NETWORK, Link, choose_collective, layout_links
 from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
-from canzona.planner.partition.devices import device_figures, device_lower_bound, tp_score
+from canzona.planner.partition.devices import device_figures, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MODES, MicroGroup, Task, group_stats
 from canzona.planner.fsdp import FsdpPlan, compile_fsdp
-from canzona.planner.plan import AutoSearch, BufferPlan, Plan, PlanRequest, TrainingSetup
-from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec
+from canzona.planner.buffers import BufferPlan
+from canzona.planner.plan import AutoSearch, Plan, PlanRequest, TrainingSetup
+from canzona.planner.spec import DTYPE_BYTES, MATRIX, ModelOptions, ModelSpec
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,
@@ -159,10 +161,13 @@ def _score(loads: tuple[float, ...] | list[float], total: float, bound: float, p
     )
 
 
-def _buckets(buffer: BufferPlan) -> list[BucketEntry]:
+def _buckets(plan: Plan, buffer: BufferPlan, link: Link) -> list[BucketEntry]:
+    """The buffer's buckets, each with the collective cheapest on `link` (its DP group's link on
+    the reference network) at its slices: gradients in fp32, parameters in their dtype."""
     buckets = []
     for bucket, cuts in zip(buffer.layout.buckets, buffer.cuts):
         slices = slice_sizes(cuts)
+        param_bytes = DTYPE_BYTES[plan.model.params[bucket.entries[0].param].dtype]
         buckets.append(
             BucketEntry(
                 index=bucket.index,
@@ -170,6 +175,7 @@ def _buckets(buffer: BufferPlan) -> list[BucketEntry]:
                 cuts=list(cuts),
                 slice_bytes=[GRAD_BYTES_PER_ELEMENT * s for s in slices],
                 padding_overhead=_ratio(buffer.num_ranks * max(slices), bucket.numel, 1.0),
+                collective=choose_collective(link, slices, param_bytes),
             )
         )
     return buckets
@@ -249,16 +255,10 @@ def _pieces_of(tasks: Sequence[Task], groups: Sequence[MicroGroup]) -> list[floa
     return [cost for group in groups for _, cost, _ in group.placements(tasks)]
 
 
-def _pieces(plan: Plan) -> list[float]:
-    """Every DP rank's indivisible units of optimizer work (`_pieces_of`)."""
-    return [cost for tasks, groups in zip(plan.tasks, plan.chosen_groups) for cost in _pieces_of(tasks, groups)]
-
-
 def _tp_metrics(plan: Plan) -> TpMetrics:
     scores = {mode: tp_score(plan, plan.groups[mode]) for mode in MODES}
     chosen = scores[plan.request.tp_mode]
-    loads = [figure.load for figure in device_figures(plan, plan.chosen_groups)]
-    bound = device_lower_bound(loads, _pieces(plan))
+    bound = plan.device_lower_bound
     return TpMetrics(
         mode=plan.request.tp_mode,
         num_groups=chosen.num_groups,
@@ -299,8 +299,10 @@ def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) ->
     `--bucket-size auto` tried."""
     if isinstance(plan, FsdpPlan):
         return compile_fsdp(plan)
-    buckets = _buckets(plan.dense)
-    expert_buckets = _buckets(plan.expert) if plan.expert is not None else []
+    req = plan.request
+    dp_link, expert_link, _ = layout_links(REFERENCE_NETWORK, req.tp, req.dp, req.ep)
+    buckets = _buckets(plan, plan.dense, dp_link)
+    expert_buckets = _buckets(plan, plan.expert, expert_link) if plan.expert is not None else []
     adamw_buckets = [
         AdamwBucketEntry(index=b.index, numel=b.numel, cuts=list(equal_cuts(b.numel, plan.request.dp)))
         for b in plan.adamw_layout.buckets

@@ -31,6 +31,7 @@ from functools import cached_property
 from typing import Any
 
 from canzona.schedules.format import ParamEntry, Schedule
+from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE
 from canzona.runtime.schedule import ADAMW, MATRIX, local_shape
 
 EXPERT = "expert"  # the expert buffer (a matrix buffer cut over the expert-DP group)
@@ -71,7 +72,8 @@ class DpBucket:
     parameters, and the DP ranks of its group in group-rank order (every DP rank; for an
     expert bucket the expert-DP group). `lead`: the registration index that orders an expert
     bucket, that of EP rank 0's expert at its start, so that every EP rank issues the buckets
-    in one order (the simulator's)."""
+    in one order (the simulator's). `collective`: how the schedule says to reduce and gather
+    it (`canzona.schedules.limits.BUCKET_COLLECTIVES`; AdamW buckets, equal slices: "ring")."""
 
     kind: str
     index: int
@@ -81,6 +83,7 @@ class DpBucket:
     params: tuple[int, ...]
     dp_ranks: tuple[int, ...] = ()
     lead: int | None = None
+    collective: str = DEFAULT_BUCKET_COLLECTIVE
 
     @property
     def numel(self) -> int:
@@ -232,7 +235,8 @@ def _buckets(schedule: Schedule, entries: list[ParamEntry], buffers: dict[str, A
             out.append(DpBucket(kind, index, base, tuple(bucket.cuts),
                                 tuple(starts[r] + segment[(kind, index, r)] for r in ranks),
                                 tuple(sorted(params.get((kind, index), []))), ranks,
-                                leads.get(index) if kind == EXPERT else None))
+                                leads.get(index) if kind == EXPERT else None,
+                                "ring" if kind == ADAMW else bucket.collective))
             base += bucket.cuts[-1]
     flat, bucket_of = [0] * len(schedule.params), [0] * len(schedule.params)
     for entry in entries:

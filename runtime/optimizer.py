@@ -75,11 +75,11 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
     groups and the other ranks, and raises `ScheduleMismatchError` on every rank if anything is
     wrong. `timeout` (seconds or a timedelta) bounds every collective of a step (None: the
     process groups' own); `check_finite` makes a non-finite local gradient fail the step on
-    every rank. `dp_collectives`, per bucket: "rooted" (default: one reduce to and one
-    broadcast from each non-empty slice's owner, a native reduce-scatter / all-gather where the
-    slices are equal: every link carries a bucket about once however uneven the cuts; the
-    backend's summation order) or "all_to_all" (one all_to_all_single each way, summed here in
-    rank order). `overlap_grad_reduce` (default on): each bucket's reduction starts from
+    every rank. `dp_collectives`: "schedule" (default: each bucket as the schedule records it),
+    or one form for every bucket: "ring" (a native reduce-scatter / all-gather over slices
+    padded to the largest), "rooted" (one reduce to and one broadcast from each non-empty
+    slice's owner, a native ring where the slices are equal; the backend's summation order) or
+    "all_to_all" (one all_to_all_single each way, summed here in rank order). `overlap_grad_reduce` (default on): each bucket's reduction starts from
     backward as soon as its gradients exist (gradient hooks; `no_sync()` for accumulation);
     `overlap_param_gather` (default off; needs `model`): the step returns with its parameter
     gathers in flight and each module of `model` waits for its own before its forward. Other
@@ -93,7 +93,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
                  mesh: Any = None, expert_dp_group: dist.ProcessGroup | None = None,
                  timeout: float | timedelta | None = None, check_finite: bool = False,
-                 dp_collectives: str = "rooted", grad_attr: str = "grad", overlap_grad_reduce: bool = True,
+                 dp_collectives: str = comm.AS_SCHEDULED, grad_attr: str = "grad", overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = False, model: torch.nn.Module | None = None, **defaults: Any) -> None:
         given = experts.materialized(list(params))
         if dp_collectives not in comm.DP_COLLECTIVES:
@@ -469,7 +469,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         group, ranks, rank = self._bucket_group(b)
         dests = {p: grads[b.region_starts[p] - self._base : b.region_starts[p] - self._base + b.slices[p]]
                  for p, r in enumerate(b.dp_ranks) if r in self._ranks}
-        mode = self.dp_collectives if self.gathers else comm.ALL_REDUCE
+        mode = comm.bucket_mode(b, self.dp_collectives) if self.gathers else comm.ALL_REDUCE
         return comm.start_reduce(self._send, b, mode, rank, group, ranks, dests, self.dp_size)
 
     def _start_gather(self, bucket: int, gathered: Tensor, out: Tensor) -> comm.Pending:
@@ -478,7 +478,7 @@ class CanzonaOptimizer(UpdateStage, torch.optim.Optimizer):
         group, ranks, rank = self._bucket_group(b)
         start = b.region_starts[rank] - self._base
         mine = out[start : start + b.slices[rank]]
-        return comm.start_gather(gathered, mine, b, self.dp_collectives, rank, group, ranks)
+        return comm.start_gather(gathered, mine, b, comm.bucket_mode(b, self.dp_collectives), rank, group, ranks)
 
     def _targets(self, active: list[bool]) -> list[Tensor | None]:
         return [flat if active[i] else None for i, flat in enumerate(self._flat_params)]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from math import lcm, prod
 from typing import TYPE_CHECKING, Any
 
+from canzona.schedules.bounds import dp_lower_bound
 from canzona.schedules.geometry import (
     BUCKET_END_ALIGNMENT,
     DTYPE_BYTES,
@@ -29,6 +30,7 @@ from canzona.schedules.geometry import (
 )
 from canzona.schedules.limits import (
     ADAMW,
+    BUCKET_COLLECTIVES,
     FSDP,
     COOP_MODES,
     GRAD_REDUCE_AXES,
@@ -351,6 +353,9 @@ def _check_cuts(kind: str, position: int, bucket: BucketEntry, members: list[Par
         _fail(f"{kind} bucket {position}: slice_bytes disagree with its cuts")
     overhead = num_ranks * max(slices) / numel if numel else 1.0
     _expect(f"{kind} bucket {position} padding_overhead", bucket.padding_overhead, overhead, "D x largest slice / numel")
+    problem = choice_problem(f"{kind} bucket {position} collective", bucket.collective, BUCKET_COLLECTIVES)
+    if problem:
+        _fail(problem)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,9 +453,13 @@ def _check_dp_metrics(schedule: Schedule, loads: list[float], dense_costs: list[
     for rank, (recorded, derived) in enumerate(zip(m.load, loads)):
         _expect(f"metrics.dp.load[{rank}]", recorded, derived, f"the costs of the matrices DP rank {rank} owns")
     total = sum(loads)
-    base = expert_loads if req.ep > 1 else [0.0] * req.dp
-    bound = max(total / req.dp, max(dense_costs, default=0.0) + min(base), max(base))
-    _expect("metrics.dp.lower_bound", m.lower_bound, bound, "max(total / D, largest matrix + least expert load)")
+    bound = dp_lower_bound([e.cost for e in schedule.params if e.optimizer == MATRIX], req.dp)
+    if not _close(m.lower_bound, bound):
+        # Files written before the plan-independent bound recorded the partition's own one.
+        base = expert_loads if req.ep > 1 else [0.0] * req.dp
+        former = max(total / req.dp, max(dense_costs, default=0.0) + min(base), max(base))
+        _expect("metrics.dp.lower_bound", m.lower_bound, former if _close(m.lower_bound, former) else bound,
+                "the pairing bound of every matrix's cost over D ranks")
     _check_score("metrics.dp", m, m.lower_bound, total)
     section = schedule.dp
     slice_bytes = [sum(b.slice_bytes[r] for b in section.buckets) + sum(b.slice_bytes[r // req.ep] for b in section.expert_buckets)
@@ -529,23 +538,27 @@ def _check_devices(schedule: Schedule) -> None:
     mean = sum(device_loads) / len(device_loads)
     _expect("metrics.tp.worst_device_load", m.worst_device_load, max(device_loads), "metrics.device")
     _expect("metrics.tp.device_imbalance", m.device_imbalance, max(device_loads) / mean if mean else 1.0, "metrics.device")
-    _check_device_bound(schedule, mean)
+    _check_device_bound(schedule)
 
 
-def _check_device_bound(schedule: Schedule, mean: float) -> None:
-    """device_lower_bound = max(mean device load, largest hosted piece: a matrix, or a team
-    member's share); device_gap from it."""
-    m = schedule.metrics.tp
+def _check_device_bound(schedule: Schedule) -> None:
+    """device_lower_bound lies between what the file alone proves (the mean of the matrices'
+    own work plus every device's AdamW, the largest AdamW load) and the worst device (no plan
+    beats the bound, this one included); device_gap from it. (The bound also counts the
+    smallest share a team can give each matrix, which the planner prices; `canzona check`
+    regenerates it exactly.)"""
+    m, req = schedule.metrics.tp, schedule.request
     if m.device_lower_bound is None or m.device_gap is None:
         if (m.device_lower_bound, m.device_gap) != (None, None):
             _fail("metrics.tp: device_lower_bound and device_gap come together")
         return
-    entries = {e.name: e for e in schedule.params}
-    largest = max((cost for plan in schedule.tp.ranks for g in plan.groups for _, cost, _ in placements(g, entries)),
-                  default=0.0)
-    bound = max(mean, largest)
-    _expect("metrics.tp.device_lower_bound", m.device_lower_bound, bound,
-            "max(mean of metrics.device loads, largest piece hosted in the tp section)")
+    adamw = [schedule.metrics.dp.adamw_load[d.dp_rank] / req.tp for d in schedule.metrics.device]
+    work = sum(e.cost for e in schedule.params if e.optimizer == MATRIX)
+    floor = max((work + sum(adamw)) / len(adamw), max(adamw)) if req.cost in LINEAR_ADAMW_COSTS else 0.0
+    bound = m.device_lower_bound
+    if not floor * (1 - REL_TOL) <= bound <= m.worst_device_load * (1 + REL_TOL):
+        _fail(f"metrics.tp.device_lower_bound {bound!r} is not between the mean work per device {floor!r} and "
+              f"the worst device load {m.worst_device_load!r}")
     _expect("metrics.tp.device_gap", m.device_gap, m.worst_device_load / bound - 1 if bound else 0.0,
             "metrics.tp.worst_device_load / device_lower_bound - 1")
 

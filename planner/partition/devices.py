@@ -9,11 +9,10 @@ new bf16/fp16 values instead for low-precision matrices, which this counts at fp
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model
+from canzona.planner.partition.costs import CostModel, adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MicroGroup, Task, group_stats
 from canzona.planner.spec import DTYPE_BYTES
@@ -93,13 +92,24 @@ def _add_moved(traffic: dict[tuple[int, int], tuple[int, int]], dp_rank: int, tp
         traffic[(dp_rank, tp_rank)] = (sent + moved[0], received + moved[1])
 
 
+def adamw_elements(layout: BufferLayout, dp: int) -> list[int]:
+    """Per DP rank, the elements of its equal slices of the AdamW buffer `layout` (on each of
+    its devices: TP shards)."""
+    cuts = [equal_cuts(bucket.numel, dp) for bucket in layout.buckets]
+    return [sum(slice_sizes(bucket_cuts)[r] for bucket_cuts in cuts) for r in range(dp)]
+
+
+def adamw_loads(layout: BufferLayout, dp: int, cost: CostModel) -> list[float]:
+    """Per DP rank, the AdamW cost each of its devices pays (fixed by the layout, not the plan)."""
+    return [cost.adamw_cost(elements) for elements in adamw_elements(layout, dp)]
+
+
 def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> list[DeviceFigures]:
     """Every device's figures under the given micro-groups."""
     req = plan.request
     index_of = {param.name: index for index, param in enumerate(plan.model.params)}
-    adamw_cuts = [equal_cuts(bucket.numel, req.dp) for bucket in plan.adamw_layout.buckets]
-    adamw_elements = [sum(slice_sizes(cuts)[r] for cuts in adamw_cuts) for r in range(req.dp)]
-    adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
+    elements = adamw_elements(plan.adamw_layout, req.dp)
+    adamw = adamw_loads(plan.adamw_layout, req.dp, make_cost_model(req.cost, req.optimizer))
     adamw_bytes = adamw_slice_bytes_per_element(plan.model.params)
     matrix_traffic = _dp_traffic(plan, plan.dense.layout, list(plan.dense.cuts), req.dp)
     if plan.expert is not None:
@@ -108,6 +118,7 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
             (sent + expert[r // req.ep][0], received + expert[r // req.ep][1])
             for r, (sent, received) in enumerate(matrix_traffic)
         ]
+    adamw_cuts = [equal_cuts(bucket.numel, req.dp) for bucket in plan.adamw_layout.buckets]
     adamw_traffic = _dp_traffic(plan, plan.adamw_layout, adamw_cuts, req.dp)
     tp_traffic = _tp_traffic(plan, groups)
     figures = []
@@ -126,21 +137,13 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
                     rank=dp_rank * req.tp + tp_rank,
                     dp_rank=dp_rank,
                     tp_rank=tp_rank,
-                    load=hosted_cost[tp_rank] + adamw_cost(adamw_elements[dp_rank]),
-                    state_bytes=hosted_state[tp_rank] + adamw_bytes * adamw_elements[dp_rank],
+                    load=hosted_cost[tp_rank] + adamw[dp_rank],
+                    state_bytes=hosted_state[tp_rank] + adamw_bytes * elements[dp_rank],
                     bytes_sent=matrix_traffic[dp_rank][0] + adamw_traffic[dp_rank][0] + tp_sent,
                     bytes_received=matrix_traffic[dp_rank][1] + adamw_traffic[dp_rank][1] + tp_received,
                 )
             )
     return figures
-
-
-def device_lower_bound(loads: Sequence[float], pieces: Iterable[float]) -> float:
-    """max(total / devices, largest indivisible piece): no plan of these pieces (each on one
-    device; the rest, e.g. AdamW slices, divisible at will) has a lower worst device load.
-    `loads` are every device's loads (their sum is the total), `pieces` the costs of the
-    indivisible units of work (a matrix update hosted on one device)."""
-    return max(sum(loads) / len(loads) if loads else 0.0, max(pieces, default=0.0))
 
 
 def tp_score(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> TpScore:

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from canzona.planner.spec import PlanError
+from canzona.schedules.bounds import dp_lower_bound
 
 BISECTION_STEPS = 100
 NARROW_INTERVAL = 48
@@ -72,12 +73,11 @@ class DpAssignment:
 
 
 def lower_bound(instance: DpInstance) -> float:
-    """max(total / D, largest item + least base load, largest base load): no partition can
-    have a smaller max load (without base loads: max(total / D, largest single item))."""
-    costs = [cost for bucket in instance.costs for cost in bucket]
-    base = instance.initial_loads()
-    total = sum(costs) + sum(base)
-    return max(total / instance.num_ranks, max(costs, default=0.0) + min(base), max(base))
+    """No partition of `instance` has a smaller max load: the mean, the largest item on the
+    least loaded rank, and the pairing bounds of the largest items
+    (`canzona.schedules.bounds.dp_lower_bound`; the base loads included)."""
+    return dp_lower_bound([cost for bucket in instance.costs for cost in bucket], instance.num_ranks,
+                          instance.base_loads)
 
 
 def rank_loads(instance: DpInstance, owners: tuple[tuple[int, ...], ...]) -> list[float]:
@@ -155,11 +155,17 @@ def slice_caps(instance: DpInstance, alpha: float) -> tuple[int, ...]:
     if not 0.0 <= alpha <= 1.0:
         raise PlanError(f"alpha must be in [0, 1], got {alpha}")
     caps = []
-    for spans in instance.spans:
-        total, best = sum(spans), min_max_slice(spans, instance.num_ranks)
+    for spans, best in zip(instance.spans, _best_slices(instance.spans, instance.num_ranks)):
+        total = sum(spans)
         cap = total if alpha == 1.0 else int(best ** (1.0 - alpha) * total**alpha)
         caps.append(min(total, max(best, cap)))
     return tuple(caps)
+
+
+@functools.lru_cache(maxsize=16)
+def _best_slices(spans: tuple[tuple[int, ...], ...], num_ranks: int) -> tuple[int, ...]:
+    """`min_max_slice` of every bucket, remembered: every α of a plan's ladder needs them."""
+    return tuple(min_max_slice(bucket, num_ranks) for bucket in spans)
 
 
 def solve_contiguous(instance: DpInstance, caps: tuple[int, ...]) -> list[list[int]]:
@@ -505,7 +511,7 @@ def partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()
     if not any(instance.costs):
         return DpAssignment(tuple(() for _ in instance.costs), "empty")
     caps = slice_caps(instance, alpha)
-    own = _solve(instance, caps)
+    own = solve(instance, caps)
     own_load = max(rank_loads(instance, own.owners))
     coarser = [ladder for ladder in ALPHA_LADDER if ladder < alpha]
     if own_load <= lower_bound(instance) * (1 + 1e-12) or not (coarser or seeds):
@@ -524,12 +530,12 @@ def partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()
 
 
 Owners = tuple[tuple[int, ...], ...]
-ALPHA_LADDER = (0.0, 0.5)
-"""Coarser α whose plans seed every finer one: plans at 0, 0.5 and any larger α never get
-worse as α grows (other coarser α can be passed as seeds, as `--alpha auto` does)."""
+ALPHA_LADDER = (0.0, 0.25, 0.5, 0.75)
+"""Coarser α whose plans seed every finer one: plans at 0, 0.25, 0.5, 0.75 and any larger α
+never get worse as α grows (other coarser α can be passed as seeds, as `--alpha auto` does)."""
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=32)
 def _ladder_plan(instance: DpInstance, alpha: float) -> DpAssignment:
     """`partition` at a ladder α, remembered: every finer α and `--alpha auto` reuse it."""
     return partition(instance, alpha)
@@ -554,8 +560,10 @@ def _feasible(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free:
     return all(search.bucket_ok(bucket) for bucket in range(len(owners)))
 
 
-def _solve(instance: DpInstance, caps: tuple[int, ...]) -> DpAssignment:
-    """The better polished plan of the contiguous and the LPT start under `caps`."""
+@functools.lru_cache(maxsize=32)
+def solve(instance: DpInstance, caps: tuple[int, ...]) -> DpAssignment:
+    """The better polished plan of the contiguous and the LPT start under `caps` (remembered:
+    ladder α whose caps coincide, as slice sizes are discrete, share it)."""
     contiguous = _seeded(instance, caps, tuple(tuple(b) for b in solve_contiguous(instance, caps)))
     greedy = _Search(instance, caps)
     _place_greedy(greedy)

@@ -60,7 +60,7 @@ def partition_free(
     return DpAssignment(*candidates[best])
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=32)
 def _free_ladder_plan(instance: DpInstance, alpha: float) -> DpAssignment:
     """`partition_free` at a ladder α, remembered for the finer α that reuse it."""
     return partition_free(instance, alpha)

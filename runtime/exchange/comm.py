@@ -1,8 +1,9 @@
 """Collectives the runtime needs (gloo and NCCL alike).
 
 Per DP bucket, asynchronous: the gradient reduction (`start_reduce`) and the parameter gather
-(`start_gather`), in one of three forms (`DP_COLLECTIVES` and DP-SC's all-reduce); an
-asynchronous all-to-all for the TP micro-group gather and scatter. A group of size 1 never
+(`start_gather`), in the form the schedule records for the bucket or one the caller names
+(`DP_COLLECTIVES`; DP-SC all-reduces); an asynchronous all-to-all for the TP micro-group gather
+and scatter. A group of size 1 never
 communicates.
 Every buffer is created on the device (and in the dtype) of the tensor it receives for, so the
 same code runs on gloo with CPU tensors and on NCCL with CUDA tensors.
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from canzona.runtime.faults import wait
 from canzona.runtime.layout import DpBucket, Piece
+from canzona.schedules.limits import BUCKET_COLLECTIVES
 
 
 def pack(pieces: Sequence[Piece], sources: Sequence[Tensor | None], out: Tensor, base: int = 0,
@@ -47,8 +49,14 @@ def unpack(pieces: Sequence[Piece], buffer: Tensor, targets: Sequence[Tensor | N
             target[piece.src : piece.src + piece.length].copy_(buffer[piece.dst - base : piece.dst - base + piece.length])
 
 
-DP_COLLECTIVES = ("rooted", "all_to_all")
+AS_SCHEDULED = "schedule"  # each bucket in the form its schedule records (`DpBucket.collective`)
+DP_COLLECTIVES = (AS_SCHEDULED, *BUCKET_COLLECTIVES)
 ALL_REDUCE = "all_reduce"  # DP-SC: every rank keeps the whole mean
+
+
+def bucket_mode(bucket: DpBucket, requested: str) -> str:
+    """The form a bucket is reduced and gathered in: its schedule's, or the one `requested`."""
+    return bucket.collective if requested == AS_SCHEDULED else requested
 
 
 def _nothing() -> None:
@@ -82,9 +90,10 @@ def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: di
 
     `dests` maps a group rank to where this rank keeps the mean of that rank's slice (its own
     slice; every slice for DP-SC's `all_reduce`); `ranks` are the group ranks' global ranks.
-    `rooted`: one reduce to each non-empty slice's owner (a native reduce-scatter when the
-    slices are equal); `all_to_all`: one all_to_all_single, summed here in rank order;
-    `all_reduce`: one all-reduce of the bucket."""
+    `ring`: one native reduce-scatter over the slices padded to the largest; `rooted`: one
+    reduce to each non-empty slice's owner (a native reduce-scatter when the slices are equal);
+    `all_to_all`: one all_to_all_single, summed here in rank order; `all_reduce`: one
+    all-reduce of the bucket."""
     chunk = send[bucket.base : bucket.base + bucket.numel]
     world, cuts = len(bucket.slices), bucket.cuts
     scale = divisor or world
@@ -113,6 +122,8 @@ def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: di
             dests[rank].div_(scale)
 
         return Pending([work], land_mean)
+    if mode == "ring":
+        return _padded_reduce(chunk, bucket, rank, group, dests[rank], scale)
     works = [dist.reduce(chunk[cuts[r] : cuts[r + 1]], dst=ranks[r], group=group, async_op=True)
              for r in range(world) if cuts[r + 1] > cuts[r]]
     return Pending(works, land_slices)
@@ -121,8 +132,9 @@ def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: di
 def start_gather(gathered: Tensor, mine: Tensor, bucket: DpBucket, mode: str, rank: int,
                  group: dist.ProcessGroup, ranks: Sequence[int]) -> Pending:
     """Launch the gather of one bucket into the bucket buffer `gathered`: every rank's slice,
-    this rank's being `mine`. `rooted`: one broadcast from each non-empty slice's owner (a
-    native all-gather when the slices are equal); `all_to_all`: one all_to_all_single."""
+    this rank's being `mine`. `ring`: one native all-gather of the slices padded to the
+    largest; `rooted`: one broadcast from each non-empty slice's owner (a native all-gather when
+    the slices are equal); `all_to_all`: one all_to_all_single."""
     chunk = gathered[bucket.base : bucket.base + bucket.numel]
     world, cuts = len(bucket.slices), bucket.cuts
     if world == 1:
@@ -134,10 +146,43 @@ def start_gather(gathered: Tensor, mine: Tensor, bucket: DpBucket, mode: str, ra
         return Pending([work], keep=[send])
     if bucket.equal:
         return Pending([dist.all_gather_single(chunk, mine, group=group, async_op=True)], keep=[mine])
+    if mode == "ring":
+        return _padded_gather(chunk, mine, bucket, group)
     chunk[cuts[rank] : cuts[rank + 1]].copy_(mine)
     works = [dist.broadcast(chunk[cuts[r] : cuts[r + 1]], src=ranks[r], group=group, async_op=True)
              for r in range(world) if cuts[r + 1] > cuts[r]]
     return Pending(works)
+
+
+def _padded_reduce(chunk: Tensor, bucket: DpBucket, rank: int, group: dist.ProcessGroup, dest: Tensor,
+                   scale: int) -> Pending:
+    """A native reduce-scatter of `chunk`'s slices, each padded with zeros to the largest."""
+    width, world = max(bucket.slices), len(bucket.slices)
+    padded = chunk.new_zeros(world * width)
+    for r, size in enumerate(bucket.slices):
+        padded[r * width : r * width + size].copy_(chunk[bucket.cuts[r] : bucket.cuts[r + 1]])
+    received = chunk.new_empty(width)
+    work = dist.reduce_scatter_single(received, padded, group=group, async_op=True)
+
+    def land() -> None:
+        dest.copy_(received[: bucket.slices[rank]]).div_(scale)
+
+    return Pending([work], land, [padded, received])
+
+
+def _padded_gather(chunk: Tensor, mine: Tensor, bucket: DpBucket, group: dist.ProcessGroup) -> Pending:
+    """A native all-gather of every rank's slice padded to the largest, unpadded into `chunk`."""
+    width, world = max(bucket.slices), len(bucket.slices)
+    send = mine.new_zeros(width)
+    send[: mine.numel()].copy_(mine)
+    received = mine.new_empty(world * width)
+    work = dist.all_gather_single(received, send, group=group, async_op=True)
+
+    def land() -> None:
+        for r, size in enumerate(bucket.slices):
+            chunk[bucket.cuts[r] : bucket.cuts[r + 1]].copy_(received[r * width : r * width + size])
+
+    return Pending([work], land, [send, received])
 
 
 @dataclass
