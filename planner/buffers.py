@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from canzona.planner.partition.baselines import BaselineLoads, all_baselines
+from canzona.planner.partition.collectives import Link, choose_collective
 from canzona.planner.partition.device_aware import DeviceModel, reown
 from canzona.planner.partition.dp import DpAssignment, DpInstance, owners_to_cuts, partition, rank_loads, slice_caps
 from canzona.planner.partition.even_slices import SliceState, even_slices
 from canzona.planner.partition.free_order import partition_free, reorder_buffer
-from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout
+from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, slice_sizes
 from canzona.planner.partition.tp import Task
-from canzona.planner.spec import ModelSpec
+from canzona.planner.spec import DTYPE_BYTES, ModelSpec
 
 if TYPE_CHECKING:  # the request is only read here; plan.py defines it and imports this module
     from canzona.planner.partition.ilp import SolverReport
@@ -31,7 +32,8 @@ class BufferPlan:
 
     Owners are ranks within the buffer's data-parallel group: DP ranks for the dense buffer,
     expert-data-parallel ranks for the expert buffer (laid out once, for EP rank 0's local
-    experts; every EP rank's experts sit at the same offsets).
+    experts; every EP rank's experts sit at the same offsets). `collectives`: per bucket, the
+    form that reduces and gathers it (`choose_collective` on the reference network).
     """
 
     layout: BufferLayout
@@ -42,6 +44,7 @@ class BufferPlan:
     loads: tuple[float, ...]
     baselines: tuple[BaselineLoads, ...]
     solver: SolverReport | None = None
+    collectives: tuple[str, ...] = ()
 
 
 def param_task(model: ModelSpec, costs: tuple[float, ...], index: int) -> Task:
@@ -90,13 +93,13 @@ def _polish(instance: DpInstance, layout: BufferLayout, model: ModelSpec, costs:
         return assignment
     caps, free = slice_caps(instance, request.alpha), request.order == "free"
     owners = assignment.owners
-    if device is not None:
-        tasks = {(b, i): param_task(model, costs, entry.param)
-                 for b, bucket in enumerate(layout.buckets) for i, entry in enumerate(bucket.entries)}
-        moved = reown(instance, SliceState.of(instance, caps, owners, free), tasks, device)
-        if moved != owners:
-            owners, assignment = moved, DpAssignment(moved, assignment.method + "+device")
-    return DpAssignment(even_slices(instance, caps, owners, free), assignment.method)
+    if device is None:
+        return DpAssignment(even_slices(instance, caps, owners, free), assignment.method)
+    tasks = {(b, i): param_task(model, costs, entry.param)
+             for b, bucket in enumerate(layout.buckets) for i, entry in enumerate(bucket.entries)}
+    moved = reown(instance, SliceState.of(instance, caps, owners, free), tasks, device)
+    loads = rank_loads(instance, moved) != rank_loads(instance, owners)
+    return DpAssignment(moved, assignment.method + ("+device" if loads else ""))
 
 
 @dataclass(frozen=True)
@@ -133,10 +136,10 @@ def partition_buffer(
 
 
 def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...], request: PlanRequest,
-                  device: DeviceModel | None = None) -> BufferPlan:
+                  link: Link, device: DeviceModel | None = None) -> BufferPlan:
     """The plan of a partitioned buffer: with `device`, owners moved to shorten the busiest
-    device; slices evened out; laid out (free order: each owner's matrices together), cut, and
-    the baselines scored on it."""
+    device; slices evened out; laid out (free order: each owner's matrices together), cut, each
+    bucket's collective chosen on `link` (its DP group's), and the baselines scored on it."""
     layout, instance, num_ranks = part.layout, part.instance, part.instance.num_ranks
     assignment = _polish(instance, layout, model, costs, request, part.assignment, device)
     owners = {
@@ -156,7 +159,9 @@ def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...],
     cost_by_param = {param: costs[param] for param in owners}
     names = {index: param.name for index, param in enumerate(model.params)}
     baselines = all_baselines(registration_layout, cost_by_param, names, num_ranks)
-    return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines, part.solver)
+    collectives = tuple(choose_collective(link, slice_sizes(bucket_cuts), DTYPE_BYTES[model.params[bucket.entries[0].param].dtype])
+                        for bucket, bucket_cuts in zip(layout.buckets, cuts))
+    return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines, part.solver, collectives)
 
 
 def _members(layout: BufferLayout) -> tuple[frozenset[int], ...]:

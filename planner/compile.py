@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from canzona.planner.partition.baselines import BaselineLoads
-from canzona.planner.partition.collectives import REFERENCE_NETWORK, Link, choose_collective, layout_links
 from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.devices import device_figures, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
@@ -14,7 +13,7 @@ from canzona.planner.partition.tp import MODES, MicroGroup, Task, group_stats
 from canzona.planner.fsdp import FsdpPlan, compile_fsdp
 from canzona.planner.buffers import BufferPlan
 from canzona.planner.plan import AutoSearch, Plan, PlanRequest, TrainingSetup
-from canzona.planner.spec import DTYPE_BYTES, MATRIX, ModelOptions, ModelSpec
+from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,
@@ -161,13 +160,10 @@ def _score(loads: tuple[float, ...] | list[float], total: float, bound: float, p
     )
 
 
-def _buckets(plan: Plan, buffer: BufferPlan, link: Link) -> list[BucketEntry]:
-    """The buffer's buckets, each with the collective cheapest on `link` (its DP group's link on
-    the reference network) at its slices: gradients in fp32, parameters in their dtype."""
+def _buckets(buffer: BufferPlan) -> list[BucketEntry]:
     buckets = []
-    for bucket, cuts in zip(buffer.layout.buckets, buffer.cuts):
+    for bucket, cuts, collective in zip(buffer.layout.buckets, buffer.cuts, buffer.collectives):
         slices = slice_sizes(cuts)
-        param_bytes = DTYPE_BYTES[plan.model.params[bucket.entries[0].param].dtype]
         buckets.append(
             BucketEntry(
                 index=bucket.index,
@@ -175,7 +171,7 @@ def _buckets(plan: Plan, buffer: BufferPlan, link: Link) -> list[BucketEntry]:
                 cuts=list(cuts),
                 slice_bytes=[GRAD_BYTES_PER_ELEMENT * s for s in slices],
                 padding_overhead=_ratio(buffer.num_ranks * max(slices), bucket.numel, 1.0),
-                collective=choose_collective(link, slices, param_bytes),
+                collective=collective,
             )
         )
     return buckets
@@ -299,10 +295,8 @@ def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) ->
     `--bucket-size auto` tried."""
     if isinstance(plan, FsdpPlan):
         return compile_fsdp(plan)
-    req = plan.request
-    dp_link, expert_link, _ = layout_links(REFERENCE_NETWORK, req.tp, req.dp, req.ep)
-    buckets = _buckets(plan, plan.dense, dp_link)
-    expert_buckets = _buckets(plan, plan.expert, expert_link) if plan.expert is not None else []
+    buckets = _buckets(plan.dense)
+    expert_buckets = _buckets(plan.expert) if plan.expert is not None else []
     adamw_buckets = [
         AdamwBucketEntry(index=b.index, numel=b.numel, cuts=list(equal_cuts(b.numel, plan.request.dp)))
         for b in plan.adamw_layout.buckets

@@ -5,19 +5,28 @@ Pure: no I/O. `compile.py` turns a `Plan` into the schedule file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from canzona.planner.buffers import BufferPlan, Partitioned, finish_buffer, param_task, partition_buffer
 from canzona.planner.partition.baselines import BaselineLoads
-from canzona.planner.partition.cooperative import COOP_MODES, Shape, cooperate, smallest_share
+from canzona.planner.partition.collectives import (
+    GRAD_BYTES,
+    REFERENCE_NETWORK,
+    Link,
+    bucket_seconds,
+    choose_collective,
+    layout_links,
+)
+from canzona.planner.partition.cooperative import COOP_MODES, Shape, cooperate, reference_flops, smallest_share
 from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
 from canzona.planner.partition.device_aware import DeviceModel
 from canzona.planner.partition.devices import adamw_loads
-from canzona.planner.partition.dp import ALPHA_LADDER, lower_bound
+from canzona.planner.partition.dp import ALPHA_LADDER, DpInstance, Owners, lower_bound
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, BufferLayout, build_buffer
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
-from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
+from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
 from canzona.schedules.bounds import device_lower_bound, dp_lower_bound
 from canzona.schedules.limits import FSDP, REPLICATED, request_problem, settings_problem, sharding_problem
 
@@ -297,14 +306,17 @@ def _finish(model: ModelSpec, request: PlanRequest, parts: _Parts, costs: tuple[
     micro-groups and teams, bounds and baselines."""
     ep, tp, dp = request.ep, request.tp, request.dp
     cost_model = make_cost_model(request.cost, request.optimizer)
-    expert = finish_buffer(model, parts.expert, costs, request) if parts.expert else None
+    dp_link, expert_link, _ = layout_links(REFERENCE_NETWORK, tp, dp, ep)
+    expert = finish_buffer(model, parts.expert, costs, request, expert_link) if parts.expert else None
     adamw_layout = build_buffer(model, ADAMW, tp, dp, request.bucket_size)
     adamw = adamw_loads(adamw_layout, dp, cost_model)
     bound = dp_lower_bound([c for c, p in zip(costs, model.params) if p.optimizer == MATRIX], dp)
     device_bound = layout_device_bound(model, request, costs, bound, adamw)
-    device = _device_model(model, request, expert_tasks(model, expert, slots, costs, request), adamw,
-                           tp * device_bound) if tp > 1 else None
-    dense = finish_buffer(model, parts.dense, costs, request, device)
+    device = None
+    if tp > 1 and request.cost == "flops":  # FLOPs price the collectives too (at the reference throughput)
+        device = _device_model(model, request, expert_tasks(model, expert, slots, costs, request), adamw,
+                               tp * device_bound, _comm_cost(model, parts.dense.layout, dp_link))
+    dense = finish_buffer(model, parts.dense, costs, request, dp_link, device)
     owners = dict(dense.owners)
     if expert is not None:
         owners.update({param: expert.owners[slot] for param, slot in slots.items()})
@@ -438,12 +450,30 @@ def layout_device_bound(model: ModelSpec, request: PlanRequest, costs: tuple[flo
 
 
 def _device_model(model: ModelSpec, request: PlanRequest, extra: tuple[tuple[Task, ...], ...],
-                  adamw: list[float], load_cap: float) -> DeviceModel:
+                  adamw: list[float], load_cap: float, comm: Callable[[DpInstance, Owners], float]) -> DeviceModel:
     """The TP stage as the device-aware DP ownership scores it: this request's scheduler, group
     capacity and teams; `extra`: every DP rank's experts; `adamw`: its devices' AdamW cost;
-    `load_cap`: the DP balance it keeps (P times the device lower bound)."""
+    `load_cap`: the DP balance it keeps (P times the device lower bound); `comm`: the
+    buffer's collectives."""
     return DeviceModel(request.tp, request.group_bytes, request.tp_mode, team_shapes(model, request),
-                       request.optimizer.ns_steps, request.coop, extra, tuple(adamw), load_cap)
+                       request.optimizer.ns_steps, request.coop, extra, tuple(adamw), load_cap, comm)
+
+
+def _comm_cost(model: ModelSpec, layout: BufferLayout, link: Link) -> Callable[[DpInstance, Owners], float]:
+    """A partition's collectives on `link` in FLOPs: every bucket's reduction and gather at its
+    cheapest collective, at the reference throughput (each rank's slice: its matrices' spans)."""
+    param_bytes = [DTYPE_BYTES[model.params[bucket.entries[0].param].dtype] for bucket in layout.buckets]
+
+    def cost(instance: DpInstance, owners: Owners) -> float:
+        seconds = 0.0
+        for spans, bucket_owners, elem_bytes in zip(instance.spans, owners, param_bytes):
+            slices = [0] * instance.num_ranks
+            for span, owner in zip(spans, bucket_owners):
+                slices[owner] += span
+            seconds += bucket_seconds(link, slices, GRAD_BYTES, elem_bytes, choose_collective(link, slices, elem_bytes))
+        return seconds * reference_flops()
+
+    return cost
 
 
 def expert_tasks(model: ModelSpec, expert: BufferPlan | None, slots: dict[int, int], costs: tuple[float, ...],

@@ -170,9 +170,18 @@ def bucket_exchange(link: Link, slices: Sequence[int], elem_bytes: int, gather: 
 
 
 def bucket_seconds(link: Link, slices: Sequence[int], grad_bytes: int, param_bytes: int, collective: str) -> float:
-    """Seconds of a bucket's reduction (`grad_bytes` per element) and gather (`param_bytes`)."""
-    return (bucket_exchange(link, slices, grad_bytes, False, collective).seconds()
-            + bucket_exchange(link, slices, param_bytes, True, collective).seconds())
+    """Seconds of a bucket's reduction (`grad_bytes` per element) and gather (`param_bytes`):
+    what `bucket_exchange` prices both ways, from the busiest rank's elements alone."""
+    n, total, largest, smallest = link.size, sum(slices), max(slices, default=0), min(slices, default=0)
+    if n <= 1 or total <= 0:
+        return 0.0
+    if collective == "all_to_all":
+        steps, elements = n - 1, max((n - 1) * largest, total - smallest)
+    elif collective == "ring" or largest == smallest:
+        steps, elements = n - 1, (n - 1) * largest
+    else:
+        steps, elements = sum(1 for s in slices if s) * math.ceil(math.log2(n)), total - smallest
+    return 2 * steps * link.latency + elements * (grad_bytes + param_bytes) / link.bandwidth
 
 
 def choose_collective(link: Link, slices: Sequence[int], param_bytes: int, grad_bytes: int = GRAD_BYTES) -> str:

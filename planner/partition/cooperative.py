@@ -77,10 +77,14 @@ def team_comm_seconds(shape: Shape, k: int, ns_steps: int, tp: int) -> float:
     return ns_steps * all_reduce(link, r * r, GRAM_BYTES).seconds() + all_reduce(link, 1, GRAM_BYTES).seconds()
 
 
+def reference_flops() -> float:
+    """The reference device's matrix throughput: how seconds of communication become FLOPs."""
+    return BUILTIN[REFERENCE_DEVICE].matrix_flops
+
+
 def team_cost(shape: Shape, k: int, ns_steps: int, tp: int) -> float:
     """Per-host cost (FLOPs; communication at the reference device's throughput)."""
-    flops_per_second = BUILTIN[REFERENCE_DEVICE].matrix_flops
-    return team_flops(shape, k, ns_steps) + flops_per_second * team_comm_seconds(shape, k, ns_steps, tp)
+    return team_flops(shape, k, ns_steps) + reference_flops() * team_comm_seconds(shape, k, ns_steps, tp)
 
 
 def smallest_share(cost: float, shape: Shape | None, ns_steps: int, tp: int) -> float:

@@ -14,6 +14,12 @@ its AdamW), while keeping:
   largest and `DeviceModel.load_cap`, P times the device lower bound (what the rank's P
   devices could finish within the best busiest device any plan can have).
 
+Owners also decide the buckets' slices, and so their collectives' time. The result (from the
+partition's owners, and from a fresh device-aware assignment) is kept only where it shortens
+the step the reference device predicts: the busiest device plus every bucket's reduction and
+gather at the cheapest collective (`DeviceModel.comm`, seconds converted to FLOPs at the
+reference throughput), each candidate with its slices evened out first (`even_slices`).
+
 Local search on the DP rank with the busiest device: the move of one of its matrices, or the
 swap of one with a matrix of another rank (one per distinct kind of matrix), that lowers the
 larger of the two ranks' times the most; accepted only when it does (so the sorted list of
@@ -22,12 +28,12 @@ rank times falls and the search ends), within a deterministic budget of evaluati
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from canzona.planner.partition.cooperative import Shape, cooperate
 from canzona.planner.partition.dp import DpInstance, Owners
-from canzona.planner.partition.even_slices import SliceState
+from canzona.planner.partition.even_slices import SliceState, even_slices
 from canzona.planner.partition.tp import Task, group_stats, schedule_tasks
 
 PARTNER_RANKS = 16  # ranks tried per round: those with the shortest busiest device, and the lightest
@@ -57,6 +63,7 @@ class DeviceModel:
     extra: tuple[tuple[Task, ...], ...]
     adamw: tuple[float, ...]
     load_cap: float = 0.0
+    comm: Callable[[DpInstance, Owners], float] | None = None
 
     def rank_time(self, rank: int, tasks: Sequence[Task]) -> float:
         """The sum of the rank's micro-groups' makespans (every group is as long as its busiest
@@ -237,10 +244,10 @@ def _improved(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], 
 
 
 def reown(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], model: DeviceModel) -> Owners:
-    """The owners of `state` (a partition of `instance`, checked against its rules) changed to
-    shorten the busiest device (see the module docstring): the better of a local search from
-    them and one from a fresh device-aware assignment; unchanged unless the busiest device got
-    shorter."""
+    """The owners of `state` (a partition of `instance`, checked against its rules), changed to
+    shorten the busiest device (see the module docstring): the best of them, a local search from
+    them and one from a fresh device-aware assignment, each with its slices evened out, by the
+    busiest device plus the collectives (`DeviceModel.comm`); ties keep the partition's."""
     original = tuple(tuple(owners) for owners in state.owners)
     counts = [0] * instance.num_ranks
     for owners in original:
@@ -248,11 +255,17 @@ def reown(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], mode
             counts[rank] += 1
     if max(count + len(model.extra[rank] if model.extra else ()) for rank, count in enumerate(counts)) > MAX_RANK_TASKS:
         return original
+    caps, free = state.caps, state.free
     start = _Search(instance, state, tasks, model, 0.0)
-    load_cap, busiest = max(model.load_cap, max(start.loads)), max(start.times)
-    results = [_improved(instance, state, tasks, model, load_cap)]
+    load_cap = max(model.load_cap, max(start.loads))
+    candidates = [original, _improved(instance, state, tasks, model, load_cap)[2]]
     fresh = _construct(instance, state, tasks, model, load_cap)
     if fresh is not None:
-        results.append(_improved(instance, SliceState.of(instance, state.caps, fresh, True), tasks, model, load_cap))
-    best = min(results, key=lambda result: result[:2])
-    return best[2] if best[0] < busiest * (1 - 1e-9) else original
+        candidates.append(_improved(instance, SliceState.of(instance, caps, fresh, True), tasks, model, load_cap)[2])
+    scored = []
+    for position, owners in enumerate(dict.fromkeys(candidates)):
+        evened = even_slices(instance, caps, owners, free)
+        search = _Search(instance, SliceState.of(instance, caps, evened, free), tasks, model, load_cap)
+        comm = model.comm(instance, evened) if model.comm else 0.0
+        scored.append((max(search.times) + comm, position, evened))
+    return min(scored)[2]

@@ -298,20 +298,25 @@ def _place_greedy(search: _Search) -> bool:
 def _ranks_by_load(
     by_load: list[tuple[float, int]], low: int, high: int, target: float
 ) -> Iterator[int]:
-    """Ranks in [low, high] by load; among those tied on the lowest load, nearest `target` first."""
+    """Ranks in [low, high] by load; among those tied on the lowest load, nearest `target` first.
+    `by_load` is sorted by (load, rank), so the tied ranks are one run sorted by rank: walked
+    outward from the target, with no sort."""
     entries = ((load, rank) for load, rank in by_load if low <= rank <= high)
     first = next(entries, None)
     if first is None:
         return
-    lightest = [first[1]]
-    for load, rank in entries:
-        if load != first[0]:
-            yield from sorted(lightest, key=lambda r: (abs(r - target), r))
-            yield rank
-            yield from (r for _, r in entries)
-            return
-        lightest.append(rank)
-    yield from sorted(lightest, key=lambda r: (abs(r - target), r))
+    lightest = first[0]
+    start, stop = bisect.bisect_left(by_load, (lightest, low)), bisect.bisect_right(by_load, (lightest, high))
+    right = bisect.bisect_left(by_load, (lightest, target), start, stop)
+    left = right - 1
+    while left >= start or right < stop:
+        if right >= stop or (left >= start and target - by_load[left][1] <= by_load[right][1] - target):
+            yield by_load[left][1]
+            left -= 1
+        else:
+            yield by_load[right][1]
+            right += 1
+    yield from (rank for _load, rank in by_load[stop:] if low <= rank <= high)
 
 
 def _neighbour_interval(search: _Search, item: tuple[int, int]) -> range:
