@@ -10,24 +10,18 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
 from canzona.cli.options import SCHEDULE_HELP, library_hint, load_schedule, write_output
 from canzona.cli.wording import percent, plural
-from canzona.schedules.format import (
-    Request,
-    Schedule,
-    ScheduleError,
-    dump_schedule,
-    parse_schedule,
-    read_request,
-    read_schedule,
-)
+from canzona.schedules.errors import ScheduleError
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.limits import MAX_SCHEDULE_BYTES
-from canzona.schedules.reading import UnsafeDocument, read_text
+
+if TYPE_CHECKING:  # loaded by the commands themselves: `canzona -h` stays fast
+    from canzona.schedules.format import Request, Schedule
 
 EXIT_REGRESSION = 1
 EXIT_REFUSED = 2  # bad input, as every command's one-line errors
@@ -258,6 +252,9 @@ def check_file(path: Path, policy: CodePolicy, fix: bool = False) -> tuple[str |
     and that regeneration. The file is read and validated (digest included) before anything is
     regenerated: an invalid one is Refused, except under `fix`, which rewrites it from its
     request when that request can be read. A live model is regenerated only as `policy` allows."""
+    from canzona.schedules.format import dump_schedule, parse_schedule
+    from canzona.schedules.reading import UnsafeDocument, read_text
+
     try:
         text = read_text(path, MAX_SCHEDULE_BYTES)
     except UnsafeDocument as error:
@@ -281,6 +278,8 @@ def check_file(path: Path, policy: CodePolicy, fix: bool = False) -> tuple[str |
 
 
 def _readable_request(text: str, path: Path) -> Request:
+    from canzona.schedules.format import read_request
+
     try:
         return read_request(text, str(path))
     except ScheduleError as error:
@@ -289,6 +288,8 @@ def _readable_request(text: str, path: Path) -> Request:
 
 def library_rows(files: list[Path], root: Path) -> list[dict[str, Any]]:
     """Each schedule's headline metrics (what `canzona table` shows), named below `root`."""
+    from canzona.schedules.format import read_schedule
+
     rows = []
     for path in files:
         s = read_schedule(path)
@@ -402,6 +403,8 @@ def _check_one(path: Path, fix: bool, policy: CodePolicy) -> dict[str, Any]:
     except Refused as error:
         return {"path": str(path), "status": "refused", "reason": str(error)}
     if reason is not None and fix:
+        from canzona.schedules.format import dump_schedule
+
         write_output(path, dump_schedule(new))
     return {"path": str(path), "status": "fresh" if reason is None else "fixed" if fix else "stale", "reason": reason}
 

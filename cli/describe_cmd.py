@@ -7,7 +7,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from canzona.cli.sources import describe_source, is_live, source_files
 from canzona.planner.spec import PlanError
 from canzona.schedules.files import check_output, write_atomic
 
@@ -19,6 +18,8 @@ def describe(
 ) -> None:
     """Describe a live model as a parameter list: names, global shapes, dtypes, TP dims from
     DTensor placements, grouped 3-D experts, partial gradients."""
+    from canzona.cli.sources import describe_source, is_live, source_files
+
     if not is_live(model):
         raise PlanError(f"describe reads a live model: give --model py:MODULE:FACTORY, not {model!r} (presets, "
                         "configs and parameter lists plan as they are)")

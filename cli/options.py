@@ -7,10 +7,11 @@ import difflib
 import errno
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from canzona.planner.spec import PlanError
 from canzona.schedules.files import OutputError, write_atomic
-from canzona.schedules.format import Schedule, ScheduleError, read_schedule
+from canzona.schedules.errors import ScheduleError
 from canzona.schedules.library import library_names, resolve_schedule
 from canzona.schedules.limits import PROFILE_PREFIX
 
@@ -20,6 +21,9 @@ try:  # typer >= 0.20 vendors click
 except ImportError:  # pragma: no cover - older typer depends on click
     from click.core import ParameterSource
     from click.globals import get_current_context
+
+if TYPE_CHECKING:
+    from canzona.schedules.format import Schedule
 
 SCHEDULE_HELP = "Schedule file, or a library name such as qwen3-8b/muon-tp2-dp4."
 DEVICE_HELP = "Hardware model: h100, h200, a100, cpu, or profile:FILE (a `canzona calibrate` profile)."
@@ -47,6 +51,8 @@ def library_hint(ref: str) -> str:
 
 def load_schedule(ref: str | os.PathLike[str]) -> Schedule:
     """Read and validate the schedule a path or library name names."""
+    from canzona.schedules.format import read_schedule  # here: commands that read none start fast
+
     return read_schedule(schedule_path(ref))
 
 

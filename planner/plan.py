@@ -26,15 +26,23 @@ from canzona.planner.partition.devices import adamw_loads
 from canzona.planner.partition.dp import ALPHA_LADDER, DpInstance, Owners, lower_bound
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, BufferLayout, build_buffer
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
-from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
+from canzona.planner.spec import (
+    ADAMW,
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_SEQ_LEN,
+    DTYPE_BYTES,
+    MATRIX,
+    ModelOptions,
+    ModelSpec,
+    PlanError,
+    validate_model,
+)
 from canzona.schedules.bounds import device_lower_bound, dp_lower_bound
 from canzona.schedules.limits import FSDP, REPLICATED, request_problem, settings_problem, sharding_problem
 
 if TYPE_CHECKING:
     from canzona.planner.partition.ilp import SolverReport
 
-DEFAULT_GLOBAL_BATCH = 256  # sequences per optimizer step, over every DP rank
-DEFAULT_SEQ_LEN = 4096  # tokens per sequence
 
 
 @dataclass(frozen=True)

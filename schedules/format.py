@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from canzona.schedules import reading, validate
+from canzona.schedules.errors import ScheduleError
 from canzona.schedules.files import OutputError, write_atomic
 from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE, MAX_FILE_INT, MAX_SCHEDULE_BYTES
 
@@ -27,10 +28,6 @@ SCHEMA_VERSION = 2
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-
-
-class ScheduleError(ValueError):
-    """A schedule file that cannot be read or does not validate (one-line message)."""
 
 
 class _Strict(BaseModel):

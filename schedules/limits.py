@@ -24,6 +24,8 @@ ORDERS = ("registration", "free")  # a bucket's parameter order: Megatron's, or 
 # per non-empty slice (a native ring where the slices are equal), or one all_to_all_single.
 BUCKET_COLLECTIVES = ("rooted", "ring", "all_to_all")
 DEFAULT_BUCKET_COLLECTIVE = "rooted"  # what a bucket without the field means (files before it)
+AS_SCHEDULED = "schedule"  # a runtime or simulator option: each bucket in its schedule's collective
+DP_COLLECTIVE_MODES = (AS_SCHEDULED, *BUCKET_COLLECTIVES)
 SOLVERS = ("greedy", "ilp")
 QKV_SPLITS = ("none", "qkv", "head")
 NAMING_CONVENTIONS = ("megatron", "hf", "torchtitan")  # parameter names of presets and HF configs

@@ -45,7 +45,7 @@ from canzona.planner.partition.collectives import (
 from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.spec import DTYPE_BYTES, PlanError
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule, TeamEntry
-from canzona.schedules.limits import BUCKET_COLLECTIVES
+from canzona.schedules.limits import AS_SCHEDULED, BUCKET_COLLECTIVES, DP_COLLECTIVE_MODES
 
 if TYPE_CHECKING:
     from canzona.planner.plan import TrainingSetup
@@ -53,8 +53,6 @@ if TYPE_CHECKING:
 
 MATRIX = "matrix"
 DENSE, EXPERT, ADAMW_BUFFER = "dense", "expert", "adamw"  # the DP buffers, as bucket keys name them
-AS_RECORDED = "schedule"  # price each bucket's collective as the schedule records it
-DP_COLLECTIVE_CHOICES = (AS_RECORDED, *BUCKET_COLLECTIVES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,7 +173,7 @@ class Instance:
     time_model: CostModel = field(repr=False)
     fused: bool = False
     publish_bytes: int | None = None
-    dp_collectives: str = AS_RECORDED
+    dp_collectives: str = AS_SCHEDULED
     overlap_grad: bool = True
     overlap_param: bool = False
     ns_steps: int = 5
@@ -231,12 +229,12 @@ def _buffer(link: Link, buckets: Sequence[BucketEntry], matrices: Sequence[Matri
 
 
 def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel, fused: bool = False,
-                   publish_bytes: int | None = None, dp_collectives: str = AS_RECORDED, overlap_grad: bool = True,
+                   publish_bytes: int | None = None, dp_collectives: str = AS_SCHEDULED, overlap_grad: bool = True,
                    overlap_param: bool = False) -> Instance:
     """The simulator's view of a schedule on a hardware model (options as `simulate` takes them)."""
     req = schedule.request
-    if dp_collectives not in DP_COLLECTIVE_CHOICES:
-        raise PlanError(f"unknown DP collectives {dp_collectives!r}; choose one of {', '.join(DP_COLLECTIVE_CHOICES)}")
+    if dp_collectives not in DP_COLLECTIVE_MODES:
+        raise PlanError(f"unknown DP collectives {dp_collectives!r}; choose one of {', '.join(DP_COLLECTIVE_MODES)}")
     dp_link, expert_link, tp_link = layout_links(hardware.network, req.tp, req.dp, req.ep)
     matrices = [_matrix(e, time_model) for e in schedule.params if e.optimizer == MATRIX]
     dense = _buffer(dp_link, schedule.dp.buckets, [m for m in matrices if m.ep_rank is None])
@@ -273,11 +271,13 @@ class Local:
 @dataclass(frozen=True)
 class BucketSync:
     """One bucket's DP collective (a gradient reduction or a parameter gather): the buffer
-    (`DENSE`, `EXPERT` or `ADAMW_BUFFER`), the bucket's index in it, and the exchange."""
+    (`DENSE`, `EXPERT` or `ADAMW_BUFFER`), the bucket's index in it, the exchange, and the
+    collective it runs as (`BUCKET_COLLECTIVES`)."""
 
     buffer: str
     bucket: int
     exchange: Exchange
+    collective: str = "ring"
 
 
 @dataclass(frozen=True)
@@ -444,7 +444,7 @@ def micro_group_times(inst: Instance, names: Sequence[str], hosts: Sequence[int]
 def bucket_collective(inst: Instance, buffer: Buffer, bucket: int) -> str:
     """The collective canzona's runtime issues for one bucket of a matrix buffer: as the
     schedule records it, or the one `inst.dp_collectives` names for every bucket."""
-    if inst.dp_collectives != AS_RECORDED:
+    if inst.dp_collectives != AS_SCHEDULED:
         return inst.dp_collectives
     return buffer.collectives[bucket] if buffer.collectives else BUCKET_COLLECTIVES[0]
 
@@ -457,7 +457,8 @@ def dp_sync(inst: Instance, cuts_of: Sequence[tuple[int, ...]], buffer: Buffer, 
     for bucket, cuts in enumerate(cuts_of):
         elem_bytes = inst.gather_bytes(buffer.param_bytes[bucket]) if gather else GRAD_BYTES
         collective = "ring" if equal else bucket_collective(inst, buffer, bucket)
-        out.append(BucketSync(name, bucket, bucket_exchange(buffer.link, slice_sizes(cuts), elem_bytes, gather, collective)))
+        exchange = bucket_exchange(buffer.link, slice_sizes(cuts), elem_bytes, gather, collective)
+        out.append(BucketSync(name, bucket, exchange, collective))
     return out
 
 
@@ -517,7 +518,7 @@ def default_time_model(schedule: Schedule, hardware: Hardware) -> CostModel:
 
 
 def simulate(schedule: Schedule, hardware: Hardware, time_model: CostModel | None = None, *,
-             fused: bool = False, publish_bytes: int | None = None, dp_collectives: str = AS_RECORDED,
+             fused: bool = False, publish_bytes: int | None = None, dp_collectives: str = AS_SCHEDULED,
              training: TrainingSetup | None = None, overlap_grad_reduce: bool = True,
              overlap_param_gather: bool = False, routed_fraction: float | None = None) -> Simulation:
     """Predict one optimizer step of the schedule and of every baseline on `hardware`, and with

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from canzona.runtime.faults import wait
 from canzona.runtime.layout import DpBucket, Piece
-from canzona.schedules.limits import BUCKET_COLLECTIVES
+from canzona.schedules.limits import AS_SCHEDULED, DP_COLLECTIVE_MODES
 
 
 def pack(pieces: Sequence[Piece], sources: Sequence[Tensor | None], out: Tensor, base: int = 0,
@@ -49,8 +49,7 @@ def unpack(pieces: Sequence[Piece], buffer: Tensor, targets: Sequence[Tensor | N
             target[piece.src : piece.src + piece.length].copy_(buffer[piece.dst - base : piece.dst - base + piece.length])
 
 
-AS_SCHEDULED = "schedule"  # each bucket in the form its schedule records (`DpBucket.collective`)
-DP_COLLECTIVES = (AS_SCHEDULED, *BUCKET_COLLECTIVES)
+DP_COLLECTIVES = DP_COLLECTIVE_MODES  # "schedule": each bucket as recorded (`DpBucket.collective`)
 ALL_REDUCE = "all_reduce"  # DP-SC: every rank keeps the whole mean
 
 
