@@ -409,14 +409,17 @@ def _segment_dp(
             for j in range(i, -1, -1):
                 if span_prefix[i] - span_prefix[j] > cap:
                     break
+                # Moving j down only adds items to this rank's segment: its total only grows,
+                # while previous[j] (fewer items on the earlier ranks) only shrinks.
                 total = load + cost_prefix[i] - cost_prefix[j]
                 if limit is None:
-                    value = max(previous[j], total)
+                    row[i] = min(row[i], max(previous[j], total))
+                    if total >= previous[j]:
+                        break
                 elif total <= limit:
-                    value = previous[j] + total * total
+                    row[i] = min(row[i], previous[j] + total * total)
                 else:
-                    continue
-                row[i] = min(row[i], value)
+                    break
         table.append(row)
     return table
 
@@ -490,8 +493,9 @@ def _improve(search: _Search, max_rounds: int) -> None:
         buckets = sorted({bucket for bucket, _ in search.members[heavy]})
         if any(_resolve_bucket(search, bucket) for bucket in buckets):
             continue
-        # Relieving the heavy rank may need room made elsewhere first: sweep every bucket.
-        if not [b for b in range(len(instance.costs)) if _resolve_bucket(search, b)]:
+        # Relieving the heavy rank may need room made elsewhere first: sweep every other bucket
+        # (those of the heavy rank were just re-solved in vain, with nothing changed since).
+        if not [b for b in range(len(instance.costs)) if b not in buckets and _resolve_bucket(search, b)]:
             return
 
 
@@ -511,8 +515,14 @@ def partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()
     at the next coarser α of `ALPHA_LADDER` (planned the same way) and any `seeds` (plans at
     coarser α, so feasible under these looser caps) replace it when they are better, polished
     here first (local search never raises the max load). So the plan at α is never worse than
-    at any coarser ladder α or seed.
+    at any coarser ladder α or seed. Without seeds the plan is remembered (every finer α,
+    `--alpha auto` and the free order reuse it).
     """
+    return _remembered(instance, alpha) if not seeds else _partition(instance, alpha, seeds)
+
+
+def _partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...]) -> DpAssignment:
+    """`partition`, worked out."""
     if not any(instance.costs):
         return DpAssignment(tuple(() for _ in instance.costs), "empty")
     caps = slice_caps(instance, alpha)
@@ -523,7 +533,7 @@ def partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()
         return own
     starts = [(owners, "seed") for owners in seeds if _feasible(instance, caps, owners)]
     if coarser:
-        seed = _ladder_plan(instance, coarser[-1])
+        seed = _remembered(instance, coarser[-1])
         method = seed.method if "(from alpha" in seed.method else f"{seed.method} (from alpha {coarser[-1]:g})"
         starts.insert(0, (seed.owners, method))
     if not starts:
@@ -541,9 +551,9 @@ never get worse as α grows (other coarser α can be passed as seeds, as `--alph
 
 
 @functools.lru_cache(maxsize=32)
-def _ladder_plan(instance: DpInstance, alpha: float) -> DpAssignment:
-    """`partition` at a ladder α, remembered: every finer α and `--alpha auto` reuse it."""
-    return partition(instance, alpha)
+def _remembered(instance: DpInstance, alpha: float) -> DpAssignment:
+    """`partition` without seeds, remembered: every finer α and `--alpha auto` reuse it."""
+    return _partition(instance, alpha, ())
 
 
 def _seeded(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool = False) -> _Search:
