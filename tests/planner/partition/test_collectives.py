@@ -137,3 +137,18 @@ def test_the_cheapest_form_wins() -> None:
     assert choose_collective(LINK4, [1000, 10, 10, 10], 2) == "rooted"
     # A group of one moves nothing: the default.
     assert choose_collective(Link("one", 1, 1.0, 1.0), [10], 2) == "rooted"
+
+
+def test_bucket_seconds_is_both_exchanges() -> None:
+    """The planner's shortcut prices exactly what the simulator's per-rank exchanges do."""
+    import random
+
+    rng = random.Random(26)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        slices = [rng.choice([0, rng.randint(1, 50), 20]) for _ in range(n)]
+        link = Link("any", n, bandwidth=rng.uniform(1, 100), latency=rng.uniform(0, 2))
+        for collective in ("ring", "rooted", "all_to_all"):
+            both = (bucket_exchange(link, slices, 4, False, collective).seconds()
+                    + bucket_exchange(link, slices, 2, True, collective).seconds())
+            assert bucket_seconds(link, slices, 4, 2, collective) == pytest.approx(both, rel=1e-12, abs=1e-12)
