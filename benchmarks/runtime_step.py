@@ -58,7 +58,7 @@ MOE_MODEL = {
 }
 LAYOUTS = {"dense": [(2, 1, 1), (1, 2, 1), (2, 2, 1), (4, 1, 1)], "moe": [(2, 1, 2), (4, 1, 2), (2, 2, 2)]}  # (dp, tp, ep)
 STRATEGIES = {
-    "canzona": CanzonaOptimizer,  # rooted DP collectives (the default): a reduce / broadcast per slice
+    "canzona": CanzonaOptimizer,  # each bucket's DP collective as the schedule records it (the default)
     "canzona-a2a": partial(CanzonaOptimizer, dp_collectives="all_to_all"),  # one all_to_all per bucket
     "tp-sc": TpScOptimizer,
     "dp-sc": DpScOptimizer,

@@ -12,8 +12,8 @@ Run:  python benchmarks/simulate_bench.py --paper        Qwen3 1.7B-32B at 256 G
       python benchmarks/simulate_bench.py                --paper, --batch, --buckets and --layouts
 
 Every figure comes from plans built in this run, with the simulator's defaults unless a column
-says otherwise: rooted DP collectives, gradient reduction overlapped with backward, no gather
-overlap, global batch 256 x 4096 tokens, one sequence per micro-batch. --cpu needs torch.
+says otherwise: each bucket's DP collective as the schedule records it, gradient reduction
+overlapped with backward and no gather overlap for every strategy, global batch 256 x 4096 tokens, one sequence per micro-batch. --cpu needs torch.
 """
 
 from __future__ import annotations
@@ -193,8 +193,8 @@ def scale_table(layouts: list[tuple[str, int, int, int]] = SCALE) -> None:
 def cpu_predictions(schedule: Schedule) -> dict[str, float]:
     """Predicted step seconds of canzona, TP-SC and DP-SC for a runtime-benchmark schedule on
     this CPU: the checked-in profile (one thread per rank), its measured contention for this
-    many ranks, its gloo fit, and the runtime's execution (per bucket, rooted DP collectives: the
-    default; fp32 gathers)."""
+    many ranks, its gloo fit, and the runtime's execution (per bucket, the collective the schedule
+    records: the default; fp32 gathers)."""
     world = schedule.request.dp * schedule.request.tp
     device = shared_host(resolve_device("cpu"), world)
     opt = schedule.request.optimizer
