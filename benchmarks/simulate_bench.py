@@ -76,7 +76,7 @@ def paper_table() -> None:
     baseline's ratio to them (step / iteration)."""
     print("### Qwen3 at 256 GPUs, H100 model, Muon, `canzona plan` and `canzona simulate` defaults\n")
     print("Cells: baseline / canzona for the optimizer step (nothing overlapped), then for the training "
-          "iteration (each strategy's DP collectives overlapped as its authors run them). The paper "
+          "iteration (every strategy's DP collectives overlapped alike: reductions with backward, gathers not). The paper "
           "(arXiv 2602.06079): 5.8x optimizer step, 1.57x iteration at 32B.\n")
     _header(["model", "layout", "canzona step ms", "canzona iteration ms", *BASELINES, "ddp-adamw (ref.)"])
     for name in PAPER_MODELS:
