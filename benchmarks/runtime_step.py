@@ -158,7 +158,7 @@ def table(rows: list[tuple[str, str, int, str, int, dict[str, float]]], optimize
         "the stable part.",
         "",
         "| model | params | ranks | layout | micro-groups/rank | canzona ms | canzona all_to_all ms | TP-SC ms | DP-SC ms "
-        "| DP-SC / canzona | TP-SC / canzona | all_to_all / rooted |",
+        "| DP-SC / canzona | TP-SC / canzona | all_to_all / canzona |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, dtype, world, layout, groups, medians in rows:

@@ -218,7 +218,7 @@ def cpu_table(repeats: int, quick: bool, optimizer: str) -> None:
     with tempfile.TemporaryDirectory() as folder:
         config = Path(folder) / "bench_qwen3.json"
         config.write_text(json.dumps(runtime_step.MODEL))
-        for dp, tp in runtime_step.LAYOUTS:
+        for dp, tp, _ in runtime_step.LAYOUTS["dense"]:
             schedule = runtime_step.make_schedule(str(config), dp, tp, optimizer, 1.0)
             runs = [runtime_step.run_layout(schedule, warmup, steps) for _ in range(repeats)]
             measured = {k: statistics.median(run[k] for run in runs) for k in runs[0]}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from canzona.planner.buffers import BufferPlan, Partitioned, finish_buffer, param_task, partition_buffer
 from canzona.planner.partition.baselines import BaselineLoads
@@ -39,9 +38,6 @@ from canzona.planner.spec import (
 )
 from canzona.schedules.bounds import device_lower_bound, dp_lower_bound
 from canzona.schedules.limits import FSDP, REPLICATED, request_problem, settings_problem, sharding_problem
-
-if TYPE_CHECKING:
-    from canzona.planner.partition.ilp import SolverReport
 
 
 

@@ -95,9 +95,11 @@ class _Search:
         self.times = [self.time(rank, self.members[rank]) for rank in range(instance.num_ranks)]
 
     def cost(self, item: Item) -> float:
+        """The item's cost (its DP load)."""
         return self.instance.costs[item[0]][item[1]]
 
     def kind(self, item: Item) -> tuple[float, int, bool]:
+        """What the TP scheduler sees of an item: cost, gathered bytes, whether replicated."""
         task = self.tasks[item]
         return task.cost, task.size, task.replicated
 
