@@ -174,7 +174,7 @@ def measure_model(model: str, batch: int = 8, seq: int = 2048) -> dict[str, floa
         named = list(net.named_parameters())
         step = _canzona(named, schedule).step if name == "canzona" else _torch_muon(named)
 
-        def iteration() -> None:
+        def iteration(net: Any = net, step: Any = step) -> None:
             net(input_ids=tokens, labels=tokens).loss.backward()
             step()
             net.zero_grad(set_to_none=True)

@@ -194,10 +194,10 @@ def predict(schedule: Schedule, measured_fwd_bwd: float, batch: int, seq: int) -
                                                    opt.max_precond_dim))
     training = TrainingSetup(global_batch=batch * dp, seq_len=seq - 1, micro_batches=1)
     out: dict[str, float] = {"fwd+bwd": measured_fwd_bwd}
-    runs = (("canzona off", True, False, False), ("canzona", True, True, False), ("canzona +gather", True, True, True),
-            ("canzona a2a", False, True, False))
-    for name, rooted, grad, gather in runs:
-        sim = simulate(schedule, hardware, time_model, publish_bytes=4, rooted=rooted, training=training,
+    runs = (("canzona off", "schedule", False, False), ("canzona", "schedule", True, False),
+            ("canzona +gather", "schedule", True, True), ("canzona a2a", "all_to_all", True, False))
+    for name, collectives, grad, gather in runs:
+        sim = simulate(schedule, hardware, time_model, publish_bytes=4, dp_collectives=collectives, training=training,
                        overlap_grad_reduce=grad, overlap_param_gather=gather)
         out[name] = sim.iteration("canzona").iteration
         if name == "canzona":

@@ -1,15 +1,27 @@
-"""Planner benchmark: balance of canzona vs the baselines, TP modes, α trade-off, planning time.
+"""Planner benchmark: balance of canzona vs the baselines, TP modes, α trade-off, planning time,
+planning at 1024 devices, device-aware ownership, and the CLI's start-up.
 
-Run:  python benchmarks/plan_bench.py            (all tables, a few minutes)
+Run:  python benchmarks/plan_bench.py            (the balance, TP and α tables, a few minutes)
       python benchmarks/plan_bench.py --quick    (one repeat, smaller α sweep)
+      python benchmarks/plan_bench.py --scale    (every preset at 1024 devices, with and without EP,
+                                                  each in a fresh process: target under 30 s)
+      python benchmarks/plan_bench.py --startup  (`canzona --version` and `-h`: target under 0.3 s)
+      python benchmarks/plan_bench.py --device   (the busiest device with and without device-aware
+                                                  DP ownership, and the predicted step)
 
-Every figure comes from plans built in this run; times are medians of repeated runs.
+Every figure comes from plans built in this run; times are medians of repeated runs. Ratios are
+against what the same run measured: a bare interpreter (start-up), the 30 s budget (scale), the
+plan without the device stage (device).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 
 from canzona.planner.compile import compile_schedule
@@ -91,12 +103,121 @@ def alpha_table(alphas: list[float]) -> None:
     print()
 
 
+# Every preset at 1024 devices (dense: tp 8 x dp 128; MoE: tp 4 x dp 256, tp <= 4 for Qwen3 MoE,
+# with ep 8 and without EP; mixtral tp 8 x dp 128), and the issue's two slow examples.
+DENSE = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
+         "llama3.1-8b", "llama3.1-70b", "llama3.1-405b"]
+SCALE = [(name, 8, 128, 1, 1.0) for name in DENSE] + [
+    ("mixtral-8x7b", 8, 128, 8, 1.0), ("mixtral-8x7b", 8, 128, 1, 1.0),
+    ("qwen3-30b-a3b", 4, 256, 8, 1.0), ("qwen3-30b-a3b", 4, 256, 1, 1.0),
+    ("qwen3-235b-a22b", 4, 256, 8, 1.0), ("qwen3-235b-a22b", 4, 256, 1, 1.0),
+    ("deepseek-v3", 4, 256, 8, 1.0), ("deepseek-v3", 4, 256, 1, 1.0),
+    ("deepseek-v3", 8, 1024, 1, 1.0), ("qwen3-235b-a22b", 2, 16, 4, 0.75),
+]
+BUDGET_S = 30.0
+STARTUP_TARGET_S = 0.3
+PROBE = """
+import json, resource, sys, time
+started, cpu = time.perf_counter(), time.process_time()
+from canzona.planner.compile import compile_schedule
+from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.sources.load import load_model
+name, tp, dp, ep, alpha = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+schedule = compile_schedule(make_plan(load_model(name, tp), PlanRequest(name, tp, dp, ep=ep, alpha=alpha)))
+print(json.dumps({"wall": time.perf_counter() - started, "cpu": time.process_time() - cpu,
+                  "mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "gap": schedule.metrics.dp.gap,
+                  "device_gap": schedule.metrics.tp.device_gap}))
+"""
+
+
+def scale_table() -> None:
+    """Load + plan + compile of every 1024-device preset, each in a fresh process."""
+    print(f"## Planning at 1024 devices (load + plan + compile, a fresh process each; budget {BUDGET_S:.0f} s)\n")
+    header = ["preset", "layout", "alpha", "wall s", "CPU s", "wall / budget", "peak MiB", "DP gap", "device gap"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for name, tp, dp, ep, alpha in SCALE:
+        out = subprocess.run([sys.executable, "-c", PROBE, name, str(tp), str(dp), str(ep), str(alpha)],
+                             capture_output=True, text=True, check=True).stdout
+        r = json.loads(out)
+        layout = f"tp{tp} dp{dp}" + (f" ep{ep}" if ep > 1 else "")
+        print(f"| {name} | {layout} | {alpha:g} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['wall'] / BUDGET_S:.2f} | "
+              f"{r['mib']:.0f} | {r['gap']:.2%} | {r['device_gap']:.2%} |")
+    print()
+
+
+def _median_run(command: list[str], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def startup_table(repeats: int) -> None:
+    """Wall time of `canzona --version` and `canzona -h` against a bare interpreter."""
+    exe = shutil.which("canzona") or "canzona"
+    bare = _median_run([sys.executable, "-c", "pass"], repeats)
+    print(f"## CLI start-up (median of {repeats}; target {STARTUP_TARGET_S} s)\n")
+    print("| command | wall s | over a bare python | wall / target |")
+    print("|---|---|---|---|")
+    print(f"| python -c pass | {bare:.3f} | 1.00x | {bare / STARTUP_TARGET_S:.2f} |")
+    for args in (["--version"], ["-h"], ["show", "qwen3-8b/muon-tp2-dp4"]):
+        seconds = _median_run([exe, *args], repeats)
+        print(f"| canzona {' '.join(args)} | {seconds:.3f} | {seconds / bare:.2f}x | {seconds / STARTUP_TARGET_S:.2f} |")
+    print()
+
+
+DEVICE_LAYOUTS = [("qwen3-8b", 4, 64), ("qwen3-8b", 8, 32), ("qwen3-4b", 4, 64), ("qwen3-32b", 8, 32),
+                  ("llama3.1-8b", 4, 64), ("llama3.1-70b", 8, 128)]
+
+
+def device_table() -> None:
+    """Busiest device and predicted step with and without device-aware DP ownership."""
+    from canzona.planner.partition import device_aware
+    from canzona.planner.plan import TrainingSetup
+    from canzona.planner.predict.hardware import BUILTIN
+    from canzona.planner.predict.simulate import simulate
+
+    print("## Device-aware DP ownership (Muon, flops, alpha 1; H100 model for the step)\n")
+    header = ["model", "layout", "worst device off", "worst device on", "on / off", "DP gap off", "DP gap on",
+              "device gap on", "step ms off", "step ms on", "iteration ms off", "iteration ms on"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    limit = device_aware.MAX_RANK_TASKS
+    for name, tp, dp in DEVICE_LAYOUTS:
+        rows = []
+        for cap in (-1, limit):
+            device_aware.MAX_RANK_TASKS = cap
+            schedule = compile_schedule(make_plan(load_model(name, tp), PlanRequest(name, tp, dp)))
+            sim = simulate(schedule, BUILTIN["h100"], training=TrainingSetup())
+            rows.append((schedule.metrics, sim.get("canzona").step, sim.iteration("canzona").iteration))
+        device_aware.MAX_RANK_TASKS = limit
+        (off, off_step, off_it), (on, on_step, on_it) = rows
+        print(f"| {name} | tp{tp} dp{dp} | {off.tp.worst_device_load:.3e} | {on.tp.worst_device_load:.3e} | "
+              f"{on.tp.worst_device_load / off.tp.worst_device_load:.3f} | {off.dp.gap:.2%} | {on.dp.gap:.2%} | "
+              f"{on.tp.device_gap:.2%} | {off_step * 1e3:.1f} | {on_step * 1e3:.1f} | {off_it * 1e3:.1f} | {on_it * 1e3:.1f} |")
+    print()
+
+
 def main() -> None:
-    """Print every table."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    """Print the tables asked for (by default the balance, TP and α tables)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one repeat, fewer alpha values")
+    parser.add_argument("--scale", action="store_true", help="every preset at 1024 devices")
+    parser.add_argument("--startup", action="store_true", help="the CLI's start-up")
+    parser.add_argument("--device", action="store_true", help="device-aware DP ownership")
     args = parser.parse_args()
     repeats = 1 if args.quick else 5
+    if args.startup:
+        startup_table(3 if args.quick else 11)
+    if args.device:
+        device_table()
+    if args.scale:
+        scale_table()
+    if args.startup or args.device or args.scale:
+        return
     balance_table(repeats)
     tp_table(repeats)
     alpha_table([0.0, 0.5, 1.0] if args.quick else ALPHAS)

@@ -6,7 +6,8 @@ Run:  python benchmarks/plan_sweep.py                  (the subsample below, a f
 
 The issue's grid is every preset x TP {1, 2, 4, 8} (where the preset allows it) x DP {2, 4,
 ..., 1024} x bucket size {10M, 40M, 160M, one bucket} x α {0, 0.5, 1}: 1,600+ layouts, an hour
-and more on one core (the MoE presets at ep = 1 put up to 30k matrices in one buffer). The
+and more on one core (the MoE presets at ep = 1 put up to 30k matrices in one buffer); α here
+is the whole ladder {0, 0.25, 0.5, 0.75, 1}. The
 default subsample, deterministic:
 - dense presets: every 13th layout of their full grid (in preset, TP, DP, bucket order; 13 is
   prime to the 4 bucket sizes and 10 DP sizes, so every TP, DP and bucket size is hit), plus
@@ -18,7 +19,8 @@ default subsample, deterministic:
 Per α it prints the share of layouts at the bound (gap <= 1e-9), the mean and worst gaps, and
 the monotonicity violations: layouts where a larger α plans a larger max load than a smaller
 one. The gap of a layout is max DP-rank load / lower bound - 1 (Muon, flops cost model), the
-lower bound max(total / D, largest matrix). Then the same with free intra-bucket order
+lower bound that of `canzona.planner.partition.dp.lower_bound` (the mean, the largest matrix and
+the pairing of the largest: `canzona.schedules.bounds`). Then the same with free intra-bucket order
 (`--order free`): how many layouts improve over registration order, and by how much. Only the
 DP partition is solved (what α and the order change); `canzona plan` adds TP scheduling and
 compilation on top.
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost
 from canzona.planner.partition.dp import DpInstance, lower_bound, partition, rank_loads
 from canzona.planner.partition.layout import build_buffer
-from canzona.planner.plan import dp_instance
+from canzona.planner.buffers import dp_instance
 from canzona.planner.sources.catalog import PRESETS
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, PlanError
@@ -46,7 +48,7 @@ try:  # free order is new: the same script measures the planner before it ("befo
 except ImportError:
     partition_free = None
 
-ALPHAS = (0.0, 0.5, 1.0)
+ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
 ONE_BUCKET = 1 << 40
 BUCKETS = {"10M": 10_000_000, "40M": 40_000_000, "160M": 160_000_000, "one": ONE_BUCKET}
 TPS = (1, 2, 4, 8)

@@ -12,8 +12,8 @@ Run:  python benchmarks/simulate_bench.py --paper        Qwen3 1.7B-32B at 256 G
       python benchmarks/simulate_bench.py                --paper, --batch, --buckets and --layouts
 
 Every figure comes from plans built in this run, with the simulator's defaults unless a column
-says otherwise: rooted DP collectives, gradient reduction overlapped with backward, no gather
-overlap, global batch 256 x 4096 tokens, one sequence per micro-batch. --cpu needs torch.
+says otherwise: each bucket's DP collective as the schedule records it, gradient reduction
+overlapped with backward and no gather overlap for every strategy, global batch 256 x 4096 tokens, one sequence per micro-batch. --cpu needs torch.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def paper_table() -> None:
     baseline's ratio to them (step / iteration)."""
     print("### Qwen3 at 256 GPUs, H100 model, Muon, `canzona plan` and `canzona simulate` defaults\n")
     print("Cells: baseline / canzona for the optimizer step (nothing overlapped), then for the training "
-          "iteration (each strategy's DP collectives overlapped as its authors run them). The paper "
+          "iteration (every strategy's DP collectives overlapped alike: reductions with backward, gathers not). The paper "
           "(arXiv 2602.06079): 5.8x optimizer step, 1.57x iteration at 32B.\n")
     _header(["model", "layout", "canzona step ms", "canzona iteration ms", *BASELINES, "ddp-adamw (ref.)"])
     for name in PAPER_MODELS:
@@ -193,8 +193,8 @@ def scale_table(layouts: list[tuple[str, int, int, int]] = SCALE) -> None:
 def cpu_predictions(schedule: Schedule) -> dict[str, float]:
     """Predicted step seconds of canzona, TP-SC and DP-SC for a runtime-benchmark schedule on
     this CPU: the checked-in profile (one thread per rank), its measured contention for this
-    many ranks, its gloo fit, and the runtime's execution (per bucket, rooted DP collectives: the
-    default; fp32 gathers)."""
+    many ranks, its gloo fit, and the runtime's execution (per bucket, the collective the schedule
+    records: the default; fp32 gathers)."""
     world = schedule.request.dp * schedule.request.tp
     device = shared_host(resolve_device("cpu"), world)
     opt = schedule.request.optimizer
@@ -218,7 +218,7 @@ def cpu_table(repeats: int, quick: bool, optimizer: str) -> None:
     with tempfile.TemporaryDirectory() as folder:
         config = Path(folder) / "bench_qwen3.json"
         config.write_text(json.dumps(runtime_step.MODEL))
-        for dp, tp in runtime_step.LAYOUTS:
+        for dp, tp, _ in runtime_step.LAYOUTS["dense"]:
             schedule = runtime_step.make_schedule(str(config), dp, tp, optimizer, 1.0)
             runs = [runtime_step.run_layout(schedule, warmup, steps) for _ in range(repeats)]
             measured = {k: statistics.median(run[k] for run in runs) for k in runs[0]}

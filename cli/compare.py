@@ -14,25 +14,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 
 from canzona.cli.options import SCHEDULE_HELP, library_hint, load_schedule, write_output
 from canzona.cli.wording import echo, percent, plural
-from canzona.schedules.format import (
-    Request,
-    Schedule,
-    ScheduleError,
-    dump_schedule,
-    parse_schedule,
-    read_request,
-    read_schedule,
-    schedule_text,
-)
+from canzona.schedules.errors import ScheduleError
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.limits import MAX_SCHEDULE_BYTES, PROFILE_PREFIX
-from canzona.schedules.reading import UnsafeDocument, read_text
+
+if TYPE_CHECKING:  # loaded by the commands themselves: `canzona -h` stays fast
+    from canzona.schedules.format import Request, Schedule
 
 EXIT_REGRESSION = 1
 EXIT_REFUSED = 2  # bad input, as every command's one-line errors
@@ -317,6 +310,8 @@ def check_file(path: Path, policy: CodePolicy, fix: bool = False,
     validated (digest included) before anything is regenerated: an invalid one is Refused,
     except under `fix`, which rewrites it from its request when that request can be read. A
     live model is regenerated only as `policy` allows; regeneration gets `seconds`."""
+    from canzona.schedules.format import dump_schedule, parse_schedule, schedule_text
+
     try:
         text = schedule_text(path)
     except ScheduleError as error:
@@ -340,6 +335,8 @@ def check_file(path: Path, policy: CodePolicy, fix: bool = False,
 
 
 def _readable_request(text: str, path: Path) -> Request:
+    from canzona.schedules.format import read_request
+
     try:
         return read_request(text, str(path))
     except ScheduleError as error:
@@ -348,6 +345,8 @@ def _readable_request(text: str, path: Path) -> Request:
 
 def library_rows(files: list[Path], root: Path) -> list[dict[str, Any]]:
     """Each schedule's headline metrics (what `canzona table` shows), named below `root`."""
+    from canzona.schedules.format import read_schedule
+
     rows = []
     for path in files:
         s = read_schedule(path)
@@ -402,6 +401,8 @@ def table(
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON (not with --update).")] = False,
 ) -> None:
     """Print the library's metrics table (markdown), or update it in the library README."""
+    from canzona.schedules.reading import UnsafeDocument, read_text
+
     if not folder.is_dir():
         raise ScheduleError(f"table reads a folder of schedules; {str(folder)!r} is {'a file' if folder.exists() else 'missing'}")
     if update and as_json:
@@ -469,11 +470,15 @@ def _check_one(path: Path, fix: bool, policy: CodePolicy, seconds: float) -> dic
     except Refused as error:
         return {"path": str(path), "status": "refused", "reason": str(error)}
     if reason is not None and fix:
+        from canzona.schedules.format import dump_schedule
+
         write_output(path, dump_schedule(new))
     return {"path": str(path), "status": "fresh" if reason is None else "fixed" if fix else "stale", "reason": reason}
 
 
 def _check_readme(root: Path, fix: bool) -> dict[str, Any] | None:
+    from canzona.schedules.reading import UnsafeDocument, read_text
+
     readme = root / LIBRARY_README
     if not (root.is_dir() and readme.exists()):
         return None

@@ -9,7 +9,6 @@ import typer
 
 from canzona.cli.options import Dtype
 from canzona.cli.wording import echo
-from canzona.cli.sources import describe_source, is_live, source_files
 from canzona.planner.spec import PlanError
 from canzona.schedules.files import check_output, write_atomic
 
@@ -22,6 +21,8 @@ def describe(
 ) -> None:
     """Describe a live model as a parameter list: names, global shapes, dtypes, TP dims from
     DTensor placements, grouped 3-D experts, partial gradients."""
+    from canzona.cli.sources import describe_source, is_live, source_files
+
     if not is_live(model):
         raise PlanError(f"describe reads a live model: give --model py:MODULE:FACTORY, not {model!r} (presets, "
                         "configs and parameter lists plan as they are)")

@@ -16,10 +16,12 @@ import threading
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+# Only what the commands' signatures name is loaded here, so `canzona --version` and `-h` start
+# in a fraction of a second; each command loads the planner, pydantic and YAML itself.
 from canzona.cli import calibrate_cmd, compare, describe_cmd, render, report, reshard_cmd, simulate_cmd
 from canzona.cli.options import (
     Dtype,
@@ -34,16 +36,17 @@ from canzona.cli.options import (
     write_output,
 )
 from canzona.cli.progress import progress, warn
-from canzona.cli.sources import load_source, source_files
 from canzona.cli.wording import echo, plural
-from canzona.planner.partition.costs import OptimizerConfig
-from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB
-from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
-from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec, PlanError
+from canzona.planner.spec import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN, MATRIX, PlanError
+from canzona.schedules.errors import ScheduleError
 from canzona.schedules.files import OutputError, check_output
-from canzona.schedules.format import Schedule, ScheduleError, dump_schedule
+from canzona.schedules.geometry import DEFAULT_BUCKET_SIZE
 from canzona.schedules.limits import FSDP, MAX_GROUP_BYTES, PROFILE_PREFIX, REPLICATED
+
+if TYPE_CHECKING:
+    from canzona.planner.spec import ModelSpec
+    from canzona.schedules.format import Schedule
 
 try:  # typer >= 0.20 vendors click
     from typer._click.exceptions import ClickException
@@ -214,9 +217,13 @@ def plan(
     """Solve the DP partition for a model and layout, and write the schedule file."""
     from dataclasses import replace
 
+    from canzona.cli.sources import load_source, source_files
     from canzona.planner.compile import compile_schedule
+    from canzona.planner.partition.costs import OptimizerConfig
     from canzona.planner.plan import PlanRequest, TrainingSetup
     from canzona.planner.predict.auto_alpha import plan_for_request, search_steps
+    from canzona.planner.spec import ModelOptions
+    from canzona.schedules.format import dump_schedule
 
     started = time.perf_counter()
     _check_group_mb(group_mb)
@@ -320,7 +327,8 @@ def show(
         part = report.rank_part(schedule, rank)
         echo(json.dumps(part, indent=2) if as_json else report.rank_text(part))
     elif as_json:
-        data = {"request": schedule.request.model_dump(mode="json"), "metrics": report.metrics_data(schedule)}
+        data = {"request": schedule.request.model_dump(mode="json"), "metrics": report.metrics_data(schedule),
+                "collectives": report.bucket_collectives(schedule)}
         echo(json.dumps(data, indent=2))
     else:
         echo(report.show_text(schedule))

@@ -8,10 +8,11 @@ import errno
 import os
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from canzona.planner.spec import PlanError
 from canzona.schedules.files import OutputError, write_atomic
-from canzona.schedules.format import Schedule, ScheduleError, read_schedule
+from canzona.schedules.errors import ScheduleError
 from canzona.schedules.library import library_names, resolve_schedule
 from canzona.schedules.limits import PROFILE_PREFIX, SETTING_USERS
 
@@ -21,6 +22,10 @@ try:  # typer >= 0.20 vendors click
 except ImportError:  # pragma: no cover - older typer depends on click
     from click.core import ParameterSource
     from click.globals import get_current_context
+
+if TYPE_CHECKING:
+    from canzona.schedules.format import Schedule
+
 
 class Dtype(str, Enum):
     """--dtype: every parameter's dtype, over the model source's own."""
@@ -56,6 +61,8 @@ def library_hint(ref: str) -> str:
 
 def load_schedule(ref: str | os.PathLike[str]) -> Schedule:
     """Read and validate the schedule a path or library name names."""
+    from canzona.schedules.format import read_schedule  # here: commands that read none start fast
+
     return read_schedule(schedule_path(ref))
 
 

@@ -10,14 +10,17 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from canzona.cli.options import DEVICE_HELP, SCHEDULE_HELP, device_option, output_path, schedule_path, write_output
 from canzona.cli.wording import echo, plural, table_unit
 from canzona.schedules.files import check_output
-from canzona.schedules.format import Schedule, ScheduleError, read_schedule
+from canzona.schedules.errors import ScheduleError
+
+if TYPE_CHECKING:  # loaded by the command itself: `canzona -h` stays fast
+    from canzona.schedules.format import Schedule
 
 MISSING = "canzona render needs matplotlib: pip install 'canzona[render]'"
 FLOOR = 1e-2  # an idle rank drawn on the log axis
@@ -176,6 +179,8 @@ def render(
     check_output(target, [source], "--output")
     plt = _pyplot()
     kind = _image_format(target)
+    from canzona.schedules.format import read_schedule
+
     schedule = read_schedule(source)
     if schedule.request.sharding == "fsdp":
         raise ScheduleError(f"{file}: render draws the DP buckets and TP micro-groups of replicated schedules; for an FSDP "

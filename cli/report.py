@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from canzona.cli.wording import duration, percent, plural
-from canzona.planner.sources.catalog import Architecture
-from canzona.schedules.format import Schedule
+
+if TYPE_CHECKING:  # only named: `canzona -h` loads neither
+    from canzona.planner.sources.catalog import Architecture
+    from canzona.schedules.format import Schedule
 
 BAR_WIDTH = 40
 MAX_BAR_ROWS = 32  # up to this many ranks get a row each; more are shown as RANGE_ROWS ranges
@@ -162,6 +164,35 @@ def _device_gap_text(gap: float | None) -> str:
     return "" if gap is None else f", device gap {percent(gap)} above the device lower bound"
 
 
+def index_ranges(indices: list[int]) -> str:
+    """Bucket indices as ranges: 0-3, 7, 9-12."""
+    spans: list[list[int]] = []
+    for index in indices:
+        if spans and spans[-1][1] == index - 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
+def bucket_collectives(schedule: Schedule) -> dict[str, dict[str, list[int]]]:
+    """Per matrix buffer ("matrix", "expert"), the buckets of each recorded collective."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for name, buckets in (("matrix", schedule.dp.buckets), ("expert", schedule.dp.expert_buckets)):
+        for bucket in buckets:
+            out.setdefault(name, {}).setdefault(bucket.collective, []).append(bucket.index)
+    return out
+
+
+def collective_lines(schedule: Schedule) -> list[str]:
+    """One line per matrix buffer: which buckets the runtime reduces and gathers how."""
+    lines = []
+    for name, chosen in bucket_collectives(schedule).items():
+        parts = "; ".join(f"{collective} {index_ranges(indices)}" for collective, indices in sorted(chosen.items()))
+        lines.append(f"{name} buckets by collective: {parts}")
+    return lines
+
+
 def show_text(schedule: Schedule) -> str:
     """The `canzona show` report."""
     req, dp = schedule.request, schedule.metrics.dp
@@ -175,8 +206,10 @@ def show_text(schedule: Schedule) -> str:
     lines = [header, "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
     lines += [
         "",
-        f"imbalance {dp.imbalance:.4f}  gap {percent(dp.gap)} above lower bound {dp.lower_bound:.4g}",
+        f"imbalance {dp.imbalance:.4f}  gap {percent(dp.gap)} above the lower bound {dp.lower_bound:.4g} "
+        "(no plan of this model and layout does better: mean, largest matrix, pairs of the largest)",
         f"padding overhead {dp.padding_overhead:.2f}x (worst bucket {dp.max_padding_overhead:.2f}x)",
+        *collective_lines(schedule),
         f"gradient slice per rank: max {max(dp.slice_bytes) / GIB:.3f} GiB, "
         f"min {min(dp.slice_bytes) / GIB:.3f} GiB",
         f"optimizer state per DP rank (TP group): max {max(dp.state_bytes) / GIB:.2f} GiB, "
@@ -206,7 +239,8 @@ def _tp_lines(schedule: Schedule) -> list[str]:
     if tp.device_lower_bound is not None and tp.device_gap is not None:
         lines.append(
             f"worst device {tp.worst_device_load:.4g}: gap {percent(tp.device_gap)} above the device lower bound "
-            f"{tp.device_lower_bound:.4g} = max(total / devices, largest piece)"
+            f"{tp.device_lower_bound:.4g} (no plan does better: mean work, DP bound / tp, the smallest piece a "
+            "team leaves of the largest matrix)"
         )
     peaks = [d.peak_bytes for d in devices if d.peak_bytes is not None]
     peak = f"predicted peak memory max {max(peaks) / GIB:.2f} GiB (above params + grads), " if peaks else ""

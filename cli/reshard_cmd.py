@@ -7,14 +7,15 @@ Exit codes: 0 compatible, 1 not compatible (reasons on stdout and stderr), 2 bad
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from canzona.cli.wording import echo
 from canzona.cli.options import SCHEDULE_HELP, load_schedule
-from canzona.schedules.format import Schedule
-from canzona.schedules.reshard import ReshardReport, reshard_report
+if TYPE_CHECKING:  # loaded by the command itself: `canzona -h` stays fast
+    from canzona.schedules.format import Schedule
+    from canzona.schedules.reshard import ReshardReport
 
 EXIT_INCOMPATIBLE = 1
 UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
@@ -90,6 +91,8 @@ def reshard_check(
     """Say whether an optimizer checkpoint saved under OLD loads under NEW, and the bytes of
     optimizer state each rank writes, reads and receives from another rank; exit 1 if it cannot."""
     before, after = load_schedule(old), load_schedule(new)
+    from canzona.schedules.reshard import reshard_report
+
     report = reshard_report(before, after)
     data = report_json(before, after, report)
     echo(json.dumps(data, indent=2) if as_json else report_text(data))

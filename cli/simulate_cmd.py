@@ -10,19 +10,34 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from canzona.cli.options import DEVICE_HELP, SCHEDULE_HELP, device_option, load_schedule, refuse_unless
+from canzona.cli.report import index_ranges
 from canzona.cli.wording import echo, table_unit
-from canzona.planner.partition.costs import OptimizerConfig
-from canzona.planner.plan import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
-from canzona.planner.predict.hardware import CPU_GPUS_PER_NODE, Device
-from canzona.planner.predict.simulate import Simulation
-from canzona.schedules.format import Schedule
+from canzona.planner.spec import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN
+from canzona.schedules.limits import AS_SCHEDULED, DP_COLLECTIVE_MODES
+
+if TYPE_CHECKING:  # loaded by the command itself: `canzona -h` stays fast
+    from canzona.planner.partition.costs import OptimizerConfig
+    from canzona.planner.predict.hardware import Device
+    from canzona.planner.predict.simulate import Simulation
+    from canzona.schedules.format import Schedule
 
 STEP_FIELDS = ("name", "description", "step", "compute", "comm", "exposed_comm", "dp_comm", "tp_comm", "critical_device")
+
+
+def bucket_rows(sim: Simulation) -> list[dict[str, Any]]:
+    """canzona's matrix buckets: buffer, index, the collective it runs as, and the predicted
+    seconds of its reduction and its gather."""
+    from canzona.planner.predict.simulate import ADAMW_BUFFER
+
+    phases = sim.get("canzona").phases
+    gathers = {(s.buffer, s.bucket): s.exchange.seconds() for s in phases.gather}
+    return [{"buffer": s.buffer, "bucket": s.bucket, "collective": s.collective, "reduce_s": s.exchange.seconds(),
+             "gather_s": gathers.get((s.buffer, s.bucket), 0.0)} for s in phases.reduce if s.buffer != ADAMW_BUFFER]
 
 
 def simulation_dict(sim: Simulation) -> dict[str, Any]:
@@ -31,11 +46,13 @@ def simulation_dict(sim: Simulation) -> dict[str, Any]:
     ratios, iteration_ratios = sim.ratios(), sim.iteration_ratios()
     data: dict[str, Any] = {
         "model": sim.model, "tp": sim.tp, "dp": sim.dp, "ep": sim.ep, "optimizer": sim.optimizer,
-        "hardware": asdict(sim.hardware), "time_model": sim.time_model, "fused": sim.fused, "rooted": sim.rooted,
+        "hardware": asdict(sim.hardware), "time_model": sim.time_model, "fused": sim.fused,
+        "dp_collectives": sim.dp_collectives,
         "strategies": [
             {**{key: getattr(s, key) for key in STEP_FIELDS}, "optimizer_stage": s.optimizer_stage, "ratio": ratios[s.name]}
             for s in sim.strategies
         ],
+        "buckets": bucket_rows(sim),
     }
     if sim.training is not None:
         data["training"] = {**asdict(sim.training), "micro_batches": sim.training.validate(sim.dp),
@@ -56,6 +73,8 @@ def _pricing(time_model: str) -> str:
 
 
 def _header(sim: Simulation) -> list[str]:
+    from canzona.planner.predict.hardware import CPU_GPUS_PER_NODE
+
     hw = sim.hardware
     lines = [
         f"{sim.model}  tp {sim.tp} x dp {sim.dp}" + (f" (ep {sim.ep})" if sim.ep > 1 else "")
@@ -67,15 +86,20 @@ def _header(sim: Simulation) -> list[str]:
         + f", α {hw.latency * 1e6:.3g} µs per step",
         f"source: {hw.source}",
         "DP collectives: " + ("one fused exchange per buffer" if sim.fused else "one per bucket")
-        + ("; canzona's uneven ones as rooted reduces/broadcasts" if sim.rooted else "; canzona's uneven ones as all_to_all"),
+        + ("; canzona's matrix buckets as the schedule records them" if sim.dp_collectives == AS_SCHEDULED
+           else f"; every canzona matrix bucket as {sim.dp_collectives}"),
     ]
     if sim.training is not None:
         tr, canzona = sim.training, sim.iteration("canzona")
         lines.append(
             f"training: global batch {tr.global_batch} x {tr.seq_len} tokens, {tr.validate(sim.dp)} micro-batches per DP "
-            f"rank; forward+backward {hw.training_flops() / 1e12:.3g} TFLOP/s per device (6 x params x tokens); "
-            "canzona: gradient reduction " + ("overlapped with backward" if canzona.overlap_grad else "after backward")
-            + ", parameter gather " + ("overlapped with the next forward" if canzona.overlap_param else "before the step returns")
+            f"rank; forward+backward {hw.training_flops() / 1e12:.3g} TFLOP/s per device (6 x params x tokens)"
+        )
+        lines.append(
+            "overlap, the same for every strategy that has such collectives: gradient reduction "
+            + ("overlapped with backward" if canzona.overlap_grad else "after backward") + ", parameter gather "
+            + ("overlapped with the next forward" if canzona.overlap_param else "before the step returns")
+            + " (defaults: the runtime's and Megatron-Core's, --overlap-param-gather to change)"
         )
     return lines + [""]
 
@@ -83,7 +107,7 @@ def _header(sim: Simulation) -> list[str]:
 def _step_table(sim: Simulation) -> str:
     ratios = sim.ratios()
     unit, scale = table_unit(max(s.step for s in sim.strategies))
-    header = [f"strategy", f"step {unit}", f"compute {unit}", f"comm {unit}", f"exposed {unit}", f"DP comm {unit}",
+    header = ["strategy", f"step {unit}", f"compute {unit}", f"comm {unit}", f"exposed {unit}", f"DP comm {unit}",
               f"optimizer {unit}", "vs canzona", "critical device"]
     rows = [
         [s.name, *(f"{value / scale:.3f}" for value in (s.step, s.compute, s.comm, s.exposed_comm, s.dp_comm,
@@ -108,13 +132,28 @@ def _iteration_table(sim: Simulation) -> str:
     return _table(header, rows)
 
 
+def _collective_lines(sim: Simulation) -> list[str]:
+    """Per matrix buffer and collective: canzona's buckets and their predicted seconds."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in bucket_rows(sim):
+        groups.setdefault((row["buffer"], row["collective"]), []).append(row)
+    lines = []
+    for (buffer, collective), rows in sorted(groups.items()):
+        seconds = sum(row["reduce_s"] + row["gather_s"] for row in rows)
+        unit, scale = table_unit(seconds)
+        indices = index_ranges([row["bucket"] for row in rows])
+        lines.append(f"  {buffer} buckets {indices}: {collective}, {seconds / scale:.3f} {unit} (reduce + gather)")
+    return ["canzona's DP collectives per bucket:", *lines, ""] if lines else []
+
+
 def simulation_text(sim: Simulation) -> str:
     """The `canzona simulate` report: the optimizer step, then (with a training setup) the iteration."""
-    lines = _header(sim) + ["optimizer step (nothing overlapped):", _step_table(sim)]
+    lines = _header(sim) + _collective_lines(sim) + ["optimizer step (nothing overlapped):", _step_table(sim)]
     lines += ["", "compute/comm/exposed: the critical device's (exposed = step - compute); optimizer = step "
               "without DP collectives; vs canzona: this strategy's time over canzona's (above 1: canzona is faster)."]
     if sim.iterations:
-        lines += ["", "training iteration (DP collectives overlapped as each strategy runs them):", _iteration_table(sim),
+        lines += ["", "training iteration (every strategy's DP collectives overlapped alike, where it has them):",
+                  _iteration_table(sim),
                   "", "optimizer: fetches + optimizer stage + publishing broadcasts, which nothing overlaps; "
                   "ddp-adamw is a reference (AdamW, not a matrix optimizer)."]
     return "\n".join(lines)
@@ -155,6 +194,8 @@ def schedule_device(schedule: Schedule, device: str, network: tuple[float | None
 
 def optimizer_config(schedule: Schedule) -> OptimizerConfig:
     """The planner's view of the schedule's optimizer settings."""
+    from canzona.planner.partition.costs import OptimizerConfig
+
     opt = schedule.request.optimizer
     return OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
 
@@ -167,12 +208,12 @@ def simulate(
     gpus_per_node: Annotated[Optional[int], typer.Option(help="Devices per node.")] = None,
     latency_us: Annotated[Optional[float], typer.Option(help="α: microseconds per collective step.")] = None,
     fused: Annotated[bool, typer.Option("--fused", help="One DP collective per buffer instead of one per bucket.")] = False,
-    dp_collectives: Annotated[str, typer.Option(help="How the runtime does canzona's uneven DP collectives: rooted (its default) or all_to_all.")] = "rooted",
+    dp_collectives: Annotated[str, typer.Option(help="canzona's matrix buckets: schedule (each bucket's recorded collective, the runtime's default), or ring, rooted or all_to_all for every bucket.")] = AS_SCHEDULED,
     global_batch: Annotated[int, typer.Option(help="Iteration: sequences per optimizer step, over all DP ranks.")] = DEFAULT_GLOBAL_BATCH,
     seq_len: Annotated[int, typer.Option(help="Iteration: tokens per sequence.")] = DEFAULT_SEQ_LEN,
     micro_batches: Annotated[Optional[int], typer.Option(help="Iteration: forward/backward passes per DP rank (default: global batch / dp).")] = None,
-    overlap_grad_reduce: Annotated[bool, typer.Option(help="canzona and TP-SC reduce gradients during backward (the runtime's default).")] = True,
-    overlap_param_gather: Annotated[bool, typer.Option(help="canzona and TP-SC gather parameters during the next forward (runtime option).")] = False,
+    overlap_grad_reduce: Annotated[bool, typer.Option(help="Every strategy reduces gradients during backward (the runtime's default).")] = True,
+    overlap_param_gather: Annotated[bool, typer.Option(help="Every strategy with per-bucket parameter gathers runs them during the next forward (a runtime option).")] = False,
     train_tflops: Annotated[Optional[float], typer.Option(help="Achieved training forward+backward TFLOP/s per device (default: the device model's).")] = None,
     routed_fraction: Annotated[Optional[float], typer.Option(help="MoE: top_k / num_experts (default: from the model's preset or config).")] = None,
     step_only: Annotated[bool, typer.Option("--step-only", help="Predict the optimizer step only, not the iteration.")] = False,
@@ -184,8 +225,8 @@ def simulate(
     from canzona.planner.spec import PlanError
 
     _check_network(gpus_per_node, intra_gbps, inter_gbps, latency_us, train_tflops)
-    if dp_collectives not in ("rooted", "all_to_all"):
-        raise PlanError(f"--dp-collectives must be rooted or all_to_all, got {dp_collectives!r}")
+    if dp_collectives not in DP_COLLECTIVE_MODES:
+        raise PlanError(f"--dp-collectives must be one of {', '.join(DP_COLLECTIVE_MODES)}, got {dp_collectives!r}")
     refuse_unless(not step_only, ("global_batch", "seq_len", "micro_batches", "overlap_grad_reduce",
                                   "overlap_param_gather", "train_tflops", "routed_fraction"),
                   "--step-only predicts no training iteration")
@@ -209,7 +250,7 @@ def simulate(
     chosen = schedule_device(schedule, device, (intra_gbps, inter_gbps, gpus_per_node, latency_us), train_tflops)
     config = optimizer_config(schedule)
     sim = run_simulation(schedule, chosen.hardware, chosen.time_model(config), fused=fused,
-                         rooted=dp_collectives == "rooted", training=training, overlap_grad_reduce=overlap_grad_reduce,
+                         dp_collectives=dp_collectives, training=training, overlap_grad_reduce=overlap_grad_reduce,
                          overlap_param_gather=overlap_param_gather, routed_fraction=routed_fraction)
     echo(json.dumps(simulation_dict(sim), indent=2) if as_json else simulation_text(sim))
 

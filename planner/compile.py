@@ -8,11 +8,12 @@ from typing import Any
 
 from canzona.planner.partition.baselines import BaselineLoads
 from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
-from canzona.planner.partition.devices import device_figures, device_lower_bound, tp_score
+from canzona.planner.partition.devices import device_figures, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MicroGroup, Task, group_stats
 from canzona.planner.fsdp import FsdpPlan, compile_fsdp
-from canzona.planner.plan import AutoSearch, BufferPlan, Plan, PlanRequest, TrainingSetup
+from canzona.planner.buffers import BufferPlan
+from canzona.planner.plan import AutoSearch, Plan, PlanRequest, TrainingSetup
 from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec
 from canzona.schedules.format import (
     SCHEMA_VERSION,
@@ -166,7 +167,7 @@ def _score(loads: tuple[float, ...] | list[float], total: float, bound: float, p
 
 def _buckets(buffer: BufferPlan) -> list[BucketEntry]:
     buckets = []
-    for bucket, cuts in zip(buffer.layout.buckets, buffer.cuts):
+    for bucket, cuts, collective in zip(buffer.layout.buckets, buffer.cuts, buffer.collectives):
         slices = slice_sizes(cuts)
         buckets.append(
             BucketEntry(
@@ -175,6 +176,7 @@ def _buckets(buffer: BufferPlan) -> list[BucketEntry]:
                 cuts=list(cuts),
                 slice_bytes=[GRAD_BYTES_PER_ELEMENT * s for s in slices],
                 padding_overhead=_ratio(buffer.num_ranks * max(slices), bucket.numel, 1.0),
+                collective=collective,
             )
         )
     return buckets
@@ -254,17 +256,11 @@ def _pieces_of(tasks: Sequence[Task], groups: Sequence[MicroGroup]) -> list[floa
     return [cost for group in groups for _, cost, _ in group.placements(tasks)]
 
 
-def _pieces(plan: Plan) -> list[float]:
-    """Every DP rank's indivisible units of optimizer work (`_pieces_of`)."""
-    return [cost for tasks, groups in zip(plan.tasks, plan.chosen_groups) for cost in _pieces_of(tasks, groups)]
-
-
 def _tp_metrics(plan: Plan) -> TpMetrics:
     # Only the chosen mode is recorded: the others' figures could not be re-checked without
     # re-planning (docs/schedule-format.md).
     chosen = tp_score(plan, plan.chosen_groups)
-    loads = [figure.load for figure in device_figures(plan, plan.chosen_groups)]
-    bound = device_lower_bound(loads, _pieces(plan))
+    bound = plan.device_lower_bound
     return TpMetrics(
         mode=plan.request.tp_mode,
         num_groups=chosen.num_groups,

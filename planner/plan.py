@@ -5,33 +5,40 @@ Pure: no I/O. `compile.py` turns a `Plan` into the schedule file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
-from canzona.planner.partition.baselines import BaselineLoads, all_baselines
-from canzona.planner.partition.cooperative import COOP_MODES, Shape, cooperate
-from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
-from canzona.planner.partition.dp import (
-    ALPHA_LADDER,
-    DpAssignment,
-    DpInstance,
-    lower_bound,
-    owners_to_cuts,
-    partition,
-    rank_loads,
-    slice_caps,
+from canzona.planner.buffers import BufferPlan, Partitioned, finish_buffer, param_task, partition_buffer
+from canzona.planner.partition.baselines import BaselineLoads
+from canzona.planner.partition.collectives import (
+    GRAD_BYTES,
+    REFERENCE_NETWORK,
+    Link,
+    bucket_seconds,
+    choose_collective,
+    layout_links,
 )
-from canzona.planner.partition.free_order import partition_free, reorder_buffer
-from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, GRAD_BYTES_PER_ELEMENT, BufferLayout, build_buffer
+from canzona.planner.partition.cooperative import COOP_MODES, Shape, cooperate, reference_flops, smallest_share
+from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
+from canzona.planner.partition.device_aware import DeviceModel
+from canzona.planner.partition.devices import adamw_loads
+from canzona.planner.partition.dp import ALPHA_LADDER, DpInstance, Owners, lower_bound
+from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, BufferLayout, build_buffer
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
-from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ModelSpec, PlanError, validate_model
+from canzona.planner.spec import (
+    ADAMW,
+    DEFAULT_GLOBAL_BATCH,
+    DEFAULT_SEQ_LEN,
+    DTYPE_BYTES,
+    MATRIX,
+    ModelOptions,
+    ModelSpec,
+    PlanError,
+    validate_model,
+)
+from canzona.schedules.bounds import device_lower_bound, dp_lower_bound
 from canzona.schedules.limits import FSDP, REPLICATED, request_problem, settings_problem, sharding_problem
 
-if TYPE_CHECKING:
-    from canzona.planner.partition.ilp import SolverReport
-
-DEFAULT_GLOBAL_BATCH = 256  # sequences per optimizer step, over every DP rank
-DEFAULT_SEQ_LEN = 4096  # tokens per sequence
 
 
 @dataclass(frozen=True)
@@ -160,31 +167,17 @@ class PlanRequest:
 
 
 @dataclass(frozen=True)
-class BufferPlan:
-    """One partitioned matrix-optimizer buffer: layout, group size, owners, cuts, loads.
-
-    Owners are ranks within the buffer's data-parallel group: DP ranks for the dense buffer,
-    expert-data-parallel ranks for the expert buffer (laid out once, for EP rank 0's local
-    experts; every EP rank's experts sit at the same offsets).
-    """
-
-    layout: BufferLayout
-    num_ranks: int
-    owners: dict[int, int]
-    cuts: tuple[tuple[int, ...], ...]
-    method: str
-    loads: tuple[float, ...]
-    baselines: tuple[BaselineLoads, ...]
-    solver: SolverReport | None = None
-
-
-@dataclass(frozen=True)
 class Plan:
     """The solved plan. Per-parameter lists are indexed by registration position.
 
     `owners` maps every matrix parameter to its owner rank in its group (DP rank; for experts
     under expert parallelism, expert-DP rank); `expert_slot` maps every expert parameter to
     the EP-rank-0 expert at the same buffer position (itself when ep = 1 or not an expert).
+    `lower_bound`: the DP load no plan of this model and layout can go below
+    (`canzona.schedules.bounds.dp_lower_bound` over every matrix); `partition_bound`: the dense
+    partition's own bound (around the experts' loads under expert parallelism), where the
+    planner stops searching; `device_lower_bound`: the busiest device no plan can go below
+    (`device_bound`).
     """
 
     request: PlanRequest
@@ -197,6 +190,8 @@ class Plan:
     owners: dict[int, int]
     expert_slot: dict[int, int]
     lower_bound: float
+    partition_bound: float
+    device_lower_bound: float
     loads: tuple[float, ...]
     baselines: tuple[BaselineLoads, ...]
     tasks: tuple[tuple[Task, ...], ...]
@@ -214,70 +209,6 @@ class Plan:
         if self.expert is None or spec.expert_index is None:
             return None
         return spec.expert_index // (spec.num_experts // self.request.ep)
-
-
-def dp_instance(
-    layout: BufferLayout, model: ModelSpec, costs: tuple[float, ...], dp: int, base_loads: tuple[float, ...] = ()
-) -> DpInstance:
-    """The partition problem of one buffer."""
-    return DpInstance(
-        costs=tuple(tuple(costs[e.param] for e in bucket.entries) for bucket in layout.buckets),
-        spans=tuple(bucket.spans() for bucket in layout.buckets),
-        names=tuple(tuple(model.params[e.param].name for e in bucket.entries) for bucket in layout.buckets),
-        num_ranks=dp,
-        base_loads=base_loads,
-    )
-
-
-def plan_buffer(
-    model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, request: PlanRequest,
-    base_loads: tuple[float, ...] = (), seeds: tuple[BufferPlan, ...] = (),
-) -> tuple[BufferPlan, DpInstance]:
-    """Partition one buffer over `num_ranks` (refined by CP-SAT if asked) and score the
-    baselines on it. `seeds`: plans of the same buffer at coarser α (see `partition`)."""
-    instance = dp_instance(layout, model, costs, num_ranks, base_loads)
-    seed_owners = tuple(
-        tuple(tuple(seed.owners[e.param] for e in bucket.entries) for bucket in layout.buckets)
-        for seed in seeds
-        if _members(seed.layout) == _members(layout)
-    )
-    if request.order == "free":
-        assignment = partition_free(instance, request.alpha, seed_owners)
-    else:
-        assignment = partition(instance, request.alpha, seed_owners)
-    report = None
-    if request.solver == "ilp" and any(instance.costs):
-        from canzona.planner.partition.ilp import refine_dp
-
-        refined, report = refine_dp(
-            instance, slice_caps(instance, request.alpha), assignment.owners,
-            time_limit=request.time_limit, seed=request.seed,
-        )
-        if report.accepted:
-            assignment = DpAssignment(refined, assignment.method + "+cp-sat")
-    owners = {
-        entry.param: owner
-        for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
-        for entry, owner in zip(bucket.entries, bucket_owners)
-    }
-    loads = tuple(l - b for l, b in zip(rank_loads(instance, assignment.owners), instance.initial_loads()))
-    registration_layout = layout
-    if request.order == "free":
-        layout, bucket_owners_list = reorder_buffer(layout, assignment.owners, num_ranks)
-        assignment = DpAssignment(bucket_owners_list, assignment.method)
-    cuts = tuple(
-        owners_to_cuts(bucket_owners, tuple(e.offset for e in bucket.entries), bucket.numel, num_ranks)
-        for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
-    )
-    cost_by_param = {param: costs[param] for param in owners}
-    names = {index: param.name for index, param in enumerate(model.params)}
-    baselines = all_baselines(registration_layout, cost_by_param, names, num_ranks)
-    return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines, report), instance
-
-
-def _members(layout: BufferLayout) -> tuple[frozenset[int], ...]:
-    """Each bucket's parameters (what a seed plan must share, whatever its order)."""
-    return tuple(frozenset(e.param for e in bucket.entries) for bucket in layout.buckets)
 
 
 def _expert_slots(model: ModelSpec, ep: int) -> dict[int, int]:
@@ -306,55 +237,90 @@ def make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = 
     and score the baselines. `seeds`: plans of the same model and layout at coarser α, which
     this plan is then never worse than (what `--alpha auto` compares).
 
-    Each buffer's plan is never worse at a larger α, nor in free order than in registration
-    order, but under expert parallelism the dense buffer is balanced around the experts'
-    loads, so a better expert plan can leave a worse sum. There, unless the plan meets the
-    lower bound, the whole plan at the next coarser ladder α and the registration-order plan
-    (valid plans of this request too: tighter caps, and any order is a free order) replace it
-    when their largest load is lower."""
-    return _best_plan(model, request, seeds, {})
-
-
-def _best_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...],
-               done: dict[tuple[str, float], Plan]) -> Plan:
-    """`make_plan`, with the plans already made for other (order, α) of this request in `done`
-    (the fallbacks reach the same coarser plans by several paths)."""
-    key = (str(request.order), request.alpha)
-    if key in done:
-        return done[key]
-    plan = _make_plan(model, request, seeds)
-    if request.ep > 1 and max(plan.loads) > plan.lower_bound * (1 + 1e-12):
-        others = []
-        if request.order == "free":
-            others.append(_best_plan(model, replace(request, order="registration"), seeds, done))
-        coarser = [alpha for alpha in ALPHA_LADDER if alpha < request.alpha]
-        if coarser:
-            others.append(_best_plan(model, replace(request, alpha=coarser[-1]), seeds, done))
-        for other in others:
-            if max(other.loads) < max(plan.loads):
-                plan = replace(other, request=request)
-    done[key] = plan
-    return plan
-
-
-def _make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...]) -> Plan:
+    Each buffer's partition is never worse at a larger α, nor in free order than in
+    registration order, but under expert parallelism the dense buffer is balanced around the
+    experts' loads, so a better expert plan can leave a worse sum. There, unless the partitions
+    meet their bound, those at the next coarser ladder α and in registration order (valid
+    partitions of this request too: tighter caps, and any order is a free order) replace them
+    when their largest load is lower. Then (`finish_buffer`) the device stage, the even slices
+    and the layout."""
     request.validate()
     validate_model(model, request.tp)
     validate_expert_parallel(model, request)
     cost_model = make_cost_model(request.cost, request.optimizer)
     costs = tuple(param_cost(param, cost_model) for param in model.params)
-    state = tuple(param_state_bytes(param, request.optimizer) for param in model.params)
+    slots = _expert_slots(model, request.ep) if request.ep > 1 else {}
+    parts = _best_parts(model, request, seeds, costs, slots, {})
+    return _finish(model, request, parts, costs, slots)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """The DP partitions of one request (the expert buffer's under expert parallelism), their
+    combined DP loads, and the dense partition's own bound."""
+
+    dense: Partitioned
+    expert: Partitioned | None
+    loads: tuple[float, ...]
+    bound: float
+
+
+def _best_parts(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...], costs: tuple[float, ...],
+                slots: dict[int, int], done: dict[tuple[str, float], _Parts]) -> _Parts:
+    """The partitions `make_plan` keeps, with those already made for other (order, α) of this
+    request in `done` (the fallbacks reach the same coarser ones by several paths)."""
+    key = (str(request.order), request.alpha)
+    if key in done:
+        return done[key]
+    parts = _partitions(model, request, seeds, costs, slots)
+    if request.ep > 1 and max(parts.loads) > parts.bound * (1 + 1e-12):
+        others = []
+        if request.order == "free":
+            others.append(_best_parts(model, replace(request, order="registration"), seeds, costs, slots, done))
+        coarser = [alpha for alpha in ALPHA_LADDER if alpha < request.alpha]
+        if coarser:
+            others.append(_best_parts(model, replace(request, alpha=coarser[-1]), seeds, costs, slots, done))
+        for other in others:
+            if max(other.loads) < max(parts.loads):
+                parts = other
+    done[key] = parts
+    return parts
+
+
+def _partitions(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...], costs: tuple[float, ...],
+                slots: dict[int, int]) -> _Parts:
+    """The expert partition (under expert parallelism), then the dense one around its loads."""
     ep, tp, dp = request.ep, request.tp, request.dp
-    slots = _expert_slots(model, ep) if ep > 1 else {}
-    expert: BufferPlan | None = None
+    expert: Partitioned | None = None
     if ep > 1:
         layout = build_buffer(model, MATRIX, tp, dp // ep, request.bucket_size, lambda i: slots.get(i) == i)
         expert_seeds = tuple(seed.expert for seed in seeds if seed.expert is not None)
-        expert, _ = plan_buffer(model, layout, costs, dp // ep, request, seeds=expert_seeds)
-    expert_base = _combine((0.0,) * dp, expert.loads if expert else (), ep)
+        expert = partition_buffer(model, layout, costs, dp // ep, request, seeds=expert_seeds)
+    base = _combine((0.0,) * dp, expert.loads, ep) if expert else ()
     dense_layout = build_buffer(model, MATRIX, tp, dp, request.bucket_size, lambda i: i not in slots)
     dense_seeds = tuple(seed.dense for seed in seeds) if expert is None else ()
-    dense, instance = plan_buffer(model, dense_layout, costs, dp, request, expert_base if expert else (), dense_seeds)
+    dense = partition_buffer(model, dense_layout, costs, dp, request, base, dense_seeds)
+    loads = _combine(dense.loads, expert.loads if expert else (), ep)
+    return _Parts(dense, expert, loads, lower_bound(dense.instance))
+
+
+def _finish(model: ModelSpec, request: PlanRequest, parts: _Parts, costs: tuple[float, ...],
+            slots: dict[int, int]) -> Plan:
+    """The plan of the chosen partitions: the device stage (TP > 1), even slices, layouts, TP
+    micro-groups and teams, bounds and baselines."""
+    ep, tp, dp = request.ep, request.tp, request.dp
+    cost_model = make_cost_model(request.cost, request.optimizer)
+    dp_link, expert_link, _ = layout_links(REFERENCE_NETWORK, tp, dp, ep)
+    expert = finish_buffer(model, parts.expert, costs, request, expert_link) if parts.expert else None
+    adamw_layout = build_buffer(model, ADAMW, tp, dp, request.bucket_size)
+    adamw = adamw_loads(adamw_layout, dp, cost_model)
+    bound = dp_lower_bound([c for c, p in zip(costs, model.params) if p.optimizer == MATRIX], dp)
+    device_bound = layout_device_bound(model, request, costs, bound, adamw)
+    device = None
+    if tp > 1 and request.cost == "flops":  # FLOPs price the collectives too (at the reference throughput)
+        device = _device_model(model, request, expert_tasks(model, expert, slots, costs, request), adamw,
+                               tp * device_bound, _comm_cost(model, parts.dense.layout, dp_link))
+    dense = finish_buffer(model, parts.dense, costs, request, dp_link, device)
     owners = dict(dense.owners)
     if expert is not None:
         owners.update({param: expert.owners[slot] for param, slot in slots.items()})
@@ -376,12 +342,14 @@ def _make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...]) 
         model=model,
         dense=dense,
         expert=expert,
-        adamw_layout=build_buffer(model, ADAMW, tp, dp, request.bucket_size),
+        adamw_layout=adamw_layout,
         costs=costs,
-        state_bytes=state,
+        state_bytes=tuple(param_state_bytes(param, request.optimizer) for param in model.params),
         owners=owners,
         expert_slot={index: slots.get(index, index) for index in owners},
-        lower_bound=lower_bound(instance),
+        lower_bound=bound,
+        partition_bound=parts.bound,
+        device_lower_bound=device_bound,
         loads=_combine(dense.loads, expert.loads if expert else (), ep),
         baselines=_combined_baselines(dense, expert, ep),
         tasks=tasks,
@@ -391,11 +359,17 @@ def _make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...]) 
 
 
 def team_shapes(model: ModelSpec, request: PlanRequest) -> dict[str, Shape]:
-    """The matrices a team may host: Muon, updated as one matrix (one submatrix); none when
-    cooperative hosting is off, or `auto` under a cost model it cannot price (only FLOPs)."""
-    if request.optimizer.name != "muon" or request.coop == "off" or request.tp < 2:
+    """The matrices this request's teams may host (`teamable_shapes`); none when cooperative
+    hosting is off, or `auto` under a cost model it cannot price (only FLOPs)."""
+    if request.coop == "off" or (request.coop == "auto" and request.cost != "flops"):
         return {}
-    if request.coop == "auto" and request.cost != "flops":
+    return teamable_shapes(model, request)
+
+
+def teamable_shapes(model: ModelSpec, request: PlanRequest) -> dict[str, Shape]:
+    """The matrices a team of TP ranks can host in any plan of this model and layout: Muon,
+    tp > 1, updated as one matrix (one submatrix)."""
+    if request.optimizer.name != "muon" or request.tp < 2:
         return {}
     return {
         param.name: Shape(param.shape[0], param.shape[1], param.tp_dim)
@@ -465,6 +439,65 @@ def validate_expert_parallel(model: ModelSpec, request: PlanRequest) -> None:
             raise PlanError(f"ep {ep} does not divide the {count} experts of {model.name!r}")
 
 
+def layout_device_bound(model: ModelSpec, request: PlanRequest, costs: tuple[float, ...], dp_bound: float,
+                        adamw: list[float]) -> float:
+    """The busiest device no plan of this model and layout can go below, whatever its owners,
+    hosts and teams (`canzona.schedules.bounds.device_lower_bound`): teams allowed wherever one
+    can host a matrix (Muon, tp > 1), each matrix's least piece its smallest team share;
+    `adamw`: per DP rank, each of its devices' AdamW cost."""
+    tp, shapes = request.tp, teamable_shapes(model, request)
+    matrices = [(param, cost) for param, cost in zip(model.params, costs) if param.optimizer == MATRIX]
+    kinds = {(cost, shapes.get(param.name)) for param, cost in matrices}  # matrices alike share their pieces
+    largest = max((smallest_share(cost, shape, request.optimizer.ns_steps, tp) for cost, shape in kinds), default=0.0)
+    return device_lower_bound(sum(cost for _, cost in matrices), tp * request.dp, dp_bound, tp, largest,
+                              [load for load in adamw for _ in range(tp)])
+
+
+def _device_model(model: ModelSpec, request: PlanRequest, extra: tuple[tuple[Task, ...], ...],
+                  adamw: list[float], load_cap: float, comm: Callable[[DpInstance, Owners], float]) -> DeviceModel:
+    """The TP stage as the device-aware DP ownership scores it: this request's scheduler, group
+    capacity and teams; `extra`: every DP rank's experts; `adamw`: its devices' AdamW cost;
+    `load_cap`: the DP balance it keeps (P times the device lower bound); `comm`: the
+    buffer's collectives."""
+    return DeviceModel(request.tp, request.group_bytes, request.tp_mode, team_shapes(model, request),
+                       request.optimizer.ns_steps, request.coop, extra, tuple(adamw), load_cap, comm)
+
+
+def _comm_cost(model: ModelSpec, layout: BufferLayout, link: Link) -> Callable[[DpInstance, Owners], float]:
+    """A partition's collectives on `link` in FLOPs: every bucket's reduction and gather at its
+    cheapest collective, at the reference throughput (each rank's slice: its matrices' spans)."""
+    param_bytes = [DTYPE_BYTES[model.params[bucket.entries[0].param].dtype] for bucket in layout.buckets]
+
+    def cost(instance: DpInstance, owners: Owners) -> float:
+        seconds = 0.0
+        for spans, bucket_owners, elem_bytes in zip(instance.spans, owners, param_bytes):
+            slices = [0] * instance.num_ranks
+            for span, owner in zip(spans, bucket_owners):
+                slices[owner] += span
+            seconds += bucket_seconds(link, slices, GRAD_BYTES, elem_bytes, choose_collective(link, slices, elem_bytes))
+        return seconds * reference_flops()
+
+    return cost
+
+
+def expert_tasks(model: ModelSpec, expert: BufferPlan | None, slots: dict[int, int], costs: tuple[float, ...],
+                 request: PlanRequest) -> tuple[tuple[Task, ...], ...]:
+    """Per DP rank, the experts it updates as TP tasks, in buffer order (empty without EP)."""
+    if expert is None:
+        return ()
+    tasks: list[list[Task]] = [[] for _ in range(request.dp)]
+    by_slot: dict[int, list[int]] = {}
+    for param, slot in slots.items():
+        by_slot.setdefault(slot, []).append(param)
+    for bucket in expert.layout.buckets:
+        for entry in bucket.entries:
+            for param in by_slot[entry.param]:
+                spec = model.params[param]
+                ep_rank = spec.expert_index // (spec.num_experts // request.ep)
+                tasks[expert.owners[entry.param] * request.ep + ep_rank].append(param_task(model, costs, param))
+    return tuple(tuple(rank) for rank in tasks)
+
+
 def rank_tasks(
     model: ModelSpec,
     dense: BufferPlan,
@@ -475,23 +508,9 @@ def rank_tasks(
 ) -> tuple[tuple[Task, ...], ...]:
     """Per DP rank, the matrices it owns as TP tasks, in buffer order (dense, then experts)."""
     tasks: list[list[Task]] = [[] for _ in range(request.dp)]
-
-    def add(rank: int, param_index: int) -> None:
-        param = model.params[param_index]
-        size = GRAD_BYTES_PER_ELEMENT * param.numel
-        tasks[rank].append(Task(param.name, costs[param_index], size, param.tp_dim is None))
-
     for bucket in dense.layout.buckets:
         for entry in bucket.entries:
-            add(dense.owners[entry.param], entry.param)
-    if expert is not None:
-        by_slot: dict[int, list[int]] = {}
-        for param, slot in slots.items():
-            by_slot.setdefault(slot, []).append(param)
-        for bucket in expert.layout.buckets:
-            for entry in bucket.entries:
-                for param in by_slot[entry.param]:
-                    spec = model.params[param]
-                    ep_rank = spec.expert_index // (spec.num_experts // request.ep)
-                    add(expert.owners[entry.param] * request.ep + ep_rank, param)
+            tasks[dense.owners[entry.param]].append(param_task(model, costs, entry.param))
+    for rank, extra in enumerate(expert_tasks(model, expert, slots, costs, request)):
+        tasks[rank] += extra
     return tuple(tuple(rank) for rank in tasks)

@@ -23,6 +23,10 @@ from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedu
 )
 
 
+DEFAULT_GLOBAL_BATCH = 256  # sequences per optimizer step, over every DP rank (a training setup's default)
+DEFAULT_SEQ_LEN = 4096  # tokens per sequence
+
+
 class PlanError(ValueError):
     """Bad input to the planner: the message is one line, meant for the user."""
 

@@ -27,12 +27,10 @@ make every rank raise the same error before any collective.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from canzona.runtime.binding import local, placement_problems

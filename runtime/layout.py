@@ -26,6 +26,7 @@ from functools import cached_property
 from math import prod
 
 from canzona.schedules.format import ParamEntry, Schedule
+from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE
 from canzona.runtime.schedule import ADAMW, MATRIX, local_shape
 from canzona.schedules.geometry import chunk_bounds
 
@@ -53,7 +54,9 @@ class DpBucket:
     registration indices of its parameters, and the DP ranks of its group in group-rank order
     (every DP rank; for an expert bucket the expert-DP group). `lead`: the registration index
     that orders an expert bucket, that of EP rank 0's expert at its start, so that every EP rank
-    issues the buckets in one order (the simulator's)."""
+    issues the buckets in one order (the simulator's). `collective`: how the schedule says to
+    reduce and gather it (`canzona.schedules.limits.BUCKET_COLLECTIVES`; AdamW buckets, cut
+    equally: "ring")."""
 
     kind: str
     index: int
@@ -62,6 +65,7 @@ class DpBucket:
     params: tuple[int, ...]
     dp_ranks: tuple[int, ...] = ()
     lead: int | None = None
+    collective: str = DEFAULT_BUCKET_COLLECTIVE
 
     @property
     def numel(self) -> int:
@@ -189,7 +193,8 @@ def _buckets(schedule: Schedule, entries: list[ParamEntry],
         for index, bucket in enumerate(buffers[kind]):
             position[(kind, index)] = len(out)
             out.append(DpBucket(kind, index, base, tuple(bucket.cuts), tuple(sorted(params.get((kind, index), []))), ranks,
-                                leads.get(index) if kind == EXPERT else None))
+                                leads.get(index) if kind == EXPERT else None,
+                                "ring" if kind == ADAMW else bucket.collective))
             base += bucket.cuts[-1]
     flat, bucket_of = [0] * len(schedule.params), [0] * len(schedule.params)
     for entry in entries:

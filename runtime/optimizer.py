@@ -71,12 +71,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     groups and the other ranks, and raises `ScheduleMismatchError` on every rank if anything is
     wrong. `timeout` (seconds or a timedelta) bounds every collective of a step (None: the
     process groups' own); `check_finite` makes a non-finite local gradient fail the step on
-    every rank. `dp_collectives`, per bucket: "rooted" (default: one reduce to and one
-    broadcast from each non-empty slice's owner, a native reduce-scatter / all-gather where the
-    slices are equal) or "all_to_all" (one all_to_all_single each way, summed here in rank
-    order). `overlap_grad_reduce` (default on): each bucket's reduction starts from backward as
-    soon as its gradients exist; whatever the gradients hold when the step starts is what is
-    reduced (a bucket whose gradients changed after backward is reduced again);
+    every rank. `dp_collectives`: "schedule" (default: each bucket as the schedule records it),
+    or one form for every bucket: "ring" (a native reduce-scatter / all-gather over slices
+    padded to the largest), "rooted" (one reduce to and one broadcast from each non-empty
+    slice's owner, a native ring where the slices are equal) or "all_to_all" (one
+    all_to_all_single each way, summed here in rank order). `overlap_grad_reduce` (default on):
+    each bucket's reduction starts from backward as soon as its gradients exist; whatever the
+    gradients hold when the step starts is what is reduced (a bucket whose gradients changed
+    after backward is reduced again);
     `overlap_param_gather` (default off; needs `model`): the step returns with its parameter
     gathers in flight and each module of `model` waits for its own before its forward. Other
     keywords are the defaults of every group: see `canzona.runtime.rules.optimizers.Hyperparameters`
@@ -89,7 +91,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                  dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
                  mesh: Any = None, expert_dp_group: dist.ProcessGroup | None = None,
                  timeout: float | timedelta | None = None, check_finite: bool = False,
-                 dp_collectives: str = "rooted", grad_attr: str = "grad", overlap_grad_reduce: bool = True,
+                 dp_collectives: str = comm.AS_SCHEDULED, grad_attr: str = "grad", overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = False, model: torch.nn.Module | None = None, **defaults: Any) -> None:
         given = experts.materialized(list(params))
         _check_options(dp_collectives, grad_attr, overlap_grad_reduce, overlap_param_gather, model)

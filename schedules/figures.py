@@ -3,8 +3,8 @@ the bytes each device moves per step and the baselines' per-rank loads. One defi
 planner writes them by and the schedule validator recomputes them with. Pure, and linear in
 what it is given: no per-parameter work grows with the number of ranks.
 
-Traffic: the DP reduce-scatter (fp32 gradients) and all-gather (parameters) of every bucket,
-plus the TP micro-group all-to-alls (fp32 gradients in, fp32 updates out; a matrix replicated
+Traffic: the DP reduction (fp32 gradients) and gather (parameters) of every bucket, in the
+collective the schedule records for it, plus the TP micro-group all-to-alls (fp32 gradients in, fp32 updates out; a matrix replicated
 over TP needs no gather, only the scatter).
 """
 
@@ -24,13 +24,23 @@ Member = tuple[int, int, float, str]
 """A bucket member for the baselines: (offset, elements, cost, name)."""
 
 
-def bucket_traffic(numel: int, cuts: Sequence[int], param_bytes: int) -> list[tuple[int, int]]:
-    """(sent, received) bytes of one bucket's reduce-scatter and all-gather, per rank of the
-    len(cuts) - 1 ranks it is cut over (`param_bytes`: bytes per element of its parameters)."""
+def bucket_traffic(numel: int, cuts: Sequence[int], param_bytes: int, collective: str = "all_to_all") -> list[tuple[int, int]]:
+    """(sent, received) bytes of one bucket's reduction (fp32 gradients) and gather
+    (`param_bytes` per element) per rank of the len(cuts) - 1 ranks it is cut over, in the form
+    `collective` the runtime issues (`limits.BUCKET_COLLECTIVES`): "all_to_all" moves every
+    other rank's slice, a native ring ("ring", or equal slices under "rooted") n - 1 slices
+    padded to the largest, "rooted" chains (one per slice, from its owner's successor) every
+    slice but the rank's own out and every slice but its predecessor's in."""
     ranks, grad = len(cuts) - 1, GRAD_BYTES_PER_ELEMENT
     owns = [stop - start for start, stop in zip(cuts, cuts[1:])]
-    return [(grad * (numel - own) + param_bytes * (ranks - 1) * own, grad * (ranks - 1) * own + param_bytes * (numel - own))
-            for own in owns]
+    per_element = grad + param_bytes
+    if collective == "all_to_all":
+        return [(grad * (numel - own) + param_bytes * (ranks - 1) * own, grad * (ranks - 1) * own + param_bytes * (numel - own))
+                for own in owns]
+    if collective == "ring" or len(set(owns)) <= 1:
+        volume = per_element * (ranks - 1) * max(owns, default=0)
+        return [(volume, volume)] * ranks
+    return [(per_element * (numel - owns[r]), per_element * (numel - owns[r - 1])) for r in range(ranks)]
 
 
 def task_moves(size: int, team_size: int, replicated: bool, tp: int) -> tuple[tuple[int, int], tuple[int, int]]:

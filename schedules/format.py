@@ -20,15 +20,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from canzona.schedules import reading, validate
+from canzona.schedules.errors import ScheduleError
 from canzona.schedules.files import OutputError, write_atomic
-from canzona.schedules.limits import MAX_FILE_INT, MAX_SCHEDULE_BYTES
+from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE, MAX_FILE_INT, MAX_SCHEDULE_BYTES
 from canzona.schedules.writing import dump_schedule, flow_value  # noqa: F401 - the writer, re-exported
 
 SCHEMA_VERSION = 2
-
-
-class ScheduleError(ValueError):
-    """A schedule file that cannot be read or does not validate (one-line message)."""
 
 
 class _Strict(BaseModel):
@@ -145,13 +142,19 @@ class ParamEntry(_Strict):
 
 
 class BucketEntry(_Strict):
-    """One bucket of the matrix buffer: padded size, D + 1 cuts, and the slices they make."""
+    """One bucket of the matrix buffer: padded size, D + 1 cuts, the slices they make, and the
+    collective that reduces and gathers it over its DP group (`BUCKET_COLLECTIVES`: "ring", a
+    native reduce-scatter / all-gather over slices padded to the largest; "rooted", one reduce to
+    and one broadcast from each non-empty slice's owner, a native ring where the slices are
+    equal; "all_to_all"). Files written before the field hold no value: "rooted", what the
+    runtime did with every bucket then."""
 
     index: Count
     numel: Count
     cuts: list[Count]
     slice_bytes: list[Count]
     padding_overhead: float
+    collective: str = DEFAULT_BUCKET_COLLECTIVE
 
 
 class AdamwBucketEntry(_Strict):

@@ -34,6 +34,7 @@ from canzona.schedules.geometry import (
 )
 from canzona.schedules.limits import (
     ADAMW,
+    BUCKET_COLLECTIVES,
     FSDP,
     COOP_MODES,
     GRAD_REDUCE_AXES,
@@ -159,7 +160,7 @@ def _check_entry(e: ParamEntry, tp: int, dp: int, ep: int) -> None:
         fail(f"parameter {e.name!r}: unknown optimizer {e.optimizer!r} (expected {' or '.join(OPTIMIZER_CLASSES)})")
     if e.dtype not in DTYPE_BYTES:
         fail(f"parameter {e.name!r}: unknown dtype {e.dtype!r} (expected one of {', '.join(DTYPE_BYTES)})")
-    numel = _check_shape(e, tp)
+    _check_shape(e, tp)
     local = prod(tp_slot_shape(e.shape, e.tp_dim, tp))
     if e.numel != local:
         fail(f"parameter {e.name!r}: numel {e.numel}, but a TP slot of {e.shape} has {local} elements")
@@ -391,6 +392,9 @@ def _check_cuts(kind: str, position: int, bucket: BucketEntry, members: list[Par
         fail(f"{kind} bucket {position}: slice_bytes disagree with its cuts")
     overhead = num_ranks * max(slices) / numel if numel else 1.0
     expect(f"{kind} bucket {position} padding_overhead", bucket.padding_overhead, overhead, "D x largest slice / numel")
+    problem = choice_problem(f"{kind} bucket {position} collective", bucket.collective, BUCKET_COLLECTIVES)
+    if problem:
+        fail(problem)
 
 
 # ---------------------------------------------------------------------------------------------

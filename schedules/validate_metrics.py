@@ -12,7 +12,8 @@ import re
 from math import prod
 from typing import TYPE_CHECKING, Any
 
-from canzona.schedules.checks import REL_TOL, dp_rank_of, expect, fail
+from canzona.schedules.bounds import dp_lower_bound
+from canzona.schedules.checks import REL_TOL, close, dp_rank_of, expect, fail
 from canzona.schedules.costs import BUILT_IN_COSTS, adamw_bytes_per_element, adamw_cost, param_state_bytes, predicted_peak_bytes
 from canzona.schedules.figures import BASELINE_PADDING, Member, baseline_loads, bucket_traffic, micro_group_traffic
 from canzona.schedules.geometry import DTYPE_BYTES, GRAD_BYTES_PER_ELEMENT, PARAM_ALIGNMENT, padded_bucket_numel, round_up, slice_sizes
@@ -93,9 +94,13 @@ def _check_dp_metrics(schedule: Schedule, loads: list[float], dense_costs: list[
     for rank, (recorded, derived) in enumerate(zip(m.load, loads)):
         expect(f"metrics.dp.load[{rank}]", recorded, derived, f"the costs of the matrices DP rank {rank} owns")
     total = sum(loads)
-    base = expert_loads if req.ep > 1 else [0.0] * req.dp
-    bound = max(total / req.dp, max(dense_costs, default=0.0) + min(base), max(base))
-    expect("metrics.dp.lower_bound", m.lower_bound, bound, "max(total / D, largest matrix + least expert load)")
+    bound = dp_lower_bound([e.cost for e in schedule.params if e.optimizer == MATRIX], req.dp)
+    if not close(m.lower_bound, bound):
+        # Files written before the plan-independent bound recorded the partition's own one.
+        base = expert_loads if req.ep > 1 else [0.0] * req.dp
+        former = max(total / req.dp, max(dense_costs, default=0.0) + min(base), max(base))
+        expect("metrics.dp.lower_bound", m.lower_bound, former if close(m.lower_bound, former) else bound,
+               "the pairing bound of every matrix's cost over D ranks")
     check_score("metrics.dp", m, m.lower_bound, total)
     section = schedule.dp
     slice_bytes = [0] * req.dp
@@ -254,9 +259,11 @@ def _hosted(schedule: Schedule, states: dict[str, float]) -> tuple[list[float], 
     return load, state
 
 
-def _traffic(schedule: Schedule) -> list[tuple[int, int]]:
+def _traffic(schedule: Schedule, legacy: bool = False) -> list[tuple[int, int]]:
     """Every device's (sent, received) bytes per step: its DP rank's share of every bucket's
-    reduce-scatter and all-gather, and its TP rank's part of the micro-group all-to-alls."""
+    reduction and gather, and its TP rank's part of the micro-group all-to-alls. `legacy`: a
+    bucket that records no collective is counted as files from before per-bucket collectives
+    counted every bucket (`_collective`)."""
     req, section = schedule.request, schedule.dp
     first: dict[tuple[str, int], str] = {}  # the dtype a bucket's parameters are gathered in: its first member's
     for e in schedule.params:
@@ -266,7 +273,8 @@ def _traffic(schedule: Schedule) -> list[tuple[int, int]]:
     sent, received = [0] * req.dp, [0] * req.dp
     for kind, buckets in (("dense", section.buckets), ("expert", section.expert_buckets), ("adamw", section.adamw_buckets)):
         for bucket in buckets:
-            pairs = bucket_traffic(bucket.numel, bucket.cuts, DTYPE_BYTES[first[(kind, bucket.index)]])
+            pairs = bucket_traffic(bucket.numel, bucket.cuts, DTYPE_BYTES[first[(kind, bucket.index)]],
+                                   _collective(bucket, legacy))
             if kind == "expert":  # an expert-DP rank's share is that of each of its DP ranks (dp_rank // ep)
                 pairs = [pairs[rank // req.ep] for rank in range(req.dp)]
             sent = [a + b for a, (b, _) in zip(sent, pairs)]
@@ -285,6 +293,16 @@ def _traffic(schedule: Schedule) -> list[tuple[int, int]]:
     return out
 
 
+def _collective(bucket: Any, legacy: bool) -> str:
+    """The collective a bucket's traffic is counted in: the one it records (absent: the
+    default, "rooted"); AdamW buckets are cut equally, where every form moves the same. Under
+    `legacy` an absent one counts as every other rank's slice moved ("all_to_all"'s count), as
+    files written before buckets recorded a collective counted it."""
+    if legacy and "collective" not in bucket.model_fields_set:
+        return "all_to_all"
+    return str(getattr(bucket, "collective", "ring"))
+
+
 def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[list[int]]) -> None:
     req, devices = schedule.request, schedule.metrics.device
     if [(d.rank, d.dp_rank, d.tp_rank) for d in devices] != [(r, r // req.tp, r % req.tp) for r in range(req.tp * req.dp)]:
@@ -297,6 +315,10 @@ def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[lis
         for rank, size in enumerate(sizes):
             elements[rank] += size
     per_element, traffic = adamw_bytes(schedule), _traffic(schedule)
+    if any((d.bytes_sent, d.bytes_received) != traffic[d.rank] for d in devices):
+        legacy = _traffic(schedule, legacy=True)
+        if all((d.bytes_sent, d.bytes_received) == legacy[d.rank] for d in devices):
+            traffic = legacy
     sizes = [b.numel for b in (*schedule.dp.buckets, *schedule.dp.expert_buckets, *schedule.dp.adamw_buckets)]
     buffer, largest = sum(sizes), max(sizes, default=0)
     for d in devices:
@@ -311,13 +333,41 @@ def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[lis
         if (d.bytes_sent, d.bytes_received) != traffic[d.rank]:
             fail(f"metrics.device[{d.rank}]: bytes sent and received are {d.bytes_sent} and {d.bytes_received}, but its "
                  f"buckets' collectives and micro-groups move {traffic[d.rank][0]} and {traffic[d.rank][1]}")
-    check_device_balance(schedule, [d.load for d in devices], _largest_piece(schedule))
+    _check_device_bound(schedule, [d.load for d in devices])
 
 
 def _largest_piece(schedule: Schedule) -> float:
     entries = {e.name: e for e in schedule.params}
     return max((cost for plan in schedule.tp.ranks for g in plan.groups for _, cost, _ in placements(g, entries)),
                default=0.0)
+
+
+def _check_device_bound(schedule: Schedule, loads: list[float]) -> None:
+    """worst_device_load and device_imbalance from the device loads; device_lower_bound lies
+    between what the file alone proves (the mean of the matrices' own work plus every device's
+    AdamW, the largest AdamW load) and the worst device (no plan beats the bound, this one
+    included); device_gap from it. (The bound also counts the smallest share a team can give
+    each matrix, which the planner prices; `canzona check` regenerates it exactly.) Files
+    written before the plan-independent bound recorded max(mean, largest hosted piece)."""
+    m, req = schedule.metrics.tp, schedule.request
+    mean = sum(loads) / len(loads)
+    expect("metrics.tp.worst_device_load", m.worst_device_load, max(loads), "metrics.device")
+    expect("metrics.tp.device_imbalance", m.device_imbalance, max(loads) / mean if mean else 1.0, "metrics.device")
+    if m.device_lower_bound is None or m.device_gap is None:
+        if (m.device_lower_bound, m.device_gap) != (None, None):
+            fail("metrics.tp: device_lower_bound and device_gap come together")
+        return
+    adamw = [schedule.metrics.dp.adamw_load[d.dp_rank] / req.tp for d in schedule.metrics.device]
+    work = sum(e.cost for e in schedule.params if e.optimizer == MATRIX)
+    floor = max((work + sum(adamw)) / len(adamw), max(adamw)) if req.cost in BUILT_IN_COSTS else 0.0
+    bound = m.device_lower_bound
+    if not floor * (1 - REL_TOL) <= bound <= m.worst_device_load * (1 + REL_TOL):
+        former = max(mean, _largest_piece(schedule))
+        if not close(bound, former):
+            fail(f"metrics.tp.device_lower_bound {bound!r} is not between the mean work per device {floor!r} and "
+                 f"the worst device load {m.worst_device_load!r}")
+    expect("metrics.tp.device_gap", m.device_gap, m.worst_device_load / bound - 1 if bound else 0.0,
+           "metrics.tp.worst_device_load / device_lower_bound - 1")
 
 
 def check_device_balance(schedule: Schedule, loads: list[float], largest: float) -> None:

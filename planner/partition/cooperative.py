@@ -9,7 +9,7 @@ once per iteration (plus one scalar all-reduce for the Frobenius norm); B = b·A
 computed redundantly by every host and X ← a·X + B·X is local.
 
 Per host that costs T·(4r²c/k + 2r³) + 10·r·c/k FLOPs plus T all-reduces of r² fp32 over k
-ranks, priced by the α–β model (`canzona.planner.predict.collectives`) on a reference device
+ranks, priced by the α–β model (`canzona.planner.partition.collectives`) on a reference device
 (H100, the TP group's link) and converted to FLOPs at that device's matrix throughput.
 
 `cooperate` decides, per DP rank, after normal hosting: while the busiest host's largest
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from canzona.planner.partition.costs import ELEMENTWISE_FLOPS_PER_ELEMENT
 from canzona.planner.partition.tp import MicroGroup, Task, Team
-from canzona.planner.predict.collectives import Link, all_reduce
+from canzona.planner.partition.collectives import Link, all_reduce
 from canzona.planner.predict.hardware import BUILTIN
 from canzona.schedules.limits import COOP_MODES  # noqa: F401 - the planner's vocabulary
 
@@ -77,10 +77,23 @@ def team_comm_seconds(shape: Shape, k: int, ns_steps: int, tp: int) -> float:
     return ns_steps * all_reduce(link, r * r, GRAM_BYTES).seconds() + all_reduce(link, 1, GRAM_BYTES).seconds()
 
 
+def reference_flops() -> float:
+    """The reference device's matrix throughput: how seconds of communication become FLOPs."""
+    return BUILTIN[REFERENCE_DEVICE].matrix_flops
+
+
 def team_cost(shape: Shape, k: int, ns_steps: int, tp: int) -> float:
     """Per-host cost (FLOPs; communication at the reference device's throughput)."""
-    flops_per_second = BUILTIN[REFERENCE_DEVICE].matrix_flops
-    return team_flops(shape, k, ns_steps) + flops_per_second * team_comm_seconds(shape, k, ns_steps, tp)
+    return team_flops(shape, k, ns_steps) + reference_flops() * team_comm_seconds(shape, k, ns_steps, tp)
+
+
+def smallest_share(cost: float, shape: Shape | None, ns_steps: int, tp: int) -> float:
+    """The least work one device can be left with of a matrix costing `cost`: the matrix itself,
+    or the per-member cost of any team that can host it (`shape`; None: no team can)."""
+    if shape is None:
+        return cost
+    shares = [team_cost(shape, k, ns_steps, tp) for k in range(2, tp + 1) if shape.splits(k, tp)]
+    return min([cost, *shares])
 
 
 def host_loads(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int) -> list[float]:

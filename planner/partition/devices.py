@@ -2,18 +2,18 @@
 
 Global rank = dp_rank · tp + tp_rank. A device's compute is the matrices it hosts plus its
 AdamW slice, and so is its state (fp32 main copies of bf16/fp16 parameters included); its
-traffic is the DP reduce-scatter (fp32 gradients) and all-gather (parameters) of both buffers
-plus the TP micro-group all-to-alls (fp32 gradients in, fp32 updates out; the runtime sends
-new bf16/fp16 values instead for low-precision matrices, which this counts at fp32).
+traffic is the DP reduction (fp32 gradients) and gather (parameters) of both buffers, each
+bucket in the collective the plan chose for it, plus the TP micro-group all-to-alls (fp32
+gradients in, fp32 updates out; the runtime sends new bf16/fp16 values instead for
+low-precision matrices, which this counts at fp32).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model
+from canzona.planner.partition.costs import CostModel, adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.layout import BufferLayout, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MicroGroup, group_stats
 from canzona.planner.spec import DTYPE_BYTES
@@ -49,14 +49,16 @@ class TpScore:
 
 
 def _dp_traffic(
-    plan: Plan, layout: BufferLayout, cuts_of: list[tuple[int, ...]], group: int
+    plan: Plan, layout: BufferLayout, cuts_of: list[tuple[int, ...]], group: int, collectives: tuple[str, ...] = ()
 ) -> list[tuple[int, int]]:
-    """(sent, received) bytes of one buffer's reduce-scatter + all-gather over a data-parallel
-    group of `group` ranks, per rank of that group."""
+    """(sent, received) bytes of one buffer's reduction (fp32) and gather (parameter dtype) over
+    a data-parallel group of `group` ranks, per rank of that group, each bucket in its
+    collective (`collectives`; none given: equal cuts, a native ring)."""
     traffic = [(0, 0)] * group
-    for bucket, cuts in zip(layout.buckets, cuts_of):
+    for position, (bucket, cuts) in enumerate(zip(layout.buckets, cuts_of)):
         param_bytes = DTYPE_BYTES[plan.model.params[bucket.entries[0].param].dtype]
-        for rank, (sent, received) in enumerate(bucket_traffic(bucket.numel, cuts, param_bytes)):
+        collective = collectives[position] if collectives else "ring"
+        for rank, (sent, received) in enumerate(bucket_traffic(bucket.numel, cuts, param_bytes, collective)):
             traffic[rank] = (traffic[rank][0] + sent, traffic[rank][1] + received)
     return traffic
 
@@ -79,35 +81,62 @@ def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[
     return traffic
 
 
+def adamw_elements(layout: BufferLayout, dp: int) -> list[int]:
+    """Per DP rank, the elements of its equal slices of the AdamW buffer `layout` (on each of
+    its devices: TP shards)."""
+    cuts = [equal_cuts(bucket.numel, dp) for bucket in layout.buckets]
+    return [sum(slice_sizes(bucket_cuts)[r] for bucket_cuts in cuts) for r in range(dp)]
+
+
+def adamw_loads(layout: BufferLayout, dp: int, cost: CostModel) -> list[float]:
+    """Per DP rank, the AdamW cost each of its devices pays (fixed by the layout, not the plan)."""
+    return [cost.adamw_cost(elements) for elements in adamw_elements(layout, dp)]
+
+
+def _hosted(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...], dp_rank: int,
+            index_of: dict[str, int]) -> tuple[list[float], list[float]]:
+    """Per TP rank of one DP rank, the cost and optimizer state of what it hosts (a team member
+    its share); `index_of`: each parameter's index by name."""
+    tp = plan.request.tp
+    hosted_cost, hosted_state = [0.0] * tp, [0.0] * tp
+    for group in groups[dp_rank]:
+        for position, (index, host) in enumerate(zip(group.tasks, group.hosts)):
+            task, team = plan.tasks[dp_rank][index], group.team(position)
+            for member in team.hosts if team else (host,):
+                hosted_cost[member] += team.cost if team else task.cost
+                hosted_state[member] += plan.state_bytes[index_of[task.name]] / (len(team.hosts) if team else 1)
+    return hosted_cost, hosted_state
+
+
+def device_loads(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> list[float]:
+    """Every device's optimizer compute under the given micro-groups (global rank order)."""
+    req = plan.request
+    adamw = adamw_loads(plan.adamw_layout, req.dp, make_cost_model(req.cost, req.optimizer))
+    index_of = {param.name: index for index, param in enumerate(plan.model.params)}
+    return [cost + adamw[dp_rank] for dp_rank in range(req.dp) for cost in _hosted(plan, groups, dp_rank, index_of)[0]]
+
+
 def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> list[DeviceFigures]:
     """Every device's figures under the given micro-groups."""
     req = plan.request
-    index_of = {param.name: index for index, param in enumerate(plan.model.params)}
-    adamw_cuts = [equal_cuts(bucket.numel, req.dp) for bucket in plan.adamw_layout.buckets]
-    adamw_elements = [0] * req.dp
-    for cuts in adamw_cuts:
-        for rank, elements in enumerate(slice_sizes(cuts)):
-            adamw_elements[rank] += elements
-    adamw_cost = make_cost_model(req.cost, req.optimizer).adamw_cost
+    elements = adamw_elements(plan.adamw_layout, req.dp)
+    adamw = adamw_loads(plan.adamw_layout, req.dp, make_cost_model(req.cost, req.optimizer))
     adamw_bytes = adamw_slice_bytes_per_element(plan.model.params)
-    matrix_traffic = _dp_traffic(plan, plan.dense.layout, list(plan.dense.cuts), req.dp)
+    matrix_traffic = _dp_traffic(plan, plan.dense.layout, list(plan.dense.cuts), req.dp, plan.dense.collectives)
     if plan.expert is not None:
-        expert = _dp_traffic(plan, plan.expert.layout, list(plan.expert.cuts), plan.expert.num_ranks)
+        expert = _dp_traffic(plan, plan.expert.layout, list(plan.expert.cuts), plan.expert.num_ranks,
+                             plan.expert.collectives)
         matrix_traffic = [
             (sent + expert[r // req.ep][0], received + expert[r // req.ep][1])
             for r, (sent, received) in enumerate(matrix_traffic)
         ]
+    adamw_cuts = [equal_cuts(bucket.numel, req.dp) for bucket in plan.adamw_layout.buckets]
     adamw_traffic = _dp_traffic(plan, plan.adamw_layout, adamw_cuts, req.dp)
     tp_traffic = _tp_traffic(plan, groups)
     figures = []
+    index_of = {param.name: index for index, param in enumerate(plan.model.params)}
     for dp_rank in range(req.dp):
-        hosted_cost, hosted_state = [0.0] * req.tp, [0.0] * req.tp
-        for group in groups[dp_rank]:
-            for position, (index, host) in enumerate(zip(group.tasks, group.hosts)):
-                task, team = plan.tasks[dp_rank][index], group.team(position)
-                for member in team.hosts if team else (host,):
-                    hosted_cost[member] += team.cost if team else task.cost
-                    hosted_state[member] += plan.state_bytes[index_of[task.name]] / (len(team.hosts) if team else 1)
+        hosted_cost, hosted_state = _hosted(plan, groups, dp_rank, index_of)
         for tp_rank in range(req.tp):
             tp_sent, tp_received = tp_traffic[(dp_rank, tp_rank)]
             figures.append(
@@ -115,21 +144,13 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
                     rank=dp_rank * req.tp + tp_rank,
                     dp_rank=dp_rank,
                     tp_rank=tp_rank,
-                    load=hosted_cost[tp_rank] + adamw_cost(adamw_elements[dp_rank]),
-                    state_bytes=hosted_state[tp_rank] + adamw_bytes * adamw_elements[dp_rank],
+                    load=hosted_cost[tp_rank] + adamw[dp_rank],
+                    state_bytes=hosted_state[tp_rank] + adamw_bytes * elements[dp_rank],
                     bytes_sent=matrix_traffic[dp_rank][0] + adamw_traffic[dp_rank][0] + tp_sent,
                     bytes_received=matrix_traffic[dp_rank][1] + adamw_traffic[dp_rank][1] + tp_received,
                 )
             )
     return figures
-
-
-def device_lower_bound(loads: Sequence[float], pieces: Iterable[float]) -> float:
-    """max(total / devices, largest indivisible piece): no plan of these pieces (each on one
-    device; the rest, e.g. AdamW slices, divisible at will) has a lower worst device load.
-    `loads` are every device's loads (their sum is the total), `pieces` the costs of the
-    indivisible units of work (a matrix update hosted on one device)."""
-    return max(sum(loads) / len(loads) if loads else 0.0, max(pieces, default=0.0))
 
 
 def tp_score(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> TpScore:
@@ -146,7 +167,7 @@ def tp_score(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> TpScore:
             saturation = max(saturation, stats.saturation)
         makespans += rank_time
         critical = max(critical, rank_time)
-    loads = [figure.load for figure in device_figures(plan, groups)]
+    loads = device_loads(plan, groups)
     mean = sum(loads) / len(loads)
     return TpScore(
         num_groups=sum(len(rank_groups) for rank_groups in groups),

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from canzona.planner.spec import PlanError
+from canzona.schedules.bounds import dp_lower_bound
 
 BISECTION_STEPS = 100
 NARROW_INTERVAL = 48
@@ -72,12 +73,11 @@ class DpAssignment:
 
 
 def lower_bound(instance: DpInstance) -> float:
-    """max(total / D, largest item + least base load, largest base load): no partition can
-    have a smaller max load (without base loads: max(total / D, largest single item))."""
-    costs = [cost for bucket in instance.costs for cost in bucket]
-    base = instance.initial_loads()
-    total = sum(costs) + sum(base)
-    return max(total / instance.num_ranks, max(costs, default=0.0) + min(base), max(base))
+    """No partition of `instance` has a smaller max load: the mean, the largest item on the
+    least loaded rank, and the pairing bounds of the largest items
+    (`canzona.schedules.bounds.dp_lower_bound`; the base loads included)."""
+    return dp_lower_bound([cost for bucket in instance.costs for cost in bucket], instance.num_ranks,
+                          instance.base_loads)
 
 
 def rank_loads(instance: DpInstance, owners: tuple[tuple[int, ...], ...]) -> list[float]:
@@ -155,11 +155,17 @@ def slice_caps(instance: DpInstance, alpha: float) -> tuple[int, ...]:
     if not 0.0 <= alpha <= 1.0:
         raise PlanError(f"alpha must be in [0, 1], got {alpha}")
     caps = []
-    for spans in instance.spans:
-        total, best = sum(spans), min_max_slice(spans, instance.num_ranks)
+    for spans, best in zip(instance.spans, _best_slices(instance.spans, instance.num_ranks)):
+        total = sum(spans)
         cap = total if alpha == 1.0 else int(best ** (1.0 - alpha) * total**alpha)
         caps.append(min(total, max(best, cap)))
     return tuple(caps)
+
+
+@functools.lru_cache(maxsize=16)
+def _best_slices(spans: tuple[tuple[int, ...], ...], num_ranks: int) -> tuple[int, ...]:
+    """`min_max_slice` of every bucket, remembered: every α of a plan's ladder needs them."""
+    return tuple(min_max_slice(bucket, num_ranks) for bucket in spans)
 
 
 def solve_contiguous(instance: DpInstance, caps: tuple[int, ...]) -> list[list[int]]:
@@ -292,20 +298,25 @@ def _place_greedy(search: _Search) -> bool:
 def _ranks_by_load(
     by_load: list[tuple[float, int]], low: int, high: int, target: float
 ) -> Iterator[int]:
-    """Ranks in [low, high] by load; among those tied on the lowest load, nearest `target` first."""
+    """Ranks in [low, high] by load; among those tied on the lowest load, nearest `target` first.
+    `by_load` is sorted by (load, rank), so the tied ranks are one run sorted by rank: walked
+    outward from the target, with no sort."""
     entries = ((load, rank) for load, rank in by_load if low <= rank <= high)
     first = next(entries, None)
     if first is None:
         return
-    lightest = [first[1]]
-    for load, rank in entries:
-        if load != first[0]:
-            yield from sorted(lightest, key=lambda r: (abs(r - target), r))
-            yield rank
-            yield from (r for _, r in entries)
-            return
-        lightest.append(rank)
-    yield from sorted(lightest, key=lambda r: (abs(r - target), r))
+    lightest = first[0]
+    start, stop = bisect.bisect_left(by_load, (lightest, low)), bisect.bisect_right(by_load, (lightest, high))
+    right = bisect.bisect_left(by_load, (lightest, target), start, stop)
+    left = right - 1
+    while left >= start or right < stop:
+        if right >= stop or (left >= start and target - by_load[left][1] <= by_load[right][1] - target):
+            yield by_load[left][1]
+            left -= 1
+        else:
+            yield by_load[right][1]
+            right += 1
+    yield from (rank for _load, rank in by_load[stop:] if low <= rank <= high)
 
 
 def _neighbour_interval(search: _Search, item: tuple[int, int]) -> range:
@@ -398,14 +409,17 @@ def _segment_dp(
             for j in range(i, -1, -1):
                 if span_prefix[i] - span_prefix[j] > cap:
                     break
+                # Moving j down only adds items to this rank's segment: its total only grows,
+                # while previous[j] (fewer items on the earlier ranks) only shrinks.
                 total = load + cost_prefix[i] - cost_prefix[j]
                 if limit is None:
-                    value = max(previous[j], total)
+                    row[i] = min(row[i], max(previous[j], total))
+                    if total >= previous[j]:
+                        break
                 elif total <= limit:
-                    value = previous[j] + total * total
+                    row[i] = min(row[i], previous[j] + total * total)
                 else:
-                    continue
-                row[i] = min(row[i], value)
+                    break
         table.append(row)
     return table
 
@@ -479,8 +493,9 @@ def _improve(search: _Search, max_rounds: int) -> None:
         buckets = sorted({bucket for bucket, _ in search.members[heavy]})
         if any(_resolve_bucket(search, bucket) for bucket in buckets):
             continue
-        # Relieving the heavy rank may need room made elsewhere first: sweep every bucket.
-        if not [b for b in range(len(instance.costs)) if _resolve_bucket(search, b)]:
+        # Relieving the heavy rank may need room made elsewhere first: sweep every other bucket
+        # (those of the heavy rank were just re-solved in vain, with nothing changed since).
+        if not [b for b in range(len(instance.costs)) if b not in buckets and _resolve_bucket(search, b)]:
             return
 
 
@@ -500,19 +515,25 @@ def partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()
     at the next coarser α of `ALPHA_LADDER` (planned the same way) and any `seeds` (plans at
     coarser α, so feasible under these looser caps) replace it when they are better, polished
     here first (local search never raises the max load). So the plan at α is never worse than
-    at any coarser ladder α or seed.
+    at any coarser ladder α or seed. Without seeds the plan is remembered (every finer α,
+    `--alpha auto` and the free order reuse it).
     """
+    return _remembered(instance, alpha) if not seeds else _partition(instance, alpha, seeds)
+
+
+def _partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...]) -> DpAssignment:
+    """`partition`, worked out."""
     if not any(instance.costs):
         return DpAssignment(tuple(() for _ in instance.costs), "empty")
     caps = slice_caps(instance, alpha)
-    own = _solve(instance, caps)
+    own = solve(instance, caps)
     own_load = max(rank_loads(instance, own.owners))
     coarser = [ladder for ladder in ALPHA_LADDER if ladder < alpha]
     if own_load <= lower_bound(instance) * (1 + 1e-12) or not (coarser or seeds):
         return own
     starts = [(owners, "seed") for owners in seeds if _feasible(instance, caps, owners)]
     if coarser:
-        seed = _ladder_plan(instance, coarser[-1])
+        seed = _remembered(instance, coarser[-1])
         method = seed.method if "(from alpha" in seed.method else f"{seed.method} (from alpha {coarser[-1]:g})"
         starts.insert(0, (seed.owners, method))
     if not starts:
@@ -524,15 +545,15 @@ def partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...] = ()
 
 
 Owners = tuple[tuple[int, ...], ...]
-ALPHA_LADDER = (0.0, 0.5)
-"""Coarser α whose plans seed every finer one: plans at 0, 0.5 and any larger α never get
-worse as α grows (other coarser α can be passed as seeds, as `--alpha auto` does)."""
+ALPHA_LADDER = (0.0, 0.25, 0.5, 0.75)
+"""Coarser α whose plans seed every finer one: plans at 0, 0.25, 0.5, 0.75 and any larger α
+never get worse as α grows (other coarser α can be passed as seeds, as `--alpha auto` does)."""
 
 
-@functools.lru_cache(maxsize=8)
-def _ladder_plan(instance: DpInstance, alpha: float) -> DpAssignment:
-    """`partition` at a ladder α, remembered: every finer α and `--alpha auto` reuse it."""
-    return partition(instance, alpha)
+@functools.lru_cache(maxsize=32)
+def _remembered(instance: DpInstance, alpha: float) -> DpAssignment:
+    """`partition` without seeds, remembered: every finer α and `--alpha auto` reuse it."""
+    return _partition(instance, alpha, ())
 
 
 def _seeded(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool = False) -> _Search:
@@ -554,8 +575,10 @@ def _feasible(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free:
     return all(search.bucket_ok(bucket) for bucket in range(len(owners)))
 
 
-def _solve(instance: DpInstance, caps: tuple[int, ...]) -> DpAssignment:
-    """The better polished plan of the contiguous and the LPT start under `caps`."""
+@functools.lru_cache(maxsize=32)
+def solve(instance: DpInstance, caps: tuple[int, ...]) -> DpAssignment:
+    """The better polished plan of the contiguous and the LPT start under `caps` (remembered:
+    ladder α whose caps coincide, as slice sizes are discrete, share it)."""
     contiguous = _seeded(instance, caps, tuple(tuple(b) for b in solve_contiguous(instance, caps)))
     greedy = _Search(instance, caps)
     _place_greedy(greedy)

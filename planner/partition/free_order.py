@@ -42,7 +42,15 @@ def partition_free(
     free order is never worse), LPT over every rank, the free plan at the next coarser α of
     `ALPHA_LADDER` and `seeds`; each polished by move/swap local search over all ranks. The
     lowest max load wins, ties to the earlier start. `ordered`: `partition(instance, alpha)`
-    when the caller has it already."""
+    when the caller has it already. Without seeds the plan is remembered."""
+    if not seeds and ordered is None:
+        return _free_remembered(instance, alpha)
+    return _partition_free(instance, alpha, seeds, ordered)
+
+
+def _partition_free(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...],
+                    ordered: DpAssignment | None) -> DpAssignment:
+    """`partition_free`, worked out."""
     ordered = ordered or partition(instance, alpha)
     if not any(instance.costs) or max(rank_loads(instance, ordered.owners)) <= lower_bound(instance) * (1 + 1e-12):
         return ordered
@@ -50,7 +58,7 @@ def partition_free(
     starts: list[tuple[Owners, str]] = [(ordered.owners, ordered.method)]
     coarser = [ladder for ladder in ALPHA_LADDER if ladder < alpha]
     if coarser:
-        starts.append((_free_ladder_plan(instance, coarser[-1]).owners, f"free plan at alpha {coarser[-1]:g}"))
+        starts.append((_free_remembered(instance, coarser[-1]).owners, f"free plan at alpha {coarser[-1]:g}"))
     starts += [(owners, "seed") for owners in seeds if _feasible(instance, caps, owners, free=True)]
     candidates = [(_polished(_seeded(instance, caps, owners, free=True)), method + "+free") for owners, method in starts]
     greedy = _Search(instance, caps, free=True)
@@ -60,10 +68,10 @@ def partition_free(
     return DpAssignment(*candidates[best])
 
 
-@functools.lru_cache(maxsize=8)
-def _free_ladder_plan(instance: DpInstance, alpha: float) -> DpAssignment:
-    """`partition_free` at a ladder α, remembered for the finer α that reuse it."""
-    return partition_free(instance, alpha)
+@functools.lru_cache(maxsize=32)
+def _free_remembered(instance: DpInstance, alpha: float) -> DpAssignment:
+    """`partition_free` without seeds, remembered for the finer α that reuse it."""
+    return _partition_free(instance, alpha, (), None)
 
 
 def reorder_buffer(layout: BufferLayout, owners: Owners, num_ranks: int) -> tuple[BufferLayout, Owners]:

@@ -1,9 +1,9 @@
 """`plan --alpha auto`: the α whose plan the simulator predicts fastest.
 
-At α = 1 compute is balanced, but a bucket's uneven slices can load one rank's link (with
-rooted collectives only their count matters: one reduce and one broadcast per non-empty
-slice); at α = 0 slices are as equal as parameter boundaries allow, but compute is not
-balanced. Which wins depends on the model, the layout and the network, so every candidate is
+At α = 1 compute is balanced, but a bucket's uneven slices can load one rank's link (each
+bucket's collective, padded ring or rooted chains, moves about the largest slice n − 1 times or
+the bucket less its smallest slice); at α = 0 slices are as equal as parameter boundaries
+allow, but compute is not balanced. Which wins depends on the model, the layout and the network, so every candidate is
 planned, compiled and simulated, and the fastest kept; ties go to the larger α (better compute
 balance at equal predicted time).
 
@@ -33,10 +33,10 @@ from canzona.schedules.searches import DEFAULT_ALPHAS, alpha_winner
 
 
 def trial(plan: Plan, value: float, hardware: Hardware, time_model: CostModel | None,
-          training: TrainingSetup | None, fused: bool = False, rooted: bool = True) -> SearchTrial:
+          training: TrainingSetup | None, fused: bool = False) -> SearchTrial:
     """Compile and simulate one candidate plan: canzona's predicted step and iteration (the
     step again when there is no training setup)."""
-    sim = simulate(compile_schedule(plan), hardware, time_model, fused=fused, rooted=rooted, training=training)
+    sim = simulate(compile_schedule(plan), hardware, time_model, fused=fused, training=training)
     step = sim.get("canzona").step
     iteration = sim.iteration("canzona").iteration if training is not None else step
     return SearchTrial(value, len(plan.dense.layout.buckets), step, iteration)
@@ -49,12 +49,11 @@ def choose_alpha(
     alphas: Sequence[float] = DEFAULT_ALPHAS,
     time_model: CostModel | None = None,
     fused: bool = False,
-    rooted: bool = True,
     training: TrainingSetup | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Plan, list[SearchTrial]]:
     """Plan `model` at every α in `alphas` (the rest of `request` unchanged), simulate each
-    schedule on `hardware` (`time_model`, `fused`, `rooted`, `training`: as `simulate` takes
+    schedule on `hardware` (`time_model`, `fused`, `training`: as `simulate` takes
     them), and return the plan with the smallest predicted canzona iteration (step, without
     `training`) and every trial, in the order given. `progress` hears of each finished trial."""
     candidates = sorted(set(float(a) for a in alphas))
@@ -69,7 +68,7 @@ def choose_alpha(
         # Every coarser plan seeds this one: a larger α is never worse in max load.
         plan = make_plan(model, replace(request, alpha=alpha), seeds=tuple(planned))
         planned.append(plan)
-        tried[alpha] = trial(plan, alpha, hardware, time_model, training, fused, rooted)
+        tried[alpha] = trial(plan, alpha, hardware, time_model, training, fused)
         if progress:
             progress(f"alpha {alpha:g}")
     best = planned[alpha_winner([tried[alpha].iteration_s for alpha in candidates])]

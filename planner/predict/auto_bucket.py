@@ -2,7 +2,8 @@
 whole training iteration.
 
 Small buckets start reducing early in backward (more of the reduction hides behind it) but pay
-more collective latency (every bucket is one rooted reduce and broadcast per non-empty slice);
+more collective latency (every bucket pays its collective's α: n − 1 ring steps, or a rooted
+reduce and broadcast per non-empty slice);
 large buckets pay less latency but reduce later, and a single bucket hides nothing. Every
 candidate is planned, compiled and simulated on the given hardware and training setup. The
 choice:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import canzona.schedules
+from canzona.planner.partition.collectives import Network
 from canzona.planner.partition.costs import CostModel, FlopsCost, OptimizerConfig
 from canzona.planner.predict.profile_cost import Profile, ProfileCost, read_profile
 from canzona.planner.spec import PlanError
@@ -55,6 +56,11 @@ class Hardware:
     def training_flops(self) -> float:
         """Achieved FLOP/s of training forward and backward (the matrix rate if unknown)."""
         return self.train_flops if self.train_flops is not None else self.matrix_flops
+
+    @property
+    def network(self) -> Network:
+        """The network figures of this model, as the α–β collectives take them."""
+        return Network(self.latency, self.intra_bandwidth, self.inter_bandwidth, self.gpus_per_node)
 
 
 @dataclass(frozen=True)

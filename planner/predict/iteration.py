@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from canzona.planner.plan import TrainingSetup
-from canzona.planner.predict.collectives import phase_seconds
+from canzona.planner.partition.collectives import phase_seconds
 from canzona.planner.predict.hardware import Hardware
 from canzona.planner.predict.simulate import ADAMW_BUFFER, DENSE, EXPERT, MATRIX, BucketSync, StrategyTime
 from canzona.planner.sources.catalog import PRESETS, Architecture

@@ -2,24 +2,26 @@
 
 Every baseline handles TP the synchronous way (TP-SC): a DP rank's matrices are all-gathered
 over its TP group in one fused all-gather (fp32 gradient shards; replicated matrices need
-none) and every TP rank updates every one of them. What differs is the DP side, and what each
-overlaps with backward and forward as its authors run it:
+none) and every TP rank updates every one of them. What differs is the DP side. Every strategy
+overlaps its collectives under the same settings (`Instance.overlap_grad`: gradient reductions
+and all-reduces with backward; `Instance.overlap_param`: per-bucket parameter all-gathers with
+the next forward), where it has such collectives:
 
 - `tp-sc`: canzona's DP cuts, owners and collectives (and canzona's overlap options); only the
   TP side is synchronous.
-- `dp-sc` (DDP): all-reduce of every bucket, overlapped with backward; every DP rank updates
-  every matrix (its EP rank's experts) and the whole AdamW buffer; nothing to gather.
-- `zero1-gather` (Megatron's distributed optimizer, Moonlight-style): equal reduce-scatter
-  overlapped with backward; a rank fetches the rest of every matrix touching its slice (one
-  point-to-point round per bucket) and updates them all; equal all-gather overlapped with the
-  next forward (`--overlap-param-gather`).
+- `dp-sc` (DDP): all-reduce of every bucket; every DP rank updates every matrix (its EP rank's
+  experts) and the whole AdamW buffer; nothing to gather.
+- `zero1-gather` (Megatron's distributed optimizer, Moonlight-style): equal reduce-scatter; a
+  rank fetches the rest of every matrix touching its slice (one point-to-point round per
+  bucket) and updates them all; equal all-gather.
 - `start-owner`: as zero1-gather, but the rank where a matrix starts fetches its spill-over,
   updates it and returns the spilled part (param dtype) before the all-gather.
-- `layer-wise` (Megatron's layer-wise optimizer): all-reduce of every bucket overlapped with
-  backward; whole matrices to ranks by LPT on predicted seconds; each updated matrix broadcast
-  from its owner and the AdamW all-gather after the update, not overlapped.
-- `ddp-adamw`: a reference, not a matrix optimizer: DDP (all-reduce overlapped with backward)
-  and AdamW on every local element of every device.
+- `layer-wise` (Megatron's layer-wise optimizer): all-reduce of every matrix bucket; whole
+  matrices to ranks by LPT on predicted seconds; each updated matrix broadcast from its owner
+  after the update (never overlapped: one broadcast per matrix, no bucket to wait for), then
+  the AdamW all-gather.
+- `ddp-adamw`: a reference, not a matrix optimizer: DDP (all-reduce) and AdamW on every local
+  element of every device.
 
 A point-to-point round costs one α: every pair talks at once and only neighbours do.
 """
@@ -30,7 +32,7 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from canzona.planner.partition.layout import equal_cuts, slice_owner
-from canzona.planner.predict.collectives import GRAD_BYTES, Exchange, all_gather, all_reduce, broadcast
+from canzona.planner.partition.collectives import GRAD_BYTES, Exchange, all_gather, all_reduce, broadcast
 from canzona.planner.predict.simulate import (
     ADAMW_BUFFER,
     DENSE,
@@ -151,7 +153,7 @@ def _equal_sync(inst: Instance, gather: bool) -> list[BucketSync]:
     out = []
     for name, buffer in _buffers(inst):
         cuts = [equal_cuts(numel, buffer.link.size) for numel in buffer.numel]
-        out += dp_sync(inst, cuts, buffer, gather, name)
+        out += dp_sync(inst, cuts, buffer, gather, name, equal=True)
     return out + adamw_sync(inst, gather)
 
 
@@ -182,8 +184,8 @@ def dp_sc(inst: Instance) -> StrategyTime:
     experts = [everything(buffer, inst.dp // inst.ep) for buffer in inst.experts]
     total_adamw = sum(inst.adamw_numel)
     locals_ = sc_locals(inst, dense, experts, lambda rank: total_adamw)
-    phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=True)))
-    return combine("dp-sc", "all-reduce of every bucket (overlapped with backward); every DP rank updates every "
+    phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=True)), overlap_grad=inst.overlap_grad)
+    return combine("dp-sc", "all-reduce of every bucket; every DP rank updates every "
                    "matrix (TP-SC under TP) and the whole AdamW buffer; no all-gather", inst.tp, phases, locals_,
                    inst.fused)
 
@@ -194,10 +196,11 @@ def zero1_gather(inst: Instance) -> StrategyTime:
     locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
     fetch = tuple(ex for _, b in _buffers(inst) for ex in spill(b, b.link.size, everyone=True))
     phases = DpPhases(reduce=tuple(_equal_sync(inst, gather=False)), fetch=fetch,
-                      gather=tuple(_equal_sync(inst, gather=True)), overlap_param=True)
-    return combine("zero1-gather", "equal reduce-scatter (overlapped with backward); each rank fetches the rest "
-                   "of every matrix touching its slice and updates them all (TP-SC under TP); equal all-gather "
-                   "(overlapped with the next forward)", inst.tp, phases, locals_, inst.fused)
+                      gather=tuple(_equal_sync(inst, gather=True)), overlap_grad=inst.overlap_grad,
+                      overlap_param=inst.overlap_param)
+    return combine("zero1-gather", "equal reduce-scatter; each rank fetches the rest of every matrix touching its "
+                   "slice and updates them all (TP-SC under TP); equal all-gather", inst.tp, phases, locals_,
+                   inst.fused)
 
 
 def start_owner(inst: Instance) -> StrategyTime:
@@ -208,10 +211,11 @@ def start_owner(inst: Instance) -> StrategyTime:
     back = tuple(ex for _, b in _buffers(inst) for ex in spill(
         b, b.link.size, everyone=False, back=True, elem_bytes=inst.gather_bytes(b.param_bytes[0] if b.param_bytes else 2)))
     phases = DpPhases(reduce=tuple(_equal_sync(inst, gather=False)), fetch=fetch, publish=back,
-                      gather=tuple(_equal_sync(inst, gather=True)), overlap_param=True)
-    return combine("start-owner", "equal reduce-scatter (overlapped with backward); the rank where a matrix "
-                   "starts fetches its spill-over, updates it (TP-SC under TP) and returns the spilled part; "
-                   "equal all-gather (overlapped with the next forward)", inst.tp, phases, locals_, inst.fused)
+                      gather=tuple(_equal_sync(inst, gather=True)), overlap_grad=inst.overlap_grad,
+                      overlap_param=inst.overlap_param)
+    return combine("start-owner", "equal reduce-scatter; the rank where a matrix starts fetches its spill-over, "
+                   "updates it (TP-SC under TP) and returns the spilled part; equal all-gather", inst.tp, phases,
+                   locals_, inst.fused)
 
 
 def layer_wise(inst: Instance) -> StrategyTime:
@@ -221,8 +225,9 @@ def layer_wise(inst: Instance) -> StrategyTime:
     casts = tuple(broadcast(b.link, m.numel * inst.gather_bytes(m.param_bytes))
                   for _, b in _buffers(inst) for bucket in b.entries for m in bucket)
     phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=False) + adamw_sync(inst, gather=False)), publish=casts,
-                      gather=tuple(adamw_sync(inst, gather=True)))
-    return combine("layer-wise", "all-reduce of every matrix bucket (overlapped with backward); whole matrices "
+                      gather=tuple(adamw_sync(inst, gather=True)), overlap_grad=inst.overlap_grad,
+                      overlap_param=inst.overlap_param)
+    return combine("layer-wise", "all-reduce of every matrix bucket; whole matrices "
                    "to ranks by LPT on predicted seconds (TP-SC under TP); each updated matrix broadcast from "
                    "its owner; AdamW on equal slices", inst.tp, phases, locals_, inst.fused)
 
@@ -232,9 +237,9 @@ def ddp_adamw(inst: Instance) -> StrategyTime:
     local_elements = sum(inst.dense.numel) + (sum(inst.experts[0].numel) if inst.experts else 0) + sum(inst.adamw_numel)
     seconds = inst.time_model.adamw_cost(local_elements)
     locals_ = [Local(seconds, (seconds,) * inst.tp, 0.0)] * inst.dp
-    phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=True)))
-    return combine("ddp-adamw", "reference, not a matrix optimizer: DDP all-reduce of every bucket (overlapped "
-                   "with backward) and AdamW on every parameter of every device", inst.tp, phases, locals_, inst.fused)
+    phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=True)), overlap_grad=inst.overlap_grad)
+    return combine("ddp-adamw", "reference, not a matrix optimizer: DDP all-reduce of every bucket and AdamW on "
+                   "every parameter of every device", inst.tp, phases, locals_, inst.fused)
 
 
 def baseline_times(inst: Instance) -> tuple[StrategyTime, ...]:

@@ -8,16 +8,17 @@ bucket). DP collectives synchronise their group, so, with nothing overlapped,
 
     step = Σ before + max over devices of the local stage + Σ after.
 
-Collectives are priced by the α–β model of `canzona.planner.predict.collectives`, per bucket in
-bucket order, as the runtime issues them (rooted reduces/broadcasts by default). A group whose
+Collectives are priced by the α–β model of `canzona.planner.partition.collectives`, per bucket in
+bucket order, as the runtime issues them (each matrix bucket in the form its schedule records:
+padded ring, rooted reduces/broadcasts, or all-to-all). A group whose
 ranks span nodes uses the inter-node bandwidth, otherwise the intra-node one. Gradients move
 in fp32 (Megatron's main grads; the runtime's TP exchanges), parameters in their dtype.
 
 Compute comes from a seconds cost model (`ThroughputCost`: flops model / achieved FLOP/s, or a
 measured `ProfileCost`). The TP micro-group pipeline is simulated event by event, in the order
 `MicroGroupPipeline.run` issues it. Baselines are in `canzona.planner.predict.sim_baselines`;
-the whole iteration (forward and backward, with the DP collectives overlapped as each strategy
-overlaps them) in `canzona.planner.predict.iteration`.
+the whole iteration (forward and backward, with every strategy's DP collectives overlapped under
+the same settings, where it has such collectives) in `canzona.planner.predict.iteration`.
 """
 
 from __future__ import annotations
@@ -30,19 +31,21 @@ from typing import TYPE_CHECKING
 from canzona.planner.partition.cooperative import Shape, team_flops
 from canzona.planner.partition.costs import CostModel, OptimizerConfig, muon_flops
 from canzona.planner.partition.layout import slice_sizes
-from canzona.planner.predict.collectives import (
+from canzona.planner.partition.collectives import (
     GRAD_BYTES,
     Exchange,
     Link,
     all_gather,
     all_reduce,
+    bucket_exchange,
+    layout_links,
     phase_seconds,
     reduce_scatter,
-    uneven,
 )
 from canzona.planner.predict.hardware import Hardware, ThroughputCost
-from canzona.planner.spec import DTYPE_BYTES
+from canzona.planner.spec import DTYPE_BYTES, PlanError
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule, TeamEntry
+from canzona.schedules.limits import AS_SCHEDULED, BUCKET_COLLECTIVES, DP_COLLECTIVE_MODES
 
 if TYPE_CHECKING:
     from canzona.planner.plan import TrainingSetup
@@ -137,21 +140,23 @@ class Matrix:
 
 @dataclass(frozen=True)
 class Buffer:
-    """One matrix buffer over a DP group: bucket sizes, the schedule's cuts, and per bucket
-    its matrices in buffer order."""
+    """One matrix buffer over a DP group: bucket sizes, the schedule's cuts, per bucket its
+    matrices in buffer order, and the collective the schedule records for it."""
 
     link: Link
     numel: tuple[int, ...]
     cuts: tuple[tuple[int, ...], ...]
     entries: tuple[tuple[Matrix, ...], ...]
     param_bytes: tuple[int, ...]
+    collectives: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Instance:
     """Everything the strategies price: links, buffers (dense; experts per EP rank), AdamW
     bucket sizes and cuts, seconds per matrix and per AdamW slice, and how canzona's DP
-    collectives run (fused, parameter element size, rooted, overlapped with backward/forward)."""
+    collectives run (fused, parameter element size, which collective per bucket: as recorded
+    or one for all, overlapped with backward/forward)."""
 
     tp: int
     dp: int
@@ -168,7 +173,7 @@ class Instance:
     time_model: CostModel = field(repr=False)
     fused: bool = False
     publish_bytes: int | None = None
-    rooted: bool = True
+    dp_collectives: str = AS_SCHEDULED
     overlap_grad: bool = True
     overlap_param: bool = False
     ns_steps: int = 5
@@ -180,24 +185,6 @@ class Instance:
     def gather_bytes(self, param_bytes: int) -> int:
         """Bytes per element of the parameter all-gather."""
         return self.publish_bytes or param_bytes
-
-
-def group_link(hardware: Hardware, name: str, ranks: Sequence[int]) -> Link:
-    """A process group's link: inter-node bandwidth if its ranks span nodes."""
-    nodes = {rank // hardware.gpus_per_node for rank in ranks}
-    bandwidth = hardware.inter_bandwidth if len(nodes) > 1 else hardware.intra_bandwidth
-    return Link(name, len(ranks), bandwidth, hardware.latency)
-
-
-def _links(hardware: Hardware, tp: int, dp: int, ep: int) -> tuple[Link, Link, Link]:
-    """DP, expert-DP and TP links; the slowest of the translated groups decides."""
-    def worst(name: str, groups: list[list[int]]) -> Link:
-        return min((group_link(hardware, name, g) for g in groups), key=lambda link: link.bandwidth)
-
-    dp_groups = [[r * tp + t for r in range(dp)] for t in {0, tp - 1}]
-    expert_groups = [[(o * ep + e) * tp + t for o in range(dp // ep)] for t in {0, tp - 1} for e in {0, ep - 1}]
-    tp_groups = [[r * tp + t for t in range(tp)] for r in range(dp)]
-    return worst("dp", dp_groups), worst("expert-dp", expert_groups), worst("tp", tp_groups)
 
 
 def submatrices(entry: ParamEntry) -> list[tuple[int, int]]:
@@ -237,15 +224,18 @@ def _buffer(link: Link, buckets: Sequence[BucketEntry], matrices: Sequence[Matri
         cuts=tuple(tuple(b.cuts) for b in buckets),
         entries=tuple(tuple(bucket) for bucket in entries),
         param_bytes=tuple(bucket[0].param_bytes if bucket else 2 for bucket in entries),
+        collectives=tuple(b.collective for b in buckets),
     )
 
 
 def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel, fused: bool = False,
-                   publish_bytes: int | None = None, rooted: bool = True, overlap_grad: bool = True,
+                   publish_bytes: int | None = None, dp_collectives: str = AS_SCHEDULED, overlap_grad: bool = True,
                    overlap_param: bool = False) -> Instance:
     """The simulator's view of a schedule on a hardware model (options as `simulate` takes them)."""
     req = schedule.request
-    dp_link, expert_link, tp_link = _links(hardware, req.tp, req.dp, req.ep)
+    if dp_collectives not in DP_COLLECTIVE_MODES:
+        raise PlanError(f"unknown DP collectives {dp_collectives!r}; choose one of {', '.join(DP_COLLECTIVE_MODES)}")
+    dp_link, expert_link, tp_link = layout_links(hardware.network, req.tp, req.dp, req.ep)
     matrices = [_matrix(e, time_model) for e in schedule.params if e.optimizer == MATRIX]
     dense = _buffer(dp_link, schedule.dp.buckets, [m for m in matrices if m.ep_rank is None])
     experts = tuple(
@@ -260,7 +250,8 @@ def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel
         adamw_cuts=tuple(tuple(b.cuts) for b in schedule.dp.adamw_buckets),
         adamw_param_bytes=DTYPE_BYTES[adamw[0].dtype] if adamw else 2,
         matrices={m.name: m for m in matrices}, time_model=time_model, fused=fused, publish_bytes=publish_bytes,
-        rooted=rooted, overlap_grad=overlap_grad, overlap_param=overlap_param, ns_steps=req.optimizer.ns_steps,
+        dp_collectives=dp_collectives, overlap_grad=overlap_grad, overlap_param=overlap_param,
+        ns_steps=req.optimizer.ns_steps,
     )
 
 
@@ -280,11 +271,13 @@ class Local:
 @dataclass(frozen=True)
 class BucketSync:
     """One bucket's DP collective (a gradient reduction or a parameter gather): the buffer
-    (`DENSE`, `EXPERT` or `ADAMW_BUFFER`), the bucket's index in it, and the exchange."""
+    (`DENSE`, `EXPERT` or `ADAMW_BUFFER`), the bucket's index in it, the exchange, and the
+    collective it runs as (`BUCKET_COLLECTIVES`)."""
 
     buffer: str
     bucket: int
     exchange: Exchange
+    collective: str = "ring"
 
 
 @dataclass(frozen=True)
@@ -351,7 +344,7 @@ class Simulation:
     hardware: Hardware
     time_model: str
     fused: bool
-    rooted: bool
+    dp_collectives: str
     strategies: tuple[StrategyTime, ...]
     training: TrainingSetup | None = None
     iterations: tuple[IterationTime, ...] = ()
@@ -448,14 +441,24 @@ def micro_group_times(inst: Instance, names: Sequence[str], hosts: Sequence[int]
     return GroupTimes(gather, max(loads), scatter), loads
 
 
+def bucket_collective(inst: Instance, buffer: Buffer, bucket: int) -> str:
+    """The collective canzona's runtime issues for one bucket of a matrix buffer: as the
+    schedule records it, or the one `inst.dp_collectives` names for every bucket."""
+    if inst.dp_collectives != AS_SCHEDULED:
+        return inst.dp_collectives
+    return buffer.collectives[bucket] if buffer.collectives else BUCKET_COLLECTIVES[0]
+
+
 def dp_sync(inst: Instance, cuts_of: Sequence[tuple[int, ...]], buffer: Buffer, gather: bool,
-            name: str = DENSE) -> list[BucketSync]:
+            name: str = DENSE, equal: bool = False) -> list[BucketSync]:
     """Reduce-scatter (gather=False) or all-gather of one matrix buffer at the given cuts, one
-    collective per bucket (rooted or all-to-all as `inst.rooted` says)."""
+    collective per bucket (`bucket_collective`; `equal`: stock equal cuts, a native ring)."""
     out = []
     for bucket, cuts in enumerate(cuts_of):
         elem_bytes = inst.gather_bytes(buffer.param_bytes[bucket]) if gather else GRAD_BYTES
-        out.append(BucketSync(name, bucket, uneven(buffer.link, slice_sizes(cuts), elem_bytes, gather, inst.rooted)))
+        collective = "ring" if equal else bucket_collective(inst, buffer, bucket)
+        exchange = bucket_exchange(buffer.link, slice_sizes(cuts), elem_bytes, gather, collective)
+        out.append(BucketSync(name, bucket, exchange, collective))
     return out
 
 
@@ -515,7 +518,7 @@ def default_time_model(schedule: Schedule, hardware: Hardware) -> CostModel:
 
 
 def simulate(schedule: Schedule, hardware: Hardware, time_model: CostModel | None = None, *,
-             fused: bool = False, publish_bytes: int | None = None, rooted: bool = True,
+             fused: bool = False, publish_bytes: int | None = None, dp_collectives: str = AS_SCHEDULED,
              training: TrainingSetup | None = None, overlap_grad_reduce: bool = True,
              overlap_param_gather: bool = False, routed_fraction: float | None = None) -> Simulation:
     """Predict one optimizer step of the schedule and of every baseline on `hardware`, and with
@@ -524,16 +527,18 @@ def simulate(schedule: Schedule, hardware: Hardware, time_model: CostModel | Non
     `time_model` prices compute in seconds (default: the flops model at the hardware's
     throughput). `fused`: every buffer moves in one collective instead of one per bucket.
     `publish_bytes`: element size of the parameter all-gather (default: the parameters'
-    dtype; the CPU runtime gathers fp32). `rooted` (default): canzona's uneven collectives as
-    one rooted reduce / broadcast per slice (the runtime's `dp_collectives="rooted"`); False:
-    its `all_to_all`, whose busiest receiver takes (n − 1) · its slice. `overlap_grad_reduce`
-    and `overlap_param_gather`: the runtime's options, applied to canzona and TP-SC (the other
-    baselines overlap as their authors run them). `routed_fraction`: MoE top-k / experts
+    dtype; the CPU runtime gathers fp32). `dp_collectives`: each matrix bucket's collective as
+    the schedule records it ("schedule", the runtime's default), or one of
+    `BUCKET_COLLECTIVES` for every bucket (the runtime's `dp_collectives=`).
+    `overlap_grad_reduce` and `overlap_param_gather`: the runtime's options, applied alike to
+    every strategy that has such collectives (Megatron's `--overlap-grad-reduce` and
+    `--overlap-param-gather` for the baselines). `routed_fraction`: MoE top-k / experts
     (default: from the model's preset or config)."""
     from canzona.planner.predict.sim_baselines import baseline_times
 
     model = time_model or default_time_model(schedule, hardware)
-    inst = build_instance(schedule, hardware, model, fused, publish_bytes, rooted, overlap_grad_reduce, overlap_param_gather)
+    inst = build_instance(schedule, hardware, model, fused, publish_bytes, dp_collectives, overlap_grad_reduce,
+                          overlap_param_gather)
     strategies = (canzona_time(inst, schedule), canzona_time(inst, schedule, overlap=False), *baseline_times(inst))
     iterations: tuple[IterationTime, ...] = ()
     if training is not None:
@@ -542,7 +547,7 @@ def simulate(schedule: Schedule, hardware: Hardware, time_model: CostModel | Non
         iterations = iteration_times(schedule, hardware, training, strategies, fused, routed_fraction)
     req = schedule.request
     return Simulation(req.model.name, req.tp, req.dp, req.ep, req.optimizer.name, hardware,
-                      getattr(model, "name", "seconds"), fused, rooted, strategies, training, iterations)
+                      getattr(model, "name", "seconds"), fused, dp_collectives, strategies, training, iterations)
 
 
 def predicted_ratios(schedule: Schedule, hardware: Hardware, time_model: CostModel | None = None, *,

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from canzona.planner.partition.costs import CostModel
-from canzona.planner.predict.collectives import GRAD_BYTES, Exchange, Link, all_gather
+from canzona.planner.partition.collectives import GRAD_BYTES, Exchange, Link, all_gather, group_link
 from canzona.planner.predict.hardware import Hardware
-from canzona.planner.predict.simulate import GroupTimes, default_time_model, group_link, pipeline_seconds, submatrices
+from canzona.planner.predict.simulate import GroupTimes, default_time_model, pipeline_seconds, submatrices
 from canzona.schedules.format import ParamEntry, Schedule
 from canzona.schedules.limits import MATRIX
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel
@@ -86,7 +86,7 @@ def simulate_fsdp(schedule: Schedule, hardware: Hardware, time_model: CostModel 
     """Predict one optimizer step of an FSDP schedule and of its baselines on `hardware`."""
     model = time_model or default_time_model(schedule, hardware)
     layout = FsdpLayout.of(schedule.request.tp, schedule.request.dp, schedule.request.dp_replicate)
-    link = group_link(hardware, "fsdp", range(layout.hosts))
+    link = group_link(hardware.network, "fsdp", range(layout.hosts))
     entries = {e.name: e for e in schedule.params}
     groups = [_group_times([(entries[n], h) for n, h in zip(g.params, g.hosts)], layout, link, model)
               for g in schedule.tp.ranks[0].groups]

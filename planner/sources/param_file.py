@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from math import prod
 from pathlib import Path
 from dataclasses import replace
 from typing import Annotated, Any, Literal

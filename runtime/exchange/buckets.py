@@ -23,7 +23,8 @@ from canzona.runtime.plan import RankPlan
 @dataclass(frozen=True)
 class DpComms:
     """The DP exchange's process groups (global ranks in group-rank order), its collective form
-    (`comm.DP_COLLECTIVES`) and the timeout of each wait."""
+    (`comm.DP_COLLECTIVES`: "schedule", each bucket in its schedule's, or one for all) and the
+    timeout of each wait."""
 
     dp_group: dist.ProcessGroup
     dp_ranks: tuple[int, ...]
@@ -46,7 +47,7 @@ def start_bucket_reduce(plan: RankPlan, comms: DpComms, send: Tensor, index: int
     bucket = plan.layout.buckets[index]
     group, ranks, rank = comms.route(plan, bucket)
     kept = [p for p, r in enumerate(bucket.dp_ranks) if r in plan.ranks]
-    mode = comm.ALL_REDUCE if plan.strategy.all_dp else comms.mode
+    mode = comm.ALL_REDUCE if plan.strategy.all_dp else comm.bucket_mode(bucket, comms.mode)
     return comm.start_reduce(send, bucket, mode, rank, group, ranks, kept, plan.place.dp_size)
 
 
@@ -55,4 +56,4 @@ def start_bucket_gather(plan: RankPlan, comms: DpComms, gathered: Tensor, index:
     values."""
     bucket = plan.layout.buckets[index]
     group, ranks, rank = comms.route(plan, bucket)
-    return comm.start_gather(gathered, bucket, comms.mode, rank, group, ranks)
+    return comm.start_gather(gathered, bucket, comm.bucket_mode(bucket, comms.mode), rank, group, ranks)

@@ -1,8 +1,9 @@
 """Collectives the runtime needs (gloo and NCCL alike).
 
 Per DP bucket, asynchronous: the gradient reduction (`start_reduce`) and the parameter gather
-(`start_gather`), in one of three forms (`DP_COLLECTIVES` and DP-SC's all-reduce); an
-asynchronous all-to-all for the TP micro-group gather and scatter. A group of size 1 never
+(`start_gather`), in the form the schedule records for the bucket or one the caller names
+(`DP_COLLECTIVES`; DP-SC all-reduces); an asynchronous all-to-all for the TP micro-group
+gather and scatter. A group of size 1 never
 communicates.
 Every buffer is created on the device (and in the dtype) of the tensor it receives for, so the
 same code runs on gloo with CPU tensors and on NCCL with CUDA tensors.
@@ -22,10 +23,15 @@ from torch import Tensor
 
 from canzona.runtime.faults import wait
 from canzona.runtime.layout import DpBucket
+from canzona.schedules.limits import AS_SCHEDULED, DP_COLLECTIVE_MODES
 
-
-DP_COLLECTIVES = ("rooted", "all_to_all")
+DP_COLLECTIVES = DP_COLLECTIVE_MODES  # "schedule": each bucket as recorded (`DpBucket.collective`)
 ALL_REDUCE = "all_reduce"  # DP-SC: every rank keeps the whole mean
+
+
+def bucket_mode(bucket: DpBucket, requested: str) -> str:
+    """The form a bucket is reduced and gathered in: its schedule's, or the one `requested`."""
+    return bucket.collective if requested == AS_SCHEDULED else requested
 
 
 def _nothing() -> None:
@@ -67,10 +73,11 @@ def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: di
     bucket, reduced over the expert-DP group, is divided by the DP size). The rest of the
     bucket is left undefined. `ranks` are the group ranks' global ranks.
 
-    `rooted`: one reduce to each non-empty slice's owner (a native reduce-scatter when the
-    slices are equal, `native_for_equal`); `all_to_all`: one all_to_all_single, summed here in rank order;
-    `all_reduce`: one all-reduce of the bucket. Transient buffers are at most one slice
-    (all_to_all: the group's copies of it)."""
+    `ring`: one native reduce-scatter over the slices padded to the largest (transient: the
+    padded bucket); `rooted`: one reduce to each non-empty slice's owner (a native
+    reduce-scatter when the slices are equal, `native_for_equal`); `all_to_all`: one
+    all_to_all_single, summed here in rank order (transient: the group's copies of this rank's
+    slice); `all_reduce`: one all-reduce of the bucket."""
     chunk = send[bucket.base : bucket.base + bucket.numel]
     world, cuts = len(bucket.slices), bucket.cuts
     scale = divisor or world
@@ -84,6 +91,8 @@ def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: di
     if mode == ALL_REDUCE:
         return Pending([dist.all_reduce(chunk, group=group, async_op=True)], scale_kept)
     mine = chunk[cuts[rank] : cuts[rank + 1]]
+    if mode == "ring":
+        return _padded_reduce(chunk, bucket, rank, group, scale)
     if mode == "all_to_all":
         received = torch.empty(world * mine.numel(), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(received, chunk, [mine.numel()] * world, list(bucket.slices), group=group,
@@ -109,13 +118,16 @@ def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: di
 def start_gather(gathered: Tensor, bucket: DpBucket, mode: str, rank: int, group: dist.ProcessGroup,
                  ranks: Sequence[int]) -> Pending:
     """Launch the gather of one bucket of the buffer `gathered`, whose slice `rank` already
-    holds this rank's values: afterwards every slice holds its owner's. `rooted`: one
-    broadcast from each non-empty slice's owner (a native all-gather when the slices are
-    equal, `native_for_equal`); `all_to_all`: one all_to_all_single."""
+    holds this rank's values: afterwards every slice holds its owner's. `ring`: one native
+    all-gather of the slices padded to the largest; `rooted`: one broadcast from each non-empty
+    slice's owner (a native all-gather when the slices are equal, `native_for_equal`);
+    `all_to_all`: one all_to_all_single."""
     chunk = gathered[bucket.base : bucket.base + bucket.numel]
     world, cuts = len(bucket.slices), bucket.cuts
     if world == 1:
         return Pending([])
+    if mode == "ring":
+        return _padded_gather(chunk, bucket, rank, group)
     native = native_for_equal(bucket, group)
     if mode == "all_to_all" or native:  # the input may not alias the output on every backend
         mine = chunk[cuts[rank] : cuts[rank + 1]].clone()
@@ -128,6 +140,38 @@ def start_gather(gathered: Tensor, bucket: DpBucket, mode: str, rank: int, group
     works = [dist.broadcast(chunk[cuts[r] : cuts[r + 1]], src=ranks[r], group=group, async_op=True)
              for r in range(world) if cuts[r + 1] > cuts[r]]
     return Pending(works)
+
+
+def _padded_reduce(chunk: Tensor, bucket: DpBucket, rank: int, group: dist.ProcessGroup, scale: int) -> Pending:
+    """A native reduce-scatter of `chunk`'s slices, each padded with zeros to the largest; the
+    mean lands in this rank's slice."""
+    width, world = max(bucket.slices), len(bucket.slices)
+    padded = chunk.new_zeros(world * width)
+    for r, size in enumerate(bucket.slices):
+        padded[r * width : r * width + size].copy_(chunk[bucket.cuts[r] : bucket.cuts[r + 1]])
+    received = chunk.new_empty(width)
+    work = dist.reduce_scatter_single(received, padded, group=group, async_op=True)
+
+    def land() -> None:
+        chunk[bucket.cuts[rank] : bucket.cuts[rank + 1]].copy_(received[: bucket.slices[rank]]).div_(scale)
+
+    return Pending([work], land, [padded, received])
+
+
+def _padded_gather(chunk: Tensor, bucket: DpBucket, rank: int, group: dist.ProcessGroup) -> Pending:
+    """A native all-gather of every rank's slice of `chunk` padded to the largest, unpadded
+    into `chunk` (this rank's slice already holds its values)."""
+    width, world = max(bucket.slices), len(bucket.slices)
+    send = chunk.new_zeros(width)
+    send[: bucket.slices[rank]].copy_(chunk[bucket.cuts[rank] : bucket.cuts[rank + 1]])
+    received = chunk.new_empty(world * width)
+    work = dist.all_gather_single(received, send, group=group, async_op=True)
+
+    def land() -> None:
+        for r, size in enumerate(bucket.slices):
+            chunk[bucket.cuts[r] : bucket.cuts[r + 1]].copy_(received[r * width : r * width + size])
+
+    return Pending([work], land, [send, received])
 
 
 @dataclass

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from canzona.cli.main import main
 from canzona.schedules.format import Schedule, dump_schedule, read_schedule, sealed
 from canzona.schedules.library import library_root
 from cli_run import refused, run

@@ -73,7 +73,7 @@ def test_plan_is_byte_identical_when_repeated(tmp_path: Path, capsys: pytest.Cap
         (["plan", "--model", "qwen3-8b", "--cost", "profile:/nonexistent.yaml"], "cannot read profile"),
         (["plan", "--model", "qwen3-8b", "--alpha", "half"], "alpha must be a number in [0, 1] or auto"),
         (["plan", "--model", "qwen3-8b", "--alpha", "auto", "--device", "tpu9"], "unknown device 'tpu9'"),
-        (["simulate", "schedules/qwen3-8b/muon-tp2-dp4.yaml", "--dp-collectives", "ring"], "--dp-collectives must be"),
+        (["simulate", "schedules/qwen3-8b/muon-tp2-dp4.yaml", "--dp-collectives", "tree"], "--dp-collectives must be"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

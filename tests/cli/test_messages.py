@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from canzona.cli import progress as progress_module
-from canzona.cli.main import main
 from canzona.cli.wording import duration, percent, plural, table_unit
 from cli_run import refused, run
 

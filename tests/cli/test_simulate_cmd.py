@@ -17,7 +17,8 @@ SMALL = "schedules/qwen3-8b/muon-tp2-dp4.yaml"
 def test_default_report_has_step_and_iteration(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["simulate", LIBRARY_32B], capsys)
     assert code == 0, err
-    assert "rooted reduces/broadcasts" in out and "training: global batch 256 x 4096 tokens, 8 micro-batches" in out
+    assert "as the schedule records them" in out and "training: global batch 256 x 4096 tokens, 8 micro-batches" in out
+    assert "canzona's DP collectives per bucket:" in out and "overlap, the same for every strategy" in out
     assert "optimizer step (nothing overlapped):" in out and "training iteration" in out
     for word in ("canzona", "tp-sc", "dp-sc", "zero1-gather", "start-owner", "layer-wise", "ddp-adamw", "fwd+bwd s"):
         assert word in out
@@ -31,11 +32,14 @@ def test_json_with_training_options(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(args, capsys)
     assert code == 0, err
     data = json.loads(out)
-    assert data["rooted"] is True
+    assert data["dp_collectives"] == "schedule"
+    assert {row["collective"] for row in data["buckets"]} <= {"ring", "rooted", "all_to_all"} and data["buckets"]
     assert data["training"] == {"global_batch": 512, "seq_len": 2048, "micro_batches": 4, "train_flops": 300e12}
     iterations = {it["name"]: it for it in data["iterations"]}
     assert iterations["canzona"]["ratio"] == 1.0 and iterations["canzona"]["overlap_param"] is True
-    assert iterations["dp-sc"]["overlap_param"] is False  # baselines overlap as their authors run them
+    # Every strategy with per-bucket parameter gathers overlaps them alike; DP-SC gathers nothing.
+    assert all(iterations[name]["overlap_param"] for name in ("tp-sc", "zero1-gather", "start-owner", "layer-wise"))
+    assert iterations["dp-sc"]["overlap_param"] is False
     assert [s["name"] for s in data["strategies"]] == [it["name"] for it in data["iterations"]]
     assert "phases" not in data["strategies"][0]
     for it in data["iterations"]:

@@ -12,7 +12,6 @@ which bf16 results can be told apart at all.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rt_harness import DATA, make_schedule, run_ranks
 from rt_oracle import compare, reference_run, train_worker

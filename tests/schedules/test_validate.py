@@ -246,17 +246,54 @@ def test_imbalance_below_one_and_other_derived_figures() -> None:
 
 
 def test_device_lower_bound_and_gap() -> None:
-    tp = dense().metrics.tp
-    devices = [d.load for d in dense().metrics.device]
-    largest = max(p.cost for p in dense().params if p.owner is not None)
-    assert tp.device_lower_bound == pytest.approx(max(sum(devices) / len(devices), largest), rel=1e-12)
+    tp, devices = dense().metrics.tp, [d.load for d in dense().metrics.device]
+    work = sum(p.cost for p in dense().params if p.owner is not None)
+    adamw = [dense().metrics.dp.adamw_load[d.dp_rank] / 2 for d in dense().metrics.device]
+    # Plan-independent: at least the mean of the matrices' own work, at most the worst device.
+    assert (work + sum(adamw)) / len(adamw) * (1 - 1e-12) <= tp.device_lower_bound <= max(devices)
     assert tp.device_gap == pytest.approx(max(devices) / tp.device_lower_bound - 1, rel=1e-12, abs=1e-15)
     rejected(dense(), lambda d: d["metrics"]["tp"].update(device_lower_bound=1.0), "metrics.tp.device_lower_bound")
+    rejected(dense(), lambda d: d["metrics"]["tp"].update(device_lower_bound=max(devices) * 2), "worst device load")
     rejected(dense(), lambda d: d["metrics"]["tp"].update(device_gap=0.5), "metrics.tp.device_gap")
     rejected(dense(), lambda d: d["metrics"]["tp"].update(device_gap=None), "come together")
     # A file from before the bound was recorded (neither field) still reads.
     old = edited(dense(), lambda d: d["metrics"]["tp"].update(device_lower_bound=None, device_gap=None))
     assert parse_schedule(old, "old.yaml").metrics.tp.device_gap is None
+
+
+def test_dp_lower_bound_is_the_plan_independent_one_or_the_former_one() -> None:
+    from canzona.schedules.bounds import dp_lower_bound
+
+    m = moe().metrics.dp
+    assert m.lower_bound == pytest.approx(dp_lower_bound([p.cost for p in moe().params if p.owner is not None], 4))
+    # A file written before (the dense partition's bound around the experts' loads) still reads.
+    loads = [0.0] * 4
+    for e in moe().params:
+        if e.ep_rank is not None:
+            loads[e.owner * 2 + e.ep_rank] += e.cost
+    dense_costs = [e.cost for e in moe().params if e.owner is not None and e.ep_rank is None]
+    former = max(sum(m.load) / 4, max(dense_costs) + min(loads), max(loads))
+    def older(d: dict[str, Any]) -> None:
+        d["metrics"]["dp"].update(lower_bound=former, gap=max(m.load) / former - 1)
+        for score in d["metrics"]["dp"]["baselines"].values():
+            score.update(gap=score["max"] / former - 1)
+    assert parse_schedule(edited(moe(), older), "older.yaml").metrics.dp.lower_bound == pytest.approx(former)
+    rejected(moe(), lambda d: d["metrics"]["dp"].update(lower_bound=m.lower_bound * 0.9), "metrics.dp.lower_bound")
+
+
+def test_each_bucket_collective_is_known_and_defaults_to_rooted() -> None:
+    def force(collective: str) -> Callable[[dict[str, Any]], None]:
+        return lambda d: [b.update(collective=collective) for b in d["dp"]["buckets"]]
+    for collective in ("ring", "rooted", "all_to_all"):
+        schedule = parse_schedule(edited(dense(), force(collective)), "forced.yaml")
+        assert {b.collective for b in schedule.dp.buckets} == {collective}
+    rejected(dense(), force("tree"), "matrix bucket 0 collective", "'tree'")
+    # A file written before the field: every bucket reads as rooted, what the runtime did then.
+    def strip(d: dict[str, Any]) -> None:
+        for bucket in d["dp"]["buckets"]:
+            bucket.pop("collective", None)
+    old = parse_schedule(edited(dense(), strip), "old.yaml")
+    assert {b.collective for b in old.dp.buckets} == {"rooted"} and '"collective"' not in edited(dense(), strip)
 
 
 @lru_cache(maxsize=None)

@@ -101,8 +101,9 @@ def test_slice_name_must_be_param_and_slice() -> None:
 
 def test_slice_numbers_must_count_up() -> None:
     def swap(data: dict[str, Any]) -> None:
-        entry(data, f"{GATE_UP}[0]").update(slice=1, name=f"{GATE_UP}[1]")
-        entry(data, f"{GATE_UP}[1]").update(slice=0, name=f"{GATE_UP}[0]")
+        first, second = entry(data, f"{GATE_UP}[0]"), entry(data, f"{GATE_UP}[1]")  # both, before renaming either
+        first.update(slice=1, name=f"{GATE_UP}[1]")
+        second.update(slice=0, name=f"{GATE_UP}[0]")
     rejected(planned(), swap, "slices must be 0..1 at consecutive indices")
 
 

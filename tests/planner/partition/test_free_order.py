@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.partition.dp import DpInstance, partition, slice_caps
+from canzona.planner.buffers import dp_instance
+from canzona.planner.partition.dp import DpInstance, partition, rank_loads, slice_caps
 from canzona.planner.partition.free_order import partition_free, reorder_buffer
 from canzona.planner.partition.layout import PARAM_ALIGNMENT, build_buffer
 from canzona.planner.plan import PlanRequest, make_plan
@@ -69,7 +70,13 @@ def test_free_order_schedule_validates_and_records_the_order() -> None:
     model = load_model("qwen3-8b", 4)
     registration = make_plan(model, PlanRequest("qwen3-8b", 4, 64, order="registration"))
     free = make_plan(model, PlanRequest("qwen3-8b", 4, 64, order="free"))
-    assert max(free.loads) < max(registration.loads)  # 10.1% -> 8.2% above the bound
+    # The DP partition: free order is at the pairing bound, registration order 1.8% above it.
+    instance = dp_instance(build_buffer(model, MATRIX, 4, 64, 40_000_000), model, free.costs, 64)
+    assert max(rank_loads(instance, partition_free(instance, 1.0).owners)) < max(
+        rank_loads(instance, partition(instance, 1.0).owners))
+    # The whole plan (TP 4: device-aware ownership): free order's busiest device is no longer.
+    worst = {plan.request.order: compile_schedule(plan).metrics.tp.worst_device_load for plan in (free, registration)}
+    assert worst["free"] <= worst["registration"]
     schedule = parse_schedule(dump_schedule(compile_schedule(free)), "free.yaml")
     assert schedule.request.order == "free" and "order: free" in dump_schedule(schedule)
     assert "order:" not in dump_schedule(compile_schedule(registration))  # the default is left out

@@ -8,7 +8,7 @@ import pytest
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import FlopsCost, OptimizerConfig, param_cost
-from canzona.planner.plan import PlanRequest, TrainingSetup, make_plan
+from canzona.planner.plan import PlanRequest, TrainingSetup
 from canzona.planner.predict.auto_alpha import alpha_table, choose_alpha
 from canzona.planner.predict.hardware import BUILTIN, ThroughputCost, override_network, profile_device
 from canzona.planner.predict.profile_cost import (

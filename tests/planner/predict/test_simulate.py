@@ -184,8 +184,12 @@ def test_options_change_only_what_they_should(qwen8b) -> None:
     fused = simulate(qwen8b, BUILTIN["h100"], fused=True)
     assert fused.get("canzona").dp_comm <= plain.get("canzona").dp_comm
     assert fused.get("canzona").optimizer_stage == pytest.approx(plain.get("canzona").optimizer_stage)
-    rooted_ = simulate(qwen8b, BUILTIN["h100"], rooted=True)
-    assert rooted_.get("dp-sc").step == pytest.approx(plain.get("dp-sc").step)
+    for collective in ("ring", "rooted", "all_to_all"):
+        forced = simulate(qwen8b, BUILTIN["h100"], dp_collectives=collective)
+        assert forced.get("dp-sc").step == pytest.approx(plain.get("dp-sc").step)
+        assert forced.get("canzona").optimizer_stage == pytest.approx(plain.get("canzona").optimizer_stage)
+    with pytest.raises(PlanError, match="unknown DP collectives"):
+        simulate(qwen8b, BUILTIN["h100"], dp_collectives="tree")
     ratios = predicted_ratios(qwen8b, BUILTIN["h100"])
     assert set(ratios) == {"canzona", "dp-sc", "tp-sc"}
 
