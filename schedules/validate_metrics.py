@@ -259,7 +259,7 @@ def _hosted(schedule: Schedule, states: dict[str, float]) -> tuple[list[float], 
     return load, state
 
 
-def _traffic(schedule: Schedule, legacy: bool = False) -> list[tuple[int, int]]:
+def device_traffic(schedule: Schedule, legacy: bool = False) -> list[tuple[int, int]]:
     """Every device's (sent, received) bytes per step: its DP rank's share of every bucket's
     reduction and gather, and its TP rank's part of the micro-group all-to-alls. `legacy`: a
     bucket that records no collective is counted as files from before per-bucket collectives
@@ -314,9 +314,9 @@ def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[lis
     for sizes in adamw:
         for rank, size in enumerate(sizes):
             elements[rank] += size
-    per_element, traffic = adamw_bytes(schedule), _traffic(schedule)
+    per_element, traffic = adamw_bytes(schedule), device_traffic(schedule)
     if any((d.bytes_sent, d.bytes_received) != traffic[d.rank] for d in devices):
-        legacy = _traffic(schedule, legacy=True)
+        legacy = device_traffic(schedule, legacy=True)
         if all((d.bytes_sent, d.bytes_received) == legacy[d.rank] for d in devices):
             traffic = legacy
     sizes = [b.numel for b in (*schedule.dp.buckets, *schedule.dp.expert_buckets, *schedule.dp.adamw_buckets)]

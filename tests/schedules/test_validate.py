@@ -15,6 +15,7 @@ from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, parse_schedule, sealed
 from canzona.schedules.limits import MAX_TP
+from canzona.schedules.validate_metrics import device_traffic
 from canzona.schedules.validate import schedule_problem
 
 TINY_MOE = Path(__file__).resolve().parents[1] / "runtime" / "data" / "tiny_moe.json"
@@ -282,12 +283,24 @@ def test_dp_lower_bound_is_the_plan_independent_one_or_the_former_one() -> None:
 
 
 def test_each_bucket_collective_is_known_and_defaults_to_rooted() -> None:
-    def force(collective: str) -> Callable[[dict[str, Any]], None]:
-        return lambda d: [b.update(collective=collective) for b in d["dp"]["buckets"]]
+    def force(collective: str, recount: bool = True) -> Callable[[dict[str, Any]], None]:
+        """Every matrix bucket in `collective`; `recount`: the devices' traffic counted anew."""
+        def edit(data: dict[str, Any]) -> None:
+            for bucket in data["dp"]["buckets"]:
+                bucket.update(collective=collective)
+            if recount:
+                traffic = device_traffic(Schedule.model_validate(data))
+                for device, (sent, received) in zip(data["metrics"]["device"], traffic):
+                    device.update(bytes_sent=sent, bytes_received=received)
+        return edit
     for collective in ("ring", "rooted", "all_to_all"):
         schedule = parse_schedule(edited(dense(), force(collective)), "forced.yaml")
         assert {b.collective for b in schedule.dp.buckets} == {collective}
-    rejected(dense(), force("tree"), "matrix bucket 0 collective", "'tree'")
+    rejected(dense(), force("tree", recount=False), "matrix bucket 0 collective", "'tree'")
+    # a bucket's collective decides its traffic: another one without the devices' bytes is refused
+    recorded = {b.collective for b in dense().dp.buckets}
+    other = next(c for c in ("ring", "all_to_all") if {c} != recorded)
+    rejected(dense(), force(other, recount=False), "bytes sent and received")
     # A file written before the field: every bucket reads as rooted, what the runtime did then.
     def strip(d: dict[str, Any]) -> None:
         for bucket in d["dp"]["buckets"]:
