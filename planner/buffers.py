@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Protocol
 from canzona.planner.partition.baselines import BaselineLoads, all_baselines
 from canzona.planner.partition.collectives import Link, choose_collective
 from canzona.planner.partition.device_aware import DeviceModel, reown
-from canzona.planner.partition.dp import DpAssignment, DpInstance, owners_to_cuts, partition, rank_loads, slice_caps
+from canzona.planner.partition.dp import DpAssignment, DpInstance, partition, rank_loads, slice_caps
 from canzona.planner.partition.even_slices import SliceState, even_slices
 from canzona.planner.partition.free_order import partition_free, reorder_buffer
-from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, slice_sizes
+from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, owners_to_cuts, slice_sizes
 from canzona.planner.partition.tp import Task
 from canzona.planner.spec import DTYPE_BYTES, ModelSpec
 

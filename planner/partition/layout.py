@@ -30,7 +30,7 @@ from canzona.schedules.geometry import (  # the one home of the geometry; re-exp
 __all__ = [
     "BUCKET_END_ALIGNMENT", "DEFAULT_BUCKET_SIZE", "GRAD_BYTES_PER_ELEMENT", "PARAM_ALIGNMENT", "Bucket",
     "BufferEntry", "BufferLayout", "adamw_elements", "adamw_loads", "build_buffer", "build_layouts", "equal_cuts",
-    "slice_owner", "slice_sizes",
+    "owners_to_cuts", "slice_owner", "slice_sizes",
 ]
 
 
@@ -121,3 +121,15 @@ def adamw_elements(layout: BufferLayout, dp: int) -> list[int]:
 def adamw_loads(layout: BufferLayout, dp: int, cost: CostModel) -> list[float]:
     """Per DP rank, the AdamW cost each of its devices pays (fixed by the layout, not the plan)."""
     return [cost.adamw_cost(elements) for elements in adamw_elements(layout, dp)]
+
+
+def owners_to_cuts(owners: tuple[int, ...], offsets: tuple[int, ...], bucket_numel: int, num_ranks: int) -> tuple[int, ...]:
+    """Cut offsets (D + 1 of them) of one bucket from its items' owners."""
+    cuts = [0]
+    index = 0
+    for rank in range(1, num_ranks):
+        while index < len(owners) and owners[index] < rank:
+            index += 1
+        cuts.append(offsets[index] if index < len(owners) else bucket_numel)
+    cuts.append(bucket_numel)
+    return tuple(cuts)
