@@ -1,4 +1,5 @@
-"""No import circles inside `planner/` or `runtime/` (docs/architecture.md, dependency rules).
+"""The import graphs of `planner/` and `runtime/` (docs/architecture.md, dependency rules): no
+import circles in either, and the planner's layers depend one way.
 
 The graph is read from the source with `ast`, so every import statement counts: at module level,
 inside a function and under `if TYPE_CHECKING:` alike. A circle is a strongly connected
@@ -8,6 +9,7 @@ component of that graph; the test names each one as a chain of imports with file
 import ast
 from collections import deque
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -16,6 +18,16 @@ import canzona.runtime
 
 # An import edge: importer, imported.
 Edge = tuple[str, str]
+
+# The planner's layers, and the layers each may import from ("top": the modules at the top of
+# the package, `plan`, `compile` and the like; `spec` is its own layer, below everything).
+PLANNER_LAYERS = {
+    "spec": ("spec",),
+    "sources": ("spec", "sources"),
+    "partition": ("spec", "partition"),
+    "top": ("spec", "sources", "partition", "top"),
+    "predict": ("spec", "sources", "partition", "top", "predict"),
+}
 
 
 def module_files(package: str, directory: Path) -> dict[str, Path]:
@@ -145,13 +157,53 @@ def describe_cycles(edges: dict[Edge, str]) -> list[str]:
     return reports
 
 
+def planner_layer(module: str) -> str:
+    """The layer of a planner module (its subpackage, `spec`, or "top")."""
+    parts = module.split(".")[2:]
+    if parts and parts[0] in PLANNER_LAYERS:
+        return parts[0]
+    return "top"
+
+
+def layer_violations(edges: dict[Edge, str]) -> list[str]:
+    """Each planner import that points up a layer, as "importer -> imported (file:line)"."""
+    return [
+        f"{importer} -> {imported}  ({where})"
+        for (importer, imported), where in sorted(edges.items())
+        if importer != "canzona.planner" and planner_layer(imported) not in PLANNER_LAYERS[planner_layer(importer)]
+    ]
+
+
 @pytest.mark.parametrize("package", [canzona.planner, canzona.runtime], ids=["planner", "runtime"])
-def test_no_import_circles(package) -> None:
+def test_no_import_circles(package: ModuleType) -> None:
     edges = import_graph(package.__name__, Path(package.__file__).parent)
     # The graph really covers the package: function-level and TYPE_CHECKING imports are edges.
     assert len(edges) > 20
     cycles = describe_cycles(edges)
     assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def test_planner_layers_depend_one_way() -> None:
+    edges = import_graph("canzona.planner", Path(canzona.planner.__file__).parent)
+    assert planner_layer("canzona.planner.partition.dp") == "partition"
+    assert planner_layer("canzona.planner.spec") == "spec" and planner_layer("canzona.planner.compile") == "top"
+    violations = layer_violations(edges)
+    assert not violations, "imports up the planner's layers:\n" + "\n".join(violations)
+
+
+def test_an_import_up_a_layer_is_reported() -> None:
+    edges = {
+        ("canzona.planner.partition.costs", "canzona.planner.predict.profile_cost"): "a.py:1",
+        ("canzona.planner.sources.catalog", "canzona.planner.partition.costs"): "b.py:2",
+        ("canzona.planner.spec", "canzona.planner.plan"): "c.py:3",
+        ("canzona.planner.plan", "canzona.planner.partition.costs"): "d.py:4",
+        ("canzona.planner.predict.simulate", "canzona.planner.plan"): "e.py:5",
+    }
+    assert layer_violations(edges) == [
+        "canzona.planner.partition.costs -> canzona.planner.predict.profile_cost  (a.py:1)",
+        "canzona.planner.sources.catalog -> canzona.planner.partition.costs  (b.py:2)",
+        "canzona.planner.spec -> canzona.planner.plan  (c.py:3)",
+    ]
 
 
 def test_every_kind_of_import_is_an_edge() -> None:
