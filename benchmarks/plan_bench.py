@@ -25,7 +25,7 @@ import sys
 import time
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.partition.devices import tp_score
+from canzona.planner.devices import tp_score
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, dump_schedule, parse_schedule

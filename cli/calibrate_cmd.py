@@ -142,7 +142,7 @@ def calibrate(
     train = (training_shapes(model) if model is not None else list(dict.fromkeys(s for todo in plan.values() for s in todo)),
              train_tokens)
     profile = _run_calibration(plan, torch_device.value, repeats, warmup, threads, comm_ranks, settings, train)
-    from canzona.planner.predict.profile_cost import Profile, dump_profile
+    from canzona.planner.partition.profile_cost import Profile, dump_profile
 
     validated = Profile.model_validate(profile)
     write_output(target, dump_profile(validated))

@@ -109,7 +109,7 @@ def busiest_pipeline(schedule: Schedule, device: str) -> tuple[int, list[Any], l
     (`pipeline_events`), each group's per-host compute seconds, the pipeline's length and the
     hardware model's name."""
     from canzona.cli.simulate_cmd import optimizer_config, schedule_device
-    from canzona.planner.predict.simulate import build_instance, micro_group_times, pipeline_events
+    from canzona.planner.predict.step import build_instance, micro_group_times, pipeline_events
 
     chosen = schedule_device(schedule, device)
     inst = build_instance(schedule, chosen.hardware, chosen.time_model(optimizer_config(schedule)))

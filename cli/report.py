@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from canzona.cli.wording import duration, percent, plural
 
 if TYPE_CHECKING:  # only named: `canzona -h` loads neither
-    from canzona.planner.sources.catalog import Architecture
+    from canzona.planner.sources.architecture import Architecture
     from canzona.schedules.format import Schedule
 
 BAR_WIDTH = 40

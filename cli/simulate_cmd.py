@@ -32,7 +32,7 @@ STEP_FIELDS = ("name", "description", "step", "compute", "comm", "exposed_comm",
 def bucket_rows(sim: Simulation) -> list[dict[str, Any]]:
     """canzona's matrix buckets: buffer, index, the collective it runs as, and the predicted
     seconds of its reduction and its gather."""
-    from canzona.planner.predict.simulate import ADAMW_BUFFER
+    from canzona.planner.predict.step import ADAMW_BUFFER
 
     phases = sim.get("canzona").phases
     gathers = {(s.buffer, s.bucket): s.exchange.seconds() for s in phases.gather}

@@ -9,21 +9,49 @@ the expert buffer with them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from canzona.planner.partition.baselines import BaselineLoads, all_baselines
 from canzona.planner.partition.collectives import Link, choose_collective
 from canzona.planner.partition.device_aware import DeviceModel, reown
-from canzona.planner.partition.dp import DpAssignment, DpInstance, owners_to_cuts, partition, rank_loads, slice_caps
+from canzona.planner.partition.dp import DpAssignment, DpInstance, partition, rank_loads, slice_caps
 from canzona.planner.partition.even_slices import SliceState, even_slices
 from canzona.planner.partition.free_order import partition_free, reorder_buffer
-from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, slice_sizes
+from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, owners_to_cuts, slice_sizes
 from canzona.planner.partition.tp import Task
 from canzona.planner.spec import DTYPE_BYTES, ModelSpec
 
-if TYPE_CHECKING:  # the request is only read here; plan.py defines it and imports this module
+if TYPE_CHECKING:
     from canzona.planner.partition.ilp import SolverReport
-    from canzona.planner.plan import PlanRequest
+
+
+class PartitionRequest(Protocol):
+    """What partitioning a buffer reads of the request (`canzona.planner.plan.PlanRequest`)."""
+
+    @property
+    def alpha(self) -> float:
+        """The slice-size limit, in [0, 1]."""
+        ...
+
+    @property
+    def order(self) -> str | None:
+        """The parameter order inside a bucket: "registration" or "free"."""
+        ...
+
+    @property
+    def solver(self) -> str:
+        """The DP solver: "greedy", or "ilp" (refined by CP-SAT)."""
+        ...
+
+    @property
+    def time_limit(self) -> float:
+        """CP-SAT's budget."""
+        ...
+
+    @property
+    def seed(self) -> int:
+        """CP-SAT's random seed."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -66,7 +94,7 @@ def dp_instance(
     )
 
 
-def _assign(instance: DpInstance, request: PlanRequest, seeds: tuple[tuple[tuple[int, ...], ...], ...]
+def _assign(instance: DpInstance, request: PartitionRequest, seeds: tuple[tuple[tuple[int, ...], ...], ...]
             ) -> tuple[DpAssignment, SolverReport | None]:
     """The α-balanced partition (free or registration order), refined by CP-SAT if asked."""
     if request.order == "free":
@@ -87,7 +115,7 @@ def _assign(instance: DpInstance, request: PlanRequest, seeds: tuple[tuple[tuple
 
 
 def _polish(instance: DpInstance, layout: BufferLayout, model: ModelSpec, costs: tuple[float, ...],
-            request: PlanRequest, assignment: DpAssignment, device: DeviceModel | None) -> DpAssignment:
+            request: PartitionRequest, assignment: DpAssignment, device: DeviceModel | None) -> DpAssignment:
     """Device-aware ownership (when `device` is given), then slices evened out at equal loads."""
     if not any(instance.costs):
         return assignment
@@ -120,7 +148,7 @@ class Partitioned:
 
 
 def partition_buffer(
-    model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, request: PlanRequest,
+    model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, request: PartitionRequest,
     base_loads: tuple[float, ...] = (), seeds: tuple[BufferPlan, ...] = (),
 ) -> Partitioned:
     """Partition one buffer over `num_ranks` (refined by CP-SAT if asked). `seeds`: plans of
@@ -135,7 +163,7 @@ def partition_buffer(
     return Partitioned(layout, instance, assignment, report)
 
 
-def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...], request: PlanRequest,
+def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...], request: PartitionRequest,
                   link: Link, device: DeviceModel | None = None) -> BufferPlan:
     """The plan of a partitioned buffer: with `device`, owners moved to shorten the busiest
     device; slices evened out; laid out (free order: each owner's matrices together), cut, each

@@ -8,11 +8,11 @@ from typing import Any
 
 from canzona.planner.partition.baselines import BaselineLoads
 from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
-from canzona.planner.partition.devices import device_figures, tp_score
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MicroGroup, Task, group_stats
 from canzona.planner.fsdp import FsdpPlan, compile_fsdp
 from canzona.planner.buffers import BufferPlan
+from canzona.planner.devices import device_figures, tp_score
 from canzona.planner.plan import AutoSearch, Plan, PlanRequest, TrainingSetup
 from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec
 from canzona.schedules.format import (
@@ -300,7 +300,7 @@ def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) ->
     """The schedule file of a plan (deterministic); `search`: what `--alpha auto` and
     `--bucket-size auto` tried."""
     if isinstance(plan, FsdpPlan):
-        return compile_fsdp(plan)
+        return compile_fsdp(plan, request_section(plan.request, plan.model))
     buckets = _buckets(plan.dense)
     expert_buckets = _buckets(plan.expert) if plan.expert is not None else []
     adamw_buckets = [

@@ -21,9 +21,8 @@ from canzona.planner.partition.collectives import (
 from canzona.planner.partition.cooperative import COOP_MODES, Shape, cooperate, reference_flops, smallest_share
 from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
 from canzona.planner.partition.device_aware import DeviceModel
-from canzona.planner.partition.devices import adamw_loads
 from canzona.planner.partition.dp import ALPHA_LADDER, DpInstance, Owners, lower_bound
-from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, BufferLayout, build_buffer
+from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, BufferLayout, adamw_loads, build_buffer
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
 from canzona.planner.spec import (
     ADAMW,

@@ -1,4 +1,4 @@
-"""Frozen descriptions of a model's parameters: what the planner reads.
+"""Frozen descriptions of a model's parameters and of the matrix optimizer: what the planner reads.
 
 A `ModelSpec` is the parameter list of one model in registration order (the order of
 `named_parameters()`), with full (unsharded) shapes. Everything else in the planner is a pure
@@ -20,7 +20,9 @@ from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedu
     NAMING_CONVENTIONS,
     OPTIMIZER_CLASSES,
     QKV_SPLITS,
+    SETTING_DEFAULTS,
 )
+from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
 
 
 DEFAULT_GLOBAL_BATCH = 256  # sequences per optimizer step, over every DP rank (a training setup's default)
@@ -162,6 +164,24 @@ def _validate_slices(params: tuple[ParamSpec, ...]) -> None:
             or param.parent in names
         ):
             raise PlanError(f"parameter {param.name!r}: not a well-formed expert slice of {param.parent!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The matrix optimizer and the settings its cost depends on."""
+
+    name: str = "muon"
+    ns_steps: int = SETTING_DEFAULTS["ns_steps"]
+    block_size: int = SETTING_DEFAULTS["block_size"]
+    precondition_frequency: int = SETTING_DEFAULTS["precondition_frequency"]
+    max_precond_dim: int = SETTING_DEFAULTS["max_precond_dim"]
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise PlanError(f"unknown optimizer {self.name!r}; choose one of {', '.join(OPTIMIZERS)}")
+        for field in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim"):
+            if getattr(self, field) < 1:
+                raise PlanError(f"optimizer setting {field} must be >= 1")
 
 
 @dataclass(frozen=True)

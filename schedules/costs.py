@@ -5,7 +5,7 @@ figure with (so a file whose optimizer settings were changed after planning is r
 Costs are in the model's own units: elements for `numel`, floating-point operations for
 `flops`. A matrix updated as several submatrices (Q/K/V, heads, gate/up: its row blocks) costs
 the sum of its pieces. `profile:FILE` cost models are measured seconds, which only the profile
-file holds: the planner's `canzona.planner.predict.profile_cost` prices them.
+file holds: the planner's `canzona.planner.partition.profile_cost` prices them.
 """
 
 from __future__ import annotations

@@ -31,11 +31,9 @@ from dataclasses import dataclass
 
 from canzona.planner.partition.costs import ELEMENTWISE_FLOPS_PER_ELEMENT
 from canzona.planner.partition.tp import MicroGroup, Task, Team
-from canzona.planner.partition.collectives import Link, all_reduce
-from canzona.planner.predict.hardware import BUILTIN
+from canzona.planner.partition.collectives import NS_BF16_FLOPS, REFERENCE_NETWORK, Link, all_reduce
 from canzona.schedules.limits import COOP_MODES  # noqa: F401 - the planner's vocabulary
 
-REFERENCE_DEVICE = "h100"
 GRAM_BYTES = 4  # the Gram matrix is all-reduced in fp32
 
 
@@ -69,17 +67,17 @@ def team_flops(shape: Shape, k: int, ns_steps: int) -> float:
 def team_comm_seconds(shape: Shape, k: int, ns_steps: int, tp: int) -> float:
     """Seconds of the team's all-reduces (one r × r Gram per iteration, one norm) on the
     reference device's TP link."""
-    hardware = BUILTIN[REFERENCE_DEVICE]
+    network = REFERENCE_NETWORK
     # A TP group within one node talks over NVLink; one spanning nodes (tp > GPUs per node) may not.
-    bandwidth = hardware.intra_bandwidth if tp <= hardware.gpus_per_node else hardware.inter_bandwidth
-    link = Link("coop", k, bandwidth, hardware.latency)
+    bandwidth = network.intra_bandwidth if tp <= network.gpus_per_node else network.inter_bandwidth
+    link = Link("coop", k, bandwidth, network.latency)
     r = min(shape.rows, shape.cols)
     return ns_steps * all_reduce(link, r * r, GRAM_BYTES).seconds() + all_reduce(link, 1, GRAM_BYTES).seconds()
 
 
 def reference_flops() -> float:
     """The reference device's matrix throughput: how seconds of communication become FLOPs."""
-    return BUILTIN[REFERENCE_DEVICE].matrix_flops
+    return NS_BF16_FLOPS
 
 
 def team_cost(shape: Shape, k: int, ns_steps: int, tp: int) -> float:

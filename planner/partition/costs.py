@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from canzona.planner.spec import ADAMW, ParamSpec, PlanError
+from canzona.planner.partition.profile_cost import profile_cost_model
+from canzona.planner.spec import ADAMW, OptimizerConfig, ParamSpec, PlanError  # OptimizerConfig: re-exported
 from canzona.schedules.costs import (  # noqa: F401 - the formulas, re-exported for the planner
     ELEMENTWISE_FLOPS_PER_ELEMENT,
     FLOPS,
@@ -24,26 +25,8 @@ from canzona.schedules.costs import (  # noqa: F401 - the formulas, re-exported 
     soap_flops,
 )
 from canzona.schedules.costs import param_state_bytes as shared_state_bytes
-from canzona.schedules.limits import COST_MODELS, SETTING_DEFAULTS
-from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """The matrix optimizer and the settings its cost depends on."""
-
-    name: str = "muon"
-    ns_steps: int = SETTING_DEFAULTS["ns_steps"]
-    block_size: int = SETTING_DEFAULTS["block_size"]
-    precondition_frequency: int = SETTING_DEFAULTS["precondition_frequency"]
-    max_precond_dim: int = SETTING_DEFAULTS["max_precond_dim"]
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise PlanError(f"unknown optimizer {self.name!r}; choose one of {', '.join(OPTIMIZERS)}")
-        for field in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim"):
-            if getattr(self, field) < 1:
-                raise PlanError(f"optimizer setting {field} must be >= 1")
+from canzona.schedules.limits import COST_MODELS
+from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS  # noqa: F401 - the vocabulary, re-exported
 
 
 class CostModel(Protocol):
@@ -94,8 +77,6 @@ class FlopsCost:
 def make_cost_model(name: str, optimizer: OptimizerConfig) -> CostModel:
     """Build the cost model called `name` for `optimizer` (`profile:FILE`: measured seconds)."""
     if name.startswith("profile:"):
-        from canzona.planner.predict.profile_cost import profile_cost_model
-
         return profile_cost_model(name, optimizer)
     if name == "numel":
         return NumelCost()

@@ -531,7 +531,7 @@ def _partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...]) ->
     coarser = [ladder for ladder in ALPHA_LADDER if ladder < alpha]
     if own_load <= lower_bound(instance) * (1 + 1e-12) or not (coarser or seeds):
         return own
-    starts = [(owners, "seed") for owners in seeds if _feasible(instance, caps, owners)]
+    starts = [(owners, "seed") for owners in seeds if feasible(instance, caps, owners)]
     if coarser:
         seed = _remembered(instance, coarser[-1])
         method = seed.method if "(from alpha" in seed.method else f"{seed.method} (from alpha {coarser[-1]:g})"
@@ -541,7 +541,7 @@ def _partition(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...]) ->
     best, method = min(starts, key=lambda start: max(rank_loads(instance, start[0])))
     if max(rank_loads(instance, best)) >= own_load:
         return own
-    return DpAssignment(_polished(_seeded(instance, caps, best)), method)
+    return DpAssignment(polished(instance, caps, best), method)
 
 
 Owners = tuple[tuple[int, ...], ...]
@@ -565,7 +565,7 @@ def _seeded(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: b
     return search
 
 
-def _feasible(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool = False) -> bool:
+def feasible(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool = False) -> bool:
     """Whether `owners` (a seed from elsewhere) is a plan of `instance` within `caps`."""
     if [len(bucket) for bucket in owners] != [len(costs) for costs in instance.costs] or any(
         not 0 <= rank < instance.num_ranks for bucket in owners for rank in bucket
@@ -575,25 +575,26 @@ def _feasible(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free:
     return all(search.bucket_ok(bucket) for bucket in range(len(owners)))
 
 
+def polished(instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool = False) -> Owners:
+    """`owners` (feasible under `caps`; `free`: in any order inside a bucket) improved by local
+    search, which never raises the max load."""
+    return _polished(_seeded(instance, caps, owners, free))
+
+
+def polished_lpt(instance: DpInstance, caps: tuple[int, ...], free: bool = False) -> Owners | None:
+    """Longest-processing-time placement under `caps`, improved by local search; None when an
+    item fits nowhere (only in free order, where the caps are a bin packing)."""
+    search = _Search(instance, caps, free)
+    return _polished(search) if _place_greedy(search) else None
+
+
 @functools.lru_cache(maxsize=32)
 def solve(instance: DpInstance, caps: tuple[int, ...]) -> DpAssignment:
     """The better polished plan of the contiguous and the LPT start under `caps` (remembered:
     ladder α whose caps coincide, as slice sizes are discrete, share it)."""
-    contiguous = _seeded(instance, caps, tuple(tuple(b) for b in solve_contiguous(instance, caps)))
-    greedy = _Search(instance, caps)
-    _place_greedy(greedy)
-    candidates = [(_polished(contiguous), "contiguous+local-search"), (_polished(greedy), "lpt+local-search")]
+    contiguous = polished(instance, caps, tuple(tuple(b) for b in solve_contiguous(instance, caps)))
+    greedy = polished_lpt(instance, caps)
+    assert greedy is not None  # in registration order every partial plan is completable
+    candidates = [(contiguous, "contiguous+local-search"), (greedy, "lpt+local-search")]
     owners, method = min(candidates, key=lambda c: (max(rank_loads(instance, c[0])), c[1]))
     return DpAssignment(owners, method)
-
-
-def owners_to_cuts(owners: tuple[int, ...], offsets: tuple[int, ...], bucket_numel: int, num_ranks: int) -> tuple[int, ...]:
-    """Cut offsets (D + 1 of them) of one bucket from its items' owners."""
-    cuts = [0]
-    index = 0
-    for rank in range(1, num_ranks):
-        while index < len(owners) and owners[index] < rank:
-            index += 1
-        cuts.append(offsets[index] if index < len(owners) else bucket_numel)
-    cuts.append(bucket_numel)
-    return tuple(cuts)

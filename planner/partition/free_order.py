@@ -20,13 +20,11 @@ from canzona.planner.partition.dp import (
     DpAssignment,
     DpInstance,
     Owners,
-    _feasible,
-    _place_greedy,
-    _polished,
-    _seeded,
-    _Search,
+    feasible,
     lower_bound,
     partition,
+    polished,
+    polished_lpt,
     rank_loads,
     slice_caps,
 )
@@ -59,11 +57,11 @@ def _partition_free(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...
     coarser = [ladder for ladder in ALPHA_LADDER if ladder < alpha]
     if coarser:
         starts.append((_free_remembered(instance, coarser[-1]).owners, f"free plan at alpha {coarser[-1]:g}"))
-    starts += [(owners, "seed") for owners in seeds if _feasible(instance, caps, owners, free=True)]
-    candidates = [(_polished(_seeded(instance, caps, owners, free=True)), method + "+free") for owners, method in starts]
-    greedy = _Search(instance, caps, free=True)
-    if _place_greedy(greedy):
-        candidates.append((_polished(greedy), "free-lpt+local-search"))
+    starts += [(owners, "seed") for owners in seeds if feasible(instance, caps, owners, free=True)]
+    candidates = [(polished(instance, caps, owners, free=True), method + "+free") for owners, method in starts]
+    greedy = polished_lpt(instance, caps, free=True)
+    if greedy is not None:
+        candidates.append((greedy, "free-lpt+local-search"))
     best = min(range(len(candidates)), key=lambda i: (max(rank_loads(instance, candidates[i][0])), i))
     return DpAssignment(*candidates[best])
 

@@ -5,6 +5,7 @@ files against): parameters are packed in reverse registration order, each starti
 multiple of 64 elements; a bucket closes once it holds at least `bucket_size` elements and its
 end is padded to a multiple of lcm(D, 128). Matrix-optimizer and AdamW parameters live in
 separate buffers. Sizes are local: a TP-sharded parameter occupies its shard's element count.
+Every DP rank updates equal slices of the AdamW buffer (`adamw_elements`, `adamw_loads`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from canzona.planner.partition.costs import CostModel
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, PlanError
 from canzona.schedules.geometry import (  # the one home of the geometry; re-exported here
     BUCKET_END_ALIGNMENT,
@@ -27,7 +29,8 @@ from canzona.schedules.geometry import (  # the one home of the geometry; re-exp
 
 __all__ = [
     "BUCKET_END_ALIGNMENT", "DEFAULT_BUCKET_SIZE", "GRAD_BYTES_PER_ELEMENT", "PARAM_ALIGNMENT", "Bucket",
-    "BufferEntry", "BufferLayout", "build_buffer", "build_layouts", "equal_cuts", "slice_owner", "slice_sizes",
+    "BufferEntry", "BufferLayout", "adamw_elements", "adamw_loads", "build_buffer", "build_layouts", "equal_cuts",
+    "owners_to_cuts", "slice_owner", "slice_sizes",
 ]
 
 
@@ -106,3 +109,27 @@ def build_buffer(
 def build_layouts(model: ModelSpec, tp: int, dp: int, bucket_size: int) -> dict[str, BufferLayout]:
     """Both buffers of the model: the matrix-optimizer one and the AdamW one."""
     return {kind: build_buffer(model, kind, tp, dp, bucket_size) for kind in (MATRIX, ADAMW)}
+
+
+def adamw_elements(layout: BufferLayout, dp: int) -> list[int]:
+    """Per DP rank, the elements of its equal slices of the AdamW buffer `layout` (on each of
+    its devices: TP shards)."""
+    cuts = [equal_cuts(bucket.numel, dp) for bucket in layout.buckets]
+    return [sum(slice_sizes(bucket_cuts)[r] for bucket_cuts in cuts) for r in range(dp)]
+
+
+def adamw_loads(layout: BufferLayout, dp: int, cost: CostModel) -> list[float]:
+    """Per DP rank, the AdamW cost each of its devices pays (fixed by the layout, not the plan)."""
+    return [cost.adamw_cost(elements) for elements in adamw_elements(layout, dp)]
+
+
+def owners_to_cuts(owners: tuple[int, ...], offsets: tuple[int, ...], bucket_numel: int, num_ranks: int) -> tuple[int, ...]:
+    """Cut offsets (D + 1 of them) of one bucket from its items' owners."""
+    cuts = [0]
+    index = 0
+    for rank in range(1, num_ranks):
+        while index < len(owners) and owners[index] < rank:
+            index += 1
+        cuts.append(offsets[index] if index < len(owners) else bucket_numel)
+    cuts.append(bucket_numel)
+    return tuple(cuts)

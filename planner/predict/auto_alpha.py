@@ -21,25 +21,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from canzona.planner.compile import compile_schedule
+from canzona.planner.fsdp import make_fsdp_plan
 from canzona.planner.partition.costs import CostModel
 from canzona.planner.plan import AutoSearch, Plan, PlanRequest, SearchTrial, TrainingSetup, make_plan
-from canzona.planner.predict.hardware import Device, Hardware
-from canzona.planner.predict.simulate import simulate
+from canzona.planner.predict.auto_bucket import choose_bucket_size
+from canzona.planner.predict.hardware import Device, Hardware, resolve_device, shared_host
+from canzona.planner.predict.trial import trial
 from canzona.planner.spec import ModelSpec, PlanError
 from canzona.schedules.limits import FSDP
-from canzona.schedules.searches import DEFAULT_ALPHAS, alpha_winner
-
-
-
-def trial(plan: Plan, value: float, hardware: Hardware, time_model: CostModel | None,
-          training: TrainingSetup | None, fused: bool = False) -> SearchTrial:
-    """Compile and simulate one candidate plan: canzona's predicted step and iteration (the
-    step again when there is no training setup)."""
-    sim = simulate(compile_schedule(plan), hardware, time_model, fused=fused, training=training)
-    step = sim.get("canzona").step
-    iteration = sim.iteration("canzona").iteration if training is not None else step
-    return SearchTrial(value, len(plan.dense.layout.buckets), step, iteration)
+from canzona.schedules.searches import DEFAULT_ALPHAS, DEFAULT_BUCKET_SIZES, alpha_winner
 
 
 def choose_alpha(
@@ -87,8 +77,6 @@ def alpha_table(tried: Sequence[SearchTrial], chosen: float) -> str:
 
 def search_device(name: str, request: PlanRequest) -> Device:
     """The device a search simulates on; a CPU profile is shared by every rank of the layout."""
-    from canzona.planner.predict.hardware import resolve_device, shared_host
-
     device = resolve_device(name)
     if device.profile is not None and device.profile.device == "cpu":
         device = shared_host(device, request.tp * request.dp)  # ranks share this machine's cores
@@ -97,8 +85,6 @@ def search_device(name: str, request: PlanRequest) -> Device:
 
 def search_steps(request: PlanRequest) -> int:
     """How many candidates `plan_for_request` plans and simulates for `request` (0: none)."""
-    from canzona.planner.predict.auto_bucket import DEFAULT_BUCKET_SIZES
-
     return (len(DEFAULT_BUCKET_SIZES) if request.bucket_device is not None else 0) + (
         len(DEFAULT_ALPHAS) if request.alpha_device is not None else 0)
 
@@ -109,13 +95,9 @@ def plan_for_request(model: ModelSpec, request: PlanRequest,
     predicts fastest (`bucket_device`, `alpha_device`); then what the searches tried.
     `progress` hears of each candidate the searches finish (`search_steps` of them)."""
     if request.sharding == FSDP:
-        from canzona.planner.fsdp import make_fsdp_plan
-
         return make_fsdp_plan(model, request), None  # type: ignore[return-value]
     if request.alpha_device is None and request.bucket_device is None:
         return make_plan(model, request), None
-    from canzona.planner.predict.auto_bucket import choose_bucket_size
-
     training = request.training or TrainingSetup()
     search = AutoSearch()
     plan: Plan | None = None

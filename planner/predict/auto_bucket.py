@@ -21,8 +21,8 @@ from dataclasses import replace
 
 from canzona.planner.partition.costs import CostModel
 from canzona.planner.plan import Plan, PlanRequest, SearchTrial, TrainingSetup, make_plan
-from canzona.planner.predict.auto_alpha import trial
 from canzona.planner.predict.hardware import Hardware
+from canzona.planner.predict.trial import trial
 from canzona.planner.spec import ModelSpec, PlanError
 from canzona.schedules.searches import (  # noqa: F401 - the candidates and the rule, re-exported
     DEFAULT_BUCKET_SIZES,

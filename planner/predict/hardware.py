@@ -13,9 +13,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import canzona.schedules
-from canzona.planner.partition.collectives import Network
+from canzona.planner.partition.collectives import NS_BF16_FLOPS, Network
 from canzona.planner.partition.costs import CostModel, FlopsCost, OptimizerConfig
-from canzona.planner.predict.profile_cost import Profile, ProfileCost, read_profile
+from canzona.planner.partition.profile_cost import Profile, ProfileCost, read_profile
 from canzona.planner.spec import PlanError
 from canzona.schedules.limits import PROFILE_PREFIX
 
@@ -81,10 +81,6 @@ class ThroughputCost:
         return ADAMW_BYTES_PER_ELEMENT * numel / self.hardware.memory_bandwidth
 
 
-NS_BF16_FLOPS = 575e12
-"""The runtime's default Newton-Schulz on CUDA (bf16 operands, fp32 accumulation, the fused
-`baddbmm` form) measured on one H200: 575 TFLOP/s over qwen3-1.7b's matrices one at a time (586
-stacked by shape)."""
 NS_BF16_SHARE = NS_BF16_FLOPS / 989e12  # of the H200's dense BF16 peak
 _NS = ("575 TFLOP/s, the runtime's default bf16 Newton-Schulz (bf16 operands, fp32 accumulation, fused "
        "baddbmm form) measured on one H200 over qwen3-1.7b's matrices (586 TFLOP/s stacked by shape; 58% of peak)")

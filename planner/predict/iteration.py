@@ -35,8 +35,9 @@ from typing import Any
 from canzona.planner.plan import TrainingSetup
 from canzona.planner.partition.collectives import phase_seconds
 from canzona.planner.predict.hardware import Hardware
-from canzona.planner.predict.simulate import ADAMW_BUFFER, DENSE, EXPERT, MATRIX, BucketSync, StrategyTime
-from canzona.planner.sources.catalog import PRESETS, Architecture
+from canzona.planner.predict.step import ADAMW_BUFFER, DENSE, EXPERT, MATRIX, BucketSync, StrategyTime
+from canzona.planner.sources.architecture import Architecture
+from canzona.planner.sources.catalog import PRESETS
 from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import read_structured_file
 from canzona.planner.spec import ModelOptions, PlanError

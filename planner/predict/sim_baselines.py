@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from canzona.planner.partition.layout import equal_cuts, slice_owner
 from canzona.planner.partition.collectives import GRAD_BYTES, Exchange, all_gather, all_reduce, broadcast
-from canzona.planner.predict.simulate import (
+from canzona.planner.predict.step import (
     ADAMW_BUFFER,
     DENSE,
     EXPERT,

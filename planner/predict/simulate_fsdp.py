@@ -5,7 +5,7 @@ optimizer step is priced, from FSDP2's reduce-scattered gradients to updated sha
 
 - `canzona`: per micro-group, the gather all-to-all of the pieces to their hosts, the busiest
   host's updates and the scatter all-to-all of the update pieces, pipelined as `FsdpOptimizer`
-  issues them (`simulate.pipeline_seconds`: the next gather in flight), then AdamW on the shards;
+  issues them (`step.pipeline_seconds`: the next gather in flight), then AdamW on the shards;
 - `canzona (no overlap)`: the same groups one after another;
 - `redundant`: every device all-gathers every matrix and updates all of them (the usual FSDP2
   Muon), then AdamW on the shards;
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from canzona.planner.partition.costs import CostModel
 from canzona.planner.partition.collectives import GRAD_BYTES, Exchange, Link, all_gather, group_link
 from canzona.planner.predict.hardware import Hardware
-from canzona.planner.predict.simulate import GroupTimes, default_time_model, pipeline_seconds, submatrices
+from canzona.planner.predict.step import GroupTimes, default_time_model, pipeline_seconds, submatrices
 from canzona.schedules.format import ParamEntry, Schedule
 from canzona.schedules.limits import MATRIX
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel

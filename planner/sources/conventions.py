@@ -18,13 +18,10 @@ Which gradients are partial sums over TP (`ParamSpec.grad_reduce`):
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from canzona.planner.sources.architecture import Architecture
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ParamSpec, PlanError, fused_row_blocks
 from canzona.schedules.splits import head_row_blocks
-
-if TYPE_CHECKING:
-    from canzona.planner.sources.catalog import Architecture
 
 MEGATRON, HF, TORCHTITAN = "megatron", "hf", "torchtitan"
 PARTIAL_OVER_TP = "tp"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from canzona.planner.sources.catalog import Architecture
+from canzona.planner.sources.architecture import Architecture
 from canzona.planner.spec import PlanError
 
 _MODEL_TYPES = {

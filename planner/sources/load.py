@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from canzona.planner.sources.catalog import PRESETS, Architecture, check_tp_size, count_params, enumerate_params
+from canzona.planner.sources.architecture import Architecture
+from canzona.planner.sources.catalog import PRESETS, check_tp_size, count_params, enumerate_params
 from canzona.planner.sources.conventions import HF, MEGATRON, mark_partial_norms
 from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import params_from_data, read_structured_file

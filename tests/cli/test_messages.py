@@ -178,7 +178,7 @@ def test_progress_off_a_terminal_is_silent_or_lines(capsys: pytest.CaptureFixtur
 
 def test_calibrate_estimates_then_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
-    from canzona.planner.predict.profile_cost import read_profile
+    from canzona.planner.partition.profile_cost import read_profile
 
     shapes = tmp_path / "s.yaml"
     shapes.write_text("- [16, 32]\n- [32, 32]\n")

@@ -71,7 +71,7 @@ def test_bad_training_options_are_one_line_errors(args: list[str], message: str,
 
 def test_calibrate_training_throughput_feeds_the_iteration(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     from canzona.planner.predict.hardware import profile_device
-    from canzona.planner.predict.profile_cost import read_profile
+    from canzona.planner.partition.profile_cost import read_profile
 
     profile_path = tmp_path / "cpu.yaml"
     args = ["calibrate", "--model", "examples/tiny_qwen3.yaml", "--optimizer", "muon", "--repeats", "1", "--warmup", "0",

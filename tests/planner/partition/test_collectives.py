@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from canzona.planner.partition.collectives import (
+    NS_BF16_FLOPS,
+    REFERENCE_NETWORK,
     Exchange,
     Link,
     all_gather,
@@ -18,6 +20,7 @@ from canzona.planner.partition.collectives import (
     padded_ring,
     rooted,
 )
+from canzona.planner.predict.hardware import BUILTIN
 
 LINK4 = Link("test", 4, bandwidth=100.0, latency=1.0)
 
@@ -152,3 +155,10 @@ def test_bucket_seconds_is_both_exchanges() -> None:
             both = (bucket_exchange(link, slices, 4, False, collective).seconds()
                     + bucket_exchange(link, slices, 2, True, collective).seconds())
             assert bucket_seconds(link, slices, 4, 2, collective) == pytest.approx(both, rel=1e-12, abs=1e-12)
+
+
+def test_the_reference_device_is_the_h100_model() -> None:
+    """What the planner prices collectives and teams on is the `h100` hardware model."""
+    h100 = BUILTIN["h100"]
+    assert h100.network == REFERENCE_NETWORK
+    assert h100.matrix_flops == NS_BF16_FLOPS

@@ -92,7 +92,8 @@ def test_the_validator_refuses_bad_teams() -> None:
 
 def test_the_simulator_prices_teams_and_shortens_the_optimizer_stage_of_qwen3_32b() -> None:
     from canzona.planner.predict.hardware import BUILTIN
-    from canzona.planner.predict.simulate import build_instance, default_time_model, simulate, team_seconds
+    from canzona.planner.predict.simulate import simulate
+    from canzona.planner.predict.step import build_instance, default_time_model, team_seconds
 
     model = load_model("qwen3-32b", 8)
     off = compile_schedule(make_plan(model, PlanRequest("qwen3-32b", 8, 32, coop="off")))

@@ -17,12 +17,15 @@ from canzona.planner.partition.dp import (
     DpAssignment,
     DpInstance,
     lower_bound,
+    feasible,
     min_max_slice,
-    owners_to_cuts,
     partition,
+    polished,
+    polished_lpt,
     rank_loads,
     slice_caps,
 )
+from canzona.planner.partition.layout import owners_to_cuts
 from canzona.planner.spec import PlanError
 
 Owners = tuple[tuple[int, ...], ...]
@@ -283,6 +286,22 @@ def test_seeds_outside_the_caps_are_ignored() -> None:
     for seeds in [(loose,), (((0, 1),),), (((0, 1, 2, 3),),)]:
         result = partition(instance, 0.0, seeds)
         assert max(slices_of(result.owners[0], instance.spans[0], 2)) <= 128
+
+
+def test_the_search_pieces_free_order_builds_on() -> None:
+    """`feasible`, `polished` and `polished_lpt`: the public starts of the local search."""
+    instance = make_instance([[5, 1, 1, 1]], [[64, 64, 64, 64]], 2)
+    caps = slice_caps(instance, 0.0)
+    assert feasible(instance, caps, ((0, 0, 1, 1),))
+    assert not feasible(instance, caps, ((0, 1, 1, 1),))  # slice of 192 over the cap of 128
+    assert not feasible(instance, caps, ((1, 1, 0, 0),))  # owners must not decrease in registration order
+    assert feasible(instance, caps, ((1, 1, 0, 0),), free=True)
+    start = ((0, 0, 1, 1),)
+    assert max(rank_loads(instance, polished(instance, caps, start))) <= max(rank_loads(instance, start))
+    assert polished_lpt(instance, caps) is not None
+    # Free order: three items of 128 elements cannot fit two slices of at most 192.
+    packing = make_instance([[1, 1, 1]], [[128, 128, 128]], 2)
+    assert polished_lpt(packing, (192,), free=True) is None
 
 
 def _issue_15_instance() -> DpInstance:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canzona.planner.compile import compile_schedule
-from canzona.planner.partition.devices import tp_score
+from canzona.planner.devices import tp_score
 from canzona.planner.partition.tp import MODES, MicroGroup, Task, group_stats, rollback, schedule_tasks
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model

@@ -11,7 +11,7 @@ from canzona.planner.partition.costs import FlopsCost, OptimizerConfig, param_co
 from canzona.planner.plan import PlanRequest, TrainingSetup
 from canzona.planner.predict.auto_alpha import alpha_table, choose_alpha
 from canzona.planner.predict.hardware import BUILTIN, ThroughputCost, override_network, profile_device
-from canzona.planner.predict.profile_cost import (
+from canzona.planner.partition.profile_cost import (
     Profile,
     ProfileCost,
     dump_profile,

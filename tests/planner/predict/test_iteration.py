@@ -205,7 +205,7 @@ def test_where_tp_sc_is_closer_it_wins_by_at_most_one_tp_scatter() -> None:
     # host computes exactly what every TP-SC rank computes, then pays the scatter TP-SC does not
     # (the planner has no per-group "duplicated" mode yet). TP-SC then wins by at most that scatter.
     # Without cooperative hosting, that is: a team of hosts shares the matrix and canzona wins.
-    from canzona.planner.predict.simulate import build_instance, default_time_model, micro_group_times
+    from canzona.planner.predict.step import build_instance, default_time_model, micro_group_times
 
     model = load_model("llama3.1-8b", 4)
     teamed = simulate(compile_schedule(make_plan(model, PlanRequest("llama3.1-8b", 4, 64))), BUILTIN["h100"])

@@ -17,13 +17,8 @@ from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import OptimizerConfig, muon_flops
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.predict.hardware import BUILTIN, Hardware, override_network, resolve_device
-from canzona.planner.predict.simulate import (
-    GroupTimes,
-    pipeline_events,
-    pipeline_seconds,
-    predicted_ratios,
-    simulate,
-)
+from canzona.planner.predict.simulate import predicted_ratios, simulate
+from canzona.planner.predict.step import GroupTimes, pipeline_events, pipeline_seconds
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
 from canzona.schedules.format import write_schedule
@@ -244,7 +239,7 @@ def test_bad_devices_and_hardware() -> None:
 
 
 def test_groups_spanning_nodes_use_the_inter_node_link(qwen8b) -> None:
-    from canzona.planner.predict.simulate import build_instance, default_time_model
+    from canzona.planner.predict.step import build_instance, default_time_model
 
     hardware = BUILTIN["h100"]
     inst = build_instance(qwen8b, hardware, default_time_model(qwen8b, hardware))
@@ -296,7 +291,7 @@ def test_simulate_command_bad_input(tmp_path, qwen8b) -> None:
 
 def test_optimizer_config_round_trip(qwen8b) -> None:
     # The default time model prices the schedule's own optimizer settings.
-    from canzona.planner.predict.simulate import default_time_model
+    from canzona.planner.predict.step import default_time_model
 
     model = default_time_model(qwen8b, BUILTIN["h100"])
     assert model.optimizer == OptimizerConfig()

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
+from canzona.planner.sources.architecture import Architecture
 from canzona.planner.sources.catalog import (
     PRESETS,
-    Architecture,
     count_params,
     enumerate_params,
     padded_vocab,

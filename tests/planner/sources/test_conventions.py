@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from canzona.planner.sources.catalog import PRESETS, Architecture, enumerate_params, num_param_entries
+from canzona.planner.sources.architecture import Architecture
+from canzona.planner.sources.catalog import PRESETS, enumerate_params, num_param_entries
 from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.load import NAMES_AUTO, load_model
 from canzona.planner.spec import MATRIX, ModelOptions, ParamSpec, PlanError, validate_model

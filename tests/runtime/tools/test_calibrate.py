@@ -34,7 +34,7 @@ def test_adamw_row() -> None:
 
 
 def test_calibrate_returns_a_valid_profile() -> None:
-    from canzona.planner.predict.profile_cost import Profile, ProfileCost
+    from canzona.planner.partition.profile_cost import Profile, ProfileCost
     from canzona.planner.partition.costs import OptimizerConfig
 
     data = calibrate([(8, 16), (16, 16), (8, 16)], Settings(), "cpu", repeats=1, warmup=0,
@@ -72,7 +72,7 @@ def test_gloo_fit_on_two_processes() -> None:
 
 def test_calibrate_command_writes_a_profile(tmp_path) -> None:
     from canzona.cli.calibrate_cmd import calibrate as calibrate_command
-    from canzona.planner.predict.profile_cost import read_profile
+    from canzona.planner.partition.profile_cost import read_profile
 
     shapes = tmp_path / "shapes.yaml"
     shapes.write_text("- [8, 16]\n- {rows: 16, cols: 16, optimizers: [muon]}\n")

@@ -18,7 +18,8 @@ from torch import nn
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.plan import PlanRequest, make_plan
-from canzona.planner.sources.catalog import Architecture, enumerate_params
+from canzona.planner.sources.architecture import Architecture
+from canzona.planner.sources.catalog import enumerate_params
 from canzona.planner.sources.load import load_model, model_from_data
 from canzona.planner.spec import ModelOptions, ModelSpec
 from canzona.runtime.tools.describe import (

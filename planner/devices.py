@@ -11,16 +11,13 @@ low-precision matrices, which this counts at fp32).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from canzona.planner.partition.costs import CostModel, adamw_slice_bytes_per_element, make_cost_model
-from canzona.planner.partition.layout import BufferLayout, equal_cuts, slice_sizes
+from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model
+from canzona.planner.partition.layout import BufferLayout, adamw_elements, adamw_loads, equal_cuts
 from canzona.planner.partition.tp import MicroGroup, group_stats
+from canzona.planner.plan import Plan
 from canzona.planner.spec import DTYPE_BYTES
 from canzona.schedules.figures import bucket_traffic, micro_group_traffic
-
-if TYPE_CHECKING:  # the figures read a finished plan; partition never imports plan at run time
-    from canzona.planner.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -79,18 +76,6 @@ def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[
         for tp_rank, moved in enumerate(micro_group_traffic(parts, tp)):
             traffic[(dp_rank, tp_rank)] = moved
     return traffic
-
-
-def adamw_elements(layout: BufferLayout, dp: int) -> list[int]:
-    """Per DP rank, the elements of its equal slices of the AdamW buffer `layout` (on each of
-    its devices: TP shards)."""
-    cuts = [equal_cuts(bucket.numel, dp) for bucket in layout.buckets]
-    return [sum(slice_sizes(bucket_cuts)[r] for bucket_cuts in cuts) for r in range(dp)]
-
-
-def adamw_loads(layout: BufferLayout, dp: int, cost: CostModel) -> list[float]:
-    """Per DP rank, the AdamW cost each of its devices pays (fixed by the layout, not the plan)."""
-    return [cost.adamw_cost(elements) for elements in adamw_elements(layout, dp)]
 
 
 def _hosted(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...], dp_rank: int,

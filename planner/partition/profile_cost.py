@@ -20,8 +20,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from canzona.planner.partition.costs import OPTIMIZERS, FlopsCost, OptimizerConfig
-from canzona.planner.spec import PlanError
+from canzona.planner.spec import OptimizerConfig, PlanError
+from canzona.schedules.costs import matrix_flops
+from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
 from canzona.schedules.limits import MAX_MODEL_FILE_BYTES
 from canzona.schedules.reading import UnsafeDocument, read_text, safe_load
 
@@ -165,8 +166,8 @@ class ProfileCost:
                     return row.seconds
         target = _side_key(rows, cols)
         nearest = min(candidates, key=lambda row: math.dist(_side_key(row.rows, row.cols), target))
-        measured = FlopsCost(_config(self.profile.settings, self.optimizer.name)).matrix_cost(nearest.rows, nearest.cols)
-        wanted = FlopsCost(self.optimizer).matrix_cost(rows, cols)
+        measured = matrix_flops(nearest.rows, nearest.cols, _config(self.profile.settings, self.optimizer.name))
+        wanted = matrix_flops(rows, cols, self.optimizer)
         return wanted * nearest.seconds / measured
 
     def adamw_cost(self, numel: int) -> float:
@@ -179,7 +180,7 @@ class ProfileCost:
     def achieved_flops(self) -> float:
         """Median achieved FLOP/s over this optimizer's rows (flops model / measured seconds)."""
         rates = sorted(
-            FlopsCost(_config(self.profile.settings, self.optimizer.name)).matrix_cost(row.rows, row.cols) / row.seconds
+            matrix_flops(row.rows, row.cols, _config(self.profile.settings, self.optimizer.name)) / row.seconds
             for row in self._rows(self.optimizer.name)
         )
         return _median(rates)
