@@ -199,14 +199,15 @@ def regenerate(path: Path, request: Request) -> Schedule:
     from dataclasses import replace
 
     from canzona.cli.sources import is_live, load_source
-    from canzona.planner.compile import compile_schedule, plan_request
+    from canzona.planner.compile import compile_schedule
     from canzona.planner.predict.auto_alpha import plan_for_request
+    from canzona.planner.request import PlanRequest
 
     recorded = request.model.source
     source = recorded
     if request.model.sha256 is not None and not is_live(recorded) and not Path(recorded).exists():
         source = str(path.parent / recorded)
-    planner_request = plan_request(request, source)
+    planner_request = PlanRequest.from_request(request, source)
     planner_request.validate()
     spec = replace(load_source(source, planner_request.tp, planner_request.options), source=recorded)
     return compile_schedule(*plan_for_request(spec, planner_request))

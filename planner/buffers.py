@@ -21,9 +21,9 @@ from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayou
 from canzona.planner.partition.tp import Task
 from canzona.planner.spec import DTYPE_BYTES, ModelSpec
 
-if TYPE_CHECKING:  # the request is only read here; plan.py defines it and imports this module
+if TYPE_CHECKING:  # the request is only read here
     from canzona.planner.partition.ilp import SolverReport
-    from canzona.planner.plan import PlanRequest
+    from canzona.planner.request import PlanRequest
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from canzona.schedules.format import (
 )
 
 if TYPE_CHECKING:
-    from canzona.planner.plan import PlanRequest
+    from canzona.planner.request import PlanRequest
 
 
 @dataclass(frozen=True)
@@ -223,12 +223,10 @@ def _entries(plan: FsdpPlan) -> list[ParamEntry]:
 
 def compile_fsdp(plan: FsdpPlan) -> Schedule:
     """The schedule file of an FSDP plan (deterministic)."""
-    from canzona.planner.compile import request_section
-
     params = plan.model.params
     fingerprint = compute_fingerprint(model_parameters((p.name, p.shape, p.dtype, p.tp_dim, p.parent) for p in params))
     schedule = Schedule(
-        schema_version=SCHEMA_VERSION, request=request_section(plan.request, plan.model), fingerprint=fingerprint,
+        schema_version=SCHEMA_VERSION, request=plan.request.to_request(plan.model), fingerprint=fingerprint,
         digest="", params=_entries(plan), dp=DpSection(buckets=[], adamw_buckets=[]), tp=_tp_section(plan),
         metrics=Metrics(dp=_dp_metrics(plan), tp=_tp_metrics(plan), device=_devices(plan)),
     )

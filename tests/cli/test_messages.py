@@ -144,9 +144,9 @@ def test_auto_searches_report_each_candidate(tmp_path: Path, capsys: pytest.Capt
         def __exit__(self, *exc: object) -> None:
             return None
 
-    import canzona.cli.main as cli_main
+    import canzona.cli.plan_cmd as plan_cmd
 
-    monkeypatch.setattr(cli_main, "progress", Recorder)
+    monkeypatch.setattr(plan_cmd, "progress", Recorder)
     args = ["plan", "--model", "qwen3-0.6b", "--dp", "2", "--alpha", "auto", "--bucket-size", "auto",
             "--global-batch", "8", "--seq-len", "64", "-o", str(tmp_path / "s.yaml")]
     assert run(args, capsys)[0] == 0
