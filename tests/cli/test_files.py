@@ -221,3 +221,13 @@ def test_every_library_schedule_replans_byte_identical(capsys: pytest.CaptureFix
     code, out, _ = run(["check", str(library_root())], capsys)
     assert code == 0, out
     assert all(line.startswith("fresh  ") for line in out.splitlines())
+
+
+def test_render_refuses_a_folder_as_plan_and_calibrate_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "images"  # no suffix: once written as images.png beside the folder
+    folder.mkdir()
+    for command in (["render", "qwen3-8b/muon-tp2-dp4"], [*PLAN], ["calibrate", "--quick"]):
+        code, out, err = run([*command, "-o", str(folder)], capsys)
+        assert code == 2 and out == ""
+        one_line_error(err, f"cannot write {str(folder)!r}: it is a folder")
+    assert os.listdir(tmp_path) == ["images"] and os.listdir(folder) == []
