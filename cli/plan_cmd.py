@@ -9,7 +9,7 @@ import math
 import time
 from dataclasses import replace
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -28,10 +28,22 @@ from canzona.cli.plan_output import DEFAULT_DEVICE, default_output, in_checkout,
 from canzona.cli.progress import progress, warn
 from canzona.cli.wording import echo, plural
 from canzona.planner.partition.tp import DEFAULT_GROUP_MB
-from canzona.planner.spec import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN, MATRIX, PlanError
+from canzona.planner.spec import ADAMW, DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN, MATRIX, PlanError
 from canzona.schedules.files import OutputError, check_output
 from canzona.schedules.geometry import DEFAULT_BUCKET_SIZE
-from canzona.schedules.limits import FSDP, MAX_GROUP_BYTES, PROFILE_PREFIX, REPLICATED
+from canzona.schedules.limits import (
+    COOP_MODES,
+    FSDP,
+    MATRIX_OPTIMIZERS,
+    MAX_GROUP_BYTES,
+    NAMING_CONVENTIONS,
+    ORDERS,
+    PROFILE_PREFIX,
+    QKV_SPLITS,
+    REPLICATED,
+    SOLVERS,
+    TP_MODES,
+)
 
 if TYPE_CHECKING:
     from canzona.planner.request import PlanRequest
@@ -44,51 +56,20 @@ OUTPUT_HELP = ("Schedule file to write (default: schedules/<model>/<name>.yaml i
                "./<model>-<name>.yaml; <name> spells out every option that changes the plan).")
 
 
-class Optimizer(str, Enum):
-    muon = "muon"
-    shampoo = "shampoo"
-    soap = "soap"
+def choices(name: str, values: tuple[str, ...]) -> Any:
+    """A typer choice over a vocabulary: an Enum whose members are `values`, each named and valued
+    as itself (the vocabularies live in `canzona.schedules.limits`, which the planner checks by)."""
+    return Enum(name, [(value, value) for value in values], type=str)
 
 
-class QkvSplit(str, Enum):
-    none = "none"
-    qkv = "qkv"
-    head = "head"
-
-
-class TpMode(str, Enum):
-    rollback = "rollback"
-    fixed = "fixed"
-    sorted = "sorted"
-    heap = "heap"
-
-
-class Coop(str, Enum):
-    off = "off"
-    auto = "auto"
-    force = "force"
-
-
-class Solver(str, Enum):
-    greedy = "greedy"
-    ilp = "ilp"
-
-
-class Order(str, Enum):
-    registration = "registration"
-    free = "free"
-
-
-class RouterOptimizer(str, Enum):
-    matrix = "matrix"
-    adamw = "adamw"
-
-
-class Names(str, Enum):
-    auto = "auto"
-    megatron = "megatron"
-    hf = "hf"
-    torchtitan = "torchtitan"
+Optimizer = choices("Optimizer", MATRIX_OPTIMIZERS)
+QkvSplit = choices("QkvSplit", QKV_SPLITS)
+TpMode = choices("TpMode", TP_MODES)
+Coop = choices("Coop", COOP_MODES)
+Solver = choices("Solver", SOLVERS)
+Order = choices("Order", ORDERS)
+RouterOptimizer = choices("RouterOptimizer", (MATRIX, ADAMW))
+Names = choices("Names", ("auto", *NAMING_CONVENTIONS))
 
 
 def plan(
@@ -135,7 +116,8 @@ def plan(
     started = time.perf_counter()
     _check_group_mb(group_mb)
     searched_alpha, size = alpha.strip().lower() == "auto", _bucket_size(bucket_size)
-    searched_on = _refuse_options_without_effect(searched_alpha or size is None, device, solver, fsdp, optimizer, tp)
+    searched_on = _refuse_options_without_effect(searched_alpha or size is None, device, solver.value, fsdp,
+                                                 optimizer.value, tp)
     request = PlanRequest(
         model, tp, dp,
         optimizer=OptimizerConfig(optimizer.value, ns_steps=ns_steps, block_size=block_size,
@@ -154,18 +136,18 @@ def plan(
     write_plan(request, output, force, as_json, started)
 
 
-def _refuse_options_without_effect(searching: bool, device: str, solver: Solver, fsdp: bool, optimizer: Optimizer,
+def _refuse_options_without_effect(searching: bool, device: str, solver: str, fsdp: bool, optimizer: str,
                                    tp: int) -> str | None:
     """Refuse every option the other options make pointless; the device the automatic searches
     simulate on (None: no search)."""
     refuse_unless(searching, ("device", "global_batch", "seq_len", "micro_batches"),
                   "it sets up the simulation that --alpha auto and --bucket-size auto search with")
-    refuse_unless(solver == Solver.ilp, ("time_limit", "seed"), "it applies to --solver ilp")
+    refuse_unless(solver == "ilp", ("time_limit", "seed"), "it applies to --solver ilp")
     refuse_unless(fsdp, ("dp_replicate",), "it sets the HSDP replicas of --fsdp")
     refuse_unless(not fsdp, ("order",), "FSDP plans have no buckets to order")
-    refuse_unless(optimizer == Optimizer.muon and tp > 1 and not fsdp, ("coop",),
+    refuse_unless(optimizer == "muon" and tp > 1 and not fsdp, ("coop",),
                   "cooperative hosting applies to Muon with tp > 1, without --fsdp")
-    refuse_unused_settings([optimizer.value])
+    refuse_unused_settings([optimizer])
     return device_option(device) if searching else None
 
 
