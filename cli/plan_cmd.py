@@ -128,7 +128,8 @@ def plan(
                              dtype=None if dtype is None else dtype.value),
         tp_mode=mode.value, group_bytes=int(group_mb * MIB), ep=ep, solver=solver.value, time_limit=time_limit, seed=seed,
         alpha_device=searched_on if searched_alpha else None, bucket_device=searched_on if size is None else None,
-        training=TrainingSetup(global_batch, seq_len, micro_batches) if searched_on is not None else None,
+        training=(TrainingSetup(global_batch=global_batch, seq_len=seq_len, micro_batches=micro_batches)
+                  if searched_on is not None else None),
         sharding=FSDP if fsdp else REPLICATED, dp_replicate=dp_replicate, coop=coop.value,
         order=None if order is None else order.value,
     )
