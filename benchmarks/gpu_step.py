@@ -56,7 +56,7 @@ def _schedule(model: str) -> Any:
     options = ModelOptions(names="hf")
     spec = load_model(model, 1, options)
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="bf16") for p in spec.params))
-    return compile_schedule(make_plan(spec, PlanRequest(model, 1, 1, OptimizerConfig("muon"), options=options)))
+    return compile_schedule(make_plan(spec, PlanRequest(model, 1, 1, optimizer=OptimizerConfig("muon"), options=options)))
 
 
 def _params(schedule: Any) -> list[tuple[str, torch.nn.Parameter]]:

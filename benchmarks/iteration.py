@@ -82,7 +82,7 @@ def make_schedule(config_path: str, dp: int, tp: int) -> Schedule:
     """A Muon schedule for the benchmark model (1 Mi-element buckets, 1 MiB micro-groups)."""
     spec = load_model(config_path, tp)  # the example model trains in fp32
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="fp32") for p in spec.params))
-    request = PlanRequest(config_path, tp, dp, OptimizerConfig("muon"), bucket_size=BUCKET, group_bytes=1 << 20)
+    request = PlanRequest(config_path, tp, dp, optimizer=OptimizerConfig("muon"), bucket_size=BUCKET, group_bytes=1 << 20)
     return compile_schedule(make_plan(spec, request))
 
 

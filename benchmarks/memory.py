@@ -69,7 +69,7 @@ def make_schedule(config: str, dp: int, optimizer: str) -> Schedule:
     """The benchmark's schedule: bf16 parameters, TP 1, small micro-groups."""
     spec = load_model(config, 1)
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="bf16") for p in spec.params))
-    request = PlanRequest(config, 1, dp, OptimizerConfig(optimizer), bucket_size=BUCKET, group_bytes=GROUP_MB << 20)
+    request = PlanRequest(config, 1, dp, optimizer=OptimizerConfig(optimizer), bucket_size=BUCKET, group_bytes=GROUP_MB << 20)
     return compile_schedule(make_plan(spec, request))
 
 

@@ -72,7 +72,7 @@ def make_schedule(config_path: str, dp: int, tp: int, optimizer: str, group_mb: 
     """A canzona schedule for a benchmark model (`dtype` parameters, 1 Mi-element buckets)."""
     spec = load_model(config_path, tp)
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype=dtype) for p in spec.params))
-    request = PlanRequest(config_path, tp, dp, OptimizerConfig(optimizer), bucket_size=1 << 20,
+    request = PlanRequest(config_path, tp, dp, optimizer=OptimizerConfig(optimizer), bucket_size=1 << 20,
                           group_bytes=int(group_mb * (1 << 20)), ep=ep)
     return compile_schedule(make_plan(spec, request))
 

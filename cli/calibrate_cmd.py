@@ -27,7 +27,9 @@ from canzona.schedules.limits import bounded_int_problem, settings_problem
 MAX_REPEATS = 1000
 MAX_COMM_RANKS = 64  # local processes (the contention probe runs twice as many)
 MAX_GRID_SIDE = 16384  # a 16384 x 16384 fp32 matrix is 1 GiB
-QUICK = {"repeats": 1, "warmup": 1, "max_side": 512}  # --quick: one timed call per kernel, a smaller grid
+# --quick: one timed call per kernel, and every shape at most 512 on a side (the grid's largest;
+# a model's or a shapes file's shapes scaled down), so that a 2-core CPU is done in seconds.
+QUICK = {"repeats": 1, "warmup": 1, "max_side": 512}
 PROBE_SIDE = 512  # the Muon kernel timed first to estimate the whole run
 TIMED_TWICE = ("shampoo", "soap")  # timed on a refreshing step and on a plain one
 
@@ -85,6 +87,17 @@ def training_shapes(model: str) -> list[tuple[int, int]]:
     return [(p.shape[0], p.shape[1]) for p in load_model(model, 1).params if len(p.shape) == 2]
 
 
+def scaled_shapes(shapes: list[tuple[int, int]], max_side: int) -> list[tuple[int, int]]:
+    """`shapes` scaled down, aspect ratio kept, until the longer side is at most `max_side`
+    (smaller shapes unchanged); distinct, in order. A profile prices the full shapes from these
+    by FLOP rate (`ProfileCost`)."""
+    scaled = []
+    for rows, cols in shapes:
+        factor = min(1.0, max_side / max(rows, cols))
+        scaled.append((max(1, round(rows * factor)), max(1, round(cols * factor))))
+    return list(dict.fromkeys(scaled))
+
+
 def grid_shapes(max_side: int) -> list[tuple[int, int]]:
     """A sampled grid: sides 128 .. max_side (powers of 2), aspect ratios 1, 2 and 4."""
     sides = [1 << k for k in range(7, 20) if 1 << k <= max_side]
@@ -97,7 +110,7 @@ def calibrate(
     model: Annotated[Optional[str], typer.Option(help="Time this model's distinct matrix shapes (preset or file).")] = None,
     shapes: Annotated[Optional[Path], typer.Option(help="YAML/JSON list of [rows, cols] or {rows, cols, optimizers}.")] = None,
     optimizer: Annotated[Optional[list[str]], typer.Option(help="Matrix optimizer(s) to time (default all three).")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="A rough profile fast: one timed call per kernel after one warm-up, grid up to 512.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="A rough profile in seconds: one timed call per kernel after one warm-up, every shape at most 512 on a side (a model's or a shapes file's scaled down, aspect kept).")] = False,
     repeats: Annotated[int, typer.Option(help="Timed repeats per kernel (median).")] = 5,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up calls per kernel.")] = 2,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
@@ -132,6 +145,21 @@ def calibrate(
     if unknown:
         raise PlanError(f"unknown optimizer {unknown[0]!r}; choose from {', '.join(OPTIMIZERS)}")
     refuse_unused_settings(names)
+    plan = kernel_plan(names, model, shapes, max_side, quick)
+    train_shapes = training_shapes(model) if model is not None else list(dict.fromkeys(s for todo in plan.values() for s in todo))
+    train = (scaled_shapes(train_shapes, max_side) if quick else train_shapes, train_tokens)
+    profile = _run_calibration(plan, torch_device.value, repeats, warmup, threads, comm_ranks, settings, train)
+    from canzona.planner.partition.profile_cost import Profile, dump_profile
+
+    validated = Profile.model_validate(profile)
+    write_output(target, dump_profile(validated))
+    echo(f"wrote {target}: {plural(len(validated.rows), 'row')} on {validated.device_name}")
+
+
+def kernel_plan(names: list[str], model: str | None, shapes: Path | None, max_side: int,
+                quick: bool) -> dict[str, list[tuple[int, int]]]:
+    """Optimizer -> the shapes to time: a shapes file's, a model's distinct ones, or the grid up
+    to `max_side`; under --quick none longer than `max_side` on a side."""
     if shapes is not None:
         plan = {name: todo for name, todo in read_shapes(shapes).items() if name in names}
     else:
@@ -139,14 +167,11 @@ def calibrate(
         plan = {name: todo for name in names}
     if not plan:
         raise PlanError("nothing to time: no shape is asked for with the chosen optimizers")
-    train = (training_shapes(model) if model is not None else list(dict.fromkeys(s for todo in plan.values() for s in todo)),
-             train_tokens)
-    profile = _run_calibration(plan, torch_device.value, repeats, warmup, threads, comm_ranks, settings, train)
-    from canzona.planner.partition.profile_cost import Profile, dump_profile
-
-    validated = Profile.model_validate(profile)
-    write_output(target, dump_profile(validated))
-    echo(f"wrote {target}: {plural(len(validated.rows), 'row')} on {validated.device_name}")
+    if quick and any(max(shape) > max_side for todo in plan.values() for shape in todo):
+        note(f"--quick: shapes scaled down to at most {max_side} on a side, aspect kept (the profile prices the full "
+             "shapes by FLOP rate); leave --quick out to time them as they are")
+        plan = {name: scaled_shapes(todo, max_side) for name, todo in plan.items()}
+    return plan
 
 
 def calibrate_problem(repeats: int, warmup: int, threads: int | None, comm_ranks: int, max_side: int,

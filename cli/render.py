@@ -16,7 +16,7 @@ import typer
 
 from canzona.cli.options import DEVICE_HELP, SCHEDULE_HELP, device_option, output_path, schedule_path, write_output
 from canzona.cli.wording import echo, plural, table_unit
-from canzona.schedules.files import check_output
+from canzona.schedules.files import check_output, write_target
 from canzona.schedules.errors import ScheduleError
 
 if TYPE_CHECKING:  # loaded by the command itself: `canzona -h` stays fast
@@ -173,6 +173,7 @@ def render(
     """Draw per-rank loads of canzona and every baseline, per-device load, and the simulated
     micro-group timeline of the DP rank that finishes last."""
     target = output_path(output)
+    write_target(target)  # a folder is refused as such, not turned into folder.png beside it
     target = target if target.suffix else target.with_suffix(".png")  # what matplotlib would write
     device = device_option(device)
     source = schedule_path(file)

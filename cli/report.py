@@ -86,6 +86,23 @@ def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any
     }
 
 
+def search_candidates(trials: list[tuple[str, float]], chosen: int, prefix: str = "") -> str:
+    """What an automatic search predicted: the chosen candidate's time, then every other one's
+    difference from it, to the thousandth of a millisecond, so that the winner is visible even
+    where all of them round to the same seconds."""
+    label, best = trials[chosen]
+    others = ", ".join(f"{name}: {_difference(seconds - best)}" for index, (name, seconds) in enumerate(trials)
+                       if index != chosen)
+    return f"{duration(best)} at {prefix}{label}" + (f"; {others}" if others else "")
+
+
+def _difference(seconds: float) -> str:
+    """A signed time difference: `+0.360 ms`, `-0.004 ms`, or `+12 ns` below a microsecond."""
+    if seconds == 0:
+        return "same"
+    return f"{seconds * 1e3:+.3f} ms" if abs(seconds) >= 1e-6 else f"{seconds * 1e9:+.0f} ns"
+
+
 def _fsdp_layout(tp: int, dp: int, replicate: int) -> str:
     """'FSDP 4 shards' or 'HSDP 2 replicas x 2 shards', with the hosts of a matrix."""
     shards = dp // replicate
@@ -117,15 +134,18 @@ def summary_text(summary: dict[str, Any]) -> str:
                     + _fsdp_layout(summary["tp"], summary["dp"], summary["dp_replicate"]))
     if summary["alpha_search"]:
         objective = "iteration" if summary["alpha_search"][0].get("predicted_iteration_s") is not None else "step"
-        tried = ", ".join(f"{t['alpha']:g}: {duration(t[f'predicted_{objective}_s'])}" for t in summary["alpha_search"])
-        lines.insert(2, f"alpha chosen by the simulator on {summary['alpha_device']} (predicted {objective}: {tried})")
+        tried = [(f"{t['alpha']:g}", t[f"predicted_{objective}_s"]) for t in summary["alpha_search"]]
+        chosen = next(i for i, t in enumerate(summary["alpha_search"]) if t["alpha"] == summary["alpha"])
+        lines.insert(2, f"alpha chosen by the simulator on {summary['alpha_device']}: predicted {objective} "
+                        f"{search_candidates(tried, chosen, 'alpha ')} (equal times go to the larger alpha)")
     if summary["bucket_search"]:
         from canzona.planner.predict.auto_bucket import size_label
 
         search = summary["bucket_search"]
-        tried = ", ".join(f"{size_label(t['bucket_size'])}: {duration(t['predicted_iteration_s'])}" for t in search["trials"])
+        tried = [(size_label(t["bucket_size"]), t["predicted_iteration_s"]) for t in search["trials"]]
+        chosen = next(i for i, t in enumerate(search["trials"]) if t["bucket_size"] == summary["bucket_size"])
         lines.insert(2, f"bucket size chosen by the simulator on {summary['bucket_device']}: {search['reason']} "
-                        f"(predicted iteration: {tried})")
+                        f"(predicted iteration {search_candidates(tried, chosen)})")
     solver = summary["solver"]
     if solver:
         lines.insert(-1, (

@@ -4,8 +4,10 @@ builds on the meta device and describes. Only live models import torch, and only
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+from importlib.machinery import PathFinder
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -69,8 +71,27 @@ def require_code_inside(source: str, roots: Sequence[Path]) -> None:
                         "the checked folder or the current project")
 
 
+def check_live_source(source: str) -> None:
+    """Refuse (PlanError, one line, in `describe`'s words), before torch is imported, which takes
+    seconds, a live model that cannot load: not `py:MODULE:FACTORY`, a `.py` file that does not
+    exist, or a module whose top-level package cannot be found (nothing is imported to tell)."""
+    module, _, factory = source.removeprefix(PY_PREFIX).rpartition(":")
+    if not is_live(source) or not module or not factory:
+        raise PlanError("a live model is py:MODULE:FACTORY (e.g. py:mypkg.models:make_model or "
+                        f"py:models.py:make_model), got {source!r}")
+    if module.endswith(".py"):
+        if not Path(module).is_file():
+            raise PlanError(f"no such model file {module!r}")
+        return
+    top = module.split(".")[0]
+    found = top in sys.modules or PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is not None
+    if not found and importlib.util.find_spec(top) is None:
+        raise PlanError(f"cannot import {module!r}: No module named {top!r}")
+
+
 def describe_source(source: str, sequence_parallel: bool = False) -> ModuleDescription:
     """The description of the live model `source` (PlanError on any problem, one line)."""
+    check_live_source(source)
     try:
         from canzona.runtime.tools.describe import DescribeError, describe_factory
     except ImportError as error:

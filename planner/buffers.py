@@ -9,7 +9,7 @@ the expert buffer with them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from canzona.planner.partition.baselines import BaselineLoads, all_baselines
 from canzona.planner.partition.collectives import Link, choose_collective
@@ -21,37 +21,9 @@ from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayou
 from canzona.planner.partition.tp import Task
 from canzona.planner.spec import DTYPE_BYTES, ModelSpec
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the request is only read here
     from canzona.planner.partition.ilp import SolverReport
-
-
-class PartitionRequest(Protocol):
-    """What partitioning a buffer reads of the request (`canzona.planner.plan.PlanRequest`)."""
-
-    @property
-    def alpha(self) -> float:
-        """The slice-size limit, in [0, 1]."""
-        ...
-
-    @property
-    def order(self) -> str | None:
-        """The parameter order inside a bucket: "registration" or "free"."""
-        ...
-
-    @property
-    def solver(self) -> str:
-        """The DP solver: "greedy", or "ilp" (refined by CP-SAT)."""
-        ...
-
-    @property
-    def time_limit(self) -> float:
-        """CP-SAT's budget."""
-        ...
-
-    @property
-    def seed(self) -> int:
-        """CP-SAT's random seed."""
-        ...
+    from canzona.planner.request import PlanRequest
 
 
 @dataclass(frozen=True)
@@ -94,7 +66,7 @@ def dp_instance(
     )
 
 
-def _assign(instance: DpInstance, request: PartitionRequest, seeds: tuple[tuple[tuple[int, ...], ...], ...]
+def _assign(instance: DpInstance, request: PlanRequest, seeds: tuple[tuple[tuple[int, ...], ...], ...]
             ) -> tuple[DpAssignment, SolverReport | None]:
     """The α-balanced partition (free or registration order), refined by CP-SAT if asked."""
     if request.order == "free":
@@ -115,7 +87,7 @@ def _assign(instance: DpInstance, request: PartitionRequest, seeds: tuple[tuple[
 
 
 def _polish(instance: DpInstance, layout: BufferLayout, model: ModelSpec, costs: tuple[float, ...],
-            request: PartitionRequest, assignment: DpAssignment, device: DeviceModel | None) -> DpAssignment:
+            request: PlanRequest, assignment: DpAssignment, device: DeviceModel | None) -> DpAssignment:
     """Device-aware ownership (when `device` is given), then slices evened out at equal loads."""
     if not any(instance.costs):
         return assignment
@@ -148,7 +120,7 @@ class Partitioned:
 
 
 def partition_buffer(
-    model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, request: PartitionRequest,
+    model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, request: PlanRequest,
     base_loads: tuple[float, ...] = (), seeds: tuple[BufferPlan, ...] = (),
 ) -> Partitioned:
     """Partition one buffer over `num_ranks` (refined by CP-SAT if asked). `seeds`: plans of
@@ -163,7 +135,7 @@ def partition_buffer(
     return Partitioned(layout, instance, assignment, report)
 
 
-def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...], request: PartitionRequest,
+def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...], request: PlanRequest,
                   link: Link, device: DeviceModel | None = None) -> BufferPlan:
     """The plan of a partitioned buffer: with `device`, owners moved to shorten the busiest
     device; slices evened out; laid out (free order: each owner's matrices together), cut, each

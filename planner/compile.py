@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from importlib import metadata
 from typing import Any
 
 from canzona.planner.partition.baselines import BaselineLoads
-from canzona.planner.partition.costs import OptimizerConfig, adamw_slice_bytes_per_element, make_cost_model
+from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MicroGroup, Task, group_stats
 from canzona.planner.fsdp import FsdpPlan, compile_fsdp
 from canzona.planner.buffers import BufferPlan
 from canzona.planner.devices import device_figures, tp_score
-from canzona.planner.plan import AutoSearch, Plan, PlanRequest, TrainingSetup
-from canzona.planner.spec import MATRIX, ModelOptions, ModelSpec
+from canzona.planner.plan import AutoSearch, Plan
+from canzona.planner.spec import MATRIX
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,
@@ -26,10 +25,7 @@ from canzona.schedules.format import (
     DpMetrics,
     DpSection,
     Metrics,
-    ModelSource,
-    OptimizerSettings,
     ParamEntry,
-    Request,
     Schedule,
     SolverMetrics,
     StrategyScore,
@@ -39,67 +35,15 @@ from canzona.schedules.format import (
     TpModeScore,
     TpRankPlan,
     TpSection,
-    TrainingSettings,
     compute_fingerprint,
     model_parameters,
     sealed,
 )
 from canzona.schedules.costs import predicted_peak_bytes
-from canzona.schedules.limits import recorded_settings
-
-
-def canzona_version() -> str:
-    """Installed package version (recorded in every schedule)."""
-    try:
-        return metadata.version("canzona")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 def _ratio(numerator: float, denominator: float, empty: float) -> float:
     return numerator / denominator if denominator else empty
-
-
-def request_section(req: PlanRequest, model: ModelSpec) -> Request:
-    """The request section of a schedule: what regenerates it."""
-    return Request(
-        model=ModelSource(name=model.name, source=model.source, sha256=model.source_sha256),
-        tp=req.tp,
-        dp=req.dp,
-        optimizer=OptimizerSettings(name=req.optimizer.name, **recorded_settings(
-            req.optimizer.name, {key: value for key, value in vars(req.optimizer).items() if key != "name"})),
-        cost=req.cost,
-        alpha=req.alpha,
-        bucket_size=req.bucket_size,
-        split_qkv=req.options.split_qkv,
-        split_fc1=req.options.split_fc1,
-        router_optimizer=req.options.router_optimizer,
-        names=req.options.names,
-        sequence_parallel=req.options.sequence_parallel,
-        dtype=req.options.dtype,
-        tp_mode=req.tp_mode,
-        group_bytes=req.group_bytes,
-        ep=req.ep,
-        solver=req.solver,
-        time_limit=req.time_limit,
-        seed=req.seed,
-        order=req.order,
-        alpha_device=req.alpha_device,
-        bucket_device=req.bucket_device,
-        training=_training(req),
-        sharding=req.sharding,
-        dp_replicate=req.dp_replicate,
-        coop=req.coop,
-        canzona_version=canzona_version(),
-    )
-
-
-def _training(req: PlanRequest) -> TrainingSettings | None:
-    """The training setup an automatic search assumed (none without a search)."""
-    if req.alpha_device is None and req.bucket_device is None:
-        return None
-    setup = req.training or TrainingSetup()
-    return TrainingSettings(global_batch=setup.global_batch, seq_len=setup.seq_len, micro_batches=setup.micro_batches)
 
 
 def _entry(plan: Plan, param_index: int, bucket: int, offset: int, numel: int, ep_rank: int | None) -> ParamEntry:
@@ -300,7 +244,7 @@ def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) ->
     """The schedule file of a plan (deterministic); `search`: what `--alpha auto` and
     `--bucket-size auto` tried."""
     if isinstance(plan, FsdpPlan):
-        return compile_fsdp(plan, request_section(plan.request, plan.model))
+        return compile_fsdp(plan)
     buckets = _buckets(plan.dense)
     expert_buckets = _buckets(plan.expert) if plan.expert is not None else []
     adamw_buckets = [
@@ -312,7 +256,7 @@ def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) ->
     )
     schedule = Schedule(
         schema_version=SCHEMA_VERSION,
-        request=request_section(plan.request, plan.model),
+        request=plan.request.to_request(plan.model),
         fingerprint=fingerprint,
         digest="",
         params=_param_entries(plan),
@@ -338,32 +282,3 @@ def _device_metrics(plan: Plan, buckets: list[Any]) -> list[DeviceMetrics]:
             figure.state_bytes, buffer, largest, plan.request.group_bytes, plan.request.dp))
         for figure in device_figures(plan, plan.chosen_groups)
     ]
-
-
-def plan_request(request: Request, model_source: str | None = None) -> PlanRequest:
-    """The planner request a schedule records (the inverse of `_request`); `model_source`
-    overrides where the model is read from (e.g. a path resolved next to the file)."""
-    return PlanRequest(
-        model=model_source or request.model.source,
-        tp=request.tp,
-        dp=request.dp,
-        optimizer=OptimizerConfig(**request.optimizer.model_dump()),
-        cost=request.cost,
-        alpha=request.alpha,
-        bucket_size=request.bucket_size,
-        options=ModelOptions(request.split_qkv, request.split_fc1, request.router_optimizer, request.names,
-                             request.sequence_parallel, request.dtype),
-        tp_mode=request.tp_mode,
-        group_bytes=request.group_bytes,
-        ep=request.ep,
-        solver=request.solver,
-        time_limit=request.time_limit,
-        seed=request.seed,
-        order=request.order,
-        alpha_device=request.alpha_device,
-        bucket_device=request.bucket_device,
-        training=TrainingSetup(**request.training.model_dump()) if request.training else None,
-        sharding=request.sharding,
-        dp_replicate=request.dp_replicate,
-        coop=request.coop,
-    )

@@ -28,7 +28,6 @@ from canzona.schedules.format import (
     DpSection,
     Metrics,
     ParamEntry,
-    Request,
     Schedule,
     StrategyScore,
     TpGroup,
@@ -42,7 +41,7 @@ from canzona.schedules.format import (
 )
 
 if TYPE_CHECKING:
-    from canzona.planner.plan import PlanRequest
+    from canzona.planner.request import PlanRequest
 
 
 @dataclass(frozen=True)
@@ -222,13 +221,12 @@ def _entries(plan: FsdpPlan) -> list[ParamEntry]:
     return entries
 
 
-def compile_fsdp(plan: FsdpPlan, request: Request) -> Schedule:
-    """The schedule file of an FSDP plan (deterministic), under its `request` section
-    (`canzona.planner.compile.request_section`, as for every plan)."""
+def compile_fsdp(plan: FsdpPlan) -> Schedule:
+    """The schedule file of an FSDP plan (deterministic)."""
     params = plan.model.params
     fingerprint = compute_fingerprint(model_parameters((p.name, p.shape, p.dtype, p.tp_dim, p.parent) for p in params))
     schedule = Schedule(
-        schema_version=SCHEMA_VERSION, request=request, fingerprint=fingerprint,
+        schema_version=SCHEMA_VERSION, request=plan.request.to_request(plan.model), fingerprint=fingerprint,
         digest="", params=_entries(plan), dp=DpSection(buckets=[], adamw_buckets=[]), tp=_tp_section(plan),
         metrics=Metrics(dp=_dp_metrics(plan), tp=_tp_metrics(plan), device=_devices(plan)),
     )

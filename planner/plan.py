@@ -6,7 +6,7 @@ Pure: no I/O. `compile.py` turns a `Plan` into the schedule file.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from canzona.planner.buffers import BufferPlan, Partitioned, finish_buffer, param_task, partition_buffer
 from canzona.planner.partition.baselines import BaselineLoads
@@ -18,51 +18,23 @@ from canzona.planner.partition.collectives import (
     choose_collective,
     layout_links,
 )
-from canzona.planner.partition.cooperative import COOP_MODES, Shape, cooperate, reference_flops, smallest_share
-from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost, param_state_bytes
+from canzona.planner.partition.cooperative import Shape, cooperate, reference_flops, smallest_share
+from canzona.planner.partition.costs import make_cost_model, param_cost, param_state_bytes
 from canzona.planner.partition.device_aware import DeviceModel
 from canzona.planner.partition.dp import ALPHA_LADDER, DpInstance, Owners, lower_bound
-from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE, BufferLayout, adamw_loads, build_buffer
-from canzona.planner.partition.tp import DEFAULT_GROUP_MB, MODES, MicroGroup, Task, schedule_tasks
+from canzona.planner.partition.layout import BufferLayout, adamw_loads, build_buffer
+from canzona.planner.partition.tp import MODES, MicroGroup, Task, schedule_tasks
 from canzona.planner.spec import (
     ADAMW,
-    DEFAULT_GLOBAL_BATCH,
-    DEFAULT_SEQ_LEN,
     DTYPE_BYTES,
     MATRIX,
-    ModelOptions,
     ModelSpec,
     PlanError,
     validate_model,
 )
 from canzona.schedules.bounds import device_lower_bound, dp_lower_bound
-from canzona.schedules.limits import FSDP, REPLICATED, request_problem, settings_problem, sharding_problem
-
-
-
-@dataclass(frozen=True)
-class TrainingSetup:
-    """What one training iteration processes, for predictions of the whole iteration:
-    `global_batch` sequences of `seq_len` tokens per optimizer step over all DP ranks, in
-    `micro_batches` forward/backward passes per DP rank (None: one sequence per micro-batch,
-    i.e. global_batch / dp, Megatron's usual micro-batch size 1)."""
-
-    global_batch: int = DEFAULT_GLOBAL_BATCH
-    seq_len: int = DEFAULT_SEQ_LEN
-    micro_batches: int | None = None
-
-    def validate(self, dp: int) -> int:
-        """The micro-batch count per DP rank; PlanError unless the batch splits evenly."""
-        if self.global_batch < 1 or self.seq_len < 1:
-            raise PlanError(f"global batch and sequence length must be >= 1, got {self.global_batch} and {self.seq_len}")
-        if self.micro_batches is not None and self.micro_batches < 1:
-            raise PlanError(f"micro-batches must be >= 1, got {self.micro_batches}")
-        count = self.micro_batches if self.micro_batches is not None else self.global_batch // dp
-        if count < 1 or self.global_batch % (dp * count):
-            raise PlanError(f"a global batch of {self.global_batch} sequences does not split into dp {dp} x "
-                            f"{count if count >= 1 else 'any'} micro-batches of whole sequences; give --global-batch "
-                            "(a multiple of dp) or --micro-batches")
-        return count
+# The request lives in its own module; planner code and tests name it from here too.
+from canzona.planner.request import PlanRequest, TrainingSetup  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -96,73 +68,6 @@ class AutoSearch:
     alpha: tuple[SearchTrial, ...] = ()
     bucket: tuple[SearchTrial, ...] = ()
     bucket_reason: str = ""
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What the user asked for; recorded in the schedule so it can be regenerated."""
-
-    model: str
-    tp: int
-    dp: int
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    cost: str = "flops"
-    alpha: float = 1.0
-    bucket_size: int = DEFAULT_BUCKET_SIZE
-    options: ModelOptions = field(default_factory=ModelOptions)
-    tp_mode: str = "rollback"
-    group_bytes: int = DEFAULT_GROUP_MB << 20
-    ep: int = 1
-    solver: str = "greedy"
-    time_limit: float = 10.0
-    seed: int = 0
-    alpha_device: str | None = None  # set: alpha was chosen by the simulator on this device
-    bucket_device: str | None = None  # set: bucket_size was chosen by the simulator on this device
-    training: TrainingSetup | None = None  # what those searches assumed (None: the defaults)
-    sharding: str = REPLICATED  # or FSDP: FSDP2 fully_shard (planner/fsdp.py)
-    dp_replicate: int = 1  # HSDP (FSDP only): dp = dp_replicate x shard ranks
-    coop: str = "auto"  # cooperative hosting of dominant Muon matrices: off, auto, force
-    # "free": the planner picks each bucket's parameter order (canzona's runtimes pack by the
-    # schedule); "registration": Megatron's fixed gradient buffer. None resolves to free, or to
-    # registration under --solver ilp (CP-SAT refines registration-order plans only).
-    order: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.order is None:
-            # CP-SAT refines contiguous cuts; FSDP plans have no buckets to order.
-            fixed = self.solver == "ilp" or self.sharding == FSDP
-            object.__setattr__(self, "order", "registration" if fixed else "free")
-
-    def validate(self) -> None:
-        """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""
-        opt = self.optimizer
-        problem = request_problem(
-            tp=self.tp, dp=self.dp, ep=self.ep, alpha=self.alpha, bucket_size=self.bucket_size,
-            group_bytes=self.group_bytes, tp_mode=self.tp_mode, solver=self.solver, time_limit=self.time_limit,
-            seed=self.seed, order=self.order,
-        ) or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
-        problem = problem or sharding_problem(self.sharding, self.dp, self.dp_replicate, self.ep) or self._fsdp_problem()
-        if problem:
-            raise PlanError(problem)
-        if self.coop not in COOP_MODES:
-            raise PlanError(f"unknown cooperative hosting mode {self.coop!r}; choose one of {', '.join(COOP_MODES)}")
-        if self.alpha_device is not None or self.bucket_device is not None:
-            (self.training or TrainingSetup()).validate(self.dp)
-
-
-    def _fsdp_problem(self) -> str | None:
-        """What FSDP plans do not have: DP cuts (alpha), buckets, CP-SAT refinement."""
-        if self.sharding != FSDP:
-            return None
-        if self.alpha_device is not None or self.bucket_device is not None:
-            return "--alpha auto and --bucket-size auto search DP cuts and buckets, which FSDP plans do not have"
-        if self.alpha != 1.0 or self.bucket_size != DEFAULT_BUCKET_SIZE:
-            return "alpha and the bucket size shape DP cuts and buckets, which FSDP plans do not have; leave them out"
-        if self.solver != "greedy":
-            return "--solver ilp is not supported with --fsdp (FSDP plans use the greedy micro-group scheduler)"
-        if self.coop == "force":
-            return "--coop force is not supported with --fsdp (FSDP plans host every matrix on one device)"
-        return None
 
 
 @dataclass(frozen=True)

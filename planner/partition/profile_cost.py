@@ -195,6 +195,15 @@ def _median(values: list[float]) -> float:
     return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
+def _not_a_profile(data: dict[object, object]) -> str:
+    """Why a mapping is not a profile this canzona reads, in words."""
+    if "schema_version" in data and "request" in data:
+        return "this is a schedule, not a profile; give a file written by `canzona calibrate -o FILE`"
+    if "format" not in data:
+        return f"not a profile written by `canzona calibrate` (it has no `format: {PROFILE_FORMAT}` line)"
+    return f"profile format {data['format']!r} is not supported (this canzona reads {PROFILE_FORMAT!r})"
+
+
 def parse_profile(text: str, origin: str = "<text>") -> Profile:
     """Validate YAML text as a profile; PlanError with one line on any problem."""
     try:
@@ -204,7 +213,7 @@ def parse_profile(text: str, origin: str = "<text>") -> Profile:
     if not isinstance(data, dict):
         raise PlanError(f"{origin}: not a profile (expected a mapping)")
     if data.get("format") != PROFILE_FORMAT:
-        raise PlanError(f"{origin}: format {data.get('format')!r} is not supported (expected {PROFILE_FORMAT!r})")
+        raise PlanError(f"{origin}: {_not_a_profile(data)}")
     try:
         return Profile.model_validate(data)
     except ValidationError as error:

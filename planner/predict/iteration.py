@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from canzona.planner.plan import TrainingSetup
+from canzona.planner.request import PlanRequest, TrainingSetup
 from canzona.planner.partition.collectives import phase_seconds
 from canzona.planner.predict.hardware import Hardware
 from canzona.planner.predict.step import ADAMW_BUFFER, DENSE, EXPERT, MATRIX, BucketSync, StrategyTime
@@ -40,7 +40,7 @@ from canzona.planner.sources.architecture import Architecture
 from canzona.planner.sources.catalog import PRESETS
 from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import read_structured_file
-from canzona.planner.spec import ModelOptions, PlanError
+from canzona.planner.spec import PlanError
 from canzona.schedules.format import ParamEntry, Schedule
 
 BufferKey = tuple[str, int]  # (buffer, bucket index)
@@ -116,8 +116,7 @@ def expert_indices(schedule: Schedule) -> frozenset[int]:
 
     req = schedule.request
     try:
-        options = ModelOptions(req.split_qkv, req.split_fc1, req.router_optimizer, req.names, req.sequence_parallel, req.dtype)
-        model = load_model(req.model.source, req.tp, options)
+        model = load_model(req.model.source, req.tp, PlanRequest.from_request(req).options)
     except PlanError:
         return frozenset()
     names = {e.name for e in schedule.params}

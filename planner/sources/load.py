@@ -19,7 +19,7 @@ from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import params_from_data, read_structured_file
 from canzona.planner.spec import DTYPE_BYTES, ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
 
-__all__ = ["NAMES_AUTO", "count_params", "list_presets", "load_model", "model_from_data"]
+__all__ = ["NAMES_AUTO", "count_params", "list_presets", "load_model", "model_from_data", "own_names"]
 
 _FILE_SUFFIXES = (".json", ".yaml", ".yml")
 DEFAULT_DTYPE = "bf16"  # presets, and configs that declare no dtype, train in bf16
@@ -50,6 +50,16 @@ def load_model(source: str, tp: int, options: ModelOptions = ModelOptions()) -> 
     else:
         raise PlanError(_unknown_model_message(source))
     return finish(model, tp, options)
+
+
+def own_names(source: str) -> str:
+    """The naming convention `NAMES_AUTO` resolves to for `source`: hf for a Hugging Face
+    config, megatron for a preset or a parameter list (a file source is read)."""
+    if source.strip().lower() in PRESETS or not _looks_like_path(source):
+        return MEGATRON
+    path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+    data, _ = read_structured_file(path)
+    return HF if _is_hf_config(data) else MEGATRON
 
 
 def model_from_data(data: object, name: str, source: str, sha256: str, tp: int, options: ModelOptions) -> ModelSpec:

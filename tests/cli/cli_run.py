@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 from canzona.cli.main import main
+
+
+def make_checkout(folder: Path) -> Path:
+    """Make `folder` look like the root of a canzona checkout (where `plan` writes into the
+    schedule library `schedules/`); returns its library folder."""
+    (folder / "pyproject.toml").write_text('[project]\nname = "canzona"\n', encoding="utf-8")
+    (folder / "schedules").mkdir(exist_ok=True)
+    return folder / "schedules"
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

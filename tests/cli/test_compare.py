@@ -238,3 +238,15 @@ def test_check_compares_bytes_and_names_the_kind_of_difference(
     for path in (reformatted, versioned):
         assert run(["check", str(path), "--fix"], capsys)[0] == 0
         assert path.read_bytes() == plans["a1"].read_bytes()
+
+
+def test_diff_across_models_says_so_first(plans: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["diff", str(plans["a1"]), str(plans["other"]), "--json"], capsys)
+    lines = err.splitlines()
+    assert lines[0] == ("canzona: note: the schedules are for different models (OLD qwen3-8b, NEW qwen3-0.6b): every "
+                        "figure compares two models, not two plans of one model (--same-model refuses such a pair)")
+    assert all(line.startswith("canzona: regression: ") for line in lines[1:])
+    assert code == (1 if lines[1:] else 0) and {row["name"] for row in json.loads(out)} >= {"dp imbalance"}
+    code, _, err = run(["diff", str(plans["a1"]), str(plans["tp1"]), "--max-imbalance-increase", "9",
+                        "--max-gap-increase", "9", "--max-memory-increase", "9"], capsys)
+    assert code == 0 and err == ""  # one model at two layouts: nothing to say

@@ -44,7 +44,7 @@ def test_an_existing_files_mode_is_kept(tmp_path: Path, capsys: pytest.CaptureFi
     target = tmp_path / "s.yaml"
     assert main([*PLAN, "-o", str(target)]) == 0
     target.chmod(0o640)
-    assert main([*PLAN, "--alpha", "0.5", "-o", str(target)]) == 0  # different bytes: rewritten
+    assert main([*PLAN, "--alpha", "0.5", "--force", "-o", str(target)]) == 0  # another plan: rewritten
     assert stat.S_IMODE(target.stat().st_mode) == 0o640
 
 
@@ -64,7 +64,7 @@ def test_symlinks_are_written_through(tmp_path: Path, capsys: pytest.CaptureFixt
     real.write_text("old\n")
     link = tmp_path / "link.yaml"
     link.symlink_to(real)
-    assert main([*PLAN, "-o", str(link)]) == 0
+    assert main([*PLAN, "--force", "-o", str(link)]) == 0  # "old" is no schedule: replaced only by force
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert real.read_text().startswith("schema_version:")
     assert sorted(os.listdir(real.parent)) == ["s.yaml"]
@@ -188,7 +188,7 @@ sys.exit(main(sys.argv[1:]))
 def test_a_signal_during_the_write_removes_the_temporary(tmp_path: Path, signum: int, code: int) -> None:
     target = tmp_path / "s.yaml"
     target.write_text("good\n")
-    process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, *PLAN, "-o", str(target)],
+    process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, *PLAN, "--force", "-o", str(target)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     assert process.stdout.readline() == "writing\n"  # the temporary file exists now
@@ -221,3 +221,13 @@ def test_every_library_schedule_replans_byte_identical(capsys: pytest.CaptureFix
     code, out, _ = run(["check", str(library_root())], capsys)
     assert code == 0, out
     assert all(line.startswith("fresh  ") for line in out.splitlines())
+
+
+def test_render_refuses_a_folder_as_plan_and_calibrate_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "images"  # no suffix: once written as images.png beside the folder
+    folder.mkdir()
+    for command in (["render", "qwen3-8b/muon-tp2-dp4"], [*PLAN], ["calibrate", "--quick"]):
+        code, out, err = run([*command, "-o", str(folder)], capsys)
+        assert code == 2 and out == ""
+        one_line_error(err, f"cannot write {str(folder)!r}: it is a folder")
+    assert os.listdir(tmp_path) == ["images"] and os.listdir(folder) == []

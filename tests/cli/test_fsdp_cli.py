@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from cli_run import refused, run
+from cli_run import make_checkout, refused, run
 
 
 @pytest.fixture()
 def planned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Path:
-    """qwen3-8b planned four ways in tmp_path: replicated, FSDP, FSDP with smaller groups, HSDP."""
+    """qwen3-8b planned four ways in tmp_path, a checkout's root: replicated, FSDP, FSDP with
+    smaller groups, HSDP."""
+    make_checkout(tmp_path)
     monkeypatch.chdir(tmp_path)
     for args in (["--dp", "4"], ["--dp", "4", "--fsdp"], ["--dp", "4", "--fsdp", "--group-mb", "512", "-o", "small.yaml"],
                  ["--tp", "2", "--dp", "8", "--fsdp", "--dp-replicate", "2"]):

@@ -176,9 +176,9 @@ def test_options_without_effect_are_refused(args: list[str], needle: str, tmp_pa
 
 
 def test_options_with_effect_are_taken(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for extra in (["--optimizer", "shampoo", "--block-size", "512", "--precondition-frequency", "5"],
-                  ["--optimizer", "soap", "--max-precond-dim", "4096"], ["--ns-steps", "3"]):
-        assert run(["plan", "--model", "qwen3-0.6b", "--dp", "2", *extra, "-o", str(tmp_path / "x.yaml")], capsys)[0] == 0
+    for index, extra in enumerate((["--optimizer", "shampoo", "--block-size", "512", "--precondition-frequency", "5"],
+                                   ["--optimizer", "soap", "--max-precond-dim", "4096"], ["--ns-steps", "3"])):
+        assert run(["plan", "--model", "qwen3-0.6b", "--dp", "2", *extra, "-o", str(tmp_path / f"{index}.yaml")], capsys)[0] == 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -130,6 +130,20 @@ def test_huge_dp_fails_fast(capsys: pytest.CaptureFixture[str]) -> None:
     refused(["plan", "--model", "qwen3-0.6b", "--dp", "100000"], capsys, "maximum of 8192 DP ranks")
 
 
+def test_auto_search_summaries_show_why_the_winner_won(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every candidate of qwen3-8b's α search predicts 16.5 s to three digits: each other one is
+    shown as its difference from the chosen one, to the microsecond."""
+    code, out, _ = run(["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4", "--alpha", "auto", "--bucket-size", "auto",
+                        "-o", str(tmp_path / "s.yaml")], capsys)
+    assert code == 0
+    difference = r"(\+\d+\.\d{3} ms|\+\d+ ns|same)"
+    alpha = next(line for line in out.splitlines() if line.startswith("alpha chosen by the simulator on h100: "))
+    assert re.search(rf"predicted iteration \S+ s at alpha (\S+); (\S+: {difference}, ){{3}}\S+: {difference} "
+                     r"\(equal times go to the larger alpha\)$", alpha), alpha
+    bucket = next(line for line in out.splitlines() if line.startswith("bucket size chosen by the simulator"))
+    assert re.search(rf"\(predicted iteration \S+ s at \S+; (\S+( bucket)?: {difference}, )+\S+( bucket)?: {difference}\)$", bucket), bucket
+
+
 def test_auto_searches_report_each_candidate(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, int | None, list[str]]] = []
@@ -144,9 +158,9 @@ def test_auto_searches_report_each_candidate(tmp_path: Path, capsys: pytest.Capt
         def __exit__(self, *exc: object) -> None:
             return None
 
-    import canzona.cli.main as cli_main
+    import canzona.cli.plan_cmd as plan_cmd
 
-    monkeypatch.setattr(cli_main, "progress", Recorder)
+    monkeypatch.setattr(plan_cmd, "progress", Recorder)
     args = ["plan", "--model", "qwen3-0.6b", "--dp", "2", "--alpha", "auto", "--bucket-size", "auto",
             "--global-batch", "8", "--seq-len", "64", "-o", str(tmp_path / "s.yaml")]
     assert run(args, capsys)[0] == 0
@@ -192,6 +206,36 @@ def test_calibrate_estimates_then_counts(tmp_path: Path, capsys: pytest.CaptureF
     assert lines[1].startswith("[1/8] muon 16x32: ") and lines[-1].startswith("[8/8] adamw 10000000: ")
     assert out == f"wrote {target}: 8 rows on " + read_profile(target).device_name + "\n"
     assert {row.repeats for row in read_profile(target).rows} == {1}  # --quick: one timed call
+
+
+def test_calibrate_quick_times_a_models_shapes_scaled_down(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--quick` on qwen3-0.6b once timed its full shapes (6144 x 1024 Shampoo and SOAP: minutes
+    on 2 cores); now every shape is at most 512 on a side, the model's aspect ratios kept."""
+    from canzona.cli.calibrate_cmd import QUICK, kernel_flops, kernel_plan, model_shapes
+
+    plan = kernel_plan(["muon", "shampoo", "soap"], "qwen3-0.6b", None, QUICK["max_side"], quick=True)
+    assert capsys.readouterr().err.startswith("canzona: --quick: shapes scaled down to at most 512 on a side")
+    full = model_shapes("qwen3-0.6b")
+    for shapes in plan.values():
+        assert len(shapes) == len(full) and all(max(shape) <= 512 for shape in shapes)
+        assert all(abs(r / c - fr / fc) < 0.02 * fr / fc for (r, c), (fr, fc) in zip(shapes, full))
+    grid = kernel_plan(["muon", "shampoo", "soap"], None, None, QUICK["max_side"], quick=True)
+    settings = (5, 1024, 10, 10000)
+    work, full_work = (sum(kernel_flops(todo, settings, 2).values()) for todo in (plan, {"muon": full, "shampoo": full, "soap": full}))
+    assert work <= 1.5 * sum(kernel_flops(grid, settings, 2).values()) and full_work > 20 * work  # the grid: seconds
+
+
+def test_calibrate_quick_on_a_model_writes_a_profile_simulate_reads(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    from canzona.planner.predict.profile_cost import read_profile
+
+    target = tmp_path / "p.yaml"
+    code, _, err = run(["calibrate", "--model", "qwen3-0.6b", "--quick", "--optimizer", "muon", "-o", str(target)], capsys)
+    assert code == 0, err
+    assert all(max(row.rows, row.cols) <= 512 for row in read_profile(target).rows if row.optimizer == "muon")
+    code, out, err = run(["simulate", "qwen3-0.6b/muon-tp1-dp8", "--device", f"profile:{target}"], capsys)
+    assert code == 0 and "measured by `canzona calibrate`" in out, err
 
 
 # --------------------------------------------------------------------------------------------

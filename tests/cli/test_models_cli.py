@@ -155,6 +155,23 @@ def test_described_tp_size_must_match(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 2 and "read from a model at TP 2 (its 'tp' key); plan it with --tp 2, not 4" in err
 
 
+@pytest.mark.parametrize("model, message", [
+    ("py:missing.py:make", "no such model file 'missing.py'"),
+    ("py:no_such_package_zz.models:make", "cannot import 'no_such_package_zz.models': No module named 'no_such_package_zz'"),
+    ("py:models.py", "a live model is py:MODULE:FACTORY"),
+])
+@pytest.mark.parametrize("command", ["plan", "describe"])
+def test_a_live_model_that_cannot_load_is_refused_before_torch(model: str, message: str, command: str,
+                                                                tmp_path: Path) -> None:
+    probe = ("import sys, time; from canzona.cli.main import main; started = time.perf_counter(); "
+             f"code = main([{command!r}, '--model', {model!r}]); "
+             "print(code, 'torch' in sys.modules, time.perf_counter() - started)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path)
+    code, torch_loaded, seconds = done.stdout.split()
+    assert (code, torch_loaded) == ("2", "False") and float(seconds) < 3.0
+    assert done.stderr.startswith(f"canzona: error: {message}") and done.stderr.count("\n") == 1, done.stderr
+
+
 def test_planning_without_a_live_model_imports_no_torch(tmp_path: Path) -> None:
     probe = (
         "import sys; from canzona.cli.main import main; "

@@ -29,7 +29,7 @@ def test_plan_records_the_search_and_check_reproduces_it(tmp_path: Path, capsys:
     assert request.bucket_size in sizes and ONE_BUCKET in sizes and 40_000_000 in sizes
     assert main(["check", str(paths[0])]) == 0
     # A fixed bucket size records no search and no training setup.
-    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "4", "-o", str(paths[1])]) == 0
+    assert main(["plan", "--model", "qwen3-0.6b", "--dp", "4", "--force", "-o", str(paths[1])]) == 0
     fixed = read_schedule(paths[1])
     assert fixed.metrics.bucket_search is None and fixed.request.training is None and fixed.request.bucket_device is None
 

@@ -96,3 +96,19 @@ def test_calibrate_training_throughput_feeds_the_iteration(tmp_path, capsys: pyt
     assert data["training"]["train_flops"] == pytest.approx(training.flops_per_second / 4)
     assert data["iterations"][0]["forward_backward"] > 0
     assert main(["calibrate", "--train-tokens", "-1", "-o", str(tmp_path / "x.yaml")]) == 2
+
+
+@pytest.mark.parametrize("command", [["simulate", SMALL, "--device"], ["plan", "--model", "qwen3-8b", "--cost"]])
+def test_a_schedule_given_as_a_profile_is_named_as_one(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run([*command, f"profile:{SMALL}"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err == f"canzona: error: {SMALL}: this is a schedule, not a profile; give a file written by `canzona calibrate -o FILE`\n"
+
+
+def test_a_file_that_is_no_profile_says_what_a_profile_has(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "other.yaml").write_text("a: 1\n")
+    (tmp_path / "future.yaml").write_text("format: canzona-profile/9\n")
+    code, _, err = run(["simulate", SMALL, "--device", f"profile:{tmp_path / 'other.yaml'}"], capsys)
+    assert code == 2 and "not a profile written by `canzona calibrate` (it has no `format: canzona-profile/1` line)" in err
+    code, _, err = run(["simulate", SMALL, "--device", f"profile:{tmp_path / 'future.yaml'}"], capsys)
+    assert code == 2 and "profile format 'canzona-profile/9' is not supported (this canzona reads 'canzona-profile/1')" in err

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from canzona.planner.compile import compile_schedule, plan_request
+from canzona.planner.compile import compile_schedule
 from canzona.planner.fsdp import make_fsdp_plan
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.predict.auto_alpha import plan_for_request
@@ -60,7 +60,7 @@ def test_every_matrix_is_hosted_once_in_the_fragmentation_group(tp: int, dp: int
 
 def test_deterministic_and_regenerated_from_its_request() -> None:
     schedule = fsdp()
-    request = plan_request(schedule.request)
+    request = PlanRequest.from_request(schedule.request)
     assert request.sharding == "fsdp"
     again, _ = plan_for_request(load_model("qwen3-8b", 2), request)
     assert dump_schedule(compile_schedule(again)) == dump_schedule(schedule)

@@ -43,7 +43,7 @@ def test_auto_teams_the_dominant_fc1_of_qwen3_32b_and_shortens_the_busiest_devic
 
 def test_teams_only_where_they_help_and_never_for_shampoo_or_numel() -> None:
     model = load_model("qwen3-32b", 8)
-    for request in (PlanRequest("qwen3-32b", 8, 32, OptimizerConfig("shampoo")), PlanRequest("qwen3-32b", 8, 32, cost="numel")):
+    for request in (PlanRequest("qwen3-32b", 8, 32, optimizer=OptimizerConfig("shampoo")), PlanRequest("qwen3-32b", 8, 32, cost="numel")):
         assert compile_schedule(make_plan(model, request)).metrics.tp.cooperative == 0
     # Many small matrices per rank: hosting is already balanced, a team only adds communication.
     small = load_model("qwen3-0.6b", 2)
