@@ -228,7 +228,7 @@ def test_calibrate_quick_times_a_models_shapes_scaled_down(tmp_path: Path, capsy
 def test_calibrate_quick_on_a_model_writes_a_profile_simulate_reads(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
-    from canzona.planner.predict.profile_cost import read_profile
+    from canzona.planner.partition.profile_cost import read_profile
 
     target = tmp_path / "p.yaml"
     code, _, err = run(["calibrate", "--model", "qwen3-0.6b", "--quick", "--optimizer", "muon", "-o", str(target)], capsys)
