@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from runtime_step import MODEL, TIMEOUT, _make_optimizer, make_schedule  # noqa:
 
 from canzona.runtime import CanzonaOptimizer, load_checkpoint, make_groups, save_checkpoint  # noqa: E402
 from canzona.schedules.format import Schedule  # noqa: E402
+from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 HEADING = "## Checkpoint save and load (CPU)"
 REPEATS = 3
@@ -98,15 +98,6 @@ def table(rows: dict[str, dict[str, float]], cores: int) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace (or append) this benchmark's section of BENCHMARKS.md."""
-    content = path.read_text()
-    section = f"{HEADING}\n\nMeasured by `python benchmarks/checkpoint_bench.py`.\n\n{text}\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    content = pattern.sub(section + "\n", content) if pattern.search(content) else content.rstrip("\n") + "\n\n" + section
-    path.write_text(content)
-
-
 def main() -> None:
     """Measure and print (or write) the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,7 +110,7 @@ def main() -> None:
     text = table(rows, os.cpu_count() or 1)
     print(text)
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, HEADING, text, "python benchmarks/checkpoint_bench.py")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ import dataclasses
 import json
 import os
 import queue
-import re
 import statistics
 import sys
 import tempfile
@@ -65,6 +64,7 @@ from canzona.planner.predict.simulate import simulate  # noqa: E402
 from canzona.planner.sources.load import load_model  # noqa: E402
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, make_groups  # noqa: E402
 from canzona.schedules.format import Schedule  # noqa: E402
+from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 MODEL = {  # the runtime step benchmark's Qwen3-style model: about 5M parameters
     "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
@@ -227,15 +227,6 @@ def table(rows: list[tuple[str, Schedule, dict[str, float], dict[str, float]]], 
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str, command: str) -> None:
-    """Replace (or append) this benchmark's section of a BENCHMARKS.md that exists."""
-    content = path.read_text()
-    section = f"{HEADING}\n\nMeasured by `{command}`.\n\n{text}\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    content = pattern.sub(lambda _: section + "\n", content) if pattern.search(content) else content.rstrip("\n") + "\n\n" + section
-    path.write_text(content)
-
-
 def main() -> None:
     """Measure and predict every layout; print (optionally write) the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -265,7 +256,7 @@ def main() -> None:
     text = table(rows, args.batch, args.seq)
     print(text)
     if args.write is not None and args.write.exists():
-        write_section(args.write, text, "python benchmarks/iteration.py")
+        write_section(args.write, HEADING, text, "python benchmarks/iteration.py")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from canzona.planner.sources.load import load_model
 from canzona.runtime import CanzonaOptimizer, make_groups
 from canzona.runtime.schedule import DTYPES, local_shape
 from canzona.schedules.format import Schedule
+from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 # A Qwen3-style decoder of ~23M parameters whose embedding and output layer (AdamW) are 18 % of
 # the model, as in qwen3-1.7b; large enough that fixed costs (threads, allocator arenas) are
@@ -188,15 +189,6 @@ def table(rows: list[tuple[Schedule, list[tuple[int, int]]]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str, command: str) -> None:
-    """Replace (or append) this benchmark's section of a BENCHMARKS.md that exists."""
-    content = path.read_text()
-    section = f"{HEADING}\n\nMeasured by `{command}`.\n\n{text}\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    content = pattern.sub(lambda _: section + "\n", content) if pattern.search(content) else content.rstrip("\n") + "\n\n" + section
-    path.write_text(content)
-
-
 def main() -> None:
     """Measure DP 1 and DP 4 and print (optionally write) the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -218,7 +210,7 @@ def main() -> None:
     text = table(rows)
     print(text)
     if args.write is not None and args.write.exists():
-        write_section(args.write, text, "python " + " ".join(["benchmarks/memory.py", *sys.argv[1:]]))
+        write_section(args.write, HEADING, text, "python " + " ".join(["benchmarks/memory.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":

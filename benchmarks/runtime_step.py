@@ -22,7 +22,6 @@ from functools import partial
 import dataclasses
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from canzona.planner.sources.load import load_model
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, make_groups
 from canzona.runtime.schedule import DTYPES
 from canzona.schedules.format import Schedule
+from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 # A small Qwen3-style decoder: large enough that optimizer compute dominates on one core.
 MODEL = {
@@ -170,15 +170,6 @@ def table(rows: list[tuple[str, str, int, str, int, dict[str, float]]], optimize
     return "\n".join(lines)
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace (or append) the runtime section of a BENCHMARKS.md that exists."""
-    content = path.read_text()
-    section = f"{HEADING}\n\nMeasured by `python benchmarks/runtime_step.py`.\n\n{text}\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    content = pattern.sub(lambda _: section + "\n", content) if pattern.search(content) else content.rstrip("\n") + "\n\n" + section
-    path.write_text(content)
-
-
 def main() -> None:
     """Run every layout and print (optionally write) the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -211,7 +202,7 @@ def main() -> None:
     text = table(rows, args.optimizer, os.cpu_count() or 1)
     print(text)
     if args.write is not None and args.write.exists():
-        write_section(args.write, text)
+        write_section(args.write, HEADING, text, "python benchmarks/runtime_step.py")
 
 
 if __name__ == "__main__":
