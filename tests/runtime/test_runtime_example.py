@@ -146,7 +146,7 @@ def _torchrun(processes: int, script: str, *args: str) -> str:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("model", ["dense", "moe"])
 def test_train_script_loss_falls(model: str, tmp_path: Path) -> None:
-    """The README's recipe: plan TP 2 x DP 4, then `torchrun --nproc-per-node 8` (NCCL on GPUs,
+    """examples/README.md's recipe: plan TP 2 x DP 4, then `torchrun --nproc-per-node 8` (NCCL on GPUs,
     gloo here); the MoE example at EP 2 x DP 4 (expert-DP 2) on 4 ranks."""
     from canzona.cli.main import main as canzona
 
