@@ -46,7 +46,8 @@ from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.runtime import CanzonaOptimizer, make_groups
-from canzona.runtime.schedule import DTYPES, local_shape
+from canzona.runtime.schedule import DTYPES
+from canzona.schedules.layout import local_shape
 from canzona.schedules.format import Schedule
 from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 

@@ -41,7 +41,7 @@ from canzona.runtime.exchange.gradients import global_norm
 from canzona.runtime.exchange.pipeline import MicroGroupPipeline, gather_replicated, replicated_updates
 from canzona.runtime.exchange.reduction import GradSource, Round
 from canzona.runtime.faults import CollectiveError, StepFailedError, fail_together, settle
-from canzona.runtime.layout import Task
+from canzona.schedules.layout import Task
 from canzona.runtime.plan import RankPlan
 from canzona.runtime.rules import precision
 from canzona.runtime.state.store import OptimizerState, fresh_state

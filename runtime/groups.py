@@ -35,7 +35,8 @@ from torch import Tensor
 
 from canzona.runtime.binding import local, placement_problems
 from canzona.runtime.rules.optimizers import Hyperparameters
-from canzona.runtime.schedule import ADAMW, MATRIX, tensor_problems
+from canzona.runtime.schedule import tensor_problems
+from canzona.schedules.limits import ADAMW, MATRIX
 from canzona.schedules.format import ParamEntry
 
 MATRIX_KNOBS: dict[str, tuple[str, ...]] = {

@@ -41,7 +41,7 @@ from canzona.runtime.exchange.reduction import GradSource
 from canzona.runtime.faults import as_timedelta, first_line
 from canzona.runtime.fsdp.checks import fsdp_mismatch
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
-from canzona.runtime.layout import local_entries
+from canzona.schedules.layout import local_entries
 from canzona.runtime.plan import CANZONA, Place, RankPlan, Strategy, build_rank_plan
 from canzona.runtime.process_groups import resolve_process_groups
 from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, make_rule

@@ -8,7 +8,7 @@ micro-groups its TP group runs and the matrices it hosts, the spans that count t
 gradient norm and those summed over TP. The stages of a step (`canzona.runtime.engine`) read it;
 nothing changes it.
 
-Coordinates: a *position* is an offset into the bucket buffer (`canzona.runtime.layout`: every
+Coordinates: a *position* is an offset into the bucket buffer (`canzona.schedules.layout`: every
 DP bucket whole, one after the other), where gradients are packed and reduced in place and,
 after the update, the new values are gathered. A rank's *slices* are the parts of every bucket
 it updates (its own, or every rank's under DP-SC).
@@ -26,9 +26,11 @@ import torch
 
 from canzona.runtime import binding
 from canzona.runtime.binding import Bound
-from canzona.runtime.layout import DpLayout, Piece, Task, build_dp_layout, hosts_here, local_entries, micro_groups, owned_tasks
-from canzona.runtime.schedule import ADAMW, DTYPES, local_shape
+from canzona.runtime.schedule import DTYPES
 from canzona.schedules.format import Schedule
+from canzona.schedules.layout import (DpLayout, Piece, Task, build_dp_layout, hosts_here, local_entries, local_shape,
+                                      micro_groups, owned_tasks)
+from canzona.schedules.limits import ADAMW
 
 Span = tuple[int, int]  # [start, stop) of the bucket buffer
 

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
-from canzona.schedules.geometry import chunk_bounds, tp_shard_shape
+from canzona.schedules.geometry import chunk_bounds
+from canzona.schedules.layout import local_shape
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.text import printable
 from canzona.schedules.validate import schedule_problem
 from canzona.runtime.rules.optimizers import MATRIX_OPTIMIZERS
 
-MATRIX, ADAMW = "matrix", "adamw"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_LISTED = 4
 
@@ -39,12 +39,6 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
     schedule = read_schedule(resolve_schedule(path))
     check_schedule(schedule, str(path))
     return schedule
-
-
-def local_shape(entry: ParamEntry, tp: int, tp_rank: int) -> tuple[int, ...]:
-    """The shape of TP rank `tp_rank`'s shard of `entry` (torch.chunk's rule, as DTensor
-    shards: the last ranks' may be shorter, or empty)."""
-    return tp_shard_shape(entry.shape, entry.tp_dim, tp, tp_rank)
 
 
 def tp_shard(tensor: Tensor, tp_dim: int | None, tp: int, tp_rank: int) -> Tensor:

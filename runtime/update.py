@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import CollectiveError, first_line
-from canzona.runtime.layout import Task
+from canzona.schedules.layout import Task
 from canzona.runtime.plan import AdamwPiece, RankPlan
 from canzona.runtime.rules import cooperative
 from canzona.runtime.rules.optimizers import (

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.exchange import comm
-from canzona.runtime.layout import EXPERT, DpBucket
+from canzona.schedules.layout import EXPERT, DpBucket
 from canzona.runtime.plan import RankPlan
 
 

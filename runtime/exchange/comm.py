@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import wait
-from canzona.runtime.layout import DpBucket
+from canzona.schedules.layout import DpBucket
 from canzona.schedules.limits import AS_SCHEDULED, DP_COLLECTIVE_MODES
 
 DP_COLLECTIVES = DP_COLLECTIVE_MODES  # "schedule": each bucket as recorded (`DpBucket.collective`)

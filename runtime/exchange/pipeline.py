@@ -26,7 +26,7 @@ from torch import Tensor
 
 from canzona.runtime.rules import cooperative
 from canzona.runtime.exchange.comm import InFlight, all_gather_equal, start_all_to_all
-from canzona.runtime.layout import Task, hosts_here
+from canzona.schedules.layout import Task, hosts_here
 from canzona.runtime.schedule import DTYPES, tp_shard
 
 GradOf = Callable[[Task], Tensor]

@@ -40,7 +40,8 @@ from canzona.runtime.rules.optimizers import (
     make_rule,
     matrix_update_batch,
 )
-from canzona.runtime.schedule import MATRIX, ScheduleMismatchError, Verdict, disagreement, plan_digest, summary, tp_shard
+from canzona.schedules.limits import MATRIX
+from canzona.runtime.schedule import ScheduleMismatchError, Verdict, disagreement, plan_digest, summary, tp_shard
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
 from canzona.schedules.geometry import fsdp_rows

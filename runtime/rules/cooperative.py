@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import wait
-from canzona.runtime.layout import Task
+from canzona.schedules.layout import Task
 from canzona.runtime.rules.optimizers import (
     Hyperparameters,
     State,

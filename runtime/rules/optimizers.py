@@ -30,6 +30,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from canzona.schedules.reshard import submatrix_shapes
+
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
 UPDATE_SCALES = ("spectral", "shape", "none")
 NS_DTYPES = ("auto", "bf16", "tf32", "fp32")
@@ -401,13 +403,6 @@ def make_rule(name: str, hp: Hyperparameters) -> MatrixRule:
     if name not in rules:
         raise ValueError(f"unknown matrix optimizer {name!r}; expected one of {', '.join(MATRIX_OPTIMIZERS)}")
     return rules[name](hp)  # type: ignore[no-any-return]
-
-
-def submatrix_shapes(shape: tuple[int, int], row_blocks: list[RowBlock] | None) -> list[tuple[int, int]]:
-    """Shapes of the submatrices a matrix with `row_blocks` is updated as."""
-    if not row_blocks:
-        return [shape]
-    return [(sum(stop - start for start, stop in block), shape[1]) for block in row_blocks]
 
 
 def init_matrix_state(rule: MatrixRule, shape: tuple[int, int], row_blocks: list[RowBlock] | None,

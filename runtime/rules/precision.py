@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from canzona.runtime.layout import Task
+from canzona.schedules.layout import Task
 from canzona.runtime.plan import RankPlan
 from canzona.runtime.rules.cooperative import held_shape
 

@@ -30,7 +30,7 @@ from canzona.runtime.rules.optimizers import (
     make_rule,
     matrix_update,
 )
-from canzona.runtime.schedule import MATRIX
+from canzona.schedules.limits import MATRIX
 from canzona.schedules.format import Schedule
 
 

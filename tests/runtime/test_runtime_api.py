@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from canzona.runtime import CanzonaOptimizer
 from canzona.runtime.exchange import comm
 from canzona.runtime.exchange.comm import ALL_REDUCE
-from canzona.runtime.layout import DpBucket
+from canzona.schedules.layout import DpBucket
 from canzona.schedules.format import Schedule
 
 from rt_harness import DATA, make_groups, make_schedule, run_ranks

@@ -252,7 +252,7 @@ def test_a_checkpoint_moves_from_ep2_to_another_ep_size(optimizer: str, ep: int,
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_ep_rank_lays_out_its_own_experts_over_its_expert_dp_group(layout: str) -> None:
-    from canzona.runtime.layout import EXPERT, build_dp_layout, local_entries
+    from canzona.schedules.layout import EXPERT, build_dp_layout, local_entries
 
     tp, dp, ep = LAYOUTS[layout]
     schedule = ep_schedule(tp, dp, ep)

@@ -125,7 +125,7 @@ def test_importing_every_runtime_module_loads_no_planner_cli_typer_or_ortools() 
 def test_runtime_subpackages_depend_one_way() -> None:
     imports = all_imports()
     assert area("canzona.runtime.exchange.comm") == "exchange" and area("canzona.runtime.tools") == "tools"
-    assert area("canzona.runtime.layout") == "core"
+    assert area("canzona.schedules.layout") == "core"
     assert "canzona.runtime.rules.optimizers" in imports["canzona.runtime.rules.cooperative"]
     assert violations(imports) == []
 
@@ -135,7 +135,7 @@ def test_runtime_subpackages_depend_one_way() -> None:
     [
         ("canzona.runtime.rules.precision", "from canzona.runtime.state import logical", ["state.logical"]),
         ("canzona.runtime.exchange.comm", "import canzona.runtime.optimizer", ["optimizer"]),
-        ("canzona.runtime.layout", "def f():\n    from canzona.runtime.tools.reference import X", ["tools.reference"]),
+        ("canzona.runtime.plan", "def f():\n    from canzona.runtime.tools.reference import X", ["tools.reference"]),
         ("canzona.runtime.exchange.gather", "if TYPE_CHECKING:\n    from canzona.runtime.optimizer import C", []),
         ("canzona.runtime.state.checkpoint", "from canzona.runtime.optimizer import CanzonaOptimizer", []),
     ],

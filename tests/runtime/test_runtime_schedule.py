@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from canzona.runtime import load_schedule
-from canzona.runtime.layout import build_dp_layout, micro_groups
+from canzona.schedules.layout import build_dp_layout, local_shape, micro_groups
 from canzona.runtime.groups import resolve_param_groups
 from canzona.runtime.rules.optimizers import Hyperparameters
-from canzona.runtime.schedule import Verdict, check_schedule, disagreement, local_shape
+from canzona.runtime.schedule import Verdict, check_schedule, disagreement
 from canzona.schedules.format import Schedule, ScheduleError, write_schedule
 
 from rt_harness import DATA, make_schedule

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from canzona.runtime.exchange.comm import AS_SCHEDULED, bucket_mode
-from canzona.runtime.layout import build_dp_layout
+from canzona.schedules.layout import build_dp_layout
 from canzona.schedules.format import Schedule, sealed
 from canzona.schedules.limits import BUCKET_COLLECTIVES
 

@@ -10,7 +10,7 @@ from canzona.planner.plan import TrainingSetup
 from canzona.planner.predict.hardware import BUILTIN
 from canzona.planner.predict.iteration import BUFFER_ORDER, device_compute
 from canzona.planner.predict.step import ADAMW_BUFFER, DENSE
-from canzona.runtime.layout import build_dp_layout
+from canzona.schedules.layout import build_dp_layout
 from canzona.runtime.schedule import load_schedule
 from canzona.schedules.format import Schedule
 

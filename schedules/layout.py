@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 
+from canzona.schedules.checks import dp_rank_of
 from canzona.schedules.format import ParamEntry, Schedule
-from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE
-from canzona.runtime.schedule import ADAMW, MATRIX, local_shape
-from canzona.schedules.geometry import chunk_bounds
+from canzona.schedules.geometry import chunk_bounds, tp_shard_shape
+from canzona.schedules.limits import ADAMW, DEFAULT_BUCKET_COLLECTIVE, MATRIX
 
 EXPERT = "expert"  # the expert buffer (a matrix buffer cut over the expert-DP group)
 
@@ -127,6 +127,12 @@ class DpLayout:
     def total(self) -> int:
         """Elements of the whole bucket buffer (every bucket of every buffer, padded)."""
         return self.buckets[-1].base + self.buckets[-1].numel if self.buckets else 0
+
+
+def local_shape(entry: ParamEntry, tp: int, tp_rank: int) -> tuple[int, ...]:
+    """The shape of TP rank `tp_rank`'s shard of `entry` (torch.chunk's rule, as DTensor
+    shards: the last ranks' may be shorter, or empty)."""
+    return tp_shard_shape(entry.shape, entry.tp_dim, tp, tp_rank)
 
 
 def buffer_of(entry: ParamEntry) -> str:
@@ -261,16 +267,9 @@ def micro_groups(schedule: Schedule, dp_rank: int) -> list[tuple[Task, ...]]:
     ]
 
 
-def updating_dp_rank(entry: ParamEntry, ep: int) -> int | None:
-    """The DP rank whose micro-groups update a matrix (owner · ep + ep_rank for an expert)."""
-    if entry.owner is None or entry.ep_rank is None:
-        return entry.owner
-    return entry.owner * ep + entry.ep_rank
-
-
 def owned_tasks(schedule: Schedule, dp_ranks: list[int], ep_rank: int = 0) -> list[Task]:
     """Every matrix held at EP rank `ep_rank` and updated by one of `dp_ranks`, in buffer
     order (for the baselines)."""
     tasks, ep = matrix_tasks(schedule), schedule.request.ep
     return [tasks[e.name] for e in local_entries(schedule, ep_rank)
-            if e.optimizer == MATRIX and updating_dp_rank(e, ep) in dp_ranks]
+            if e.optimizer == MATRIX and e.owner is not None and dp_rank_of(e, ep) in dp_ranks]
