@@ -38,12 +38,12 @@ from canzona.runtime import binding
 from canzona.runtime.exchange.buckets import DpComms
 from canzona.runtime.exchange.gather import ParamGather
 from canzona.runtime.exchange.gradients import global_norm
-from canzona.runtime.exchange.pipeline import MicroGroupPipeline, gather_replicated, replicated_updates
+from canzona.runtime.exchange.pipeline import MicroGroupPipeline, TpGeometry, gather_replicated, replicated_updates
 from canzona.runtime.exchange.reduction import GradSource, Round
 from canzona.runtime.faults import CollectiveError, StepFailedError, fail_together, settle
 from canzona.schedules.layout import Task
 from canzona.runtime.plan import RankPlan
-from canzona.runtime.rules import precision
+from canzona.runtime.rules import cooperative, precision
 from canzona.runtime.state.store import OptimizerState, fresh_state
 from canzona.runtime.update import StepContext, Updater
 
@@ -115,8 +115,10 @@ class Engine:
         self.state: OptimizerState = fresh_state(plan)
         place = plan.place
         self.pipeline = (None if plan.strategy.tp_replicated else MicroGroupPipeline(
-            plan.groups, place.tp_rank, place.tp_size, groups.tp, plan.device, self.wait_timeout))
-        self.updater = Updater(plan, self.state, self.pipeline.team_groups if self.pipeline else {}, self.wait_timeout)
+            plan.groups, TpGeometry(place.tp_rank, place.tp_size), groups.tp, plan.device, self.wait_timeout))
+        teams = [] if self.pipeline is None else [t for tasks in plan.groups for t in tasks]
+        team_groups = cooperative.make_team_groups(teams, place.tp_rank, groups.tp, self.wait_timeout)
+        self.updater = Updater(plan, self.state, team_groups, self.wait_timeout)
         self.round: Round | None = None  # a reduction backward launched, not yet stepped
         self.reduced: list[bool] | None = None  # per entry: has a gradient somewhere (reduced, not yet stepped)
         self.gather: ParamGather | None = None  # gathers still in flight

@@ -342,6 +342,20 @@ def _largest_piece(schedule: Schedule) -> float:
                default=0.0)
 
 
+def _device_figures(schedule: Schedule, loads: list[float]) -> bool:
+    """worst_device_load and device_imbalance from the device loads; whether the file records
+    a device lower bound (device_lower_bound and device_gap come together)."""
+    m = schedule.metrics.tp
+    mean = sum(loads) / len(loads)
+    expect("metrics.tp.worst_device_load", m.worst_device_load, max(loads), "metrics.device")
+    expect("metrics.tp.device_imbalance", m.device_imbalance, max(loads) / mean if mean else 1.0, "metrics.device")
+    if m.device_lower_bound is None or m.device_gap is None:
+        if (m.device_lower_bound, m.device_gap) != (None, None):
+            fail("metrics.tp: device_lower_bound and device_gap come together")
+        return False
+    return True
+
+
 def _check_device_bound(schedule: Schedule, loads: list[float]) -> None:
     """worst_device_load and device_imbalance from the device loads; device_lower_bound lies
     between what the file alone proves (the mean of the matrices' own work plus every device's
@@ -351,11 +365,7 @@ def _check_device_bound(schedule: Schedule, loads: list[float]) -> None:
     written before the plan-independent bound recorded max(mean, largest hosted piece)."""
     m, req = schedule.metrics.tp, schedule.request
     mean = sum(loads) / len(loads)
-    expect("metrics.tp.worst_device_load", m.worst_device_load, max(loads), "metrics.device")
-    expect("metrics.tp.device_imbalance", m.device_imbalance, max(loads) / mean if mean else 1.0, "metrics.device")
-    if m.device_lower_bound is None or m.device_gap is None:
-        if (m.device_lower_bound, m.device_gap) != (None, None):
-            fail("metrics.tp: device_lower_bound and device_gap come together")
+    if not _device_figures(schedule, loads):
         return
     adamw = [schedule.metrics.dp.adamw_load[d.dp_rank] / req.tp for d in schedule.metrics.device]
     work = sum(e.cost for e in schedule.params if e.optimizer == MATRIX)
@@ -375,11 +385,7 @@ def check_device_balance(schedule: Schedule, loads: list[float], largest: float)
     max(mean device load, `largest` piece: a matrix, or a team member's share); device_gap."""
     m = schedule.metrics.tp
     mean = sum(loads) / len(loads)
-    expect("metrics.tp.worst_device_load", m.worst_device_load, max(loads), "metrics.device")
-    expect("metrics.tp.device_imbalance", m.device_imbalance, max(loads) / mean if mean else 1.0, "metrics.device")
-    if m.device_lower_bound is None or m.device_gap is None:
-        if (m.device_lower_bound, m.device_gap) != (None, None):
-            fail("metrics.tp: device_lower_bound and device_gap come together")
+    if not _device_figures(schedule, loads):
         return
     bound = max(mean, largest)
     expect("metrics.tp.device_lower_bound", m.device_lower_bound, bound,

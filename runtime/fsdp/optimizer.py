@@ -11,14 +11,16 @@ flight while a host computes. AdamW parameters are updated where they lie, eleme
 replicas execute the same plan on their own fragmentation groups (same gradients, same result).
 
 The geometry (who holds which rows, who sends what) is `canzona.schedules.fsdp`, the one the
-planner priced the schedule with. The formulas are `canzona.runtime.rules.optimizers`, the ones of
-`CanzonaOptimizer` and the single-process reference.
+planner priced the schedule with; `FragmentGeometry` hands it to the micro-group pipeline
+`CanzonaOptimizer` runs over TP (`canzona.runtime.exchange.pipeline`). The formulas are
+`canzona.runtime.rules.optimizers`, the ones of `CanzonaOptimizer` and the single-process
+reference.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from canzona.runtime.exchange import comm
+from canzona.runtime.exchange.pipeline import MicroGroupPipeline
 from canzona.runtime.faults import StepFailedError, as_timedelta, first_line, gather_objects, settle, wait
 from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
 from canzona.runtime.rules.optimizers import (
@@ -45,22 +47,10 @@ from canzona.runtime.schedule import ScheduleMismatchError, Verdict, disagreemen
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
 from canzona.schedules.geometry import fsdp_rows
+from canzona.schedules.layout import Task
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.limits import FSDP
 from canzona.schedules.text import printable
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """One matrix of a micro-group: its position in the optimizer's parameter list, full shape,
-    TP dim, row blocks and host fragment rank."""
-
-    position: int
-    name: str
-    shape: tuple[int, int]
-    tp_dim: int | None
-    row_blocks: list[Any] | None
-    host: int
 
 
 @dataclass(frozen=True)
@@ -70,6 +60,56 @@ class Place:
     layout: FsdpLayout
     replica: int
     fragment: int
+
+
+class FragmentGeometry:
+    """The fragmentation group of one replica, as the micro-group pipeline sees it: fragment
+    rank f holds its FSDP rows of its TP shard (f mod TP) of every matrix; the host gathers the
+    pieces it needs (`sends_to_host`) and assembles the whole matrix."""
+
+    def __init__(self, layout: FsdpLayout, fragment: int) -> None:
+        self.layout, self.rank, self.size = layout, fragment, layout.hosts
+
+    def updates(self, task: Task, rank: int) -> bool:
+        """Its host."""
+        return task.host == rank
+
+    def _shape(self, task: Task, fragment: int) -> tuple[int, ...]:
+        return shard_shape(task.shape, task.tp_dim, self.layout, fragment)
+
+    def gather_numel(self, task: Task, sender: int, receiver: int) -> int:
+        """The sender's whole piece, if the host needs it."""
+        needed = receiver == task.host and (sender == receiver or sends_to_host(task.tp_dim, sender, receiver, self.layout.tp))
+        return shard_numel(task.shape, task.tp_dim, self.layout, sender) if needed else 0
+
+    def gather_piece(self, task: Task, grad: Tensor, receiver: int) -> Tensor:
+        """This device's whole piece."""
+        return grad
+
+    def assemble(self, task: Task, pieces: Sequence[Tensor], grad: Tensor, dtype: torch.dtype,
+                 device: torch.device) -> Tensor:
+        """The FSDP rows of each TP shard stacked, the TP shards concatenated (a replicated
+        matrix: the host's TP column only)."""
+        layout = self.layout
+        columns = range(layout.tp) if task.tp_dim is not None else [self.rank % layout.tp]
+        parts = [torch.cat([pieces[s * layout.tp + t].view(self._shape(task, s * layout.tp + t)) for s in range(layout.shards)])
+                 for t in columns]
+        return parts[0] if task.tp_dim is None else torch.cat(parts, dim=task.tp_dim)
+
+    def scatter_numel(self, task: Task, sender: int, receiver: int) -> int:
+        """The receiver's piece, from the host."""
+        return shard_numel(task.shape, task.tp_dim, self.layout, receiver) if sender == task.host else 0
+
+    def scatter_piece(self, task: Task, result: Tensor, receiver: int) -> Tensor:
+        """The receiver's FSDP rows of its TP shard of the whole update."""
+        layout = self.layout
+        local = tp_shard(result, task.tp_dim, layout.tp, receiver % layout.tp)
+        start, stop = fsdp_rows(local.shape[0], layout.shards)[layout.shard_of(receiver)]
+        return local[start:stop]
+
+    def received(self, task: Task, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The host's piece, in this device's shape."""
+        return pieces[task.host].view(self._shape(task, self.rank))
 
 
 def _mesh_of(params: list[tuple[str, Tensor]]) -> Any:
@@ -196,11 +236,12 @@ class FsdpOptimizer(torch.optim.Optimizer):
         position = {name: index for index, name in enumerate(self.names)}
         self.group_of = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
         self.matrix = [entries[name].optimizer == MATRIX for name in self.names]
-        self.micro_groups = [
-            [Matrix(position[n], n, tuple(entries[n].shape), entries[n].tp_dim, entries[n].row_blocks, h)  # type: ignore[arg-type]
-             for n, h in zip(group.params, group.hosts) if n in position]
-            for group in self.schedule.tp.ranks[0].groups
-        ]
+        layout = place.layout
+        micro_groups = [tuple(Task(position[n], h, tuple(entries[n].shape), entries[n].tp_dim, layout.tp,  # type: ignore[arg-type]
+                                   entries[n].row_blocks) for n, h in zip(group.params, group.hosts) if n in position)
+                        for group in self.schedule.tp.ranks[0].groups]
+        self.pipeline = MicroGroupPipeline(micro_groups, FragmentGeometry(layout, place.fragment), self.group, self.device,
+                                           self.timeout, "FSDP")
         self._problem: str | None = None  # the first failure of the step in progress
         self._failed: str | None = None  # a step failed after hosts changed state: load a state first
         self.stack_limit = max(1, self.schedule.request.group_bytes // 32)  # as CanzonaOptimizer's hosts
@@ -251,8 +292,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
             raise
         for position in (p for p, on in enumerate(active) if on):
             self.state[self.tensors[position]]["step"] += 1
-        for group, pieces in received:
-            self._apply(group, pieces, hps)
+        self._apply(received, hps)
         self._step_adamw(active, hps)
         return loss
 
@@ -297,119 +337,57 @@ class FsdpOptimizer(torch.optim.Optimizer):
                        state["step"], hps[self.group_of[position]])
                 self._commit(position)
 
-    def _step_matrices(self, active: list[bool], hps: list[Hyperparameters]) -> list[tuple[list[Matrix], Tensor]]:
-        """Gather, update on the hosts and scatter every micro-group (the next gather in
-        flight); this device's update pieces per group, not applied yet."""
-        groups = [[m for m in group if active[m.position]] for group in self.micro_groups]
-        groups = [group for group in groups if group]
-        scatters: list[tuple[list[Matrix], comm.InFlight]] = []
-        gather = self._start_gather(groups[0]) if groups else None
-        for index, group in enumerate(groups):
-            following = self._start_gather(groups[index + 1]) if index + 1 < len(groups) else None
-            assert gather is not None
-            updates = self._host_updates(group, gather.wait(), hps)
-            scatters.append((group, self._start_scatter(group, updates)))
-            gather = following
-        return [(group, scatter.wait()) for group, scatter in scatters]
+    def _step_matrices(self, active: list[bool], hps: list[Hyperparameters]) -> list[tuple[Task, Tensor]]:
+        """Gather, update on the hosts and scatter every micro-group (the shared pipeline);
+        this device's update pieces, not applied yet."""
+        received: list[tuple[Task, Tensor]] = []
+        # on one device the pipeline hands the gradient itself to the update, which uses it as scratch
+        copy = self.pipeline.geometry.size == 1
+        self.pipeline.run(lambda task: self._grad(task.param).clone() if copy else self._grad(task.param),
+                          lambda tasks, full: self._host_updates(tasks, full, hps),
+                          lambda task, piece: received.append((task, piece)), lambda task: active[task.param])
+        return received
 
-    # -----------------------------------------------------------------------------------------
-    # Gather, host update, scatter
-
-    def _contributes(self, matrix: Matrix, sender: int) -> bool:
-        return sender == matrix.host or sends_to_host(matrix.tp_dim, sender, matrix.host, self.place.layout.tp)
-
-    def _numel(self, matrix: Matrix, fragment: int) -> int:
-        return shard_numel(matrix.shape, matrix.tp_dim, self.place.layout, fragment)
-
-    def _start_gather(self, group: list[Matrix]) -> comm.InFlight:
-        """Send each matrix's gradient piece to its host (one fused all-to-all)."""
-        me, hosts = self.place.fragment, self.place.layout.hosts
-        outgoing: list[list[Tensor]] = [[] for _ in range(hosts)]
-        for m in group:
-            if self._contributes(m, me):
-                outgoing[m.host].append(self._grad(m.position).reshape(-1))
-        recv = [sum(self._numel(m, q) for m in group if m.host == me and self._contributes(m, q)) for q in range(hosts)]
-        return self._all_to_all(outgoing, recv, "the FSDP gather of gradients")
-
-    def _all_to_all(self, outgoing: list[list[Tensor]], recv: list[int], what: str) -> comm.InFlight:
-        pieces = [piece for peer in outgoing for piece in peer]
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=self.device)
-        splits = [sum(piece.numel() for piece in peer) for peer in outgoing]
-        return comm.start_all_to_all(send, splits, recv, self.group, self.timeout, what)
-
-    def _host_updates(self, group: list[Matrix], received: Tensor, hps: list[Hyperparameters]) -> dict[int, Tensor]:
-        """The update of every matrix this device hosts, from the pieces it received: matrices
-        of one param group, shape and row blocks updated as one batch (`matrix_update_batch`),
-        their state in place."""
-        layout, me = self.place.layout, self.place.fragment
-        mine = [m for m in group if m.host == me]
-        pieces: dict[tuple[int, int], Tensor] = {}
-        offset = 0
-        for sender in range(layout.hosts):
-            for m in mine:
-                if self._contributes(m, sender):
-                    size = self._numel(m, sender)
-                    shape = shard_shape(m.shape, m.tp_dim, layout, sender)
-                    pieces[(m.position, sender)] = received[offset : offset + size].view(shape)
-                    offset += size
-        full = {}
-        for m in mine:
-            columns = range(layout.tp) if m.tp_dim is not None else [me % layout.tp]
-            parts = [torch.cat([pieces[(m.position, s * layout.tp + t)] for s in range(layout.shards)]) for t in columns]
-            full[m.position] = parts[0] if m.tp_dim is None else torch.cat(parts, dim=m.tp_dim)
-        batches: dict[Any, list[Matrix]] = {}
-        for m in mine:
-            blocks = tuple(tuple(map(tuple, block)) for block in m.row_blocks) if m.row_blocks else None
-            batches.setdefault((self.group_of[m.position], m.shape, blocks), []).append(m)
+    def _host_updates(self, tasks: Sequence[Task], full: dict[int, Tensor], hps: list[Hyperparameters]) -> dict[int, Tensor]:
+        """The update of every matrix this device hosts, from its whole gradient (scratch):
+        matrices of one param group, shape and row blocks updated as one batch
+        (`matrix_update_batch`), their state in place."""
+        batches: dict[Any, list[Task]] = {}
+        for task in tasks:
+            blocks = tuple(tuple(map(tuple, block)) for block in task.row_blocks) if task.row_blocks else None
+            batches.setdefault((self.group_of[task.param], task.shape, blocks), []).append(task)
         for batch in batches.values():
-            self._host_batch(batch, [full[m.position] for m in batch], hps[self.group_of[batch[0].position]])
+            self._host_batch(batch, [full[task.param] for task in batch], hps[self.group_of[batch[0].param]])
         return full
 
-    def _host_batch(self, batch: list[Matrix], grads: list[Tensor], hp: Hyperparameters) -> None:
+    def _host_batch(self, batch: list[Task], grads: list[Tensor], hp: Hyperparameters) -> None:
         """Turn `grads` (scratch) into the batch's updates, or, once a host failed this step,
         into zero updates that keep the collectives going (the step then fails everywhere)."""
         if self._problem is None:
             try:
                 rule: MatrixRule = make_rule(self.rule_name, hp)
-                states = [self._matrix_state(m, rule) for m in batch]
-                steps = [self.state[self.tensors[m.position]]["step"] + 1 for m in batch]
+                states = [self._matrix_state(task, rule) for task in batch]
+                steps = [self.state[self.tensors[task.param]]["step"] + 1 for task in batch]
                 matrix_update_batch(rule, states, grads, batch[0].row_blocks, steps, self.stack_limit)
                 return
             except Exception as error:  # noqa: BLE001 - reported on every rank by the step's settle
-                self._problem = f"updating {batch[0].name}: {first_line(error)}"
+                self._problem = f"updating {self.names[batch[0].param]}: {first_line(error)}"
         for grad in grads:
             grad.zero_()
 
-    def _matrix_state(self, m: Matrix, rule: MatrixRule) -> list[Any]:
-        state = self.state[self.tensors[m.position]]
+    def _matrix_state(self, task: Task, rule: MatrixRule) -> list[Any]:
+        state = self.state[self.tensors[task.param]]
         if "matrix" not in state:
-            state["matrix"] = init_matrix_state(rule, m.shape, m.row_blocks, self.device)
+            state["matrix"] = init_matrix_state(rule, task.shape, task.row_blocks, self.device)
         return state["matrix"]
 
-    def _piece(self, update: Tensor, m: Matrix, fragment: int) -> Tensor:
-        """Fragment rank `fragment`'s piece of a whole matrix's update."""
-        layout = self.place.layout
-        local = tp_shard(update, m.tp_dim, layout.tp, fragment % layout.tp)
-        start, stop = fsdp_rows(local.shape[0], layout.shards)[layout.shard_of(fragment)]
-        return local[start:stop].reshape(-1)
-
-    def _start_scatter(self, group: list[Matrix], updates: dict[int, Tensor]) -> comm.InFlight:
-        """Send every device its piece of each update this device hosts (one fused all-to-all)."""
-        me, hosts = self.place.fragment, self.place.layout.hosts
-        outgoing = [[self._piece(updates[m.position], m, q) for m in group if m.host == me] for q in range(hosts)]
-        recv = [sum(self._numel(m, me) for m in group if m.host == q) for q in range(hosts)]
-        return self._all_to_all(outgoing, recv, "the FSDP scatter of updates")
-
-    def _apply(self, group: list[Matrix], received: Tensor, hps: list[Hyperparameters]) -> None:
-        """Apply this device's pieces (ordered by host, then group order) to its shards."""
-        me, offset = self.place.fragment, 0
-        for m in sorted(group, key=lambda m: m.host):  # stable: by host, then group order
-            size = self._numel(m, me)
-            value = self._value(m.position)
-            hp = hps[self.group_of[m.position]]
-            apply_update(value, received[offset : offset + size].view(value.shape), hp.lr, hp.weight_decay)
-            self._commit(m.position)
-            offset += size
+    def _apply(self, received: list[tuple[Task, Tensor]], hps: list[Hyperparameters]) -> None:
+        """Apply this device's pieces of the updates to its shards."""
+        for task, piece in received:
+            value = self._value(task.param)
+            hp = hps[self.group_of[task.param]]
+            apply_update(value, piece.view(value.shape), hp.lr, hp.weight_decay)
+            self._commit(task.param)
 
     # -----------------------------------------------------------------------------------------
     # Checkpoints: the same layout only

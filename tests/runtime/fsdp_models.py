@@ -49,14 +49,18 @@ def qwen3_bf16() -> nn.Module:
     return qwen3().to(torch.bfloat16)
 
 
-def titan() -> nn.Module:
-    """The dense torchtitan-named model (fp32, seeded random init); its attention runs on local
-    heads under TP (`LocalAttention`, no parameter of its own)."""
+def _titan(config: Any) -> nn.Module:
     torch.manual_seed(0)
-    model = TitanModel(TITAN)
+    model = TitanModel(config)
     for block in model.layers.values():
         block.attention.__class__ = LocalAttention
     return model
+
+
+def titan() -> nn.Module:
+    """The dense torchtitan-named model (fp32, seeded random init); its attention runs on local
+    heads under TP (`LocalAttention`, no parameter of its own)."""
+    return _titan(TITAN)
 
 
 def titan_tp2() -> nn.Module:
@@ -68,11 +72,7 @@ def titan_tp2() -> nn.Module:
 
 def titan_odd() -> nn.Module:
     """`titan` with a vocabulary of 255 rows, which TP 2 shards unevenly (as DTensor chunks)."""
-    torch.manual_seed(0)
-    model = TitanModel(TITAN_ODD)
-    for block in model.layers.values():
-        block.attention.__class__ = LocalAttention
-    return model
+    return _titan(TITAN_ODD)
 
 
 def titan_odd_tp2() -> nn.Module:

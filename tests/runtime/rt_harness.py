@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from canzona.runtime import CollectiveError
 from canzona.runtime import make_groups as runtime_make_groups
 from canzona.schedules.format import Schedule
 
@@ -138,3 +139,29 @@ def make_schedule(model: str | Path, tp: int, dp: int, *, optimizer: str = "muon
         bucket_size=bucket_size, options=options, group_bytes=group_bytes, ep=ep, coop=coop, order=order,
     )
     return compile_schedule(make_plan(spec, request))
+
+
+def timed_collective_failure(optimizer: Any) -> dict[str, Any]:
+    """Step once: the CollectiveError it raises (None: none) and how long the step took; after
+    one, the next step must refuse at once (the groups cannot be trusted)."""
+    started = time.monotonic()
+    try:
+        optimizer.step()
+    except CollectiveError as error:
+        elapsed = time.monotonic() - started
+        with pytest.raises(CollectiveError, match="an earlier collective failed"):
+            optimizer.step()
+        return {"error": str(error), "elapsed": elapsed}
+    return {"error": None, "elapsed": time.monotonic() - started}
+
+
+def reload_and_step(optimizer: Any, state: dict[str, Any], params: list[tuple[str, torch.Tensor]],
+                    values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """After a failed step: load the optimizer `state` and the parameters' `values` saved
+    before it (a checkpoint), step again (the groups are still usable) and return the values."""
+    optimizer.load_state_dict(state)
+    with torch.no_grad():
+        for (_, param), value in zip(params, values):
+            param.copy_(value)
+    optimizer.step()
+    return {name: p.detach().clone() for name, p in params}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from rt_harness import DATA, make_schedule, run_ranks
+from rt_harness import DATA, make_schedule, reload_and_step, run_ranks
 from rt_oracle import compare, reference_run, train_worker
 
 STEPS = 5
@@ -164,12 +164,7 @@ def _failing_member_worker(rank: int, world: int, schedule: Any) -> dict[str, An
         cooperative._all_reduce = flaky
     out: dict[str, Any] = {"failed": _failing_step(optimizer, params, 2)}
     cooperative._all_reduce = original
-    optimizer.load_state_dict(state)  # the step changed state: load a checkpoint, then step again
-    with torch.no_grad():
-        for (_, param), value in zip(params, values):
-            param.copy_(value)
-    optimizer.step()  # the groups are still usable: the same step now succeeds
-    out["params"] = {name: p.detach().clone() for name, p in params}
+    out["params"] = reload_and_step(optimizer, state, params, values)  # the step changed state: load a checkpoint
     return out
 
 

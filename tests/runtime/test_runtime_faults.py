@@ -24,14 +24,13 @@ import canzona.runtime.state.checkpoint as checkpoint
 from canzona.runtime import (
     CanzonaOptimizer,
     CheckpointError,
-    CollectiveError,
     StepFailedError,
     load_checkpoint,
     save_checkpoint,
 )
 from canzona.schedules.format import Schedule
 
-from rt_harness import DATA, make_groups, make_schedule, run_ranks, run_ranks_raw
+from rt_harness import DATA, make_groups, make_schedule, reload_and_step, run_ranks, run_ranks_raw, timed_collective_failure
 from rt_oracle import compare, full_grad, full_params, ordered, reference_run, shard
 
 MODEL = DATA / "tiny_moe.json"
@@ -130,12 +129,7 @@ def _inside_step_worker(rank: int, world: int, schedule: Schedule) -> dict[str, 
     with pytest.raises(StepFailedError) as refused:
         optimizer.step()
     out["refused"] = str(refused.value)
-    optimizer.load_state_dict(state)
-    with torch.no_grad():
-        for (_, param), value in zip(params, values):
-            param.copy_(value)
-    optimizer.step()  # the groups are still usable: the same step now succeeds
-    out["params"] = {name: p.detach().clone() for name, p in params}
+    out["params"] = reload_and_step(optimizer, state, params, values)  # the same step now succeeds
     return out
 
 
@@ -183,15 +177,7 @@ def _killed_worker(rank: int, world: int, schedule: Schedule, hang_s: float) -> 
     if rank == 3:
         _failing_rule(lambda rule: _Dying(rule, hang_s))
     _grads(optimizer, params, 2)
-    started = time.monotonic()
-    try:
-        optimizer.step()
-    except CollectiveError as error:
-        elapsed = time.monotonic() - started
-        with pytest.raises(CollectiveError, match="an earlier collective failed"):
-            optimizer.step()
-        return {"error": str(error), "elapsed": elapsed}
-    return {"error": None, "elapsed": time.monotonic() - started}
+    return timed_collective_failure(optimizer)
 
 
 @pytest.mark.slow

@@ -12,16 +12,15 @@ overlap give bit-identical parameters and state."""
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import pytest
 import torch
 
-from canzona.runtime import CanzonaOptimizer, CollectiveError, ScheduleMismatchError, StepFailedError
+from canzona.runtime import CanzonaOptimizer, ScheduleMismatchError, StepFailedError
 from canzona.runtime.exchange import reduction
 
-from rt_harness import DATA, make_groups, make_schedule, run_ranks, run_ranks_raw
+from rt_harness import DATA, make_groups, make_schedule, run_ranks, run_ranks_raw, timed_collective_failure
 from rt_oracle import (
     DP4,
     GradModel,
@@ -242,15 +241,7 @@ def _dying_worker(rank: int, world: int, schedule: Any) -> dict[str, Any]:
     if rank == 3:  # dies in the middle of backward, after its first buckets were launched
         params[len(params) // 2][1].register_post_accumulate_grad_hook(lambda _: os._exit(1))
     _backward(optimizer, model, 1)
-    started = time.monotonic()
-    try:
-        optimizer.step()
-    except CollectiveError as error:
-        elapsed = time.monotonic() - started
-        with pytest.raises(CollectiveError, match="an earlier collective failed"):
-            optimizer.step()
-        return {"error": str(error), "elapsed": elapsed}
-    return {"error": None, "elapsed": time.monotonic() - started}
+    return timed_collective_failure(optimizer)
 
 
 @pytest.mark.slow

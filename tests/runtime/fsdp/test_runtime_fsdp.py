@@ -216,6 +216,14 @@ def test_hsdp_2x2_equals_the_reference(folder: str) -> None:
     run_ranks(_train, 4, "qwen3", path, (2, 2), ("replicate", "shard"), timeout=180)
 
 
+def test_hsdp_2x1_one_device_per_replica_hosts_everything(folder: str) -> None:
+    """One device per fragmentation group: the pipeline skips its all-to-alls, and the update
+    must not use the gradient itself as scratch."""
+    pytest.importorskip("transformers")
+    path = planned("qwen3", 1, 2, 2, folder)
+    run_ranks(_train, 2, "qwen3", path, (2, 1), ("replicate", "shard"), timeout=180)
+
+
 @pytest.mark.parametrize("factory", ["titan_tp2", "qwen3_tp2", "titan_odd_tp2"])
 def test_tp2_x_fsdp2_equals_the_reference(factory: str, folder: str) -> None:
     pytest.importorskip("transformers")
