@@ -40,16 +40,3 @@ def test_launch_order_is_the_simulators(source: str) -> None:
     assert runtime["gather"] == runtime["reduce"][::-1]
     kinds = {kind for kind, _ in runtime["reduce"]}
     assert kinds == {DENSE, ADAMW_BUFFER} and len(runtime["reduce"]) > 2
-
-
-def test_bucket_buffer_holds_each_parameter_once() -> None:
-    """Every parameter is one contiguous run of its bucket; no two overlap."""
-    schedule = make_schedule(DATA / "tiny_moe.json", 2, 2)
-    layout = build_dp_layout(schedule)
-    runs = sorted((layout.flat[e.index], layout.flat[e.index] + e.numel) for e in schedule.params)
-    assert all(a[1] <= b[0] for a, b in zip(runs, runs[1:]))
-    for entry in schedule.params:
-        bucket = layout.buckets[layout.bucket_of[entry.index]]
-        assert bucket.kind == entry.optimizer and bucket.index == entry.bucket and entry.index in bucket.params
-        assert bucket.base <= layout.flat[entry.index] and layout.flat[entry.index] + entry.numel <= bucket.base + bucket.numel
-    assert sum(b.numel for b in layout.buckets) == layout.total
