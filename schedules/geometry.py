@@ -70,10 +70,12 @@ def fsdp_rows(rows: int, shards: int) -> list[tuple[int, int]]:
 def tp_shard_shape(shape: Sequence[int], tp_dim: int | None, tp: int, tp_rank: int) -> tuple[int, ...]:
     """The shape of TP rank `tp_rank`'s shard of a parameter (`chunk_bounds` along `tp_dim`,
     so possibly shorter than the others, or empty; the whole shape when `tp_dim` is None)."""
+    if tp_dim is None:
+        return tuple(shape)
+    size = shape[tp_dim]
+    chunk = -(-size // tp)  # chunk_bounds(size, tp)[tp_rank], without the other ranks' bounds
     local = list(shape)
-    if tp_dim is not None:
-        start, stop = chunk_bounds(local[tp_dim], tp)[tp_rank]
-        local[tp_dim] = stop - start
+    local[tp_dim] = min(size, (tp_rank + 1) * chunk) - min(size, tp_rank * chunk)
     return tuple(local)
 
 
