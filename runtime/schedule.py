@@ -35,9 +35,12 @@ class ScheduleMismatchError(RuntimeError):
 
 def load_schedule(path: str | os.PathLike[str]) -> Schedule:
     """Read a schedule file, or a library schedule by name (e.g. "qwen3-32b/muon-tp8-dp32"),
-    and check every invariant the runtime relies on (ScheduleError)."""
+    and check every invariant the runtime relies on (ScheduleError). Reading runs the schedule
+    validator already; only what this runtime supports is left to check."""
     schedule = read_schedule(resolve_schedule(path))
-    check_schedule(schedule, str(path))
+    problem = _runtime_problem(schedule)
+    if problem:
+        raise ScheduleError(f"{path}: {problem}")
     return schedule
 
 

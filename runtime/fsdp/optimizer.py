@@ -43,12 +43,12 @@ from canzona.runtime.rules.optimizers import (
     matrix_update_batch,
 )
 from canzona.schedules.limits import MATRIX
-from canzona.runtime.schedule import ScheduleMismatchError, Verdict, disagreement, plan_digest, summary, tp_shard
-from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
+from canzona.runtime.schedule import (ScheduleMismatchError, Verdict, disagreement, load_schedule, plan_digest, summary,
+                                     tp_shard)
+from canzona.schedules.format import ParamEntry, Schedule, ScheduleError
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
 from canzona.schedules.geometry import fsdp_rows
 from canzona.schedules.layout import Task
-from canzona.schedules.library import resolve_schedule
 from canzona.schedules.limits import FSDP
 from canzona.schedules.text import printable
 
@@ -193,10 +193,6 @@ def _agree_on(schedule: Schedule | None, problem: str | None, frozen: str | None
         raise ScheduleMismatchError(printable(message))  # names from the file, shown on a terminal
 
 
-def _load(schedule: Schedule | str | os.PathLike[str]) -> Schedule:
-    return schedule if isinstance(schedule, Schedule) else read_schedule(resolve_schedule(schedule))
-
-
 class FsdpOptimizer(torch.optim.Optimizer):
     """Muon / Shampoo / SOAP (and AdamW) for an FSDP2-sharded model, executing an FSDP schedule.
 
@@ -212,7 +208,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
                  timeout: float | timedelta | None = None, **defaults: Any) -> None:
         self.timeout = as_timedelta(timeout)
         try:
-            self.schedule = _load(schedule)
+            self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(schedule)
         except ScheduleError as error:  # a file missing or broken on some ranks only: all of them raise
             _agree_on(None, str(error))
             raise
