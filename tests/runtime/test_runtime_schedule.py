@@ -114,6 +114,25 @@ def test_disagreement_messages() -> None:
     assert "grid" in (disagreement(grid) or "")
 
 
+def test_load_schedule_runs_the_validator_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a file runs the schedule validator; the runtime adds only its own check (the
+    validator takes about 0.4 s on the largest library file, at every rank's launch)."""
+    import canzona.runtime.schedule as runtime_schedule
+    import canzona.schedules.validate as validate
+
+    calls: list[str] = []
+    original = validate.schedule_problem
+
+    def counted(schedule: Schedule) -> str | None:
+        calls.append(schedule.request.model.name)
+        return original(schedule)
+
+    monkeypatch.setattr(validate, "schedule_problem", counted)
+    monkeypatch.setattr(runtime_schedule, "schedule_problem", counted)
+    load_schedule("qwen3-8b/muon-tp2-dp4")
+    assert calls == ["qwen3-8b"]
+
+
 def test_load_schedule_by_library_name_and_errors() -> None:
     from canzona.runtime import load_schedule
     from canzona.schedules.format import ScheduleError
