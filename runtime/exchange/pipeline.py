@@ -168,11 +168,11 @@ class MicroGroupPipeline:
     def _split(self, tasks: Sequence[Task], numel: Callable[[Task, int, int], int], received: Tensor) -> dict[int, list[Tensor]]:
         """Per task, the piece each sender sent this rank (in the order senders pack them)."""
         pieces: dict[int, list[Tensor]] = {t.param: [] for t in tasks}
-        offset = 0
+        offset, none = 0, received[:0]  # one empty view for every pair that moves nothing (most, at large TP)
         for sender in range(self.geometry.size):
             for task in tasks:
                 count = numel(task, sender, self.geometry.rank)
-                pieces[task.param].append(received[offset : offset + count])
+                pieces[task.param].append(received[offset : offset + count] if count else none)
                 offset += count
         return pieces
 
