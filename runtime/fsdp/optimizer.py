@@ -42,14 +42,13 @@ from canzona.runtime.rules.optimizers import (
     make_rule,
     matrix_update_batch,
 )
-from canzona.schedules.limits import MATRIX
 from canzona.runtime.schedule import (ScheduleMismatchError, Verdict, disagreement, load_schedule, plan_digest, summary,
                                      tp_shard)
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
 from canzona.schedules.geometry import fsdp_rows
 from canzona.schedules.layout import Task
-from canzona.schedules.limits import FSDP
+from canzona.schedules.limits import FSDP, MATRIX
 from canzona.schedules.text import printable
 
 
@@ -79,7 +78,8 @@ class FragmentGeometry:
 
     def gather_numel(self, task: Task, sender: int, receiver: int) -> int:
         """The sender's whole piece, if the host needs it."""
-        needed = receiver == task.host and (sender == receiver or sends_to_host(task.tp_dim, sender, receiver, self.layout.tp))
+        tp = self.layout.tp
+        needed = receiver == task.host and (sender == receiver or sends_to_host(task.tp_dim, sender, receiver, tp))
         return shard_numel(task.shape, task.tp_dim, self.layout, sender) if needed else 0
 
     def gather_piece(self, task: Task, grad: Tensor, receiver: int) -> Tensor:
@@ -92,8 +92,8 @@ class FragmentGeometry:
         matrix: the host's TP column only)."""
         layout = self.layout
         columns = range(layout.tp) if task.tp_dim is not None else [self.rank % layout.tp]
-        parts = [torch.cat([pieces[s * layout.tp + t].view(self._shape(task, s * layout.tp + t)) for s in range(layout.shards)])
-                 for t in columns]
+        senders = [[shard * layout.tp + column for shard in range(layout.shards)] for column in columns]
+        parts = [torch.cat([pieces[s].view(self._shape(task, s)) for s in column]) for column in senders]
         return parts[0] if task.tp_dim is None else torch.cat(parts, dim=task.tp_dim)
 
     def scatter_numel(self, task: Task, sender: int, receiver: int) -> int:
