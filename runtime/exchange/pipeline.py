@@ -89,10 +89,11 @@ class Geometry(Protocol):
     def gather_piece(self, task: Task, grad: Tensor, receiver: int) -> Tensor:
         """What this rank sends `receiver` of its gradient piece `grad`."""
 
-    def assemble(self, task: Task, pieces: Sequence[Tensor], grad: Tensor, dtype: torch.dtype,
+    def assemble(self, task: Task, pieces: Sequence[Tensor], grad_of: GradOf, dtype: torch.dtype,
                  device: torch.device) -> Tensor:
         """On a rank that updates `task`: the gradient it updates from (the full matrix, or a
-        team member's slice), from the pieces received and its own piece `grad`."""
+        team member's slice), from the pieces received and, where needed, its own piece
+        `grad_of(task)`."""
 
     def scatter_numel(self, task: Task, sender: int, receiver: int) -> int:
         """Elements of `task`'s result the scatter moves from `sender` to `receiver`."""
@@ -125,11 +126,13 @@ class TpGeometry:
         """The shard, or the receiving member's piece of it."""
         return cooperative.shard_piece(task, grad, self.rank, task.team.index(receiver)) if task.team else grad
 
-    def assemble(self, task: Task, pieces: Sequence[Tensor], grad: Tensor, dtype: torch.dtype,
+    def assemble(self, task: Task, pieces: Sequence[Tensor], grad_of: GradOf, dtype: torch.dtype,
                  device: torch.device) -> Tensor:
-        """The full matrix on its host, the slice on a team member."""
+        """The full matrix on its host, the slice on a team member (a replicated matrix: from
+        this rank's own copy)."""
         if task.tp_dim is None:
-            return cooperative.shard_piece(task, grad, 0, task.team.index(self.rank)) if task.team else grad
+            whole = grad_of(task)
+            return cooperative.shard_piece(task, whole, 0, task.team.index(self.rank)) if task.team else whole
         if task.team:
             return cooperative.assemble_slice(task, task.team.index(self.rank), pieces, dtype, device)
         return assemble(task, [p.view(task.shard_shape(sender)) for sender, p in enumerate(pieces)])
@@ -193,7 +196,7 @@ class MicroGroupPipeline:
     def _full_grads(self, tasks: Sequence[Task], received: Tensor, grad_of: GradOf) -> dict[int, Tensor]:
         """The gradient of every task this rank updates, from the gathered pieces."""
         pieces = self._split(tasks, self.geometry.gather_numel, received)
-        return {t.param: self.geometry.assemble(t, pieces[t.param], grad_of(t), received.dtype, self.device)
+        return {t.param: self.geometry.assemble(t, pieces[t.param], grad_of, received.dtype, self.device)
                 for t in self._hosted(tasks, self.geometry.rank)}
 
     def _start_scatter(self, tasks: Sequence[Task], updates: dict[int, Tensor]) -> InFlight:

@@ -86,7 +86,7 @@ class FragmentGeometry:
         """This device's whole piece."""
         return grad
 
-    def assemble(self, task: Task, pieces: Sequence[Tensor], grad: Tensor, dtype: torch.dtype,
+    def assemble(self, task: Task, pieces: Sequence[Tensor], grad_of: Callable[[Task], Tensor], dtype: torch.dtype,
                  device: torch.device) -> Tensor:
         """The FSDP rows of each TP shard stacked, the TP shards concatenated (a replicated
         matrix: the host's TP column only)."""
