@@ -241,11 +241,9 @@ class Round:
         (another tensor, None, or other values), on the device; also re-reads and checks every
         such gradient (problems recorded) and updates `has_grad` to what the step will pack."""
         plan = self.plan
-        flags = torch.zeros(len(plan.layout.buckets), dtype=torch.int32, device=plan.device)
-        for bucket in self.stale:
-            flags[bucket] = 1
-        differs: list[Tensor] = []
-        buckets: list[int] = []
+        replaced = set(self.stale)  # buckets known to have changed without looking at values
+        prints: list[Tensor] = []  # the fingerprint now of each entry still holding the packed tensor
+        entries: list[int] = []
         for index in plan.managed:
             grad, referent = self.current(index), self.referents[index]
             try:
@@ -254,15 +252,19 @@ class Round:
                 self.fail(str(error) if isinstance(error, ValueError) else first_line(error))
                 flat = None
             self.has_grad[index] = flat is not None
-            bucket = plan.layout.bucket_of[index]
             if referent is None or referent() is not grad:
-                flags[bucket] = 1
+                replaced.add(plan.layout.bucket_of[index])
             elif flat is not None:
-                differs.append((_fingerprint(flat) != self.fingerprints[index]).any())
-                buckets.append(bucket)
-        if differs:
-            where = torch.tensor(buckets, dtype=torch.int64, device=plan.device)
-            flags.index_add_(0, where, torch.stack(differs).to(torch.int32))
+                prints.append(_fingerprint(flat))
+                entries.append(index)
+        flags = torch.zeros(len(plan.layout.buckets), dtype=torch.int32, device=plan.device)
+        if replaced:
+            flags[torch.tensor(sorted(replaced), dtype=torch.int64, device=plan.device)] = 1
+        if prints:
+            rows = torch.tensor(entries, dtype=torch.int64, device=plan.device)
+            differs = (torch.stack(prints) != self.fingerprints[rows]).any(dim=1)
+            where = torch.tensor([plan.layout.bucket_of[i] for i in entries], dtype=torch.int64, device=plan.device)
+            flags.index_add_(0, where, differs.to(torch.int32))
         return flags.clamp_(max=1)
 
     def redo(self, buckets: Iterable[int]) -> None:
