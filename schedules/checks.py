@@ -5,12 +5,10 @@ figures, and the rules every sharding mode applies to a micro-group."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from canzona.schedules.models import ParamEntry
 from canzona.schedules.teams import placements, team_problem
-
-if TYPE_CHECKING:
-    from canzona.schedules.format import ParamEntry
 
 # Recomputed sums differ from the planner's only by summation order: about n · 2^-53 relative
 # for n ≤ 65536 terms (< 1e-11), so 1e-9 relative flags any edit while never a planner file.

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from math import lcm, prod
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from canzona.schedules.checks import Problem, check_group, close, dp_rank_of, expect, fail
 from canzona.schedules.costs import BUILT_IN_COSTS, adamw_cost, matrix_cost
@@ -52,12 +52,10 @@ from canzona.schedules.limits import (
     sharding_problem,
     unused_settings_problem,
 )
+from canzona.schedules.models import BucketEntry, ParamEntry, Schedule
 from canzona.schedules.splits import Blocks, as_blocks, derived_problem, expanded_by_canzona, listed_problem, submatrices
 from canzona.schedules.validate_fsdp import check_fsdp
 from canzona.schedules.validate_metrics import check_metrics
-
-if TYPE_CHECKING:
-    from canzona.schedules.format import BucketEntry, ParamEntry, Schedule
 
 
 def schedule_problem(schedule: Schedule) -> str | None:

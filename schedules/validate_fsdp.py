@@ -6,8 +6,6 @@ checks; raises `checks.Problem` like the other rules.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from canzona.schedules.checks import check_group, expect, fail
 from canzona.schedules.costs import BUILT_IN_COSTS, adamw_cost
 from canzona.schedules.fsdp import (
@@ -20,6 +18,7 @@ from canzona.schedules.fsdp import (
 )
 from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT
 from canzona.schedules.limits import ADAMW, MATRIX
+from canzona.schedules.models import ParamEntry, Schedule
 from canzona.schedules.validate_metrics import (
     adamw_bytes,
     check_baselines,
@@ -30,9 +29,6 @@ from canzona.schedules.validate_metrics import (
     check_score,
     param_states,
 )
-
-if TYPE_CHECKING:
-    from canzona.schedules.format import ParamEntry, Schedule
 
 
 def check_fsdp(schedule: Schedule) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from canzona.schedules.bounds import dp_lower_bound
 from canzona.schedules.checks import REL_TOL, close, dp_rank_of, expect, fail
@@ -18,12 +18,10 @@ from canzona.schedules.costs import BUILT_IN_COSTS, adamw_bytes_per_element, ada
 from canzona.schedules.figures import BASELINE_PADDING, Member, baseline_loads, bucket_traffic, micro_group_traffic
 from canzona.schedules.geometry import DTYPE_BYTES, GRAD_BYTES_PER_ELEMENT, PARAM_ALIGNMENT, padded_bucket_numel, round_up, slice_sizes
 from canzona.schedules.limits import ADAMW, MATRIX, TP_MODES
+from canzona.schedules.models import ParamEntry, Schedule, StrategyScore
 from canzona.schedules.searches import DEFAULT_ALPHAS, DEFAULT_BUCKET_SIZES, alpha_winner, bucket_winner
 from canzona.schedules.splits import as_blocks, submatrices
 from canzona.schedules.teams import placements
-
-if TYPE_CHECKING:
-    from canzona.schedules.format import ParamEntry, Schedule, StrategyScore
 
 CP_SAT_STATUSES = ("OPTIMAL", "FEASIBLE", "INFEASIBLE", "MODEL_INVALID", "UNKNOWN", "SKIPPED")
 _METHOD = re.compile(r"[a-z0-9+(). -]{1,200}")  # the partition methods' labels (dp.py, free_order.py, plan.py)

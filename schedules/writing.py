@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
-if TYPE_CHECKING:
-    from canzona.schedules.format import Schedule
+from canzona.schedules.models import Schedule
 
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 _ROW_LINE = re.compile(r"^( *)- (__canzona_rows_\d+__)$", re.MULTILINE)

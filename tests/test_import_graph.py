@@ -1,5 +1,5 @@
-"""The import graphs of `planner/` and `runtime/` (docs/architecture.md, dependency rules): no
-import circles in either, and the planner's layers depend one way.
+"""The import graphs of `planner/`, `runtime/`, `schedules/` and `cli/` (docs/architecture.md,
+dependency rules): no import circles in any, and the planner's layers depend one way.
 
 The graph is read from the source with `ast`, so every import statement counts: at module level,
 inside a function and under `if TYPE_CHECKING:` alike. A circle is a strongly connected
@@ -13,8 +13,10 @@ from types import ModuleType
 
 import pytest
 
+import canzona.cli
 import canzona.planner
 import canzona.runtime
+import canzona.schedules
 
 # An import edge: importer, imported.
 Edge = tuple[str, str]
@@ -174,7 +176,8 @@ def layer_violations(edges: dict[Edge, str]) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("package", [canzona.planner, canzona.runtime], ids=["planner", "runtime"])
+@pytest.mark.parametrize("package", [canzona.planner, canzona.runtime, canzona.schedules, canzona.cli],
+                         ids=["planner", "runtime", "schedules", "cli"])
 def test_no_import_circles(package: ModuleType) -> None:
     edges = import_graph(package.__name__, Path(package.__file__).parent)
     # The graph really covers the package: function-level and TYPE_CHECKING imports are edges.
