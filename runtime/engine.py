@@ -94,9 +94,7 @@ class Groups:
 
 
 def _global_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
-    if group is None:
-        return ()
-    return tuple(dist.get_global_rank(group, r) for r in range(dist.get_world_size(group)))
+    return () if group is None else tuple(dist.get_process_group_ranks(group))
 
 
 class Engine:
@@ -116,8 +114,8 @@ class Engine:
         place = plan.place
         self.pipeline = (None if plan.strategy.tp_replicated else MicroGroupPipeline(
             plan.groups, TpGeometry(place.tp_rank, place.tp_size), groups.tp, plan.device, self.wait_timeout))
-        teams = [] if self.pipeline is None else [t for tasks in plan.groups for t in tasks]
-        team_groups = cooperative.make_team_groups(teams, place.tp_rank, groups.tp, self.wait_timeout)
+        team_groups = cooperative.make_team_groups([t for tasks in plan.groups for t in tasks], place.tp_rank, groups.tp,
+                                                   self.wait_timeout)
         self.updater = Updater(plan, self.state, team_groups, self.wait_timeout)
         self.round: Round | None = None  # a reduction backward launched, not yet stepped
         self.reduced: list[bool] | None = None  # per entry: has a gradient somewhere (reduced, not yet stepped)
@@ -196,11 +194,9 @@ class Engine:
                     fresh.pack_rest()
                 buckets = torch.zeros(len(self.plan.layout.buckets), dtype=torch.int32, device=self.plan.device)
                 agreed = self._agree(problem or fresh.problem, step, fresh, buckets, scaling)
-                fresh.launch_rest()
-                fresh.wait()
+                fresh.drain()
             else:
-                hooked.launch_rest()
-                hooked.wait()
+                hooked.drain()
                 where = "after reducing its gradients"
                 agreed = self._agree(problem or hooked.problem, step, hooked, hooked.changes(), scaling, where)
                 if agreed.redo:
@@ -327,20 +323,12 @@ class Engine:
         if self.plan.strategy.all_dp:
             return  # DP-SC: every rank updated everything in place
         with self.collectives():
-            gather = self.gather = ParamGather(self.plan, self.comms, self.send, active)
-            if eager is None:
-                gather.finish()
-            else:
-                gather.wait([b for b in self.plan.layout.gather_order if b in eager])
-        if gather.done:
-            self.gather = None
+            self.gather = ParamGather(self.plan, self.comms, self.send, active)
+        self.wait_gather([b for b in self.plan.layout.gather_order if eager is None or b in eager])
 
     def finish_gather(self) -> None:
         """Wait for every parameter gather still in flight."""
-        if self.gather is not None:
-            with self.collectives():
-                self.gather.finish()
-            self.gather = None
+        self.wait_gather(self.plan.layout.gather_order)
 
     def wait_gather(self, buckets: list[int]) -> None:
         """Wait for the gathers of `buckets` (a module's forward pre-hook calls this)."""

@@ -25,11 +25,6 @@ from canzona.schedules.format import Schedule
 MAX_LISTED = 3
 
 
-def ep_rank_of(dp_rank: int, ep: int) -> int:
-    """The EP rank of a DP rank (dp_rank mod ep)."""
-    return dp_rank % ep
-
-
 def materialized(given: Sequence[Any]) -> list[Any]:
     """`given` with every group's "params" iterable turned into a list (copies of the group
     dicts), so that reading the names here does not use up a generator the groups hold."""
@@ -58,7 +53,7 @@ def foreign_experts(schedule: Schedule, names: list[str], dp_rank: int) -> str |
     ep = schedule.request.ep
     if ep == 1:
         return None
-    mine = ep_rank_of(dp_rank, ep)
+    mine = dp_rank % ep  # the EP rank of a DP rank
     placed = {e.name: e.ep_rank for e in schedule.params if e.ep_rank is not None}
     wrong = [f"{name} (EP rank {placed[name]})" for name in names if placed.get(name, mine) != mine]
     if not wrong:
@@ -84,9 +79,9 @@ def expert_group_problem(schedule: Schedule, dp_rank: int, dp_global: Sequence[i
     if size != dp // ep:
         found = f"EP {dp // size}" if size and dp % size == 0 else "no EP size"
         return f"the schedule is for EP {ep} (expert-DP {dp // ep}), but the expert-DP group has {size} ranks ({found})"
-    mine = ep_rank_of(dp_rank, ep)
+    mine = dp_rank % ep  # the EP rank of a DP rank
     expected = [dp_global[o * ep + mine] for o in range(size)]
-    found_ranks = [dist.get_global_rank(expert_group, o) for o in range(size)]
+    found_ranks = dist.get_process_group_ranks(expert_group)
     if found_ranks != expected:
         return (f"the expert-DP group holds global ranks {found_ranks}, the schedule's EP layout needs {expected} "
                 f"(DP ranks expert_dp_rank x ep + ep_rank, EP rank {mine})")

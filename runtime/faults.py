@@ -69,10 +69,6 @@ def wait(work: dist.Work | None, timeout: timedelta | None, what: str) -> None:
         raise collective_error(what, error, timeout) from error
 
 
-def _size(group: dist.ProcessGroup) -> int:
-    return dist.get_world_size(group)
-
-
 def gather_objects(value: Any, groups: Sequence[dist.ProcessGroup], what: str) -> list[Any]:
     """Every rank's `value` across the grid the groups span (nested: gather over groups[0],
     then gather those lists over groups[1], ...). On NCCL, `all_gather_object` stages the
@@ -80,8 +76,8 @@ def gather_objects(value: Any, groups: Sequence[dist.ProcessGroup], what: str) -
     gathered: list[Any] = [value]
     try:
         for group in groups:
-            if _size(group) > 1:
-                out: list[Any] = [None] * _size(group)
+            if dist.get_world_size(group) > 1:
+                out: list[Any] = [None] * dist.get_world_size(group)
                 dist.all_gather_object(out, gathered, group=group)
                 gathered = [item for part in out for item in part]
     except Exception as error:  # noqa: BLE001
@@ -104,19 +100,17 @@ def describe(failures: Sequence[tuple[int, str]]) -> str:
     return "; ".join(parts)
 
 
-def fail_together(problem: str | None, groups: Sequence[dist.ProcessGroup], point: str, failure: str,
-                  error: type[Exception] = StepFailedError) -> None:
-    """Raise `error` on every rank, naming every rank's problem: every rank calls it once the
+def fail_together(problem: str | None, groups: Sequence[dist.ProcessGroup], point: str, failure: str) -> None:
+    """Raise `StepFailedError` on every rank, naming every rank's problem: every rank calls it once the
     ranks know that one of them failed (one exchange of the problems)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     reports = gather_objects((rank, problem), groups, point)
-    raise error(f"canzona: {failure}; " + describe([(r, p) for r, p in reports if p]))
+    raise StepFailedError(f"canzona: {failure}; " + describe([(r, p) for r, p in reports if p]))
 
 
 def settle(problem: str | None, groups: Sequence[dist.ProcessGroup], timeout: timedelta | None, point: str,
-           failure: str, device: torch.device, error: type[Exception] = StepFailedError,
-           flags: torch.Tensor | None = None) -> torch.Tensor:
-    """A safe point (`point` names it): if any rank has a problem, every rank raises `error`
+           failure: str, device: torch.device, flags: torch.Tensor | None = None) -> torch.Tensor:
+    """A safe point (`point` names it): if any rank has a problem, every rank raises `StepFailedError`
     with `failure` and every rank's problem. One tiny all-reduce (MAX) per group when nobody
     failed, on `device` (NCCL takes no CPU tensors). `flags` (integers, on any device) ride
     along in the same all-reduce; returned as agreed by every rank: the maximum over all of
@@ -124,8 +118,8 @@ def settle(problem: str | None, groups: Sequence[dist.ProcessGroup], timeout: ti
     head = torch.tensor([1 if problem else 0], dtype=torch.int32, device=device)
     vector = head if flags is None else torch.cat([head, flags.to(device=device, dtype=torch.int32)])
     for group in groups:
-        if _size(group) > 1:
+        if dist.get_world_size(group) > 1:
             wait(dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout, point)
     if int(vector[0].item()):
-        fail_together(problem, groups, point, failure, error)
+        fail_together(problem, groups, point, failure)
     return vector[1:]

@@ -469,8 +469,8 @@ def _prepare(given: list[Any], schedule: Schedule | str | os.PathLike[str], defa
     if sharding_problem:
         return loaded, None, None, sharding_problem
     ep = loaded.request.ep
-    ep_rank = experts.ep_rank_of(place.dp_rank, ep)
-    dp_ranks = [dist.get_global_rank(dp_group, r) for r in range(place.dp_size)]
+    ep_rank = place.dp_rank % ep
+    dp_ranks = dist.get_process_group_ranks(dp_group)
     expert_problem = (experts.expert_group_problem(loaded, place.dp_rank, dp_ranks, expert_group)
                       if place.dp_size == loaded.request.dp else None)
     expert_problem = expert_problem or experts.foreign_experts(loaded, experts.given_names(given), place.dp_rank)

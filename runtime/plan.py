@@ -95,7 +95,6 @@ class RankPlan:
     dtypes: tuple[torch.dtype, ...]
     shapes: tuple[tuple[int, ...], ...]  # full (unsharded) shapes
     numel: tuple[int, ...]  # elements of this rank's TP shard (its slot in the buffer may be longer)
-    partial: tuple[bool, ...]  # gradient partial over TP (grad_reduce: tp)
     expert: tuple[bool, ...]
     counted: tuple[bool, ...]  # step counts kept (every entry but this rank's frozen ones)
     bound: tuple[Bound | None, ...]
@@ -255,7 +254,7 @@ def build_rank_plan(schedule: Schedule, param_groups: list[dict[str, Any]], plac
         schedule=schedule, place=place, strategy=strategy, device=device,
         names=tuple(e.name for e in entries), tp_dims=tp_dims, dtypes=tuple(DTYPES[e.dtype] for e in entries),
         shapes=tuple(tuple(e.shape) for e in entries),
-        numel=tuple(prod(local_shape(e, place.tp_size, place.tp_rank)) for e in entries), partial=partial, expert=tuple(e.ep_rank is not None for e in entries),
+        numel=tuple(prod(local_shape(e, place.tp_size, place.tp_rank)) for e in entries), expert=tuple(e.ep_rank is not None for e in entries),
         # another EP rank's experts count too: the ranks agree which entries had a gradient
         counted=tuple(bound[i] is not None or i not in local for i in range(len(entries))),
         bound=tuple(bound), group_of=tuple(group_of), tensor_entries=tensor_entries, layout=layout, ranks=ranks,

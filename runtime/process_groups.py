@@ -29,20 +29,20 @@ def make_groups(dp: int, tp: int, timeout: timedelta | None = None, *, ep: int |
         raise ValueError(f"dp {dp} x tp {tp} does not match the world size {dist.get_world_size()}")
     if ep is not None and (not isinstance(ep, int) or ep < 1 or dp % ep):
         raise ValueError(f"ep {ep!r} must be a positive divisor of dp {dp}")
-    rank, options = dist.get_rank(), ({"timeout": timeout} if timeout is not None else {})
+    rank = dist.get_rank()
     dp_group = tp_group = expert_group = None
     for t in range(tp):
-        group = dist.new_group([d * tp + t for d in range(dp)], **options)
+        group = dist.new_group([d * tp + t for d in range(dp)], timeout=timeout)
         dp_group = group if rank % tp == t else dp_group
     for d in range(dp):
-        group = dist.new_group([d * tp + t for t in range(tp)], **options)
+        group = dist.new_group([d * tp + t for t in range(tp)], timeout=timeout)
         tp_group = group if rank // tp == d else tp_group
     assert dp_group is not None and tp_group is not None
     if ep is None:
         return dp_group, tp_group
     for t in range(tp):
         for e in range(ep):
-            group = dist.new_group([(o * ep + e) * tp + t for o in range(dp // ep)], **options)
+            group = dist.new_group([(o * ep + e) * tp + t for o in range(dp // ep)], timeout=timeout)
             expert_group = group if (rank % tp == t and (rank // tp) % ep == e) else expert_group
     assert expert_group is not None
     return dp_group, tp_group, expert_group

@@ -38,10 +38,9 @@ from canzona.runtime.rules.optimizers import (
     State,
     adamw_,
     apply_update,
-    init_matrix_state,
     matrix_update_batch,
 )
-from canzona.runtime.state.store import OptimizerState
+from canzona.runtime.state.store import OptimizerState, matrix_template
 
 BatchKey = tuple[int, tuple[int, int], tuple[tuple[tuple[int, int], ...], ...] | None]
 
@@ -100,8 +99,6 @@ class Updater:
                 continue
             try:
                 results.update(self._batch_results(ctx, batch, full) if ctx.problem is None else self._neutral(batch))
-            except CollectiveError:
-                raise
             except Exception as error:  # noqa: BLE001 - every rank fails the step at the next safe point
                 ctx.fail(f"updating {self.plan.names[batch[0].param]}: {first_line(error)}")
                 results.update(self._neutral(batch))
@@ -110,10 +107,7 @@ class Updater:
     def _states(self, rule: MatrixRule, task: Task) -> list[State]:
         states = self.state.matrix.get(task.param)
         if states is None:
-            shape = cooperative.held_shape(task, self.plan.place.tp_rank)
-            states = ([rule.init_state(*shape, self.plan.device)] if task.team else
-                      init_matrix_state(rule, task.shape, task.row_blocks, self.plan.device))
-            self.state.matrix[task.param] = states
+            states = self.state.matrix[task.param] = matrix_template(self.plan, rule, task.param)
         return states
 
     def _batch_results(self, ctx: StepContext, batch: list[Task], full: dict[int, Tensor]) -> dict[int, Tensor]:

@@ -128,15 +128,13 @@ def start_gather(gathered: Tensor, bucket: DpBucket, mode: str, rank: int, group
         return Pending([])
     if mode == "ring":
         return _padded_gather(chunk, bucket, rank, group)
-    native = native_for_equal(bucket, group)
-    if mode == "all_to_all" or native:  # the input may not alias the output on every backend
-        mine = chunk[cuts[rank] : cuts[rank + 1]].clone()
-    if mode == "all_to_all":
+    if mode == "all_to_all" or native_for_equal(bucket, group):
+        mine = chunk[cuts[rank] : cuts[rank + 1]].clone()  # the input may not alias the output on every backend
+        if mode != "all_to_all":
+            return Pending([dist.all_gather_single(chunk, mine, group=group, async_op=True)], keep=[mine])
         send = mine.repeat(world)
         work = dist.all_to_all_single(chunk, send, list(bucket.slices), [mine.numel()] * world, group=group, async_op=True)
         return Pending([work], keep=[send])
-    if native:
-        return Pending([dist.all_gather_single(chunk, mine, group=group, async_op=True)], keep=[mine])
     works = [dist.broadcast(chunk[cuts[r] : cuts[r + 1]], src=ranks[r], group=group, async_op=True)
              for r in range(world) if cuts[r + 1] > cuts[r]]
     return Pending(works)
@@ -194,10 +192,8 @@ class InFlight:
 
 
 def start_all_to_all(send: Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup,
-                     timeout: timedelta | None = None, what: str = "a TP all-to-all") -> InFlight:
-    """Launch `all_to_all_single` asynchronously (a size-1 group just hands `send` back)."""
-    if len(send_splits) == 1:
-        return InFlight(send, None)
+                     timeout: timedelta | None, what: str) -> InFlight:
+    """Launch `all_to_all_single` asynchronously (a group of two or more ranks)."""
     received = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(received, send, recv_splits, send_splits, group=group, async_op=True)
     return InFlight(received, work, [send], timeout, what)

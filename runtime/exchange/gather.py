@@ -25,9 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from canzona.runtime.exchange.buckets import DpComms, start_bucket_gather
 from canzona.runtime.exchange.comm import Pending
@@ -36,17 +34,13 @@ from canzona.runtime.plan import RankPlan
 WHAT = "the DP gather of updated parameters"
 
 
-def gather_buffer(send: Tensor, dtype: torch.dtype) -> Tensor:
-    """The bucket buffer's storage as a buffer of `dtype` values (as many as it has elements)."""
-    return send if dtype == send.dtype else send.view(dtype)[: send.numel()]
-
-
 class ParamGather:
     """The gathers of one step; `active[i]`: whether entry i changed (only those are written)."""
 
     def __init__(self, plan: RankPlan, comms: DpComms, send: Tensor, active: list[bool]) -> None:
         self.plan, self.comms = plan, comms
-        self.gathered = gather_buffer(send, plan.wire_dtype)
+        wire = plan.wire_dtype  # the bucket buffer's storage, as many `wire` values as it has elements
+        self.gathered = send if wire == send.dtype else send.view(wire)[: send.numel()]
         self.active = active
         layout = plan.layout
         for piece in plan.own_pieces:
@@ -54,9 +48,7 @@ class ParamGather:
                 start = layout.flat[piece.param] + piece.src
                 values = plan.value(piece.param).reshape(-1)[piece.src : piece.src + piece.length]
                 self.gathered[start : start + piece.length].copy_(values)
-        self.pending: dict[int, Pending] = {}
-        for bucket in layout.gather_order:
-            self.pending[bucket] = start_bucket_gather(plan, comms, self.gathered, bucket)
+        self.pending: dict[int, Pending] = {b: start_bucket_gather(plan, comms, self.gathered, b) for b in layout.gather_order}
 
     @property
     def done(self) -> bool:
@@ -76,10 +68,6 @@ class ParamGather:
                 if plan.bound[index] is not None and self.active[index]:
                     start, stop = plan.grad_span(index)
                     plan.value(index).view(-1).copy_(self.gathered[start:stop])
-
-    def finish(self) -> None:
-        """Wait for every bucket still in flight, in gather order."""
-        self.wait([b for b in self.plan.layout.gather_order if b in self.pending])
 
 
 def _has_forward(module: nn.Module) -> bool:
@@ -105,13 +93,6 @@ def module_buckets(model: nn.Module, bucket_of: dict[int, list[int]]) -> dict[nn
     return out
 
 
-def unattributed(model: nn.Module, bucket_of: dict[int, list[int]], attributed: dict[nn.Module, list[int]]) -> set[int]:
-    """Buckets holding an optimized parameter that no module's hook waits for (they are
-    gathered before the step returns)."""
-    covered = {b for buckets in attributed.values() for b in buckets}
-    return {bucket for buckets in bucket_of.values() for bucket in buckets if bucket not in covered}
-
-
 class ForwardHooks:
     """The hooks `overlap_param_gather` installs on the model: a forward pre-hook per module
     that uses optimized parameters, and, on the model itself, a forward hook and state-dict
@@ -120,19 +101,14 @@ class ForwardHooks:
 
     def __init__(self, target: Callable[[], Any], model: nn.Module, bucket_of: dict[int, list[int]]) -> None:
         self.buckets = module_buckets(model, bucket_of)
-        self.eager = unattributed(model, bucket_of, self.buckets)
-        self.handles: list[RemovableHandle] = []
+        covered = {b for buckets in self.buckets.values() for b in buckets}
+        # buckets no module's hook waits for: gathered before the step returns
+        self.eager = {b for buckets in bucket_of.values() for b in buckets if b not in covered}
         for module, buckets in self.buckets.items():
-            self.handles.append(module.register_forward_pre_hook(_waiter(target, buckets)))
-        self.handles.append(model.register_forward_hook(_finisher(target)))
-        self.handles.append(model.register_state_dict_pre_hook(_finisher(target)))
-        self.handles.append(model.register_load_state_dict_pre_hook(_finisher(target)))
-
-    def remove(self) -> None:
-        """Uninstall every hook."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+            module.register_forward_pre_hook(_waiter(target, buckets))
+        model.register_forward_hook(_finisher(target))
+        model.register_state_dict_pre_hook(_finisher(target))
+        model.register_load_state_dict_pre_hook(_finisher(target))
 
 
 def _waiter(ref: Any, buckets: list[int]) -> Any:

@@ -53,11 +53,6 @@ def payload_dtype(tasks: Sequence[Task]) -> torch.dtype:
     return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
-def _shard(update: Tensor, task: Task, rank: int, size: int) -> Tensor:
-    """TP rank `rank`'s part of a full update (the whole update for a replicated matrix)."""
-    return tp_shard(update, task.tp_dim, size, rank)
-
-
 def assemble(task: Task, shards: Sequence[Tensor]) -> Tensor:
     """The gathered matrix: the TP shards (each rank's shape) concatenated along the TP dim."""
     return shards[0] if task.tp_dim is None else torch.cat(list(shards), dim=task.tp_dim)
@@ -66,10 +61,6 @@ def assemble(task: Task, shards: Sequence[Tensor]) -> Tensor:
 def _padded(flat: Tensor, numel: int) -> Tensor:
     """`flat` followed by zeros up to `numel` elements."""
     return flat if flat.numel() == numel else torch.cat([flat, flat.new_zeros(numel - flat.numel())])
-
-
-def _everything(task: Task) -> bool:
-    return True
 
 
 class Geometry(Protocol):
@@ -147,7 +138,7 @@ class TpGeometry:
         """The receiver's shard of the result (of this member's slice, in a team)."""
         if task.team:
             return cooperative.slice_piece(task, result, receiver, task.team.index(self.rank))
-        return _shard(result, task, receiver, self.size)
+        return tp_shard(result, task.tp_dim, self.size, receiver)
 
     def received(self, task: Task, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
         """This rank's shard: the host's piece, or the team members' pieces put together."""
@@ -213,7 +204,7 @@ class MicroGroupPipeline:
         for task in tasks:
             apply(task, self.geometry.received(task, pieces[task.param], received.dtype, self.device))
 
-    def run(self, grad_of: GradOf, update_of: UpdateOf, apply: Apply, active: Active = _everything) -> None:
+    def run(self, grad_of: GradOf, update_of: UpdateOf, apply: Apply, active: Active) -> None:
         """Run every micro-group: gather(g+1) overlaps compute(g), scatter(g) overlaps compute(g+1)."""
         groups = [kept for kept in (tuple(t for t in tasks if active(t)) for tasks in self.groups) if kept]
         if self.geometry.size == 1:  # every task is hosted here: nothing to gather or scatter
@@ -267,11 +258,11 @@ def gather_replicated(tasks: Sequence[Task], tp_group: dist.ProcessGroup, grad_o
 
 def replicated_updates(tasks: Sequence[Task], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup,
                        grad_of: GradOf, update_of: UpdateOf, apply: Apply, device: torch.device,
-                       timeout: timedelta | None = None, active: Active = _everything) -> None:
+                       timeout: timedelta | None, active: Active) -> None:
     """TP-SC: one fused all-gather of every sharded task's gradient; every TP rank updates every
     full matrix and applies its own shard (P-fold redundant compute and state)."""
     chosen = [t for t in tasks if active(t)]
     full = gather_replicated(chosen, tp_group, grad_of, device, timeout)
     results = update_of(chosen, full)
     for task in chosen:
-        apply(task, _shard(results[task.param], task, tp_rank, tp_size))
+        apply(task, tp_shard(results[task.param], task.tp_dim, tp_size, tp_rank))

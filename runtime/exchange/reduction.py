@@ -64,12 +64,6 @@ def _fingerprint(flat: Tensor) -> Tensor:
     return torch.stack((flat.sum(dtype=torch.float32), torch.linalg.vector_norm(flat, dtype=torch.float32)))
 
 
-def _referent(grad: Tensor | None) -> Callable[[], Tensor | None]:
-    if grad is None:
-        return lambda: None
-    return weakref.ref(grad)
-
-
 class Round:
     """One reduction of every bucket into `send`. `launching`: launch buckets as soon as they
     are full (backward); otherwise nothing is launched before `launch_rest`."""
@@ -144,7 +138,7 @@ class Round:
             target.copy_(flat)
             if self.launching:  # packed during backward: the step checks whether it changed since
                 self.fingerprints[index] = _fingerprint(flat)
-        self.referents[index] = _referent(grad)
+        self.referents[index] = (lambda: None) if grad is None else weakref.ref(grad)
         if not self.packed[index]:
             self.missing[self.plan.layout.bucket_of[index]] -= 1
         self.packed[index] = True
@@ -229,8 +223,8 @@ class Round:
             item.wait(self.comms.timeout, WHAT)
 
     def drain(self) -> None:
-        """Finish a round nobody will use: launch the rest (so every rank issues the same
-        collectives) and wait for it. Raises CollectiveError as `wait` does."""
+        """Finish the round: launch the rest (so every rank issues the same collectives) and
+        wait for it. Raises CollectiveError as `wait` does."""
         self.launch_rest()
         self.wait()
 

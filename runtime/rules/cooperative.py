@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from math import prod
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,6 @@ from canzona.runtime.rules.optimizers import (
 from canzona.schedules.teams import long_dim
 
 Box = tuple[tuple[int, int], ...]  # per dim: [start, stop)
-
-
-def _shard_box(task: Task, tp_rank: int) -> Box:
-    """Where TP rank `tp_rank`'s shard lies in the gathered matrix."""
-    return task.shard_box(tp_rank)
 
 
 def slice_box(task: Task, member: int) -> Box:
@@ -83,22 +79,19 @@ def _view(tensor: Tensor, box: Box, origin: Box) -> Tensor:
 def piece_numel(task: Task, tp_rank: int, member: int) -> int:
     """Elements rank `tp_rank`'s shard shares with member `member`'s slice (what the gather
     moves from that rank to that member; a replicated matrix moves nothing, see `shard_piece`)."""
-    box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
-    count = 1
-    for start, stop in box or ((0, 0),):
-        count *= stop - start
-    return count
+    box = _meet(task.shard_box(tp_rank), slice_box(task, member))
+    return prod(stop - start for start, stop in box) if box else 0
 
 
 def shard_piece(task: Task, shard: Tensor, tp_rank: int, member: int) -> Tensor:
     """The part of rank `tp_rank`'s shard (local shape) inside member `member`'s slice."""
-    box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
-    return shard.reshape(-1)[:0] if box is None else _view(shard, box, _shard_box(task, tp_rank))
+    box = _meet(task.shard_box(tp_rank), slice_box(task, member))
+    return shard.reshape(-1)[:0] if box is None else _view(shard, box, task.shard_box(tp_rank))
 
 
 def slice_piece(task: Task, part: Tensor, tp_rank: int, member: int) -> Tensor:
     """The part of member `member`'s slice (slice shape) inside rank `tp_rank`'s shard."""
-    box = _meet(_shard_box(task, tp_rank), slice_box(task, member))
+    box = _meet(task.shard_box(tp_rank), slice_box(task, member))
     return part.reshape(-1)[:0] if box is None else _view(part, box, slice_box(task, member))
 
 
@@ -115,12 +108,12 @@ def assemble_slice(task: Task, member: int, pieces: Sequence[Tensor], dtype: tor
     """Member `member`'s slice from every TP rank's piece (flat, in TP-rank order)."""
     frame = slice_box(task, member)
     out = torch.empty(slice_shape(task, member), dtype=dtype, device=device)
-    return _fill(out, frame, ((_meet(_shard_box(task, tp_rank), frame), piece) for tp_rank, piece in enumerate(pieces)))
+    return _fill(out, frame, ((_meet(task.shard_box(tp_rank), frame), piece) for tp_rank, piece in enumerate(pieces)))
 
 
 def assemble_shard(task: Task, tp_rank: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
     """Rank `tp_rank`'s shard (local shape) from every member's piece (flat, in team order)."""
-    frame = _shard_box(task, tp_rank)
+    frame = task.shard_box(tp_rank)
     out = torch.empty(task.shard_shape(tp_rank), dtype=dtype, device=device)
     return _fill(out, frame, ((_meet(frame, slice_box(task, member)), piece) for member, piece in enumerate(pieces)))
 
@@ -150,14 +143,13 @@ def make_team_groups(tasks: Sequence[Task], tp_rank: int, tp_group: dist.Process
     stay aligned (they are when the TP group's ranks start alike, as the groups a training
     script creates for a DP x TP grid leave them)."""
     teams = sorted({t.team for t in tasks if t.team})
-    options = {"timeout": timeout} if timeout is not None else {}
     groups = {}
     for team in teams:
         if tp_rank in team:
             ranks = [dist.get_global_rank(tp_group, member) for member in team]
-            groups[team] = dist.new_group(ranks, use_local_synchronization=True, **options)
+            groups[team] = dist.new_group(ranks, use_local_synchronization=True, timeout=timeout)
         else:
-            dist.new_group([dist.get_rank()], use_local_synchronization=True, **options)
+            dist.new_group([dist.get_rank()], use_local_synchronization=True, timeout=timeout)
     return groups
 
 

@@ -11,7 +11,7 @@ Muon's Newton–Schulz products run in the precision `ns_dtype` names: "bf16" (b
 fp32 accumulation: tensor cores), "tf32" (fp32 operands, TF32 tensor-core products on CUDA;
 plain fp32 elsewhere) or "fp32"; "auto" is bf16 on CUDA and fp32 on every other device (bf16
 matrix products are slow on CPUs). Same-shape matrices are orthogonalised as one batched
-product (`newton_schulz_batched`); a single matrix is a batch of one, so the batched and the
+product (`orthogonalize_`); a single matrix is a batch of one, so the batched and the
 per-matrix results are the same numbers. Shampoo's and SOAP's eigendecompositions, inverse roots
 and preconditioner products stay in fp32: their accuracy against fp64 is what the tests measure.
 
@@ -183,12 +183,12 @@ def _iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], pr
 
 
 def orthogonalize_(matrices: Sequence[Tensor], steps: int, coefficients: tuple[float, float, float],
-                   precision: str = "fp32", eps: float = 1e-7, stack_limit: int | None = None) -> None:
+                   precision: str = "fp32", eps: float = 1e-7) -> None:
     """Replace each of `matrices` (same shape, fp32 or fp64) by its approximate
     orthogonalisation (Muon's Newton–Schulz), in place. Each is normalised by its Frobenius norm
-    where it lies; then at most `stack_limit` elements at a time are stacked, in the precision
-    the products run in (a resolved `ns_dtype`: bf16, tf32 or fp32), iterated as one batch and
-    copied back. The workspace is two stacks (of bf16 for bf16 products)."""
+    where it lies; then all are stacked in the precision the products run in (a resolved
+    `ns_dtype`: bf16, tf32 or fp32), iterated as one batch and copied back. The workspace is two
+    stacks (of bf16 for bf16 products)."""
     if not matrices:
         return
     matrices = list(matrices)
@@ -197,33 +197,23 @@ def orthogonalize_(matrices: Sequence[Tensor], steps: int, coefficients: tuple[f
     torch._foreach_div_(matrices, norms)
     first = matrices[0]
     dtype = torch.bfloat16 if precision == "bf16" else first.dtype
-    per = max(1, stack_limit // first.numel()) if stack_limit else len(matrices)
-    for start in range(0, len(matrices), per):
-        chunk = matrices[start : start + per]
-        if len(chunk) == 1 and dtype == first.dtype and first.is_contiguous():
-            x = chunk[0].unsqueeze(0)  # a lone matrix is iterated where it lies
-        else:
-            x = torch.empty((len(chunk), *first.shape), dtype=dtype, device=first.device)
-            torch._foreach_copy_(list(x.unbind(0)), chunk)
-        result = _iterate(x, steps, coefficients, precision)
-        if result is not x or x.data_ptr() != chunk[0].data_ptr():
-            torch._foreach_copy_(chunk, list(result.unbind(0)))
-
-
-def newton_schulz_batched(stack: Tensor, steps: int, coefficients: tuple[float, float, float], precision: str = "fp32",
-                          eps: float = 1e-7) -> Tensor:
-    """`orthogonalize_` of every matrix of `stack` ([k, m, n]), as one batch; returns [k, m, n]
-    in fp32 (fp64 for fp64 input): `stack` itself (overwritten) when it has that dtype."""
-    x = stack.to(compute_dtype(stack))
-    orthogonalize_(list(x.unbind(0)), steps, coefficients, precision, eps)
-    return x
+    if len(matrices) == 1 and dtype == first.dtype and first.is_contiguous():
+        x = first.unsqueeze(0)  # a lone matrix is iterated where it lies
+    else:
+        x = torch.empty((len(matrices), *first.shape), dtype=dtype, device=first.device)
+        torch._foreach_copy_(list(x.unbind(0)), matrices)
+    result = _iterate(x, steps, coefficients, precision)
+    if result is not x or x.data_ptr() != first.data_ptr():
+        torch._foreach_copy_(matrices, list(result.unbind(0)))
 
 
 def newton_schulz(grad: Tensor, steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7,
                   precision: str = "fp32") -> Tensor:
-    """`newton_schulz_batched` of one matrix (the same numbers as inside a batch); `grad` is
-    left as it is."""
-    return newton_schulz_batched(grad.unsqueeze(0).clone(), steps, coefficients, precision, eps)[0]
+    """`orthogonalize_` of one matrix (the same numbers as inside a batch), in fp32 (fp64 for
+    fp64 input); `grad` is left as it is."""
+    x = grad.to(compute_dtype(grad), copy=True)
+    orthogonalize_([x], steps, coefficients, precision, eps)
+    return x
 
 
 def muon_scale(rows: int, cols: int, mode: str) -> float:
@@ -255,11 +245,11 @@ class MatrixRule(Protocol):
         ...
 
 
-def muon_update_(hp: Hyperparameters, momenta: Sequence[Tensor], grads: Sequence[Tensor], stack_limit: int | None = None) -> None:
+def muon_update_(hp: Hyperparameters, momenta: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
     """Muon on k same-shape matrices, in place: each momentum buffer becomes μ·buf + g, and each
     gradient of `grads` (scratch) becomes its update: the direction g + μ·buf (Nesterov) or buf,
-    orthogonalised (`orthogonalize_`, in `hp.ns_dtype` on the tensors' device, stacked at most
-    `stack_limit` elements at a time), then scaled."""
+    orthogonalised as one batch (`orthogonalize_`, in `hp.ns_dtype` on the tensors' device),
+    then scaled."""
     momenta, grads = list(momenta), list(grads)
     torch._foreach_mul_(momenta, hp.momentum)
     torch._foreach_add_(momenta, grads)
@@ -269,7 +259,7 @@ def muon_update_(hp: Hyperparameters, momenta: Sequence[Tensor], grads: Sequence
         torch._foreach_copy_(grads, momenta)
     assert hp.ns_steps is not None
     precision = resolve_ns_dtype(hp.ns_dtype, grads[0].device)
-    orthogonalize_(grads, hp.ns_steps, hp.ns_coefficients, precision, stack_limit=stack_limit)
+    orthogonalize_(grads, hp.ns_steps, hp.ns_coefficients, precision)
     torch._foreach_mul_(grads, muon_scale(grads[0].size(-2), grads[0].size(-1), hp.update_scale))
 
 
@@ -417,7 +407,8 @@ def _rows(grad: Tensor, block: RowBlock) -> Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _put_rows(out: Tensor, block: RowBlock, values: Tensor) -> None:
+def put_rows(out: Tensor, block: RowBlock, values: Tensor) -> None:
+    """Write `values` (rows one after the other) into the row ranges `block` of `out`."""
     row = 0
     for start, stop in block:
         out[start:stop] = values[row : row + stop - start]
@@ -440,14 +431,14 @@ def matrix_update_batch(rule: MatrixRule, states: Sequence[list[State]], grads: 
     for start in range(0, len(grads), per):
         chunk, held = list(grads[start : start + per]), states[start : start + per]
         if not row_blocks:
-            muon_update_(rule.hp, [s[0]["momentum"] for s in held], chunk, stack_limit)
+            muon_update_(rule.hp, [s[0]["momentum"] for s in held], chunk)
             continue
         for position, block in enumerate(row_blocks):  # blocks are disjoint: each result overwrites its own rows
             subs = [_rows(grad, block) for grad in chunk]
-            muon_update_(rule.hp, [s[position]["momentum"] for s in held], subs, stack_limit)
+            muon_update_(rule.hp, [s[position]["momentum"] for s in held], subs)
             if len(block) > 1:
                 for grad, sub in zip(chunk, subs):
-                    _put_rows(grad, block, sub)
+                    put_rows(grad, block, sub)
 
 
 def matrix_update(rule: MatrixRule, states: list[State], grad: Tensor, row_blocks: list[RowBlock] | None, step: int) -> Tensor:
@@ -464,7 +455,7 @@ def matrix_update(rule: MatrixRule, states: list[State], grad: Tensor, row_block
         return rule.update(states[0], work, step)
     out = torch.empty_like(work)
     for state, block in zip(states, row_blocks):
-        _put_rows(out, block, rule.update(state, _rows(work, block), step))
+        put_rows(out, block, rule.update(state, _rows(work, block), step))
     return out
 
 

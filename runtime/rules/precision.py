@@ -21,6 +21,7 @@ from torch import Tensor
 from canzona.schedules.layout import Task
 from canzona.runtime.plan import RankPlan
 from canzona.runtime.rules.cooperative import held_shape
+from canzona.runtime.rules.optimizers import put_rows
 
 GatherFull = Callable[[Sequence[Task], Callable[[Task], Tensor]], dict[int, Tensor]]
 
@@ -66,12 +67,8 @@ def from_canonical(canonical: Tensor, task: Task, out: Tensor) -> None:
     """Write a canonical-order main copy back in the gathered (TP) row order."""
     if not task.row_blocks:
         out.copy_(canonical)
-        return
-    row = 0
-    for block in task.row_blocks:
-        for start, stop in block:
-            out[start:stop].copy_(canonical[row : row + stop - start])
-            row += stop - start
+    else:
+        put_rows(out, [span for block in task.row_blocks for span in block], canonical)
 
 
 def adamw_from_params(plan: RankPlan, target: Tensor) -> None:

@@ -22,10 +22,10 @@ from torch import Tensor
 
 from canzona.runtime.groups import group_hyperparameters
 from canzona.runtime.plan import RankPlan
-from canzona.runtime.rules.cooperative import canonical_chunks, held_shape
-from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, State, init_matrix_state
+from canzona.runtime.rules.cooperative import canonical_chunks
+from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, State
 from canzona.runtime.rules.precision import adamw_from_params, from_canonical, to_canonical
-from canzona.runtime.state.store import ADAMW_MOMENTS, OptimizerState
+from canzona.runtime.state.store import ADAMW_MOMENTS, OptimizerState, matrix_template
 from canzona.schedules.reshard import full_runs
 
 STATE_FORMAT = "canzona-logical/1"
@@ -117,13 +117,6 @@ def adamw_runs(plan: RankPlan) -> list[AdamwRun]:
     return runs
 
 
-def _matrix_template(plan: RankPlan, rule: MatrixRule, param: int) -> list[State]:
-    task = plan.tasks[param]
-    if task.team:  # a team member's slice (`canzona.runtime.rules.cooperative`)
-        return [rule.init_state(*held_shape(task, plan.place.tp_rank), plan.device)]
-    return init_matrix_state(rule, task.shape, task.row_blocks, plan.device)
-
-
 def _logical(plan: RankPlan, param: int, tensor: Tensor, clone: bool) -> LogicalTensor:
     """A matrix's state tensor (or main copy, already canonical unless teamed) as held here:
     whole, or a team member's slice as its canonical chunks."""
@@ -173,7 +166,7 @@ def export_state(plan: RankPlan, state: OptimizerState, rule: MatrixRule, writer
     for param in plan.hosted:
         if writers_only and not plan.writes_matrix(param):
             continue
-        states = state.matrix.get(param) or _matrix_template(plan, rule, param)
+        states = state.matrix.get(param) or matrix_template(plan, rule, param)
         for path, tensor in state_leaves(states).items():
             if tensor is not None:
                 out[matrix_key(plan.names[param], path)] = _logical(plan, param, tensor, clone)
@@ -229,7 +222,7 @@ def plan_import(plan: RankPlan, state: OptimizerState, rule: MatrixRule,
     matrix: dict[int, list[State]] = {}
     missing: list[str] = []
     for param in plan.hosted:
-        states = matrix[param] = _matrix_template(plan, rule, param)
+        states = matrix[param] = matrix_template(plan, rule, param)
         for path, tensor in state_leaves(states).items():
             key = matrix_key(plan.names[param], path)
             if tensor is None and key in available:  # e.g. SOAP's eigenbases, absent before step 1

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from canzona.runtime.plan import RankPlan
-from canzona.runtime.rules.optimizers import State
+from canzona.runtime.rules.cooperative import held_shape
+from canzona.runtime.rules.optimizers import MatrixRule, State, init_matrix_state
 from canzona.runtime.rules.precision import MainCopies, allocate
 
 ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -34,3 +35,11 @@ def fresh_state(plan: RankPlan) -> OptimizerState:
     """Zero moments, no matrix state yet, main copies to be built at the first step."""
     moments = {name: torch.zeros(plan.adamw_numel, dtype=torch.float32, device=plan.device) for name in ADAMW_MOMENTS}
     return OptimizerState(step=0, param_steps=[0] * len(plan.names), adamw=moments, main=allocate(plan))
+
+
+def matrix_template(plan: RankPlan, rule: MatrixRule, param: int) -> list[State]:
+    """Fresh submatrix states of hosted matrix `param` (a team member's: of its slice)."""
+    task = plan.tasks[param]
+    if task.team:  # a team member's slice (`canzona.runtime.rules.cooperative`)
+        return [rule.init_state(*held_shape(task, plan.place.tp_rank), plan.device)]
+    return init_matrix_state(rule, task.shape, task.row_blocks, plan.device)
