@@ -214,7 +214,5 @@ def sum_partial_over_tp(spans: Sequence[tuple[int, int]], send: Tensor, tp_group
     parts = [send[start:stop] for start, stop in spans]
     packed = torch.cat(parts)
     wait(dist.all_reduce(packed, group=tp_group, async_op=True), timeout, "the TP sum of partial gradients")
-    offset = 0
-    for part in parts:
-        part.copy_(packed[offset : offset + part.numel()])
-        offset += part.numel()
+    for part, piece in zip(parts, packed.split([part.numel() for part in parts])):
+        part.copy_(piece)

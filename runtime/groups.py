@@ -44,13 +44,7 @@ MATRIX_KNOBS: dict[str, tuple[str, ...]] = {
     "shampoo": ("momentum", "nesterov", "precondition_frequency", "shampoo_beta2", "graft_rms", "matrix_eps"),
     "soap": ("soap_betas", "soap_shampoo_beta", "soap_eps", "precondition_frequency"),
 }
-# a group's AdamW key -> the Hyperparameters field it sets
-ADAMW_KEYS: dict[str, str] = {
-    "adamw_lr": "adamw_lr",
-    "adamw_weight_decay": "adamw_weight_decay",
-    "adamw_betas": "adamw_betas",
-    "adamw_eps": "adamw_eps",
-}
+ADAMW_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")  # a group's keys, Hyperparameters' fields
 TUPLE_KNOBS = ("ns_coefficients", "soap_betas", "adamw_betas")
 INT_KNOBS = ("ns_steps", "precondition_frequency")
 MAX_LISTED = 3
@@ -71,9 +65,10 @@ def matrix_keys(rule: str) -> tuple[str, ...]:
     return ("lr", "weight_decay", *MATRIX_KNOBS[rule])
 
 
-def _listed(items: list[str]) -> str:
+def listed(items: list[str], separator: str = ", ") -> str:
+    """The first few of `items`, and how many more there are."""
     more = f" (and {len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else ""
-    return ", ".join(items[:MAX_LISTED]) + more
+    return separator.join(items[:MAX_LISTED]) + more
 
 
 def _user_groups(params: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -104,7 +99,7 @@ def _check_names(index: int, pairs: list[tuple[str, Tensor]], entries: Mapping[s
     group), and an order the schedule does not have."""
     unknown = [name for name, _ in pairs if name not in entries]
     if unknown:
-        problems.append(f"param group {index}: not in the schedule: {_listed(unknown)}")
+        problems.append(f"param group {index}: not in the schedule: {listed(unknown)}")
     for name, tensor in pairs:
         where = seen.get(id(tensor), seen.get(name))
         if where is not None:
@@ -143,8 +138,7 @@ def group_hyperparameters(group: Mapping[str, Any], defaults: Hyperparameters, r
     the AdamW learning rate scaled as `lr` moved from `initial_lr`); ValueError naming the
     first bad value."""
     try:
-        changes = {key: _value(key, group[key]) for key in matrix_keys(rule)}
-        changes.update({field_name: _value(user, group[user]) for user, field_name in ADAMW_KEYS.items()})
+        changes = {key: _value(key, group[key]) for key in (*matrix_keys(rule), *ADAMW_KEYS)}
     except KeyError as error:
         raise ValueError(f"it lacks {error.args[0]!r}") from None
     except (TypeError, ValueError) as error:
@@ -178,8 +172,7 @@ def _check_group(index: int, group: dict[str, Any], pairs: list[tuple[str, Tenso
 
 def _group(group: dict[str, Any], pairs: list[tuple[str, Tensor]], rule: str, defaults: Hyperparameters) -> dict[str, Any]:
     """One optimizer group: its parameters and every key, those left out from `defaults`."""
-    values = {key: group.get(key, getattr(defaults, key)) for key in matrix_keys(rule)}
-    values.update({user: group.get(user, getattr(defaults, field_name)) for user, field_name in ADAMW_KEYS.items()})
+    values = {key: group.get(key, getattr(defaults, key)) for key in (*matrix_keys(rule), *ADAMW_KEYS)}
     return {"params": pairs, **values, "initial_lr": group.get("initial_lr", values["lr"])}
 
 
@@ -198,11 +191,11 @@ def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, Param
         problems.append(f"parameters are on several devices ({', '.join(devices)}); one optimizer serves one device")
     leafless = [name for name, tensor in pairs if tensor.requires_grad and not tensor.is_leaf]
     if leafless:
-        problems.append(f"not leaf tensors (cannot be optimized): {_listed(leafless)}")
+        problems.append(f"not leaf tensors (cannot be optimized): {listed(leafless)}")
     if grad_attr != "grad":
         lacking = [name for name, tensor in pairs if tensor.requires_grad and not hasattr(tensor, grad_attr)]
         if lacking:
-            problems.append(f"grad_attr {grad_attr!r}: no such attribute on {_listed(lacking)}")
+            problems.append(f"grad_attr {grad_attr!r}: no such attribute on {listed(lacking)}")
     return problems
 
 

@@ -40,12 +40,12 @@ from canzona.runtime.exchange.gradients import clip_problem
 from canzona.runtime.exchange.reduction import GradSource
 from canzona.runtime.faults import as_timedelta, first_line
 from canzona.runtime.fsdp.checks import fsdp_mismatch
-from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, resolve_param_groups
+from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, listed, resolve_param_groups
 from canzona.schedules.layout import local_entries
 from canzona.runtime.plan import CANZONA, Place, RankPlan, Strategy, build_rank_plan
 from canzona.runtime.process_groups import resolve_process_groups
 from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, make_rule
-from canzona.runtime.schedule import Verdict, agree, layout_problem, load_schedule, plan_digest, summary
+from canzona.runtime.schedule import agree, layout_problem, load_schedule, plan_digest, summary, verdict_on
 from canzona.runtime.state import logical
 from canzona.runtime.state.logical import STATE_FORMAT, Destination, LogicalStateDict, LogicalTensor
 from canzona.runtime.update import StepContext
@@ -430,10 +430,7 @@ class StateView(Mapping[Tensor, dict[str, Any]]):
         return {"step": self._state.param_steps[indices[0]]}
 
     def __iter__(self) -> Iterator[Tensor]:
-        for indices in self._plan.tensor_entries.values():
-            bound = self._plan.bound[indices[0]]
-            assert bound is not None
-            yield bound.param
+        return (param for param, _ in self._plan.model_params())
 
     def __len__(self) -> int:
         return len(self._plan.tensor_entries)
@@ -480,21 +477,21 @@ def _prepare(given: list[Any], schedule: Schedule | str | os.PathLike[str], defa
         hp = Hyperparameters.from_kwargs(defaults).resolved(loaded.request.optimizer)
     except (TypeError, ValueError) as error:
         return loaded, None, None, f"bad hyperparameters: {error}"
-    entries = binding.model_entries(local_entries(loaded, ep_rank))  # dense and this EP rank's experts
+    held = local_entries(loaded, ep_rank)  # dense and this EP rank's experts
+    entries = binding.model_entries(held)
     resolved = resolve_param_groups(given, entries, loaded.request.tp, loaded.request.optimizer.name, hp, grad_attr,
                                     tp_rank=place.tp_rank)
     problems = [p for p in [layout_problem(loaded, place.dp_size, place.tp_size)] if p]
     if ep > 1:
         pairs = [pair for group in resolved.groups for pair in group["params"]]
-        problems += binding.expert_count_problems(pairs, local_entries(loaded, ep_rank))
+        problems += binding.expert_count_problems(pairs, held)
     problems += resolved.problems
     if model is not None:
         inside = {id(p) for p in model.parameters()}
         outside = [name for group in resolved.groups for name, tensor in group["params"] if id(tensor) not in inside]
         problems += [f"{name}: not a parameter of the model given as model=" for name in outside[:3]]
     if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        return loaded, resolved, hp, "parameters do not match the schedule: " + "; ".join(problems[:3]) + more
+        return loaded, resolved, hp, "parameters do not match the schedule: " + listed(problems, "; ")
     return loaded, resolved, hp, None
 
 
@@ -502,11 +499,8 @@ def _agree_on(loaded: Schedule | None, resolved: ResolvedGroups | None, problem:
               dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> None:
     """Every rank's verdict; the same ScheduleMismatchError on every rank if any is unfit."""
     placed = {e.name for e in loaded.params if e.ep_rank is not None} if loaded else set()
-    verdict = Verdict(
-        rank=dist.get_rank(), dp_rank=place.dp_rank, tp_rank=place.tp_rank, problem=problem,
-        fingerprint=loaded.fingerprint if loaded else None,
-        digest=plan_digest(loaded) if loaded else None,
-        summary=summary(loaded) if loaded else "no schedule",
+    verdict = verdict_on(
+        loaded, dist.get_rank(), place.dp_rank, place.tp_rank, problem,
         frozen=", ".join(n for n in resolved.frozen if n not in placed) if resolved else None,
         frozen_experts=", ".join(n for n in resolved.frozen if n in placed) if resolved else None,
         ep=loaded.request.ep if loaded else 1,
@@ -518,12 +512,7 @@ def install_grad_hooks(plan: RankPlan, engine: Callable[[], Engine | None]) -> l
     """A post-accumulate-grad hook on every optimized model parameter: its gradient is final
     (for each schedule entry it holds: a grouped expert tensor holds several). `engine()` is
     the engine (held weakly: the hooks never keep it alive)."""
-    handles = []
-    for indices in plan.tensor_entries.values():
-        bound = plan.bound[indices[0]]
-        assert bound is not None
-        handles.append(bound.param.register_post_accumulate_grad_hook(_on_grad(engine, indices)))
-    return handles
+    return [param.register_post_accumulate_grad_hook(_on_grad(engine, indices)) for param, indices in plan.model_params()]
 
 
 def _on_grad(engine: Callable[[], Engine | None], indices: tuple[int, ...]) -> Callable[[Tensor], None]:

@@ -16,7 +16,7 @@ it updates (its own, or every rank's under DP-SC).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from math import prod
@@ -149,6 +149,14 @@ class RankPlan:
     def hosted(self) -> tuple[int, ...]:
         """The matrices this rank hosts (frozen ones too: their state is kept), in micro-group order."""
         return tuple(self.tasks)
+
+    def model_params(self) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Every optimized model parameter, with the entries it holds (a grouped expert tensor
+        holds several)."""
+        for indices in self.tensor_entries.values():
+            bound = self.bound[indices[0]]
+            assert bound is not None
+            yield bound.param, indices
 
     def optimized(self, index: int) -> bool:
         """Whether this rank optimizes entry `index`."""

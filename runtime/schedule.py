@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,20 @@ class Verdict:
     ep: int = 1  # the EP size: experts' freezing must agree among the ranks of an EP rank
 
 
+def verdict_on(schedule: Schedule | None, rank: int, dp_rank: int, tp_rank: int, problem: str | None,
+               **more: Any) -> Verdict:
+    """This rank's verdict on `schedule` (None: it could not be loaded); `more`: the other fields."""
+    return Verdict(rank, dp_rank, tp_rank, problem, schedule.fingerprint if schedule else None,
+                   plan_digest(schedule) if schedule else None, summary(schedule) if schedule else "no schedule", **more)
+
+
+def raise_disagreement(grid: list[list[Verdict]]) -> None:
+    """The same ScheduleMismatchError on every rank holding this grid of verdicts, if they disagree."""
+    message = disagreement(grid)
+    if message:
+        raise ScheduleMismatchError(printable(message))  # names from the file, shown on a terminal
+
+
 def agree(verdict: Verdict, dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> None:
     """Exchange verdicts over the TP then the DP group (every rank reaches both collectives)
     and raise the same ScheduleMismatchError on every rank if any rank found a problem, the
@@ -131,9 +146,7 @@ def agree(verdict: Verdict, dp_group: dist.ProcessGroup, tp_group: dist.ProcessG
     dist.all_gather_object(tp_verdicts, verdict, group=tp_group)
     grid: list[list[Verdict] | None] = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(grid, tp_verdicts, group=dp_group)
-    message = disagreement(grid)  # type: ignore[arg-type]
-    if message:
-        raise ScheduleMismatchError(printable(message))  # names from the file, shown on a terminal
+    raise_disagreement(grid)  # type: ignore[arg-type]
 
 
 def _ranks(verdicts: list[Verdict]) -> str:

@@ -29,13 +29,8 @@ def dp_sharded_dim(tensor: Tensor) -> str | None:
 
 
 def _pairs(given: list[Any]) -> list[tuple[str, Tensor]]:
-    out: list[tuple[str, Tensor]] = []
-    for item in given:
-        if isinstance(item, dict):
-            out += [pair for pair in item.get("params", []) if isinstance(pair, tuple) and len(pair) == 2]
-        elif isinstance(item, tuple) and len(item) == 2:
-            out.append(item)
-    return out
+    listed = (pair for item in given for pair in (item.get("params", []) if isinstance(item, dict) else [item]))
+    return [pair for pair in listed if isinstance(pair, tuple) and len(pair) == 2]
 
 
 def fsdp_mismatch(schedule: Schedule, given: list[Any]) -> str | None:

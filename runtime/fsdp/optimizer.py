@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from canzona.runtime.exchange.pipeline import MicroGroupPipeline
 from canzona.runtime.faults import StepFailedError, as_timedelta, first_line, gather_objects, settle, wait
-from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
+from canzona.runtime.groups import group_hyperparameters, listed, resolve_param_groups
 from canzona.runtime.rules.optimizers import (
     Hyperparameters,
     MatrixRule,
@@ -42,14 +42,12 @@ from canzona.runtime.rules.optimizers import (
     make_rule,
     matrix_update_batch,
 )
-from canzona.runtime.schedule import (ScheduleMismatchError, Verdict, disagreement, load_schedule, plan_digest, summary,
-                                     tp_shard)
+from canzona.runtime.schedule import load_schedule, plan_digest, raise_disagreement, tp_shard, verdict_on
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
 from canzona.schedules.geometry import fsdp_rows
 from canzona.schedules.layout import Task
 from canzona.schedules.limits import FSDP, MATRIX
-from canzona.schedules.text import printable
 
 
 @dataclass(frozen=True)
@@ -183,14 +181,9 @@ def _agree_on(schedule: Schedule | None, problem: str | None, frozen: str | None
     parameters (their micro-groups would then differ)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = schedule.request.tp if schedule is not None else 1
-    verdict = Verdict(rank, rank // tp, rank % tp, problem, schedule.fingerprint if schedule else None,
-                      plan_digest(schedule) if schedule else None, summary(schedule) if schedule else "no schedule",
-                      frozen)
+    verdict = verdict_on(schedule, rank, rank // tp, rank % tp, problem, frozen=frozen)
     flat = gather_objects(verdict, [dist.group.WORLD], "the FSDP schedule check")
-    grid = [flat[start : start + tp] for start in range(0, world, tp)] if world % tp == 0 else [flat]
-    message = disagreement(grid)
-    if message:
-        raise ScheduleMismatchError(printable(message))  # names from the file, shown on a terminal
+    raise_disagreement([flat[start : start + tp] for start in range(0, world, tp)] if world % tp == 0 else [flat])
 
 
 class FsdpOptimizer(torch.optim.Optimizer):
@@ -220,8 +213,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         mesh = mesh if mesh is not None else _mesh_of(pairs)
         place, mesh_problem = mesh_place(mesh, self.schedule)
         problems = resolved.problems + ([mesh_problem] if mesh_problem else []) + local_problems(self.schedule, pairs, place)
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        _agree_on(self.schedule, "; ".join(problems[:3]) + more or None, ", ".join(resolved.frozen) or None)
+        _agree_on(self.schedule, listed(problems, "; ") or None, ", ".join(resolved.frozen) or None)
         assert place is not None
         self.place = place
         self.group = self._fragmentation_group(mesh)
@@ -251,14 +243,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
 
     def _fragmentation_group(self, mesh: Any) -> dist.ProcessGroup:
         """The devices of this replica (every rank creates every replica's group, in order)."""
-        layout, options = self.place.layout, ({"timeout": self.timeout} if self.timeout is not None else {})
-        rows = mesh.mesh.reshape(layout.replicas, layout.hosts).tolist()
-        mine = None
-        for replica, ranks in enumerate(rows):
-            group = dist.new_group(ranks, **options)
-            mine = group if replica == self.place.replica else mine
-        assert mine is not None
-        return mine
+        rows = mesh.mesh.reshape(self.place.layout.replicas, self.place.layout.hosts).tolist()
+        return [dist.new_group(ranks, timeout=self.timeout) for ranks in rows][self.place.replica]
 
     # -----------------------------------------------------------------------------------------
     # The step

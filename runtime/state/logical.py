@@ -99,10 +99,7 @@ def set_leaf(node: Any, path: str, value: Tensor) -> None:
     *parents, last = path.split("/")
     for part in parents:
         node = node[int(part)] if isinstance(node, list) else node[part]
-    if isinstance(node, list):
-        node[int(last)] = value
-    else:
-        node[last] = value
+    node[int(last) if isinstance(node, list) else last] = value
 
 
 def adamw_runs(plan: RankPlan) -> list[AdamwRun]:
@@ -127,8 +124,13 @@ def _logical(plan: RankPlan, param: int, tensor: Tensor, clone: bool) -> Logical
     return LogicalTensor(task.shape, [(offsets, data.clone() if clone else data) for offsets, data in chunks])
 
 
-def _adamw_size(plan: RankPlan, param: int) -> tuple[int, ...]:
-    return (prod(plan.shapes[param]),)
+def _add_run(out: dict[str, LogicalTensor], key: str, plan: RankPlan, run: AdamwRun, buffer: Tensor,
+             clone: bool = False) -> None:
+    """Add an AdamW run of `buffer` (a state vector indexed like the AdamW moments) to the flat
+    logical tensor `key` of its parameter."""
+    data = buffer[run.local : run.local + run.length]
+    entry = out.setdefault(key, LogicalTensor((prod(plan.shapes[run.param]),)))
+    entry.chunks.append(((run.full,), data.clone() if clone else data))
 
 
 def _main_runs(plan: RankPlan, state: OptimizerState) -> list[AdamwRun]:
@@ -153,9 +155,8 @@ def _export_main(plan: RankPlan, state: OptimizerState, writers_only: bool, clon
     for run in _main_runs(plan, state):
         if writers_only and not plan.writes_adamw(run.param):
             continue
-        data = main.adamw[run.local : run.local + run.length]  # type: ignore[index]
-        entry = out.setdefault(main_key(plan.names[run.param]), LogicalTensor(_adamw_size(plan, run.param)))
-        entry.chunks.append(((run.full,), data.clone() if clone else data))
+        assert main.adamw is not None
+        _add_run(out, main_key(plan.names[run.param]), plan, run, main.adamw, clone)
 
 
 def export_state(plan: RankPlan, state: OptimizerState, rule: MatrixRule, writers_only: bool,
@@ -174,9 +175,7 @@ def export_state(plan: RankPlan, state: OptimizerState, rule: MatrixRule, writer
         if writers_only and not plan.writes_adamw(run.param):
             continue
         for name in ADAMW_MOMENTS:
-            data = state.adamw[name][run.local : run.local + run.length]
-            entry = out.setdefault(adamw_key(plan.names[run.param], name), LogicalTensor(_adamw_size(plan, run.param)))
-            entry.chunks.append(((run.full,), data.clone() if clone else data))
+            _add_run(out, adamw_key(plan.names[run.param], name), plan, run, state.adamw[name], clone)
     _export_main(plan, state, writers_only, clone, out)
     return out
 
@@ -209,8 +208,7 @@ def _plan_main(plan: RankPlan, state: OptimizerState, available: Mapping[str, tu
             if key not in available:
                 complete = False
                 continue
-            entry = dest.tensors.setdefault(key, LogicalTensor(_adamw_size(plan, run.param)))
-            entry.chunks.append(((run.full,), dest.main_adamw[run.local : run.local + run.length]))
+            _add_run(dest.tensors, key, plan, run, dest.main_adamw)
     dest.main_complete = complete
 
 
@@ -242,8 +240,7 @@ def plan_import(plan: RankPlan, state: OptimizerState, rule: MatrixRule,
             if key not in available:
                 missing.append(key)
                 continue
-            entry = tensors.setdefault(key, LogicalTensor(_adamw_size(plan, run.param)))
-            entry.chunks.append(((run.full,), adamw[name][run.local : run.local + run.length]))
+            _add_run(tensors, key, plan, run, adamw[name])
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"the saved state lacks {', '.join(sorted(set(missing))[:3])}{more}")
@@ -291,8 +288,8 @@ def fill_from(dest: Destination, tensors: Mapping[str, LogicalTensor]) -> None:
         for offsets, target in wanted.chunks:
             if len(wanted.size) == 1:
                 _fill_run(key, offsets[0], target, source)
-                continue
-            _fill_box(key, offsets, target, source, wanted.size)
+            else:
+                _fill_box(key, offsets, target, source, wanted.size)
 
 
 def install(plan: RankPlan, state: OptimizerState, dest: Destination, step: int, param_steps: Mapping[str, int]) -> None:
@@ -303,6 +300,7 @@ def install(plan: RankPlan, state: OptimizerState, dest: Destination, step: int,
     state.step = step
     state.param_steps = [int(param_steps.get(name, step)) for name in plan.names]
     main = state.main
+    main.stale = not dest.main_complete
     if dest.main_complete:
         for param, canonical in dest.main_matrices.items():
             if plan.tasks[param].team:
@@ -311,9 +309,6 @@ def install(plan: RankPlan, state: OptimizerState, dest: Destination, step: int,
                 from_canonical(canonical, plan.tasks[param], main.matrices[param])
         if dest.main_adamw is not None:
             main.adamw = dest.main_adamw
-        main.stale = False
-    else:
-        main.stale = True
 
 
 def ep_experts(plan: RankPlan) -> list[str]:
