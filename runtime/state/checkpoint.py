@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from canzona.runtime.faults import CheckpointError, describe, gather_objects
 from canzona.runtime.state.logical import STATE_FORMAT, Destination, LogicalTensor
+from canzona.schedules.files import write_atomic
 from canzona.schedules.reshard import StateLayout, incompatibilities
 
 MANIFEST = "CHECKPOINT.json"
@@ -172,18 +172,9 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def _commit(root: Path, manifest: dict[str, Any]) -> None:
-    """Atomically make `manifest` the checkpoint record at `root` (temporary file, fsync, rename)."""
-    body = dict(manifest, sha256=_body_digest(manifest))
-    handle, temporary = tempfile.mkstemp(prefix=f".{MANIFEST}.", dir=root)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(body, stream, indent=1, sort_keys=True)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, root / MANIFEST)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Atomically make `manifest` the checkpoint record at `root` (`write_atomic`: temporary
+    file, fsync, rename; then the folder is fsync'd so that the rename is durable)."""
+    write_atomic(root / MANIFEST, json.dumps(dict(manifest, sha256=_body_digest(manifest)), indent=1, sort_keys=True))
     _fsync_folder(root)
 
 
