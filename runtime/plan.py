@@ -117,13 +117,6 @@ class RankPlan:
         found = set(self.dtypes)
         return found.pop() if len(found) == 1 else torch.float32
 
-    @property
-    def stack_limit(self) -> int:
-        """Elements of the most matrices a host stacks for one batched Newton–Schulz: an eighth
-        of a micro-group's capacity of fp32 gradients, so that the workspace (two stacks, the
-        Gram products, a submatrix's rows: about five stacks) stays within that capacity."""
-        return max(1, self.schedule.request.group_bytes // 32)
-
     @cached_property
     def managed(self) -> tuple[int, ...]:
         """The entries this rank optimizes, in registration order."""

@@ -3,7 +3,7 @@ this rank's shards, and AdamW on its slices. State, main copies and parameters c
 
 Hosts compute a micro-group's matrices by batch: matrices of one param group, shape and row
 blocks are updated together (`matrix_update_batch`: Muon orthogonalises each submatrix
-position of the batch as one batched product, stacked at most `RankPlan.stack_limit` elements
+position of the batch as one batched product, stacked at most `stack_limit` elements
 at a time); a team-hosted matrix is computed with its team (`canzona.runtime.rules.cooperative`).
 A matrix's gradient (its place in the bucket buffer, or the matrix the TP gather assembled) is
 the scratch its update is computed in: no stage copies the gradients of a whole batch. A host's result is the fp32 update of an fp32
@@ -39,6 +39,7 @@ from canzona.runtime.rules.optimizers import (
     adamw_,
     apply_update,
     matrix_update_batch,
+    stack_limit,
 )
 from canzona.runtime.state.store import OptimizerState, matrix_template
 
@@ -116,7 +117,8 @@ class Updater:
         states = [self._states(rule, task) for task in batch]
         steps = [self.state.param_steps[task.param] + 1 for task in batch]
         updates = [full[task.param] for task in batch]  # scratch: the gradients become the updates
-        matrix_update_batch(rule, states, updates, batch[0].row_blocks, steps, self.plan.stack_limit)
+        matrix_update_batch(rule, states, updates, batch[0].row_blocks, steps,
+                            stack_limit(self.plan.schedule.request.group_bytes))
         if not self.plan.lowp(batch[0].param):
             return {task.param: update for task, update in zip(batch, updates)}
         mains = [self.state.main.matrices[task.param] for task in batch]

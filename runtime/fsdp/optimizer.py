@@ -41,6 +41,7 @@ from canzona.runtime.rules.optimizers import (
     init_matrix_state,
     make_rule,
     matrix_update_batch,
+    stack_limit,
 )
 from canzona.runtime.schedule import load_schedule, plan_digest, raise_disagreement, tp_shard, verdict_on
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError
@@ -232,7 +233,6 @@ class FsdpOptimizer(torch.optim.Optimizer):
                                            self.timeout, "FSDP")
         self._problem: str | None = None  # the first failure of the step in progress
         self._failed: str | None = None  # a step failed after hosts changed state: load a state first
-        self.stack_limit = max(1, self.schedule.request.group_bytes // 32)  # as CanzonaOptimizer's hosts
         for tensor in self.tensors:
             self.state[tensor]["step"] = 0
             if tensor.dtype != torch.float32:
@@ -350,7 +350,8 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 rule: MatrixRule = make_rule(self.rule_name, hp)
                 states = [self._matrix_state(task, rule) for task in batch]
                 steps = [self.state[self.tensors[task.param]]["step"] + 1 for task in batch]
-                matrix_update_batch(rule, states, grads, batch[0].row_blocks, steps, self.stack_limit)
+                matrix_update_batch(rule, states, grads, batch[0].row_blocks, steps,
+                                    stack_limit(self.schedule.request.group_bytes))
                 return
             except Exception as error:  # noqa: BLE001 - reported on every rank by the step's settle
                 self._problem = f"updating {self.names[batch[0].param]}: {first_line(error)}"

@@ -415,6 +415,13 @@ def put_rows(out: Tensor, block: RowBlock, values: Tensor) -> None:
         row += stop - start
 
 
+def stack_limit(group_bytes: int) -> int:
+    """Elements of the most matrices a host stacks for one batched Newton–Schulz: an eighth of a
+    micro-group's capacity (`group_bytes`) of fp32 gradients, so that the workspace (two stacks,
+    the Gram products, a submatrix's rows: about five stacks) stays within that capacity."""
+    return max(1, group_bytes // 32)
+
+
 def matrix_update_batch(rule: MatrixRule, states: Sequence[list[State]], grads: Sequence[Tensor],
                         row_blocks: list[RowBlock] | None, steps: Sequence[int], stack_limit: int | None = None) -> None:
     """Update k same-shape matrices with the same row blocks, in place: each of `grads` (fp32 or
