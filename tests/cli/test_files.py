@@ -188,8 +188,11 @@ sys.exit(main(sys.argv[1:]))
 def test_a_signal_during_the_write_removes_the_temporary(tmp_path: Path, signum: int, code: int) -> None:
     target = tmp_path / "s.yaml"
     target.write_text("good\n")
+    # The command as a terminal starts it: a suite launched in the background (`cmd &` in a
+    # script, nohup) hands its children SIGINT ignored, and Python then leaves it ignored.
     process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, *PLAN, "--force", "-o", str(target)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert process.stdout is not None
     assert process.stdout.readline() == "writing\n"  # the temporary file exists now
     assert any(p.name.endswith(TEMP_SUFFIX) for p in tmp_path.iterdir())
