@@ -62,9 +62,10 @@ class StepContext:
         self.problem = self.problem or problem
 
 
-def _key(plan: RankPlan, task: Task) -> BatchKey:
+def batch_key(group: int, task: Task) -> BatchKey:
+    """What the matrices updated as one batch share: param group `group`, shape and row blocks."""
     blocks = tuple(tuple((start, stop) for start, stop in block) for block in task.row_blocks) if task.row_blocks else None
-    return plan.group_of[task.param], task.shape, blocks
+    return group, task.shape, blocks
 
 
 class Updater:
@@ -86,7 +87,7 @@ class Updater:
         if found is None:
             grouped: dict[BatchKey | int, list[Task]] = {}
             for task in tasks:
-                grouped.setdefault(task.param if task.team else _key(self.plan, task), []).append(task)
+                grouped.setdefault(task.param if task.team else batch_key(self.plan.group_of[task.param], task), []).append(task)
             found = self._batches[memo] = list(grouped.values())
         return found
 

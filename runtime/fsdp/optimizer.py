@@ -44,6 +44,7 @@ from canzona.runtime.rules.optimizers import (
     stack_limit,
 )
 from canzona.runtime.schedule import load_schedule, plan_digest, raise_disagreement, tp_shard, verdict_on
+from canzona.runtime.update import BatchKey, batch_key
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel, shard_shape
 from canzona.schedules.geometry import fsdp_rows
@@ -334,10 +335,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         """The update of every matrix this device hosts, from its whole gradient (scratch):
         matrices of one param group, shape and row blocks updated as one batch
         (`matrix_update_batch`), their state in place."""
-        batches: dict[Any, list[Task]] = {}
+        batches: dict[BatchKey, list[Task]] = {}
         for task in tasks:
-            blocks = tuple(tuple(map(tuple, block)) for block in task.row_blocks) if task.row_blocks else None
-            batches.setdefault((self.group_of[task.param], task.shape, blocks), []).append(task)
+            batches.setdefault(batch_key(self.group_of[task.param], task), []).append(task)
         for batch in batches.values():
             self._host_batch(batch, [full[task.param] for task in batch], hps[self.group_of[batch[0].param]])
         return full
