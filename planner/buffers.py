@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 from canzona.planner.partition.baselines import BaselineLoads, all_baselines
 from canzona.planner.partition.collectives import Link, choose_collective
 from canzona.planner.partition.device_aware import DeviceModel, reown
-from canzona.planner.partition.dp import DpAssignment, DpInstance, partition, rank_loads, slice_caps
+from canzona.planner.partition.dp import DpAssignment, DpInstance, Owners, partition, rank_loads, slice_caps
 from canzona.planner.partition.even_slices import SliceState, even_slices
 from canzona.planner.partition.free_order import partition_free, reorder_buffer
-from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, owners_to_cuts, slice_sizes
+from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, owners_to_cuts, param_bytes, slice_sizes
 from canzona.planner.partition.tp import Task
-from canzona.planner.spec import DTYPE_BYTES, ModelSpec
+from canzona.planner.spec import ModelSpec
 
 if TYPE_CHECKING:  # the request is only read here
     from canzona.planner.partition.ilp import SolverReport
@@ -102,6 +102,11 @@ def _polish(instance: DpInstance, layout: BufferLayout, model: ModelSpec, costs:
     return DpAssignment(moved, assignment.method + ("+device" if loads else ""))
 
 
+def own_loads(instance: DpInstance, owners: Owners) -> tuple[float, ...]:
+    """Each rank's load from a buffer's partition (its base loads not counted)."""
+    return tuple(total - base for total, base in zip(rank_loads(instance, owners), instance.initial_loads()))
+
+
 @dataclass(frozen=True)
 class Partitioned:
     """One buffer's DP partition before the device stage, the even slices and the layout: what
@@ -115,8 +120,7 @@ class Partitioned:
     @property
     def loads(self) -> tuple[float, ...]:
         """Each rank's load from this buffer (its base loads not counted)."""
-        totals = rank_loads(self.instance, self.assignment.owners)
-        return tuple(total - base for total, base in zip(totals, self.instance.initial_loads()))
+        return own_loads(self.instance, self.assignment.owners)
 
 
 def partition_buffer(
@@ -147,7 +151,7 @@ def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...],
         for bucket, bucket_owners in zip(layout.buckets, assignment.owners)
         for entry, owner in zip(bucket.entries, bucket_owners)
     }
-    loads = tuple(l - b for l, b in zip(rank_loads(instance, assignment.owners), instance.initial_loads()))
+    loads = own_loads(instance, assignment.owners)
     registration_layout = layout
     if request.order == "free":
         layout, bucket_owners_list = reorder_buffer(layout, assignment.owners, num_ranks)
@@ -159,7 +163,7 @@ def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...],
     cost_by_param = {param: costs[param] for param in owners}
     names = {index: param.name for index, param in enumerate(model.params)}
     baselines = all_baselines(registration_layout, cost_by_param, names, num_ranks)
-    collectives = tuple(choose_collective(link, slice_sizes(bucket_cuts), DTYPE_BYTES[model.params[bucket.entries[0].param].dtype])
+    collectives = tuple(choose_collective(link, slice_sizes(bucket_cuts), param_bytes(model, bucket))
                         for bucket, bucket_cuts in zip(layout.buckets, cuts))
     return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines, part.solver, collectives)
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model
-from canzona.planner.partition.layout import BufferLayout, adamw_elements, adamw_loads, equal_cuts
+from canzona.planner.partition.layout import BufferLayout, adamw_elements, adamw_loads, equal_cuts, param_bytes
 from canzona.planner.partition.tp import MicroGroup, group_stats
 from canzona.planner.plan import Plan
-from canzona.planner.spec import DTYPE_BYTES
 from canzona.schedules.figures import bucket_traffic, micro_group_traffic
 
 
@@ -53,9 +52,9 @@ def _dp_traffic(
     collective (`collectives`; none given: equal cuts, a native ring)."""
     traffic = [(0, 0)] * group
     for position, (bucket, cuts) in enumerate(zip(layout.buckets, cuts_of)):
-        param_bytes = DTYPE_BYTES[plan.model.params[bucket.entries[0].param].dtype]
         collective = collectives[position] if collectives else "ring"
-        for rank, (sent, received) in enumerate(bucket_traffic(bucket.numel, cuts, param_bytes, collective)):
+        for rank, (sent, received) in enumerate(bucket_traffic(bucket.numel, cuts, param_bytes(plan.model, bucket),
+                                                                  collective)):
             traffic[rank] = (traffic[rank][0] + sent, traffic[rank][1] + received)
     return traffic
 

@@ -11,22 +11,20 @@ from dataclasses import dataclass, replace
 from canzona.planner.buffers import BufferPlan, Partitioned, finish_buffer, param_task, partition_buffer
 from canzona.planner.partition.baselines import BaselineLoads
 from canzona.planner.partition.collectives import (
-    GRAD_BYTES,
+    NS_BF16_FLOPS,
     REFERENCE_NETWORK,
     Link,
-    bucket_seconds,
-    choose_collective,
+    cheapest_seconds,
     layout_links,
 )
-from canzona.planner.partition.cooperative import Shape, cooperate, reference_flops, smallest_share
-from canzona.planner.partition.costs import make_cost_model, param_cost, param_state_bytes
+from canzona.planner.partition.cooperative import Shape, cooperate, smallest_share
+from canzona.planner.partition.costs import CostModel, make_cost_model, param_cost, param_state_bytes
 from canzona.planner.partition.device_aware import DeviceModel
 from canzona.planner.partition.dp import ALPHA_LADDER, DpInstance, Owners, lower_bound
-from canzona.planner.partition.layout import BufferLayout, adamw_loads, build_buffer
+from canzona.planner.partition.layout import BufferLayout, adamw_loads, build_buffer, param_bytes
 from canzona.planner.partition.tp import MODES, MicroGroup, Task, schedule_tasks
 from canzona.planner.spec import (
     ADAMW,
-    DTYPE_BYTES,
     MATRIX,
     ModelSpec,
     PlanError,
@@ -78,10 +76,8 @@ class Plan:
     under expert parallelism, expert-DP rank); `expert_slot` maps every expert parameter to
     the EP-rank-0 expert at the same buffer position (itself when ep = 1 or not an expert).
     `lower_bound`: the DP load no plan of this model and layout can go below
-    (`canzona.schedules.bounds.dp_lower_bound` over every matrix); `partition_bound`: the dense
-    partition's own bound (around the experts' loads under expert parallelism), where the
-    planner stops searching; `device_lower_bound`: the busiest device no plan can go below
-    (`device_bound`).
+    (`canzona.schedules.bounds.dp_lower_bound` over every matrix); `device_lower_bound`: the
+    busiest device no plan can go below (`device_bound`).
     """
 
     request: PlanRequest
@@ -94,7 +90,6 @@ class Plan:
     owners: dict[int, int]
     expert_slot: dict[int, int]
     lower_bound: float
-    partition_bound: float
     device_lower_bound: float
     loads: tuple[float, ...]
     baselines: tuple[BaselineLoads, ...]
@@ -155,7 +150,7 @@ def make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = 
     costs = tuple(param_cost(param, cost_model) for param in model.params)
     slots = _expert_slots(model, request.ep) if request.ep > 1 else {}
     parts = _best_parts(model, request, seeds, costs, slots, {})
-    return _finish(model, request, parts, costs, slots)
+    return _finish(model, request, parts, costs, slots, cost_model)
 
 
 @dataclass(frozen=True)
@@ -209,26 +204,26 @@ def _partitions(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...],
 
 
 def _finish(model: ModelSpec, request: PlanRequest, parts: _Parts, costs: tuple[float, ...],
-            slots: dict[int, int]) -> Plan:
+            slots: dict[int, int], cost_model: CostModel) -> Plan:
     """The plan of the chosen partitions: the device stage (TP > 1), even slices, layouts, TP
     micro-groups and teams, bounds and baselines."""
     ep, tp, dp = request.ep, request.tp, request.dp
-    cost_model = make_cost_model(request.cost, request.optimizer)
     dp_link, expert_link, _ = layout_links(REFERENCE_NETWORK, tp, dp, ep)
     expert = finish_buffer(model, parts.expert, costs, request, expert_link) if parts.expert else None
     adamw_layout = build_buffer(model, ADAMW, tp, dp, request.bucket_size)
     adamw = adamw_loads(adamw_layout, dp, cost_model)
     bound = dp_lower_bound([c for c, p in zip(costs, model.params) if p.optimizer == MATRIX], dp)
     device_bound = layout_device_bound(model, request, costs, bound, adamw)
+    experts = expert_tasks(model, expert, slots, costs, request)  # per DP rank
     device = None
     if tp > 1 and request.cost == "flops":  # FLOPs price the collectives too (at the reference throughput)
-        device = _device_model(model, request, expert_tasks(model, expert, slots, costs, request), adamw,
-                               tp * device_bound, _comm_cost(model, parts.dense.layout, dp_link))
+        device = _device_model(model, request, experts, adamw, tp * device_bound,
+                               _comm_cost(model, parts.dense.layout, dp_link))
     dense = finish_buffer(model, parts.dense, costs, request, dp_link, device)
     owners = dict(dense.owners)
     if expert is not None:
         owners.update({param: expert.owners[slot] for param, slot in slots.items()})
-    tasks = rank_tasks(model, dense, expert, slots, costs, request)
+    tasks = rank_tasks(model, dense, experts, costs, request.dp)
     groups = {mode: tuple(schedule_tasks(rank, tp, request.group_bytes, mode) for rank in tasks) for mode in MODES}
     summary = None
     if request.solver == "ilp":
@@ -252,7 +247,6 @@ def _finish(model: ModelSpec, request: PlanRequest, parts: _Parts, costs: tuple[
         owners=owners,
         expert_slot={index: slots.get(index, index) for index in owners},
         lower_bound=bound,
-        partition_bound=parts.bound,
         device_lower_bound=device_bound,
         loads=_combine(dense.loads, expert.loads if expert else (), ep),
         baselines=_combined_baselines(dense, expert, ep),
@@ -370,16 +364,16 @@ def _device_model(model: ModelSpec, request: PlanRequest, extra: tuple[tuple[Tas
 def _comm_cost(model: ModelSpec, layout: BufferLayout, link: Link) -> Callable[[DpInstance, Owners], float]:
     """A partition's collectives on `link` in FLOPs: every bucket's reduction and gather at its
     cheapest collective, at the reference throughput (each rank's slice: its matrices' spans)."""
-    param_bytes = [DTYPE_BYTES[model.params[bucket.entries[0].param].dtype] for bucket in layout.buckets]
+    per_bucket = [param_bytes(model, bucket) for bucket in layout.buckets]
 
     def cost(instance: DpInstance, owners: Owners) -> float:
         seconds = 0.0
-        for spans, bucket_owners, elem_bytes in zip(instance.spans, owners, param_bytes):
+        for spans, bucket_owners, elem_bytes in zip(instance.spans, owners, per_bucket):
             slices = [0] * instance.num_ranks
             for span, owner in zip(spans, bucket_owners):
                 slices[owner] += span
-            seconds += bucket_seconds(link, slices, GRAD_BYTES, elem_bytes, choose_collective(link, slices, elem_bytes))
-        return seconds * reference_flops()
+            seconds += cheapest_seconds(link, slices, elem_bytes)
+        return seconds * NS_BF16_FLOPS
 
     return cost
 
@@ -402,19 +396,14 @@ def expert_tasks(model: ModelSpec, expert: BufferPlan | None, slots: dict[int, i
     return tuple(tuple(rank) for rank in tasks)
 
 
-def rank_tasks(
-    model: ModelSpec,
-    dense: BufferPlan,
-    expert: BufferPlan | None,
-    slots: dict[int, int],
-    costs: tuple[float, ...],
-    request: PlanRequest,
-) -> tuple[tuple[Task, ...], ...]:
-    """Per DP rank, the matrices it owns as TP tasks, in buffer order (dense, then experts)."""
-    tasks: list[list[Task]] = [[] for _ in range(request.dp)]
+def rank_tasks(model: ModelSpec, dense: BufferPlan, experts: tuple[tuple[Task, ...], ...], costs: tuple[float, ...],
+               dp: int) -> tuple[tuple[Task, ...], ...]:
+    """Per DP rank, the matrices it owns as TP tasks, in buffer order: dense, then its
+    `experts` (`expert_tasks`)."""
+    tasks: list[list[Task]] = [[] for _ in range(dp)]
     for bucket in dense.layout.buckets:
         for entry in bucket.entries:
             tasks[dense.owners[entry.param]].append(param_task(model, costs, entry.param))
-    for rank, extra in enumerate(expert_tasks(model, expert, slots, costs, request)):
+    for rank, extra in enumerate(experts):
         tasks[rank] += extra
     return tuple(tuple(rank) for rank in tasks)

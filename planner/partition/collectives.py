@@ -191,6 +191,11 @@ def bucket_seconds(link: Link, slices: Sequence[int], grad_bytes: int, param_byt
     return 2 * steps * link.latency + elements * (grad_bytes + param_bytes) / link.bandwidth
 
 
+def cheapest_seconds(link: Link, slices: Sequence[int], param_bytes: int, grad_bytes: int = GRAD_BYTES) -> float:
+    """`bucket_seconds` of a bucket's cheapest form (`choose_collective`'s)."""
+    return min(bucket_seconds(link, slices, grad_bytes, param_bytes, c) for c in BUCKET_COLLECTIVES)
+
+
 def choose_collective(link: Link, slices: Sequence[int], param_bytes: int, grad_bytes: int = GRAD_BYTES) -> str:
     """The cheapest form of a bucket's reduction plus gather on `link` (ties: the first of
     `BUCKET_COLLECTIVES`, so a group of one keeps the default)."""

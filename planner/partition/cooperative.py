@@ -75,14 +75,9 @@ def team_comm_seconds(shape: Shape, k: int, ns_steps: int, tp: int) -> float:
     return ns_steps * all_reduce(link, r * r, GRAM_BYTES).seconds() + all_reduce(link, 1, GRAM_BYTES).seconds()
 
 
-def reference_flops() -> float:
-    """The reference device's matrix throughput: how seconds of communication become FLOPs."""
-    return NS_BF16_FLOPS
-
-
 def team_cost(shape: Shape, k: int, ns_steps: int, tp: int) -> float:
     """Per-host cost (FLOPs; communication at the reference device's throughput)."""
-    return team_flops(shape, k, ns_steps) + reference_flops() * team_comm_seconds(shape, k, ns_steps, tp)
+    return team_flops(shape, k, ns_steps) + NS_BF16_FLOPS * team_comm_seconds(shape, k, ns_steps, tp)
 
 
 def smallest_share(cost: float, shape: Shape | None, ns_steps: int, tp: int) -> float:

@@ -225,10 +225,9 @@ def _partners(search: _Search, heavy: int) -> list[int]:
     return sorted(set(by_time) | set(by_load))
 
 
-def _improved(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], model: DeviceModel,
-              load_cap: float) -> tuple[float, float, Owners]:
-    """Local search from `state`: (busiest device, largest DP load, owners) at its end."""
-    search = _Search(instance, state, tasks, model, load_cap)
+def _improve(search: _Search) -> Owners:
+    """Local search from the search's state (changed in place): the owners at its end."""
+    instance = search.instance
     for _ in range(4 * instance.num_ranks + 16):
         if len(search.cache) > MAX_EVALUATIONS:
             break
@@ -242,7 +241,7 @@ def _improved(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], 
         if best is None:
             break
         search.apply(best[1])
-    return max(search.times), max(search.loads), tuple(tuple(owners) for owners in state.owners)
+    return tuple(tuple(owners) for owners in search.state.owners)
 
 
 def reown(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], model: DeviceModel) -> Owners:
@@ -259,11 +258,11 @@ def reown(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], mode
         return original
     caps, free = state.caps, state.free
     start = _Search(instance, state, tasks, model, 0.0)
-    load_cap = max(model.load_cap, max(start.loads))
-    candidates = [original, _improved(instance, state, tasks, model, load_cap)[2]]
+    start.load_cap = load_cap = max(model.load_cap, max(start.loads))  # no worse than the partition's
+    candidates = [original, _improve(start)]
     fresh = _construct(instance, state, tasks, model, load_cap)
     if fresh is not None:
-        candidates.append(_improved(instance, SliceState.of(instance, caps, fresh, True), tasks, model, load_cap)[2])
+        candidates.append(_improve(_Search(instance, SliceState.of(instance, caps, fresh, True), tasks, model, load_cap)))
     scored = []
     for position, owners in enumerate(dict.fromkeys(candidates)):
         evened = even_slices(instance, caps, owners, free)

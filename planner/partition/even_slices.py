@@ -150,7 +150,7 @@ def _swap(state: SliceState, held: Held, x: tuple[int, int], y: tuple[int, int])
     state.swap(x, y)
 
 
-def _improve_bucket(state: SliceState, held: Held, eligible: set[int], bucket: int) -> bool:
+def _improve_bucket(state: SliceState, held: Held, bucket: int) -> bool:
     """The best swap that moves an item out of the bucket's fullest slice to one of its
     emptiest ranks (the emptiest first) for an equal-cost item of that rank's in another
     bucket; False when none lowers the total."""
@@ -163,7 +163,7 @@ def _improve_bucket(state: SliceState, held: Held, eligible: set[int], bucket: i
         best: tuple[int, tuple[int, int], tuple[int, int]] | None = None
         for cost in kinds:
             # Partner buckets where `low` is fullest against `high` first: swapping there evens both.
-            others = sorted((b for b in held[(low, cost)] if b != bucket and b in eligible and held[(low, cost)][b]),
+            others = sorted((b for b in held[(low, cost)] if b != bucket and held[(low, cost)][b]),
                             key=lambda b: (state.fills[b][high] - state.fills[b][low], b))
             for ix in _movable(state, held, high, cost, bucket):
                 for other in others:
@@ -196,7 +196,7 @@ def even_slices(instance: DpInstance, caps: tuple[int, ...], owners: Owners, fre
         if not todo:
             break
         bucket = max(todo, key=lambda b: (_excess(state, b), -b))
-        if _improve_bucket(state, held, set(eligible), bucket):
+        if _improve_bucket(state, held, bucket):
             budget -= 1
             stuck.clear()
         else:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from canzona.planner.partition.costs import CostModel
-from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, PlanError
+from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ModelSpec, PlanError
 from canzona.schedules.geometry import (  # the one home of the geometry; re-exported here
     BUCKET_END_ALIGNMENT,
     DEFAULT_BUCKET_SIZE,
@@ -30,7 +30,7 @@ from canzona.schedules.geometry import (  # the one home of the geometry; re-exp
 __all__ = [
     "BUCKET_END_ALIGNMENT", "DEFAULT_BUCKET_SIZE", "GRAD_BYTES_PER_ELEMENT", "PARAM_ALIGNMENT", "Bucket",
     "BufferEntry", "BufferLayout", "adamw_elements", "adamw_loads", "build_buffer", "build_layouts", "equal_cuts",
-    "owners_to_cuts", "slice_owner", "slice_sizes",
+    "owners_to_cuts", "param_bytes", "slice_owner", "slice_sizes",
 ]
 
 
@@ -116,6 +116,11 @@ def adamw_elements(layout: BufferLayout, dp: int) -> list[int]:
     its devices: TP shards)."""
     cuts = [equal_cuts(bucket.numel, dp) for bucket in layout.buckets]
     return [sum(slice_sizes(bucket_cuts)[r] for bucket_cuts in cuts) for r in range(dp)]
+
+
+def param_bytes(model: ModelSpec, bucket: Bucket) -> int:
+    """Bytes per element of a bucket's parameters (a bucket holds one dtype): what its gather moves."""
+    return DTYPE_BYTES[model.params[bucket.entries[0].param].dtype]
 
 
 def adamw_loads(layout: BufferLayout, dp: int, cost: CostModel) -> list[float]:

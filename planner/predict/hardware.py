@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import canzona.schedules
-from canzona.planner.partition.collectives import NS_BF16_FLOPS, Network
+from canzona.planner.partition.collectives import NS_BF16_FLOPS, REFERENCE_NETWORK, Network
 from canzona.planner.partition.costs import CostModel, FlopsCost, OptimizerConfig
 from canzona.planner.partition.profile_cost import Profile, ProfileCost, read_profile
 from canzona.planner.spec import PlanError
@@ -96,10 +96,10 @@ BUILTIN: dict[str, Hardware] = {
         name="h100",
         matrix_flops=NS_BF16_FLOPS,
         memory_bandwidth=0.9 * 3.35e12,
-        latency=5e-6,
-        intra_bandwidth=450 * GB,
-        inter_bandwidth=50 * GB,
-        gpus_per_node=8,
+        latency=REFERENCE_NETWORK.latency,  # the network the planner chooses collectives on
+        intra_bandwidth=REFERENCE_NETWORK.intra_bandwidth,
+        inter_bandwidth=REFERENCE_NETWORK.inter_bandwidth,
+        gpus_per_node=REFERENCE_NETWORK.gpus_per_node,
         source=(
             f"matrix optimizer at {_NS}; the H100 SXM5 has the H200's tensor cores and clocks (989 TFLOP/s "
             "dense BF16 on both datasheets), so the H200's measured rate is assumed; HBM3 3.35 TB/s at 90%; "
@@ -112,10 +112,10 @@ BUILTIN: dict[str, Hardware] = {
         name="h200",
         matrix_flops=NS_BF16_FLOPS,
         memory_bandwidth=0.9 * 4.8e12,
-        latency=5e-6,
-        intra_bandwidth=450 * GB,
-        inter_bandwidth=50 * GB,
-        gpus_per_node=8,
+        latency=REFERENCE_NETWORK.latency,  # the network the planner chooses collectives on
+        intra_bandwidth=REFERENCE_NETWORK.intra_bandwidth,
+        inter_bandwidth=REFERENCE_NETWORK.inter_bandwidth,
+        gpus_per_node=REFERENCE_NETWORK.gpus_per_node,
         source=(
             f"matrix optimizer at {_NS} (of the datasheet's 989 TFLOP/s dense BF16); HBM3e 4.8 TB/s at 90%; "
             "NVLink 4 450 GB/s per direction; "
