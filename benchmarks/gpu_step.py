@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 MODELS = ("qwen3-1.7b", "qwen3-4b")
 WARMUP, STEPS = 3, 10
@@ -231,11 +232,7 @@ def main() -> None:
     text = table(rows, iteration, torch.cuda.get_device_name(0))
     print(text)
     if args.write is not None and args.write.exists():
-        content = args.write.read_text()
-        section = f"{HEADING}\n\nMeasured by `python benchmarks/gpu_step.py`.\n\n{text}\n"
-        pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-        content = pattern.sub(lambda _: section + "\n", content) if pattern.search(content) else content.rstrip() + "\n\n" + section
-        args.write.write_text(content)
+        write_section(args.write, HEADING, text, "python benchmarks/gpu_step.py")
 
 
 if __name__ == "__main__":

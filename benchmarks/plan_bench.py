@@ -29,6 +29,7 @@ from canzona.planner.devices import tp_score
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, dump_schedule, parse_schedule
+from library_bench import median_seconds  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 LAYOUTS = [("qwen3-8b", 2, 4), ("qwen3-32b", 8, 32), ("qwen3-235b-a22b", 4, 64)]
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0]
@@ -147,12 +148,8 @@ def scale_table() -> None:
 
 
 def _median_run(command: list[str], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return median_seconds(lambda: subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                 check=True), repeats)
 
 
 def startup_table(repeats: int) -> None:

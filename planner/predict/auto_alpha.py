@@ -38,14 +38,13 @@ def choose_alpha(
     hardware: Hardware,
     alphas: Sequence[float] = DEFAULT_ALPHAS,
     time_model: CostModel | None = None,
-    fused: bool = False,
     training: TrainingSetup | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Plan, list[SearchTrial]]:
     """Plan `model` at every α in `alphas` (the rest of `request` unchanged), simulate each
-    schedule on `hardware` (`time_model`, `fused`, `training`: as `simulate` takes
-    them), and return the plan with the smallest predicted canzona iteration (step, without
-    `training`) and every trial, in the order given. `progress` hears of each finished trial."""
+    schedule on `hardware` (`time_model`, `training`: as `simulate` takes them), and return the
+    plan with the smallest predicted canzona iteration (step, without `training`) and every
+    trial, in the order given. `progress` hears of each finished trial."""
     candidates = sorted(set(float(a) for a in alphas))
     if not candidates:
         raise PlanError("alpha auto needs at least one candidate alpha")
@@ -58,7 +57,7 @@ def choose_alpha(
         # Every coarser plan seeds this one: a larger α is never worse in max load.
         plan = make_plan(model, replace(request, alpha=alpha), seeds=tuple(planned))
         planned.append(plan)
-        tried[alpha] = trial(plan, alpha, hardware, time_model, training, fused)
+        tried[alpha] = trial(plan, alpha, hardware, time_model, training)
         if progress:
             progress(f"alpha {alpha:g}")
     best = planned[alpha_winner([tried[alpha].iteration_s for alpha in candidates])]

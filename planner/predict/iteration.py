@@ -35,13 +35,14 @@ from typing import Any
 from canzona.planner.request import PlanRequest, TrainingSetup
 from canzona.planner.partition.collectives import phase_seconds
 from canzona.planner.predict.hardware import Hardware
-from canzona.planner.predict.step import ADAMW_BUFFER, DENSE, EXPERT, MATRIX, BucketSync, StrategyTime
+from canzona.planner.predict.step import ADAMW_BUFFER, DENSE, EXPERT, BucketSync, StrategyTime
 from canzona.planner.sources.architecture import Architecture
 from canzona.planner.sources.catalog import PRESETS
 from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import read_structured_file
 from canzona.planner.spec import PlanError
 from canzona.schedules.format import ParamEntry, Schedule
+from canzona.schedules.limits import MATRIX
 
 BufferKey = tuple[str, int]  # (buffer, bucket index)
 BUFFER_ORDER = {DENSE: 0, EXPERT: 1, ADAMW_BUFFER: 2}

@@ -30,9 +30,8 @@ from canzona.planner.partition.collectives import (
 from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.spec import DTYPE_BYTES, PlanError
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule, TeamEntry
-from canzona.schedules.limits import AS_SCHEDULED, BUCKET_COLLECTIVES, DP_COLLECTIVE_MODES
+from canzona.schedules.limits import AS_SCHEDULED, DP_COLLECTIVE_MODES, MATRIX
 
-MATRIX = "matrix"
 DENSE, EXPERT, ADAMW_BUFFER = "dense", "expert", "adamw"  # the DP buffers, as bucket keys name them
 
 
@@ -122,22 +121,23 @@ class Matrix:
 @dataclass(frozen=True)
 class Buffer:
     """One matrix buffer over a DP group: bucket sizes, the schedule's cuts, per bucket its
-    matrices in buffer order, and the collective the schedule records for it."""
+    matrices in buffer order, and the collective canzona's runtime issues for it (as the
+    schedule records it, or the one `dp_collectives=` names for every bucket)."""
 
     link: Link
     numel: tuple[int, ...]
     cuts: tuple[tuple[int, ...], ...]
     entries: tuple[tuple[Matrix, ...], ...]
     param_bytes: tuple[int, ...]
-    collectives: tuple[str, ...] = ()
+    collectives: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class Instance:
     """Everything the strategies price: links, buffers (dense; experts per EP rank), AdamW
     bucket sizes and cuts, seconds per matrix and per AdamW slice, and how canzona's DP
-    collectives run (fused, parameter element size, which collective per bucket: as recorded
-    or one for all, overlapped with backward/forward)."""
+    collectives run (fused, parameter element size, overlapped with backward/forward; each
+    bucket's collective is its buffer's)."""
 
     tp: int
     dp: int
@@ -154,7 +154,6 @@ class Instance:
     time_model: CostModel = field(repr=False)
     fused: bool = False
     publish_bytes: int | None = None
-    dp_collectives: str = AS_SCHEDULED
     overlap_grad: bool = True
     overlap_param: bool = False
     ns_steps: int = 5
@@ -193,7 +192,7 @@ def _matrix(entry: ParamEntry, time_model: CostModel) -> Matrix:
     )
 
 
-def _buffer(link: Link, buckets: Sequence[BucketEntry], matrices: Sequence[Matrix]) -> Buffer:
+def _buffer(link: Link, buckets: Sequence[BucketEntry], matrices: Sequence[Matrix], dp_collectives: str) -> Buffer:
     entries: list[list[Matrix]] = [[] for _ in buckets]
     for matrix in matrices:
         entries[matrix.bucket].append(matrix)
@@ -205,7 +204,7 @@ def _buffer(link: Link, buckets: Sequence[BucketEntry], matrices: Sequence[Matri
         cuts=tuple(tuple(b.cuts) for b in buckets),
         entries=tuple(tuple(bucket) for bucket in entries),
         param_bytes=tuple(bucket[0].param_bytes if bucket else 2 for bucket in entries),
-        collectives=tuple(b.collective for b in buckets),
+        collectives=tuple(b.collective if dp_collectives == AS_SCHEDULED else dp_collectives for b in buckets),
     )
 
 
@@ -218,9 +217,9 @@ def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel
         raise PlanError(f"unknown DP collectives {dp_collectives!r}; choose one of {', '.join(DP_COLLECTIVE_MODES)}")
     dp_link, expert_link, tp_link = layout_links(hardware.network, req.tp, req.dp, req.ep)
     matrices = [_matrix(e, time_model) for e in schedule.params if e.optimizer == MATRIX]
-    dense = _buffer(dp_link, schedule.dp.buckets, [m for m in matrices if m.ep_rank is None])
+    dense = _buffer(dp_link, schedule.dp.buckets, [m for m in matrices if m.ep_rank is None], dp_collectives)
     experts = tuple(
-        _buffer(expert_link, schedule.dp.expert_buckets, [m for m in matrices if m.ep_rank == e])
+        _buffer(expert_link, schedule.dp.expert_buckets, [m for m in matrices if m.ep_rank == e], dp_collectives)
         for e in range(req.ep)
     ) if schedule.dp.expert_buckets else ()
     adamw = [e for e in schedule.params if e.optimizer != MATRIX]
@@ -231,7 +230,7 @@ def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel
         adamw_cuts=tuple(tuple(b.cuts) for b in schedule.dp.adamw_buckets),
         adamw_param_bytes=DTYPE_BYTES[adamw[0].dtype] if adamw else 2,
         matrices={m.name: m for m in matrices}, time_model=time_model, fused=fused, publish_bytes=publish_bytes,
-        dp_collectives=dp_collectives, overlap_grad=overlap_grad, overlap_param=overlap_param,
+        overlap_grad=overlap_grad, overlap_param=overlap_param,
         ns_steps=req.optimizer.ns_steps,
     )
 
@@ -377,22 +376,14 @@ def micro_group_times(inst: Instance, names: Sequence[str], hosts: Sequence[int]
     return GroupTimes(gather, max(loads), scatter), loads
 
 
-def bucket_collective(inst: Instance, buffer: Buffer, bucket: int) -> str:
-    """The collective canzona's runtime issues for one bucket of a matrix buffer: as the
-    schedule records it, or the one `inst.dp_collectives` names for every bucket."""
-    if inst.dp_collectives != AS_SCHEDULED:
-        return inst.dp_collectives
-    return buffer.collectives[bucket] if buffer.collectives else BUCKET_COLLECTIVES[0]
-
-
 def dp_sync(inst: Instance, cuts_of: Sequence[tuple[int, ...]], buffer: Buffer, gather: bool,
             name: str = DENSE, equal: bool = False) -> list[BucketSync]:
     """Reduce-scatter (gather=False) or all-gather of one matrix buffer at the given cuts, one
-    collective per bucket (`bucket_collective`; `equal`: stock equal cuts, a native ring)."""
+    collective per bucket (the buffer's; `equal`: stock equal cuts, a native ring)."""
     out = []
     for bucket, cuts in enumerate(cuts_of):
         elem_bytes = inst.gather_bytes(buffer.param_bytes[bucket]) if gather else GRAD_BYTES
-        collective = "ring" if equal else bucket_collective(inst, buffer, bucket)
+        collective = "ring" if equal else buffer.collectives[bucket]
         exchange = bucket_exchange(buffer.link, slice_sizes(cuts), elem_bytes, gather, collective)
         out.append(BucketSync(name, bucket, exchange, collective))
     return out

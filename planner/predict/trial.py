@@ -11,10 +11,10 @@ from canzona.planner.predict.simulate import simulate
 
 
 def trial(plan: Plan, value: float, hardware: Hardware, time_model: CostModel | None,
-          training: TrainingSetup | None, fused: bool = False) -> SearchTrial:
+          training: TrainingSetup | None) -> SearchTrial:
     """Compile and simulate one candidate plan: canzona's predicted step and iteration (the
     step again when there is no training setup)."""
-    sim = simulate(compile_schedule(plan), hardware, time_model, fused=fused, training=training)
+    sim = simulate(compile_schedule(plan), hardware, time_model, training=training)
     step = sim.get("canzona").step
     iteration = sim.iteration("canzona").iteration if training is not None else step
     return SearchTrial(value, len(plan.dense.layout.buckets), step, iteration)
