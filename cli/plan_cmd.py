@@ -24,15 +24,15 @@ from canzona.cli.options import (
     refuse_unused_settings,
     write_output,
 )
-from canzona.cli.plan_output import DEFAULT_DEVICE, default_output, in_checkout, replacement_problem
+from canzona.cli.plan_output import DEFAULT_DEVICE, MIB, default_output, in_checkout, replacement_problem
 from canzona.cli.progress import progress, warn
 from canzona.cli.wording import echo, plural
-from canzona.planner.partition.tp import DEFAULT_GROUP_MB
 from canzona.planner.spec import ADAMW, DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN, MATRIX, PlanError
 from canzona.schedules.files import OutputError, check_output
 from canzona.schedules.geometry import DEFAULT_BUCKET_SIZE
 from canzona.schedules.limits import (
     COOP_MODES,
+    DEFAULT_GROUP_MB,
     FSDP,
     MATRIX_OPTIMIZERS,
     MAX_GROUP_BYTES,
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from canzona.planner.spec import ModelSpec
     from canzona.schedules.format import Schedule
 
-MIB = 1 << 20
 IDLE_SHARE = 0.5  # warn when more than this share of DP ranks has no matrix to update
 OUTPUT_HELP = ("Schedule file to write (default: schedules/<model>/<name>.yaml in a canzona checkout, else "
                "./<model>-<name>.yaml; <name> spells out every option that changes the plan).")
@@ -156,21 +155,22 @@ def write_plan(request: PlanRequest, output: str | None, force: bool, as_json: b
     """Read the model, choose and check the output before planning, then plan, write the
     schedule and print its summary."""
     from canzona.cli.sources import load_source
+    from canzona.schedules.format import dump_schedule
 
     inputs = _inputs(request)
     target = None if output is None else output_path(output)
     if target is not None:
         check_output(target, inputs, "--output")
     spec = load_source(request.model, request.tp, request.options)
-    own_names = spec.names if request.options.names == "auto" else _own_names(request)
+    explicit = request.options.names != "auto"
     request = replace(request, options=replace(request.options, names=spec.names))  # auto resolved by the source
-    path = target or default_output(spec.name, request, own_names, in_checkout())
+    path = target or default_output(spec.name, request, _own_names(request) if explicit else spec.names, in_checkout())
     check_output(path, inputs, "output")
     problem = None if force else replacement_problem(path, request.to_request(spec))
     if problem:
         raise OutputError(problem)
     schedule = _solve(spec, request)
-    write_output(path, _schedule_text(schedule))
+    write_output(path, dump_schedule(schedule))
     summary = report.plan_summary(schedule, str(path), time.perf_counter() - started)
     echo(json.dumps(summary, indent=2) if as_json else report.summary_text(summary))
 
@@ -208,10 +208,6 @@ def _solve(spec: ModelSpec, request: PlanRequest) -> Schedule:
     return schedule
 
 
-def _schedule_text(schedule: Schedule) -> str:
-    from canzona.schedules.format import dump_schedule
-
-    return dump_schedule(schedule)
 
 
 def _bucket_size(text: str) -> int | None:

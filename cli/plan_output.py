@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from canzona.schedules.geometry import DEFAULT_BUCKET_SIZE
 from canzona.schedules.limits import FSDP, PROFILE_PREFIX
 from canzona.schedules.text import printable
 
@@ -85,7 +86,6 @@ def _layout_parts(request: PlanRequest) -> Iterator[str]:
 
 
 def _search_parts(request: PlanRequest) -> Iterator[str]:
-    from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
     from canzona.planner.request import TrainingSetup
 
     yield "alphaauto" if request.alpha_device is not None else ("" if request.alpha == 1.0 else f"alpha{_number(request.alpha)}")

@@ -13,10 +13,9 @@ from importlib import metadata
 from canzona.planner.partition.cooperative import COOP_MODES
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
-from canzona.planner.partition.tp import DEFAULT_GROUP_MB
 from canzona.planner.spec import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN, ModelOptions, ModelSpec, PlanError
 from canzona.schedules.format import ModelSource, OptimizerSettings, Request, TrainingSettings
-from canzona.schedules.limits import FSDP, REPLICATED, recorded_settings, request_problem, settings_problem, sharding_problem
+from canzona.schedules.limits import DEFAULT_GROUP_MB, FSDP, REPLICATED, recorded_settings, request_problem, settings_problem, sharding_problem
 
 # PlanRequest fields a schedule records in sections of their own, or flattened (`options`).
 _NESTED = ("model", "optimizer", "options", "training")

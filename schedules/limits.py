@@ -42,6 +42,7 @@ MAX_PARAM_NUMEL = 1 << 40  # elements of one parameter
 MAX_PARAM_DIMS = 8  # dims of one parameter's shape
 MAX_BUCKET_SIZE = 1 << 40
 MAX_GROUP_BYTES = 1 << 50
+DEFAULT_GROUP_MB = 2048  # MiB of gathered fp32 gradients a host holds per micro-group
 MAX_TIME_LIMIT = 300.0  # CP-SAT deterministic seconds (for the DP cuts, and again for all TP groups)
 MAX_SEED = (1 << 31) - 1
 MAX_NS_STEPS = 100

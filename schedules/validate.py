@@ -140,8 +140,8 @@ def _first_repeat(names: Sequence[str]) -> str:
     return next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
 
 
-def _check_shape(e: ParamEntry, tp: int) -> int:
-    """The parameter's element count, after checking its shape and TP split."""
+def _check_shape(e: ParamEntry, tp: int) -> None:
+    """Check the parameter's shape, element count and TP split."""
     if not 1 <= len(e.shape) <= MAX_PARAM_DIMS or min(e.shape) < 1 or max(e.shape) > MAX_PARAM_NUMEL:
         fail(f"parameter {e.name!r}: invalid shape {e.shape[:MAX_PARAM_DIMS + 1]}")
     numel = prod(e.shape)
@@ -150,7 +150,6 @@ def _check_shape(e: ParamEntry, tp: int) -> int:
     # TP may shard a dim unevenly (torch.chunk), but not through the head blocks of row_blocks
     if e.tp_dim is not None and (e.tp_dim >= len(e.shape) or (e.row_blocks and e.shape[e.tp_dim] % tp)):
         fail(f"parameter {e.name!r}: tp_dim {e.tp_dim} cannot be split {tp} ways for shape {e.shape}")
-    return numel
 
 
 def _check_entry(e: ParamEntry, tp: int, dp: int, ep: int) -> None:

@@ -28,7 +28,6 @@ from canzona.planner.spec import PlanError
 from canzona.schedules.limits import TP_MODES
 
 MODES = TP_MODES  # defined with the other request vocabularies in canzona.schedules.limits
-DEFAULT_GROUP_MB = 2048
 
 
 @dataclass(frozen=True)
