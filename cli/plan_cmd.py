@@ -37,6 +37,7 @@ from canzona.schedules.limits import (
     MATRIX_OPTIMIZERS,
     MAX_GROUP_BYTES,
     NAMING_CONVENTIONS,
+    NS_COEFFICIENT_NAMES,
     ORDERS,
     PROFILE_PREFIX,
     QKV_SPLITS,
@@ -63,6 +64,7 @@ def choices(name: str, values: tuple[str, ...]) -> Any:
 
 Optimizer = choices("Optimizer", MATRIX_OPTIMIZERS)
 QkvSplit = choices("QkvSplit", QKV_SPLITS)
+NsCoefficients = choices("NsCoefficients", NS_COEFFICIENT_NAMES)
 TpMode = choices("TpMode", TP_MODES)
 Coop = choices("Coop", COOP_MODES)
 Solver = choices("Solver", SOLVERS)
@@ -90,6 +92,7 @@ def plan(
     sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Every norm's gradient is a partial sum over TP, which the optimizer sums (leave off if the model reduces them itself).")] = False,
     dtype: Annotated[Optional[Dtype], typer.Option(help="Dtype of every parameter, over the source's own (a config.json's dtype / torch_dtype, bf16 for a preset or a config without one, each entry's for a parameter list or live model).", show_default=False)] = None,
     ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
+    ns_coefficients: Annotated[NsCoefficients, typer.Option(help="Muon's Newton-Schulz coefficients per iteration: simple (one triple), quintic (Megatron-core's default), polar_express.")] = NsCoefficients.simple,
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
     precondition_frequency: Annotated[int, typer.Option(help="Shampoo/SOAP preconditioner refresh every N steps.")] = 10,
     max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
@@ -120,7 +123,8 @@ def plan(
     request = PlanRequest(
         model, tp, dp,
         optimizer=OptimizerConfig(optimizer.value, ns_steps=ns_steps, block_size=block_size,
-                                  precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim),
+                                  precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim,
+                                  ns_coefficients=ns_coefficients.value),
         cost=cost, alpha=1.0 if searched_alpha else _alpha(alpha), bucket_size=DEFAULT_BUCKET_SIZE if size is None else size,
         options=ModelOptions(split_qkv=split_qkv.value, split_fc1=split_fc1, router_optimizer=router_optimizer.value,
                              names=names.value, sequence_parallel=sequence_parallel,

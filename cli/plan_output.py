@@ -27,7 +27,8 @@ DEFAULT_DEVICE = "h100"  # what `--alpha auto` and `--bucket-size auto` simulate
 MIB = 1 << 20
 UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 PROJECT_NAME = re.compile(r'^name\s*=\s*"canzona"\s*$', re.MULTILINE)
-SETTING_LABELS = {"ns_steps": "ns", "block_size": "block", "precondition_frequency": "every", "max_precond_dim": "maxdim"}
+SETTING_LABELS = {"ns_steps": "ns", "block_size": "block", "precondition_frequency": "every", "max_precond_dim": "maxdim",
+                  "ns_coefficients": "ns-"}
 
 
 def file_part(text: str) -> str:

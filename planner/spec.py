@@ -20,7 +20,13 @@ from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedu
     NAMING_CONVENTIONS,
     OPTIMIZER_CLASSES,
     QKV_SPLITS,
-    SETTING_DEFAULTS,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_PRECOND_DIM,
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_STEPS,
+    DEFAULT_PRECONDITION_FREQUENCY,
+    NS_COEFFICIENT_NAMES,
+    choice_problem,
 )
 from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
 
@@ -168,13 +174,16 @@ def _validate_slices(params: tuple[ParamSpec, ...]) -> None:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """The matrix optimizer and the settings its cost depends on."""
+    """The matrix optimizer and its settings: those its cost depends on, and Muon's
+    Newton–Schulz coefficient schedule (`canzona.schedules.coefficients`), which the runtime
+    executes and the schedule's digest covers."""
 
     name: str = "muon"
-    ns_steps: int = SETTING_DEFAULTS["ns_steps"]
-    block_size: int = SETTING_DEFAULTS["block_size"]
-    precondition_frequency: int = SETTING_DEFAULTS["precondition_frequency"]
-    max_precond_dim: int = SETTING_DEFAULTS["max_precond_dim"]
+    ns_steps: int = DEFAULT_NS_STEPS
+    block_size: int = DEFAULT_BLOCK_SIZE
+    precondition_frequency: int = DEFAULT_PRECONDITION_FREQUENCY
+    max_precond_dim: int = DEFAULT_MAX_PRECOND_DIM
+    ns_coefficients: str = DEFAULT_NS_COEFFICIENTS
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -182,6 +191,9 @@ class OptimizerConfig:
         for field in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim"):
             if getattr(self, field) < 1:
                 raise PlanError(f"optimizer setting {field} must be >= 1")
+        problem = choice_problem("ns_coefficients", self.ns_coefficients, NS_COEFFICIENT_NAMES)
+        if problem:
+            raise PlanError(problem)
 
 
 @dataclass(frozen=True)

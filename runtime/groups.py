@@ -40,7 +40,7 @@ from canzona.schedules.limits import ADAMW, MATRIX
 from canzona.schedules.format import ParamEntry
 
 MATRIX_KNOBS: dict[str, tuple[str, ...]] = {
-    "muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_dtype", "update_scale"),
+    "muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_dtype", "update_scale", "update_scale_factor"),
     "shampoo": ("momentum", "nesterov", "precondition_frequency", "shampoo_beta2", "graft_rms", "matrix_eps"),
     "soap": ("soap_betas", "soap_shampoo_beta", "soap_eps", "precondition_frequency"),
 }
@@ -120,10 +120,19 @@ def _value(key: str, value: Any) -> Any:
         if value.numel() != 1:
             raise ValueError(f"{key} must be a number, got a tensor of shape {list(value.shape)}")
         value = value.item()
+    if key == "ns_coefficients":
+        return _coefficients(value)
     if key in TUPLE_KNOBS:
         return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else value
-    if key in INT_KNOBS or key in ("nesterov", "update_scale", "ns_dtype"):
+    if key in INT_KNOBS or key in ("nesterov", "update_scale", "ns_dtype") or (key == "update_scale_factor" and value is None):
         return value
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _coefficients(value: Any) -> Any:
+    """A coefficient schedule as given (a name, a triple, triples) in tuple form, numbers as floats."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_coefficients(v) for v in value)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 

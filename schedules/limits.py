@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from canzona.schedules.coefficients import DEFAULT_NS_COEFFICIENTS, NS_COEFFICIENT_NAMES  # noqa: F401 - re-exported
+
 MATRIX = "matrix"  # optimizer class of parameters the matrix optimizer (Muon, Shampoo, SOAP) updates
 ADAMW = "adamw"  # optimizer class of parameters AdamW updates element-wise
 OPTIMIZER_CLASSES = (MATRIX, ADAMW)
@@ -113,34 +115,40 @@ def sharding_problem(sharding: object, dp: object, dp_replicate: object, ep: obj
 
 
 def settings_problem(name: str, ns_steps: object, block_size: object, precondition_frequency: object,
-                     max_precond_dim: object) -> str | None:
+                     max_precond_dim: object, ns_coefficients: object = DEFAULT_NS_COEFFICIENTS) -> str | None:
     """A known matrix optimizer with settings in range."""
     if name not in MATRIX_OPTIMIZERS:
         return f"unknown matrix optimizer {name!r}; choose one of {', '.join(MATRIX_OPTIMIZERS)}"
     return (
         bounded_int_problem("ns_steps", ns_steps, MAX_NS_STEPS, "Newton-Schulz steps")
+        or choice_problem("ns_coefficients", ns_coefficients, NS_COEFFICIENT_NAMES)
         or bounded_int_problem("block_size", block_size, MAX_BLOCK_SIZE, "(Shampoo block side)")
         or bounded_int_problem("precondition_frequency", precondition_frequency, MAX_PRECONDITION_FREQUENCY, "steps")
         or bounded_int_problem("max_precond_dim", max_precond_dim, MAX_BLOCK_SIZE, "(preconditioner side)")
     )
 
 
-SETTING_DEFAULTS = {"ns_steps": 5, "block_size": 1024, "precondition_frequency": 10, "max_precond_dim": 10000}
+DEFAULT_NS_STEPS, DEFAULT_BLOCK_SIZE, DEFAULT_PRECONDITION_FREQUENCY, DEFAULT_MAX_PRECOND_DIM = 5, 1024, 10, 10000
+SETTING_DEFAULTS: dict[str, object] = {
+    "ns_steps": DEFAULT_NS_STEPS, "block_size": DEFAULT_BLOCK_SIZE, "precondition_frequency": DEFAULT_PRECONDITION_FREQUENCY,
+    "max_precond_dim": DEFAULT_MAX_PRECOND_DIM, "ns_coefficients": DEFAULT_NS_COEFFICIENTS,
+}
 SETTING_USERS = {  # setting -> the matrix optimizers it changes
     "ns_steps": ("muon",),
+    "ns_coefficients": ("muon",),
     "block_size": ("shampoo",),
     "precondition_frequency": ("shampoo", "soap"),
     "max_precond_dim": ("soap",),
 }
 
 
-def recorded_settings(name: str, values: dict[str, int]) -> dict[str, int]:
+def recorded_settings(name: str, values: dict[str, object]) -> dict[str, object]:
     """The settings a schedule records for optimizer `name`: those it does not use at their
     defaults (`plan` refuses setting them, so a file that differs was edited)."""
     return {key: value if name in SETTING_USERS[key] else SETTING_DEFAULTS[key] for key, value in values.items()}
 
 
-def unused_settings_problem(name: str, values: dict[str, int]) -> str | None:
+def unused_settings_problem(name: str, values: dict[str, object]) -> str | None:
     """A setting optimizer `name` does not use, recorded at another value than its default."""
     for key, users in SETTING_USERS.items():
         if name not in users and values.get(key) != SETTING_DEFAULTS[key]:

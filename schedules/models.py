@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE, MAX_FILE_INT
+from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE, DEFAULT_NS_COEFFICIENTS, MAX_FILE_INT
 from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = 2
@@ -34,13 +34,16 @@ class ModelSource(_Strict):
 
 
 class OptimizerSettings(_Strict):
-    """The matrix optimizer and the settings its cost model used."""
+    """The matrix optimizer and its settings: those its cost model used, and Muon's Newton–Schulz
+    coefficient schedule (a name of `canzona.schedules.coefficients`; files written before the
+    field hold none: "simple", the one schedule there was)."""
 
     name: str
     ns_steps: Count
     block_size: Count
     precondition_frequency: Count
     max_precond_dim: Count
+    ns_coefficients: str = DEFAULT_NS_COEFFICIENTS
 
 
 class TrainingSettings(_Strict):

@@ -87,7 +87,8 @@ def _check_request(schedule: Schedule) -> None:
             group_bytes=req.group_bytes, tp_mode=req.tp_mode, solver=req.solver, time_limit=req.time_limit,
             seed=req.seed, order=req.order,
         )
-        or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+        or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim,
+                            opt.ns_coefficients)
         or unused_settings_problem(opt.name, opt.model_dump(exclude={"name"}))
         or cost_problem(req.cost)
         or choice_problem("split_qkv", req.split_qkv, QKV_SPLITS)

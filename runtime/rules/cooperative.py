@@ -34,7 +34,9 @@ from canzona.runtime.faults import wait
 from canzona.schedules.layout import Task
 from canzona.runtime.rules.optimizers import (
     Hyperparameters,
+    NsCoefficients,
     State,
+    coefficient_schedule,
     compute_dtype,
     matmul_precision,
     muon_scale,
@@ -166,14 +168,13 @@ def _all_reduce(tensor: Tensor, group: dist.ProcessGroup, timeout: timedelta | N
     wait(dist.all_reduce(tensor, group=group, async_op=True), timeout, "a cooperative Newton-Schulz all-reduce")
 
 
-def team_newton_schulz(part: Tensor, dim: int, steps: int, coefficients: tuple[float, float, float],
+def team_newton_schulz(part: Tensor, dim: int, steps: int, coefficients: NsCoefficients,
                        group: dist.ProcessGroup, timeout: timedelta | None, calls: Calls | None = None,
                        eps: float = 1e-7, precision: str = "fp32") -> Tensor:
     """`newton_schulz` of the matrix whose slices along `dim` (its long side) the team's
     members hold; `part` is this member's, and so is the result (steps + 1 all-reduces). The
     products run in `precision` (a resolved `ns_dtype`), the norm and the summed Gram X·Xᵀ in
     fp32."""
-    a, b, c = coefficients
     calls = calls if calls is not None else Calls()
     work = compute_dtype(part)
     x = part.to(work)
@@ -184,7 +185,7 @@ def team_newton_schulz(part: Tensor, dim: int, steps: int, coefficients: tuple[f
     x = x / (norm.sqrt() + eps)
     x = (x.to(torch.bfloat16) if precision == "bf16" else x).contiguous()
     with matmul_precision(precision, x.device):
-        for _ in range(steps):
+        for a, b, c in coefficient_schedule(coefficients, steps):
             gram = (x @ x.T).to(work)
             _all_reduce(gram, group, timeout, calls)
             gram = gram.to(x.dtype)
@@ -213,8 +214,8 @@ def team_muon(hp: Hyperparameters, state: State, grad: Tensor, task: Task, group
     buf = state["momentum"]
     buf.mul_(hp.momentum).add_(grad)
     direction = grad.add(buf, alpha=hp.momentum) if hp.nesterov else buf
-    assert hp.ns_steps is not None
     precision = resolve_ns_dtype(hp.ns_dtype, grad.device)
-    ortho = team_newton_schulz(direction, long_dim(task.shape), hp.ns_steps, hp.ns_coefficients, group, timeout, calls,
+    schedule = hp.ns_schedule
+    ortho = team_newton_schulz(direction, long_dim(task.shape), len(schedule), schedule, group, timeout, calls,
                                precision=precision)
-    return ortho.mul_(muon_scale(task.shape[0], task.shape[1], hp.update_scale))
+    return ortho.mul_(muon_scale(task.shape[0], task.shape[1], hp.update_scale, hp.update_scale_factor))

@@ -7,7 +7,9 @@ every elementwise step are fp32 (fp64 when given fp64 gradients and state, as th
 does), on the device of the tensors given (state is created on the `device`, in the `dtype`, the
 caller names).
 
-Muon's Newton–Schulz products run in the precision `ns_dtype` names: "bf16" (bf16 operands,
+Muon's Newton–Schulz iteration takes its (a, b, c) per iteration from a coefficient schedule
+(`ns_coefficients`: a name of `canzona.schedules.coefficients`, one triple for every iteration,
+or one triple per iteration). Its products run in the precision `ns_dtype` names: "bf16" (bf16 operands,
 fp32 accumulation: tensor cores), "tf32" (fp32 operands, TF32 tensor-core products on CUDA;
 plain fp32 elsewhere) or "fp32"; "auto" is bf16 on CUDA and fp32 on every other device (bf16
 matrix products are slow on CPUs). Same-shape matrices are orthogonalised as one batched
@@ -30,13 +32,18 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from canzona.schedules.coefficients import DEFAULT_NS_COEFFICIENTS, NS_COEFFICIENT_NAMES, Coefficients, coefficient_steps
 from canzona.schedules.reshard import submatrix_shapes
 
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
-UPDATE_SCALES = ("spectral", "shape", "none")
+UPDATE_SCALES = ("spectral", "shape", "unit_rms", "none")
 NS_DTYPES = ("auto", "bf16", "tf32", "fp32")
+SPECTRAL_FACTOR = 0.2  # Moonlight's: the spectral update then has about AdamW's RMS
 RowBlock = list[list[int]] | tuple[tuple[int, int], ...]
 State = dict[str, Any]
+NsCoefficients = str | Coefficients | tuple[Coefficients, ...]
+"""A coefficient schedule as the runtime takes it: a name, one triple for every iteration, or a
+sequence of triples, one per iteration (the last repeats past its end)."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +56,10 @@ class Hyperparameters:
     momentum: float = 0.95
     nesterov: bool = True
     ns_steps: int | None = None
-    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    ns_coefficients: NsCoefficients | None = None
     ns_dtype: str = "auto"
     update_scale: str = "spectral"
+    update_scale_factor: float | None = None
     block_size: int | None = None
     precondition_frequency: int | None = None
     max_precond_dim: int | None = None
@@ -72,7 +80,7 @@ class Hyperparameters:
             self,
             **{
                 name: getattr(settings, name)
-                for name in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim")
+                for name in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim", "ns_coefficients")
                 if getattr(self, name) is None
             },
         )
@@ -99,10 +107,17 @@ class Hyperparameters:
                 raise ValueError(f"{name} must be two numbers, got {value!r}")
             for index, beta in enumerate(value):
                 _check_range(f"{name}[{index}]", beta, 0.0, 1.0, False)
-        if not isinstance(self.ns_coefficients, tuple) or len(self.ns_coefficients) != 3 or not all(
-            _finite(c) for c in self.ns_coefficients
-        ):
-            raise ValueError(f"ns_coefficients must be three finite numbers, got {self.ns_coefficients!r}")
+        if self.ns_coefficients is not None:
+            coefficient_schedule(self.ns_coefficients, 1)
+        if self.update_scale_factor is not None:
+            _check_range("update_scale_factor", self.update_scale_factor, 0.0, math.inf, False)
+
+    @property
+    def ns_schedule(self) -> tuple[Coefficients, ...]:
+        """The (a, b, c) of each of the `ns_steps` Newton–Schulz iterations (after `resolved`;
+        unresolved coefficients are the default schedule's, as in a file that records none)."""
+        assert self.ns_steps is not None
+        return coefficient_schedule(self.ns_coefficients or DEFAULT_NS_COEFFICIENTS, self.ns_steps)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> Hyperparameters:
@@ -134,6 +149,31 @@ def _check_range(name: str, value: Any, low: float, high: float, closed: bool) -
         raise ValueError(f"{name} must be {bound}, got {value!r}")
 
 
+def _triple(value: Any) -> Coefficients | None:
+    if isinstance(value, (tuple, list)) and len(value) == 3 and all(_finite(c) for c in value):
+        return (float(value[0]), float(value[1]), float(value[2]))
+    return None
+
+
+def coefficient_schedule(value: NsCoefficients, steps: int) -> tuple[Coefficients, ...]:
+    """The (a, b, c) of each of `steps` iterations that `value` names: a schedule's name (its
+    own rule past its end), one triple (every iteration) or a sequence of triples (one per
+    iteration, the last repeated). ValueError for anything else."""
+    if isinstance(value, str):
+        if value not in NS_COEFFICIENT_NAMES:
+            raise ValueError(f"ns_coefficients must be one of {', '.join(NS_COEFFICIENT_NAMES)}, three numbers or a "
+                             f"list of such triples, got {value!r}")
+        return coefficient_steps(value, steps)
+    single = _triple(value)
+    if single is not None:
+        return (single,) * steps
+    triples = [_triple(item) for item in value] if isinstance(value, (tuple, list)) else [None]
+    if not triples or any(t is None for t in triples):
+        raise ValueError(f"ns_coefficients must be a schedule's name, three finite numbers or a list of such triples, "
+                         f"got {value!r}")
+    return tuple(triples[min(i, len(triples) - 1)] for i in range(steps))  # type: ignore[misc]
+
+
 def compute_dtype(tensor: Tensor) -> torch.dtype:
     """The dtype the math runs in for `tensor`: fp32, or fp64 for fp64 input."""
     return torch.promote_types(tensor.dtype, torch.float32)
@@ -163,15 +203,15 @@ def matmul_precision(precision: str, device: torch.device) -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
-def _iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], precision: str) -> Tensor:
+def _iterate(x: Tensor, schedule: Sequence[Coefficients], precision: str) -> Tensor:
     """Muon's quintic iteration on normalised matrices `x` [k, m, n], one batched product per
-    step: A = X·Xᵀ (Xᵀ·X for a tall matrix), B = b·A + c·A·A and X ← a·X + B·X (X·B) in fused
-    `baddbmm` form. Two buffers of x's size alternate; returns the one holding the result."""
-    a, b, c = coefficients
+    step, with the (a, b, c) of each step from `schedule`: A = X·Xᵀ (Xᵀ·X for a tall matrix),
+    B = b·A + c·A·A and X ← a·X + B·X (X·B) in fused `baddbmm` form. Two buffers of x's size
+    alternate; returns the one holding the result."""
     tall = x.size(-2) > x.size(-1)
     spare = torch.empty_like(x)
     with matmul_precision(precision, x.device):
-        for _ in range(steps):
+        for a, b, c in schedule:
             gram = torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
             poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
             if tall:
@@ -182,13 +222,14 @@ def _iterate(x: Tensor, steps: int, coefficients: tuple[float, float, float], pr
     return x
 
 
-def orthogonalize_(matrices: Sequence[Tensor], steps: int, coefficients: tuple[float, float, float],
+def orthogonalize_(matrices: Sequence[Tensor], steps: int, coefficients: NsCoefficients,
                    precision: str = "fp32", eps: float = 1e-7) -> None:
     """Replace each of `matrices` (same shape, fp32 or fp64) by its approximate
-    orthogonalisation (Muon's Newton–Schulz), in place. Each is normalised by its Frobenius norm
-    where it lies; then all are stacked in the precision the products run in (a resolved
-    `ns_dtype`: bf16, tf32 or fp32), iterated as one batch and copied back. The workspace is two
-    stacks (of bf16 for bf16 products)."""
+    orthogonalisation (Muon's Newton–Schulz, `steps` iterations of the `coefficients`
+    schedule), in place. Each is normalised by its Frobenius norm where it lies; then all are
+    stacked in the precision the products run in (a resolved `ns_dtype`: bf16, tf32 or fp32),
+    iterated as one batch and copied back. The workspace is two stacks (of bf16 for bf16
+    products)."""
     if not matrices:
         return
     matrices = list(matrices)
@@ -202,12 +243,12 @@ def orthogonalize_(matrices: Sequence[Tensor], steps: int, coefficients: tuple[f
     else:
         x = torch.empty((len(matrices), *first.shape), dtype=dtype, device=first.device)
         torch._foreach_copy_(list(x.unbind(0)), matrices)
-    result = _iterate(x, steps, coefficients, precision)
+    result = _iterate(x, coefficient_schedule(coefficients, steps), precision)
     if result is not x or x.data_ptr() != first.data_ptr():
         torch._foreach_copy_(matrices, list(result.unbind(0)))
 
 
-def newton_schulz(grad: Tensor, steps: int, coefficients: tuple[float, float, float], eps: float = 1e-7,
+def newton_schulz(grad: Tensor, steps: int, coefficients: NsCoefficients, eps: float = 1e-7,
                   precision: str = "fp32") -> Tensor:
     """`orthogonalize_` of one matrix (the same numbers as inside a batch), in fp32 (fp64 for
     fp64 input); `grad` is left as it is."""
@@ -216,13 +257,19 @@ def newton_schulz(grad: Tensor, steps: int, coefficients: tuple[float, float, fl
     return x
 
 
-def muon_scale(rows: int, cols: int, mode: str) -> float:
-    """Update scale: `spectral` 0.2·√max(m,n) (matches AdamW's RMS), `shape` √max(1, m/n)."""
+def muon_scale(rows: int, cols: int, mode: str, factor: float | None = None) -> float:
+    """The update's scale for an m×n matrix: `factor` times `spectral` √max(m,n), `shape`
+    √max(1, m/n), `unit_rms` √(m/n) or `none` 1. `factor` None is the mode's own: 0.2 for
+    `spectral` (the update then has about AdamW's RMS), 1 for the others."""
+    if factor is None:
+        factor = SPECTRAL_FACTOR if mode == "spectral" else 1.0
     if mode == "spectral":
-        return 0.2 * math.sqrt(max(rows, cols))
+        return factor * math.sqrt(max(rows, cols))
     if mode == "shape":
-        return math.sqrt(max(1.0, rows / cols))
-    return 1.0
+        return factor * math.sqrt(max(1.0, rows / cols))
+    if mode == "unit_rms":
+        return factor * math.sqrt(rows / cols)
+    return factor
 
 
 def inverse_root(matrix: Tensor, root: int, eps: float) -> Tensor:
@@ -257,10 +304,10 @@ def muon_update_(hp: Hyperparameters, momenta: Sequence[Tensor], grads: Sequence
         torch._foreach_add_(grads, momenta, alpha=hp.momentum)
     else:
         torch._foreach_copy_(grads, momenta)
-    assert hp.ns_steps is not None
     precision = resolve_ns_dtype(hp.ns_dtype, grads[0].device)
-    orthogonalize_(grads, hp.ns_steps, hp.ns_coefficients, precision)
-    torch._foreach_mul_(grads, muon_scale(grads[0].size(-2), grads[0].size(-1), hp.update_scale))
+    schedule = hp.ns_schedule
+    orthogonalize_(grads, len(schedule), schedule, precision)
+    torch._foreach_mul_(grads, muon_scale(grads[0].size(-2), grads[0].size(-1), hp.update_scale, hp.update_scale_factor))
 
 
 @dataclass(frozen=True)

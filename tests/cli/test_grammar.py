@@ -154,6 +154,8 @@ def test_calibrate_names_its_torch_device_otherwise(capsys: pytest.CaptureFixtur
     (["plan", "--model", "qwen3-0.6b", "--seed", "3"], "--seed has no effect here"),
     (["plan", "--model", "qwen3-0.6b", "--block-size", "512"], "--block-size has no effect here: it only changes shampoo"),
     (["plan", "--model", "qwen3-0.6b", "--optimizer", "soap", "--ns-steps", "3"], "--ns-steps has no effect here"),
+    (["plan", "--model", "qwen3-0.6b", "--optimizer", "shampoo", "--ns-coefficients", "quintic"],
+     "--ns-coefficients has no effect here: it only changes muon"),
     (["plan", "--model", "qwen3-0.6b", "--max-precond-dim", "100"], "--max-precond-dim has no effect here"),
     (["plan", "--model", "qwen3-0.6b", "--precondition-frequency", "5"], "--precondition-frequency has no effect"),
     (["plan", "--model", "qwen3-0.6b", "--alpha", "auto", "--device", "h800"], "unknown device 'h800'"),
@@ -177,7 +179,8 @@ def test_options_without_effect_are_refused(args: list[str], needle: str, tmp_pa
 
 def test_options_with_effect_are_taken(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for index, extra in enumerate((["--optimizer", "shampoo", "--block-size", "512", "--precondition-frequency", "5"],
-                                   ["--optimizer", "soap", "--max-precond-dim", "4096"], ["--ns-steps", "3"])):
+                                   ["--optimizer", "soap", "--max-precond-dim", "4096"], ["--ns-steps", "3"],
+                                   ["--ns-coefficients", "quintic"])):
         assert run(["plan", "--model", "qwen3-0.6b", "--dp", "2", *extra, "-o", str(tmp_path / f"{index}.yaml")], capsys)[0] == 0
 
 

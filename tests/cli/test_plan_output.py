@@ -23,7 +23,7 @@ from cli_run import make_checkout, refused, run
 BASE = PlanRequest("qwen3-8b", 2, 4)
 OPTIMIZER = {"name": {"name": "shampoo"}, "ns_steps": {"ns_steps": 3}, "block_size": {"name": "shampoo", "block_size": 512},
              "precondition_frequency": {"name": "soap", "precondition_frequency": 5},
-             "max_precond_dim": {"name": "soap", "max_precond_dim": 4096}}
+             "max_precond_dim": {"name": "soap", "max_precond_dim": 4096}, "ns_coefficients": {"ns_coefficients": "quintic"}}
 OPTIONS = {"split_qkv": {"split_qkv": "head"}, "split_fc1": {"split_fc1": True}, "router_optimizer": {"router_optimizer": "adamw"},
            "names": {"names": "torchtitan"}, "sequence_parallel": {"sequence_parallel": True}, "dtype": {"dtype": "fp32"}}
 TRAINING = {"global_batch": {"global_batch": 512}, "seq_len": {"seq_len": 1024}, "micro_batches": {"micro_batches": 4}}

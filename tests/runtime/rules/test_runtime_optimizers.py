@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from canzona.schedules.coefficients import NS_COEFFICIENT_SCHEDULES
 from canzona.runtime.rules.optimizers import (
     Hyperparameters,
     Muon,
@@ -29,7 +30,7 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("shape", [(16, 16), (8, 24), (24, 8)])
 def test_newton_schulz_makes_singular_values_near_one(shape: tuple[int, int]) -> None:
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    singular = torch.linalg.svdvals(newton_schulz(grad, 10, HP.ns_coefficients))
+    singular = torch.linalg.svdvals(newton_schulz(grad, 10, HP.ns_schedule))
     assert singular.min() > 0.5 and singular.max() < 1.3
 
 
@@ -38,13 +39,54 @@ def test_muon_scales() -> None:
     assert muon_scale(64, 16, "shape") == pytest.approx(2.0)
     assert muon_scale(16, 64, "shape") == 1.0
     assert muon_scale(16, 64, "none") == 1.0
+    assert muon_scale(16, 64, "unit_rms") == pytest.approx(0.5)
+    assert muon_scale(64, 16, "spectral", 1.0) == pytest.approx(8.0)  # Megatron-core's spectral scale
+    assert muon_scale(64, 16, "shape", 0.5) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="update_scale_factor"):
+        Hyperparameters(update_scale_factor=-1.0).check()
+
+
+def _plain_newton_schulz(grad: torch.Tensor, triples: list[tuple[float, float, float]]) -> torch.Tensor:
+    """fp64, one matrix, written from the formula: X ← aX + (bA + cA²)X with A = XXᵀ on the
+    short side, after a Frobenius normalisation."""
+    x = grad.double()
+    tall = x.size(0) > x.size(1)
+    x = (x.T if tall else x) / x.norm()
+    for a, b, c in triples:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("name, steps", [("quintic", 5), ("quintic", 7), ("polar_express", 5), ("polar_express", 10),
+                                         ("simple", 5)])
+@pytest.mark.parametrize("shape", [(12, 40), (40, 12)], ids=["wide", "tall"])
+def test_each_iteration_uses_its_schedules_coefficients(name: str, steps: int, shape: tuple[int, int]) -> None:
+    """Per-iteration coefficients against the formula in fp64, at fp32's agreement; the
+    schedules are not interchangeable (each differs from the others by far more)."""
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    triples = list(NS_COEFFICIENT_SCHEDULES[name])
+    wanted = [triples[i % len(triples)] if name == "quintic" else triples[min(i, len(triples) - 1)] for i in range(steps)]
+    exact = _plain_newton_schulz(grad, wanted)
+    assert (newton_schulz(grad, steps, name) - exact).abs().max() < 1e-7  # the normalisation's eps: 1e-7 / ‖G‖
+    assert (newton_schulz(grad.float(), steps, name).double() - exact).abs().max() < 1e-5
+    assert torch.equal(newton_schulz(grad, steps, wanted), newton_schulz(grad, steps, name))  # the same triples, listed
+    others = [other for other in NS_COEFFICIENT_SCHEDULES if other != name]
+    assert all((newton_schulz(grad, steps, other) - exact).abs().max() > 1e-3 for other in others)
+
+
+def test_a_coefficient_schedule_is_checked() -> None:
+    for bad in ("cubic", (1.0, 2.0), ((1.0, 2.0, 3.0), (1.0, float("nan"), 3.0)), ()):
+        with pytest.raises(ValueError, match="ns_coefficients"):
+            Hyperparameters(ns_coefficients=bad).check()  # type: ignore[arg-type]
+    assert Hyperparameters(ns_steps=3, ns_coefficients=(3.0, -4.0, 2.0)).ns_schedule == ((3.0, -4.0, 2.0),) * 3
 
 
 def test_muon_first_step_is_scaled_orthogonalised_gradient() -> None:
     grad = torch.randn(12, 20, generator=torch.Generator().manual_seed(1))
     hp = Hyperparameters(ns_steps=5, nesterov=False, update_scale="shape")
     update = Muon(hp).update(Muon(hp).init_state(12, 20, CPU), grad, 1)
-    torch.testing.assert_close(update, newton_schulz(grad, 5, hp.ns_coefficients))
+    torch.testing.assert_close(update, newton_schulz(grad, 5, hp.ns_schedule))
 
 
 def test_inverse_root_of_diagonal() -> None:
@@ -107,10 +149,11 @@ def test_adamw_matches_torch() -> None:
 
 def test_hyperparameters_from_schedule_and_unknown_names() -> None:
     class Settings:
-        ns_steps, block_size, precondition_frequency, max_precond_dim = 7, 64, 5, 99
+        ns_steps, block_size, precondition_frequency, max_precond_dim, ns_coefficients = 7, 64, 5, 99, "quintic"
 
     hp = Hyperparameters(ns_steps=3).resolved(Settings())
     assert (hp.ns_steps, hp.block_size, hp.precondition_frequency, hp.max_precond_dim) == (3, 64, 5, 99)
+    assert hp.ns_coefficients == "quintic" and hp.ns_schedule == NS_COEFFICIENT_SCHEDULES["quintic"][:3]
     with pytest.raises(TypeError, match="unknown hyperparameter"):
         Hyperparameters.from_kwargs({"learning_rate": 1.0})
     with pytest.raises(ValueError, match="update_scale"):
@@ -165,9 +208,9 @@ def test_bf16_newton_schulz_stays_within_its_measured_error(shape: tuple[int, in
     within bf16's resolution (2^-8 relative per product, a few products deep), far from fp32's
     agreement (below 1e-5), and still has singular values near one."""
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    exact = newton_schulz(grad, 5, HP.ns_coefficients)
-    fp32 = newton_schulz(grad.float(), 5, HP.ns_coefficients)
-    bf16 = newton_schulz(grad.float(), 5, HP.ns_coefficients, precision="bf16")
+    exact = newton_schulz(grad, 5, HP.ns_schedule)
+    fp32 = newton_schulz(grad.float(), 5, HP.ns_schedule)
+    bf16 = newton_schulz(grad.float(), 5, HP.ns_schedule, precision="bf16")
     assert bf16.dtype == torch.float32
     assert (fp32.double() - exact).abs().max() < 1e-5
     assert 1e-4 < (bf16.double() - exact).abs().max() < 3e-2
