@@ -165,8 +165,10 @@ def write_plan(request: PlanRequest, output: str | None, force: bool, as_json: b
     target = None if output is None else output_path(output)
     if target is not None:
         check_output(target, inputs, "--output")
-    spec = load_source(request.model, request.tp, request.options)
     explicit = request.options.names != "auto"
+    if explicit:
+        _refuse_names_of_a_listed_model(request.model, request.options.names)
+    spec = load_source(request.model, request.tp, request.options)
     request = replace(request, options=replace(request.options, names=spec.names))  # auto resolved by the source
     path = target or default_output(spec.name, request, _own_names(request) if explicit else spec.names, in_checkout())
     check_output(path, inputs, "output")
@@ -185,6 +187,17 @@ def _inputs(request: PlanRequest) -> list[str | None]:
 
     profile = request.cost.removeprefix(PROFILE_PREFIX) if request.cost.startswith(PROFILE_PREFIX) else None
     return [*source_files(request.model), profile, device_file(request.alpha_device or request.bucket_device or "")]
+
+
+def _refuse_names_of_a_listed_model(source: str, names: str) -> None:
+    """`--names` (given) chooses the names of a preset or a Hugging Face config; a parameter
+    list and a live model keep their own, so the option would be recorded and not applied."""
+    from canzona.cli.sources import is_live
+    from canzona.planner.sources.load import names_apply
+
+    if not names_apply(source):
+        kind = "a live model" if is_live(source) else "a parameter list"
+        raise PlanError(f"--names {names} applies to presets and Hugging Face configs; {kind} names its parameters itself")
 
 
 def _own_names(request: PlanRequest) -> str:

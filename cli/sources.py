@@ -104,15 +104,11 @@ def describe_source(source: str, sequence_parallel: bool = False) -> ModuleDescr
 
 def load_source(source: str, tp: int, options: ModelOptions) -> ModelSpec:
     """The validated `ModelSpec` of any model source at TP size `tp`. A live model is recorded
-    with its factory as source and its description's sha256; `options.split_fc1` splits the
-    row parts of its strided (fused) matrices."""
+    with its factory as source and its description's sha256; its fused matrices are split as
+    `options` says (`split_qkv`, `split_fc1`)."""
     if not is_live(source):
         return planner_sources.load_model(source, tp, options)
     description = describe_source(source, options.sequence_parallel)
     data = description.to_data()
-    if options.split_fc1:
-        for entry in data["params"]:
-            if "fused" in entry:
-                entry["split_fused"] = True
     # The description already marked the norms (it sees the modules); the names rule is not rerun.
     return planner_sources.model_from_data(data, description.name, source, description.sha256, tp, replace(options, sequence_parallel=False))

@@ -187,15 +187,19 @@ def derived_problem(name: str, shape: Sequence[int], blocks: Blocks, tp: int, na
 def listed_problem(blocks: Blocks, rows: int, shards: int, split_qkv: str, live: bool, split_fc1: bool) -> str | None:
     """Why `blocks` (of a parameter a parameter list or a live model describes, whose TP shards
     along dim 0 are `shards`) have none of the forms canzona writes, or None. A live model's
-    fused matrices are split exactly when `split_fc1` is set."""
+    fused matrices are split exactly when `split_fc1` is set, and its fused QKV weights as
+    `split_qkv` says."""
     if not blocks:
+        return None
+    if _qkv_form(blocks, rows, split_qkv) is not None:
         return None
     split = _fused_form(blocks, rows, shards)
     if live:
         return None if split is not None and split == split_fc1 else (
             f"a live model's fused matrix, which split_fc1 {str(split_fc1).lower()} splits "
-            f"{'into its parts' if split_fc1 else 'into none'}")
-    if split is not None or _consecutive(blocks) or _qkv_form(blocks, rows, split_qkv) is not None:
+            f"{'into its parts' if split_fc1 else 'into none'}, or fused QKV weight, which split_qkv "
+            f"{split_qkv} splits {'into none' if split_qkv == 'none' else 'into grouped Q, K, V blocks'}")
+    if split is not None or _consecutive(blocks):
         return None
     return "not a form canzona writes (fused parts, grouped Q/K/V, or consecutive submatrices)"
 

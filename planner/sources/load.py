@@ -8,6 +8,7 @@ is described by the runtime's `describe` module into a parameter list; the CLI d
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import params_from_data, read_structured_file
 from canzona.planner.spec import DTYPE_BYTES, ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
 
-__all__ = ["NAMES_AUTO", "count_params", "list_presets", "load_model", "model_from_data", "own_names"]
+__all__ = ["NAMES_AUTO", "count_params", "list_presets", "load_model", "model_from_data", "names_apply", "own_names"]
 
 _FILE_SUFFIXES = (".json", ".yaml", ".yml")
 DEFAULT_DTYPE = "bf16"  # presets, and configs that declare no dtype, train in bf16
@@ -40,16 +41,51 @@ def load_model(source: str, tp: int, options: ModelOptions = ModelOptions()) -> 
     Raises a one-line PlanError.
     """
     check_tp_size(source, tp)
-    preset = source.strip().lower()
-    if preset in PRESETS:
-        names = MEGATRON if options.names == NAMES_AUTO else options.names
-        params = enumerate_params(preset, PRESETS[preset], tp, replace(options, names=names))
-        model = ModelSpec(name=preset, params=params, source=preset, names=names)
-    elif _looks_like_path(source):
-        model = _load_file(source, tp, options)
-    else:
+
+    def build(chosen: ModelOptions) -> ModelSpec:
+        preset = source.strip().lower()
+        if preset in PRESETS:
+            names = MEGATRON if chosen.names == NAMES_AUTO else chosen.names
+            params = enumerate_params(preset, PRESETS[preset], tp, replace(chosen, names=names))
+            return finish(ModelSpec(name=preset, params=params, source=preset, names=names), tp, chosen)
+        if _looks_like_path(source):
+            return finish(_load_file(source, tp, chosen), tp, chosen)
         raise PlanError(_unknown_model_message(source))
-    return finish(model, tp, options)
+
+    return built_with_effect(build, options)
+
+
+SPLIT_OPTIONS = {  # ModelOptions field -> what a model must have for it to change anything
+    "split_qkv": "a fused QKV weight (a parameter list marks one with qkv:) or Q, K, V projections to split",
+    "split_fc1": "a fused matrix to split into its parts (fc1's [gate; up], a parameter list's fused: N)",
+    "router_optimizer": "an MoE router of a preset or Hugging Face config (a parameter list gives each entry's optimizer)",
+}
+
+
+def built_with_effect(build: Callable[[ModelOptions], ModelSpec], options: ModelOptions) -> ModelSpec:
+    """`build(options)`, after checking that each split option away from its default changes
+    the model it builds: a schedule never records an option that its plan did not apply
+    (PlanError, one line, naming what the option needs)."""
+    model = build(options)
+    default = ModelOptions()
+    for field, needs in SPLIT_OPTIONS.items():
+        value = getattr(options, field)
+        if value != getattr(default, field) and build(replace(options, **{field: getattr(default, field)})).params == model.params:
+            spelled = str(value).lower() if isinstance(value, bool) else value
+            raise PlanError(f"{field} {spelled} has no effect on {model.name}: it needs {needs}")
+    return model
+
+
+def names_apply(source: str) -> bool:
+    """Whether `--names` chooses `source`'s parameter names: a preset or a Hugging Face config
+    (a parameter list and a live model name their parameters themselves; a file is read)."""
+    if source.strip().lower() in PRESETS:
+        return True
+    if source.startswith("py:") or not _looks_like_path(source):
+        return False
+    path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+    data, _ = read_structured_file(path)
+    return _is_hf_config(data)
 
 
 def own_names(source: str) -> str:
@@ -63,10 +99,15 @@ def own_names(source: str) -> str:
 
 
 def model_from_data(data: object, name: str, source: str, sha256: str, tp: int, options: ModelOptions) -> ModelSpec:
-    """The validated `ModelSpec` of a parsed parameter list (e.g. a live model's description)."""
+    """The validated `ModelSpec` of a parsed parameter list (e.g. a live model's description),
+    its fused matrices split as `options` says."""
     _check_parameter_list_names(options)
-    name, params = params_from_data(data, name, tp)
-    return finish(ModelSpec(name=name, params=params, source=source, source_sha256=sha256), tp, options)
+
+    def build(chosen: ModelOptions) -> ModelSpec:
+        listed, params = params_from_data(data, name, tp, chosen.split_qkv, chosen.split_fc1)
+        return finish(ModelSpec(name=listed, params=params, source=source, source_sha256=sha256), tp, chosen)
+
+    return built_with_effect(build, options)
 
 
 def finish(model: ModelSpec, tp: int, options: ModelOptions) -> ModelSpec:
@@ -144,7 +185,7 @@ def _load_file(source: str, tp: int, options: ModelOptions) -> ModelSpec:
         params = tuple(replace(p, dtype=dtype) for p in params)
     else:
         _check_parameter_list_names(options)
-        name, params = params_from_data(data, default_name, tp)
+        name, params = params_from_data(data, default_name, tp, options.split_qkv, options.split_fc1)
     return ModelSpec(name=name, params=params, source=source, source_sha256=sha256, names=names)
 
 

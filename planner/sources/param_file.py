@@ -5,7 +5,10 @@ optional `tp`: the TP size the list was read from a live model at; planning at a
 is refused) or a bare list of entries. Each entry is `{name, shape, tp_dim}` plus optional
 `optimizer` ("matrix" or "adamw"), `submatrices` (consecutive row blocks updated separately),
 `fused: N` (each TP shard holds N equal row parts, e.g. 2 for fc1's [gate; up]; `split_fused:
-true` updates the parts separately), `expert` ([index, count]), `grouped_experts: true` (a 3-D
+true` updates the parts separately; `--split-fc1` sets it on every fused entry), `qkv:
+{query_groups, heads, head_dim}` (a fused QKV weight whose rows are grouped per query group as
+[q heads, k, v], Megatron's layout; TP shards hold whole groups; `--split-qkv` says how it is
+updated: Q, K and V separately, per head, or whole), `expert` ([index, count]), `grouped_experts: true` (a 3-D
 tensor [E, rows, cols] whose dim 0 indexes experts: planned as E matrices, `parent[e]`; its
 `tp_dim` is 1 or 2, and `fused` / `submatrices` describe each expert's rows), `grad_reduce: tp`
 (replicated over TP, but each TP rank's gradient is a partial sum the optimizer must sum), and
@@ -26,8 +29,25 @@ from pydantic import model_validator
 from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError, fused_row_blocks
 from canzona.schedules.limits import MAX_MODEL_FILE_BYTES, MAX_PARAM_DIMS, MAX_PARAMS
 from canzona.schedules.reading import UnsafeDocument, read_text, safe_load
+from canzona.schedules.splits import qkv_row_blocks
+from canzona.schedules.splits import submatrices as splits_submatrices
 
 _ADAMW_NAME_HINTS = ("embed", "output_layer", "lm_head", "norm")
+
+
+class _QkvLayout(BaseModel):
+    """A fused QKV weight's layout: `heads` attention heads of `head_dim` rows in
+    `query_groups` groups, each group's rows [its q heads, k, v]."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    query_groups: Annotated[StrictInt, Field(ge=1)]
+    heads: Annotated[StrictInt, Field(ge=1)]
+    head_dim: Annotated[StrictInt, Field(ge=1)]
+
+    def row_blocks(self, split_qkv: str) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """The row blocks `split_qkv` gives the weight (`canzona.schedules.splits.qkv_row_blocks`)."""
+        return qkv_row_blocks(self.query_groups, self.heads // self.query_groups, self.head_dim, split_qkv)
 
 
 class _Entry(BaseModel):
@@ -46,6 +66,7 @@ class _Entry(BaseModel):
     grouped_experts: StrictBool = False
     grad_reduce: Literal["tp"] | None = None
     dtype: StrictStr = "bf16"
+    qkv: _QkvLayout | None = None
 
     @model_validator(mode="after")
     def _check(self) -> _Entry:
@@ -67,6 +88,8 @@ class _Entry(BaseModel):
             self._check_submatrices()
         if self.fused is not None or self.split_fused:
             self._check_fused()
+        if self.qkv is not None:
+            self._check_qkv()
         if self.expert is not None and not 0 <= self.expert[0] < self.expert[1]:
             raise ValueError(f"expert [index, count] {list(self.expert)} needs 0 <= index < count")
         return self
@@ -98,6 +121,20 @@ class _Entry(BaseModel):
         if self.matrix_shape[0] % self.fused:
             raise ValueError(f"fused {self.fused} does not divide the {self.matrix_shape[0]} rows")
 
+    def _check_qkv(self) -> None:
+        layout = self.qkv
+        assert layout is not None
+        if self.resolved_optimizer != MATRIX or self.grouped_experts or self.tp_dim not in (0, None):
+            raise ValueError("qkv needs a 2-D matrix-optimizer parameter split on dim 0 or replicated")
+        if self.fused is not None or self.submatrices is not None:
+            raise ValueError("qkv describes the weight's rows itself: give it without fused or submatrices")
+        if layout.heads % layout.query_groups:
+            raise ValueError(f"qkv: {layout.query_groups} query groups do not divide {layout.heads} heads")
+        rows = (layout.heads + 2 * layout.query_groups) * layout.head_dim
+        if self.shape[0] != rows:
+            raise ValueError(f"qkv: (heads {layout.heads} + 2 x query_groups {layout.query_groups}) x head_dim "
+                             f"{layout.head_dim} = {rows} rows, but the shape has {self.shape[0]}")
+
     def _check_submatrices(self) -> None:
         if self.resolved_optimizer != MATRIX:
             raise ValueError("submatrices are only allowed for matrix-optimizer parameters")
@@ -122,9 +159,10 @@ class _Entry(BaseModel):
             return ADAMW
         return MATRIX
 
-    def to_specs(self, tp: int = 1) -> list[ParamSpec]:
-        """The `ParamSpec`s this entry describes at TP size `tp` (fused row blocks depend on it):
-        one, or one per expert for grouped experts."""
+    def to_specs(self, tp: int = 1, split_qkv: str = "qkv", split_fc1: bool = False) -> list[ParamSpec]:
+        """The `ParamSpec`s this entry describes at TP size `tp` (fused row blocks depend on it),
+        with a fused QKV weight split as `split_qkv` says and every fused entry split into its
+        parts under `split_fc1`: one, or one per expert for grouped experts."""
         shape = tuple(self.matrix_shape)
         tp_dim = self.tp_dim if self.tp_dim is None or not self.grouped_experts else self.tp_dim - 1
         optimizer = self.resolved_optimizer
@@ -136,9 +174,16 @@ class _Entry(BaseModel):
             shards = tp if tp_dim == 0 else 1
             if shape[0] % (self.fused * shards):
                 raise ValueError(f"tp {tp} x fused {self.fused} does not divide the {shape[0]} rows")
-            row_blocks = list(fused_row_blocks(shape[0], self.fused, shards, self.split_fused))
+            split = self.split_fused or split_fc1
+            row_blocks = list(fused_row_blocks(shape[0], self.fused, shards, split))
             part = (shape[0] // self.fused, shape[1])
-            submatrices = (part,) * self.fused if self.split_fused else (shape,)  # type: ignore[assignment]
+            submatrices = (part,) * self.fused if split else (shape,)  # type: ignore[assignment]
+        elif self.qkv is not None:
+            if tp_dim == 0 and self.qkv.query_groups % tp:
+                raise ValueError(f"tp {tp} does not divide its {self.qkv.query_groups} query groups (each TP rank "
+                                 "holds whole groups)")
+            row_blocks = list(self.qkv.row_blocks(split_qkv))
+            submatrices = tuple(splits_submatrices(shape, tuple(row_blocks)))  # type: ignore[arg-type]
         elif len(submatrices) > 1:
             start = 0
             for rows, _ in submatrices:
@@ -196,8 +241,10 @@ def read_structured_file(path: str | Path) -> tuple[Any, str]:
     return data, hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def params_from_data(data: Any, default_name: str, tp: int = 1) -> tuple[str, tuple[ParamSpec, ...]]:
-    """The model name and parameters of a parsed parameter-list file, at TP size `tp`.
+def params_from_data(data: Any, default_name: str, tp: int = 1, split_qkv: str = "qkv",
+                     split_fc1: bool = False) -> tuple[str, tuple[ParamSpec, ...]]:
+    """The model name and parameters of a parsed parameter-list file, at TP size `tp`, fused
+    QKV weights split as `split_qkv` says and fused entries into their parts under `split_fc1`.
 
     `default_name` names a bare list. Raises PlanError naming the entry index and field of
     the first bad entry.
@@ -222,20 +269,20 @@ def params_from_data(data: Any, default_name: str, tp: int = 1) -> tuple[str, tu
         raise PlanError(f"parameter file for {name!r} lists no parameters")
     if len(entries) > MAX_PARAMS:
         raise PlanError(f"parameter file for {name!r} lists {len(entries)} parameters, above canzona's maximum of {MAX_PARAMS}")
-    specs = tuple(spec for index, raw in enumerate(entries) for spec in _parse_entry(index, raw, tp))
+    specs = tuple(spec for index, raw in enumerate(entries) for spec in _parse_entry(index, raw, tp, split_qkv, split_fc1))
     if len(specs) > MAX_PARAMS:
         raise PlanError(f"parameter file for {name!r} lists {len(specs)} matrices and parameters (grouped experts counted "
                         f"one per expert), above canzona's maximum of {MAX_PARAMS}")
     return name, specs
 
 
-def _parse_entry(index: int, raw: Any, tp: int) -> list[ParamSpec]:
+def _parse_entry(index: int, raw: Any, tp: int, split_qkv: str, split_fc1: bool) -> list[ParamSpec]:
     label = f" ({raw['name']!r})" if isinstance(raw, dict) and "name" in raw else ""
     try:
         entry = _Entry.model_validate(raw)
         if entry.grouped_experts and entry.shape[0] > MAX_PARAMS:
             raise ValueError(f"{entry.shape[0]} experts is above canzona's maximum of {MAX_PARAMS} parameters")
-        return entry.to_specs(tp)
+        return entry.to_specs(tp, split_qkv, split_fc1)
     except ValidationError as err:
         raise PlanError(f"parameter entry {index}{label}: {_first_error(err)}") from None
     except ValueError as err:  # to_spec's checks that depend on tp
