@@ -109,6 +109,12 @@ def load_source(source: str, tp: int, options: ModelOptions) -> ModelSpec:
     if not is_live(source):
         return planner_sources.load_model(source, tp, options)
     description = describe_source(source, options.sequence_parallel)
+    if tp > 1 and description.tp is None:
+        raise PlanError(
+            f"live model {source!r} shows no TP layout, so at --tp {tp} its parameters would be planned as whole "
+            "matrices: build it as it trains, with DTensor parameters on a mesh dim named 'tp' (parallelize_module) or "
+            "Megatron-core's tensor-parallel layers at that TP size (a fake process group gives either without a "
+            "cluster: docs/models.md), or plan its config.json / a parameter list")
     data = description.to_data()
     # The description already marked the norms (it sees the modules); the names rule is not rerun.
     return planner_sources.model_from_data(data, description.name, source, description.sha256, tp, replace(options, sequence_parallel=False))

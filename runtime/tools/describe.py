@@ -13,10 +13,15 @@ What is read from the module:
   (`_StridedShard`, e.g. transformers' packed gate/up experts) of split factor s is recorded as
   `fused: s`: each TP shard holds s equal row parts. Other mesh dims (FSDP's DP dims, EP) do
   not change the description: shapes are global.
+- Megatron-core's plain-tensor shards (`canzona.runtime.integrations.megatron`): the TP dim
+  from `partition_dim`, the global shape from the model's TP size, `fused: s` from a
+  `partition_stride` s > 1 (fc1's [gate; up]), and `linear_qkv`'s per-group layout as `qkv:`
+  (its query groups, heads and head dim, from the model's config), which `--split-qkv` splits.
 - Optimizer: 2-D parameters are matrices, except embeddings (`nn.Embedding`), the output head
-  (the model's `get_output_embeddings()`, or a top-level `lm_head` / `output` / `output_layer`)
-  and names holding "embed" or "norm"; 3-D parameters named "...expert..." are grouped experts
-  [E, rows, cols] (one matrix per expert); everything else is AdamW's.
+  (the model's `get_output_embeddings()`, or a top-level `lm_head` / `output` / `output_layer`),
+  Megatron's `is_embedding_or_output_parameter` and names holding "embed" or "norm"; 3-D
+  parameters named "...expert..." are grouped experts [E, rows, cols] (one matrix per expert);
+  everything else is AdamW's.
 - Partial gradients (`grad_reduce: tp`): not visible in a parameter itself. They come from a
   `probe` (one forward and backward you provide: a replicated DTensor parameter whose gradient
   is `Partial` on the TP dim is marked), from `sequence_parallel` (every norm), or from
@@ -42,6 +47,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from canzona.runtime.integrations import megatron
 from canzona.schedules.format import compute_fingerprint, flow_value
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -59,7 +65,8 @@ class DescribeError(ValueError):
 @dataclass(frozen=True)
 class ParamDescription:
     """One parameter: global shape, dtype ("fp32"/"bf16"/"fp16"), TP dim, optimizer class,
-    strided TP split factor (`fused`), grouped experts, partial gradient ("tp" or None)."""
+    strided TP split factor (`fused`), grouped experts, partial gradient ("tp" or None), and a
+    fused QKV weight's (query groups, heads, head dim)."""
 
     name: str
     shape: tuple[int, ...]
@@ -69,6 +76,7 @@ class ParamDescription:
     fused: int | None = None
     grouped_experts: bool = False
     grad_reduce: str | None = None
+    qkv: tuple[int, int, int] | None = None
 
     def to_entry(self) -> dict[str, Any]:
         """The parameter-list entry (optional keys only when set)."""
@@ -76,6 +84,8 @@ class ParamDescription:
                                  "dtype": self.dtype, "optimizer": self.optimizer}
         if self.fused is not None:
             entry["fused"] = self.fused
+        if self.qkv is not None:
+            entry["qkv"] = dict(zip(("query_groups", "heads", "head_dim"), self.qkv))
         if self.grouped_experts:
             entry["grouped_experts"] = True
         if self.grad_reduce is not None:
@@ -139,17 +149,22 @@ def describe_module(
         probe(model)
     owners = _owning_modules(model)
     heads = _output_heads(model)
+    megatron_tp = _megatron_tp_size(model)
     params, tp_sizes = [], set()
     for param_name, param in model.named_parameters():
         tp_dim, fused, tp_size, partial = _tp_placement(param_name, param, tp_mesh_dim)
+        shape, qkv = tuple(param.shape), None
+        if megatron_tp is not None and not isinstance(param, DTensor):
+            tp_dim, fused, shape = _megatron_placement(param, megatron_tp)
+            tp_size, qkv = megatron_tp, _megatron_qkv(param_name, shape, owners[id(param)], model)
         if tp_size is not None:
             tp_sizes.add(tp_size)
         grouped = param.ndim == 3 and "expert" in param_name.lower()
-        optimizer = "matrix" if grouped or (param.ndim == 2 and not _adamw_2d(param_name, owners[id(param)], heads)) else "adamw"
+        optimizer = "matrix" if grouped or (param.ndim == 2 and not _adamw_2d(param_name, param, owners[id(param)], heads)) else "adamw"
         norm = tp_dim is None and param.ndim == 1 and _is_norm(param_name, owners[id(param)])
         params.append(ParamDescription(
-            param_name, tuple(param.shape), _dtype_name(param_name, param), tp_dim, optimizer, fused, grouped,
-            PARTIAL_OVER_TP if partial or (sequence_parallel and norm) else None,
+            param_name, shape, _dtype_name(param_name, param), tp_dim, optimizer, fused, grouped,
+            PARTIAL_OVER_TP if partial or (sequence_parallel and norm) else None, qkv,
         ))
     if probe is not None:
         model.zero_grad(set_to_none=True)
@@ -159,6 +174,36 @@ def describe_module(
         raise DescribeError(f"the model's DTensors live on {tp_mesh_dim!r} mesh dims of different sizes {sorted(tp_sizes)}")
     described = _with_partial_patterns(params, list(partial_grads))
     return ModuleDescription(name or _class_name(model), next(iter(tp_sizes), None), tuple(described))
+
+
+def _megatron_tp_size(model: nn.Module) -> int | None:
+    """The TP size of a Megatron-core model (its parameters carry Megatron's TP attributes), else None."""
+    if not megatron.is_megatron(model):
+        return None
+    try:
+        return megatron.tp_size(model)
+    except megatron.MegatronConfigError as error:
+        raise DescribeError(str(error)) from None
+
+
+def _megatron_placement(param: torch.Tensor, size: int) -> tuple[int | None, int | None, tuple[int, ...]]:
+    """(TP dim, strided split factor, global shape) of a Megatron parameter shard."""
+    layout = megatron.tp_layout(param)
+    if layout is None:
+        return None, None, tuple(param.shape)
+    return layout.dim, layout.stride if layout.stride > 1 else None, megatron.global_shape(param, layout, size)
+
+
+def _megatron_qkv(name: str, shape: tuple[int, ...], owner: nn.Module, model: nn.Module) -> tuple[int, int, int] | None:
+    """A Megatron `linear_qkv` weight's (query groups, heads, head dim), checked against its rows."""
+    layout = megatron.qkv_layout(name, owner, megatron.model_config(model))
+    if layout is None or len(shape) != 2:
+        return None
+    groups, heads, head_dim = layout["query_groups"], layout["heads"], layout["head_dim"]
+    if shape[0] != (heads + 2 * groups) * head_dim:
+        raise DescribeError(f"parameter {name!r} has {shape[0]} rows, but its config's {heads} heads and {groups} query "
+                            f"groups of {head_dim} make {(heads + 2 * groups) * head_dim}: not Megatron's fused QKV layout")
+    return groups, heads, head_dim
 
 
 def _class_name(model: nn.Module) -> str:
@@ -190,9 +235,10 @@ def _output_heads(model: nn.Module) -> list[nn.Module]:
     return heads
 
 
-def _adamw_2d(name: str, owner: nn.Module, heads: list[nn.Module]) -> bool:
+def _adamw_2d(name: str, param: torch.Tensor, owner: nn.Module, heads: list[nn.Module]) -> bool:
     lowered = name.lower()
-    return isinstance(owner, nn.Embedding) or any(owner is head for head in heads) or any(h in lowered for h in ADAMW_NAME_HINTS)
+    return (isinstance(owner, nn.Embedding) or any(owner is head for head in heads) or megatron.is_embedding_or_output(param)
+            or any(h in lowered for h in ADAMW_NAME_HINTS))
 
 
 def _is_norm(name: str, owner: nn.Module) -> bool:

@@ -40,6 +40,7 @@ FORBIDDEN = {
     "state": ("exchange", "fsdp", "tools"),
     "fsdp": ("tools",),
     "tools": ("tools", "fsdp.optimizer"),
+    "integrations": ("exchange", "state", "fsdp", "tools", "optimizer", "update", "engine", "plan"),
     "core": ("tools", "fsdp.optimizer"),
 }
 
