@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from canzona.schedules.coefficients import NS_COEFFICIENT_NAMES
 from canzona.schedules.format import Schedule
 
 QKV_SUFFIX = "linear_qkv.weight"
-MEGATRON_COEFFICIENTS = "quintic"  # TensorParallelMuon's coefficient_type (megatron-core 0.16 passes no other)
+MEGATRON_COEFFICIENTS = "quintic"  # TensorParallelMuon's default coefficient_type (0.16 has no option for it)
 NS_PRECISION = {"medium": "bf16", "high": "tf32", "highest": "fp32"}  # muon_fp32_matmul_prec -> ns_dtype
 SCALE_MODES = {"spectral": "spectral", "shape_scaling": "shape", "unit_rms_norm": "unit_rms"}  # muon_scale_mode
 TP_MODES = ("duplicated", "distributed", "blockwise")  # muon_tp_mode
@@ -238,11 +239,21 @@ def _check_config(config: Any, tp: int) -> None:
         raise MegatronConfigError("fp16: Megatron's Muon refuses it too; train bf16 (canzona keeps fp32 main copies)")
 
 
+def _nesterov(config: Any) -> bool:
+    """Megatron's Nesterov flag (`muon_use_nesterov` in 0.16, `muon_nesterov` later; off by default)."""
+    return bool(getattr(config, "muon_use_nesterov", getattr(config, "muon_nesterov", False)))
+
+
 def plan_options(config: Any) -> dict[str, Any]:
     """The `canzona plan` settings Megatron's Muon runs with, as {option: value}: `ns_steps`
-    (`muon_num_ns_steps`), `ns_coefficients` (quintic) and `split_qkv` (`muon_split_qkv`:
-    Q, K and V apart, or the fused matrix whole)."""
-    return {"ns_steps": int(getattr(config, "muon_num_ns_steps", 5)), "ns_coefficients": MEGATRON_COEFFICIENTS,
+    (`muon_num_ns_steps`), `ns_coefficients` (`muon_coefficient_type` where the config has it,
+    else Megatron's quintic) and `split_qkv` (`muon_split_qkv`: Q, K and V apart, or the fused
+    matrix whole). MegatronConfigError for coefficients canzona does not have."""
+    coefficients = getattr(config, "muon_coefficient_type", MEGATRON_COEFFICIENTS)
+    if coefficients not in NS_COEFFICIENT_NAMES:
+        raise MegatronConfigError(f"muon_coefficient_type {coefficients!r}: canzona has the {', '.join(NS_COEFFICIENT_NAMES)} "
+                                  "coefficients")
+    return {"ns_steps": int(getattr(config, "muon_num_ns_steps", 5)), "ns_coefficients": coefficients,
             "split_qkv": "qkv" if getattr(config, "muon_split_qkv", True) else "none"}
 
 
@@ -276,7 +287,7 @@ def optimizer_kwargs(config: Any, schedule: Schedule) -> dict[str, Any]:
     return {
         "lr": lr, "weight_decay": weight_decay,
         "momentum": float(getattr(config, "muon_momentum", 0.95)),
-        "nesterov": bool(getattr(config, "muon_use_nesterov", False)),
+        "nesterov": _nesterov(config),
         "ns_dtype": NS_PRECISION[getattr(config, "muon_fp32_matmul_prec", "medium")],
         "update_scale": SCALE_MODES[getattr(config, "muon_scale_mode", "spectral")],
         "update_scale_factor": float(getattr(config, "muon_extra_scale_factor", 1.0)),

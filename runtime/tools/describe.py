@@ -18,10 +18,11 @@ What is read from the module:
   `partition_stride` s > 1 (fc1's [gate; up]), and `linear_qkv`'s per-group layout as `qkv:`
   (its query groups, heads and head dim, from the model's config), which `--split-qkv` splits.
 - Optimizer: 2-D parameters are matrices, except embeddings (`nn.Embedding`), the output head
-  (the model's `get_output_embeddings()`, or a top-level `lm_head` / `output` / `output_layer`),
-  Megatron's `is_embedding_or_output_parameter` and names holding "embed" or "norm"; 3-D
-  parameters named "...expert..." are grouped experts [E, rows, cols] (one matrix per expert);
-  everything else is AdamW's.
+  (the model's `get_output_embeddings()`, or a top-level `lm_head` / `output` / `output_layer`)
+  and names holding "embed" or "norm"; in a Megatron-core model, Megatron's Muon rule: every
+  2-D parameter but those marked `is_embedding_or_output_parameter`. 3-D parameters named
+  "...expert..." are grouped experts [E, rows, cols] (one matrix per expert); everything else
+  is AdamW's.
 - Partial gradients (`grad_reduce: tp`): not visible in a parameter itself. They come from a
   `probe` (one forward and backward you provide: a replicated DTensor parameter whose gradient
   is `Partial` on the TP dim is marked), from `sequence_parallel` (every norm), or from
@@ -160,7 +161,9 @@ def describe_module(
         if tp_size is not None:
             tp_sizes.add(tp_size)
         grouped = param.ndim == 3 and "expert" in param_name.lower()
-        optimizer = "matrix" if grouped or (param.ndim == 2 and not _adamw_2d(param_name, param, owners[id(param)], heads)) else "adamw"
+        adamw_2d = megatron.is_embedding_or_output(param) if megatron_tp is not None else _adamw_2d(
+            param_name, owners[id(param)], heads)
+        optimizer = "matrix" if grouped or (param.ndim == 2 and not adamw_2d) else "adamw"
         norm = tp_dim is None and param.ndim == 1 and _is_norm(param_name, owners[id(param)])
         params.append(ParamDescription(
             param_name, shape, _dtype_name(param_name, param), tp_dim, optimizer, fused, grouped,
@@ -235,10 +238,9 @@ def _output_heads(model: nn.Module) -> list[nn.Module]:
     return heads
 
 
-def _adamw_2d(name: str, param: torch.Tensor, owner: nn.Module, heads: list[nn.Module]) -> bool:
+def _adamw_2d(name: str, owner: nn.Module, heads: list[nn.Module]) -> bool:
     lowered = name.lower()
-    return (isinstance(owner, nn.Embedding) or any(owner is head for head in heads) or megatron.is_embedding_or_output(param)
-            or any(h in lowered for h in ADAMW_NAME_HINTS))
+    return isinstance(owner, nn.Embedding) or any(owner is head for head in heads) or any(h in lowered for h in ADAMW_NAME_HINTS)
 
 
 def _is_norm(name: str, owner: nn.Module) -> bool:

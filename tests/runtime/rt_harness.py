@@ -117,6 +117,28 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 9
     return [outcomes[rank][1] for rank in range(world)]
 
 
+def _cli_child(args: list[str], results: Any) -> None:
+    from canzona.cli.main import main
+
+    results.put(main(args))
+
+
+def canzona_in_child(args: list[str]) -> None:
+    """`canzona ARGS` in a forked child (a factory that opens a fake process group must not
+    leave it in the test process); fails the test unless it exits 0."""
+    context = mp.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_cli_child, args=(args, results))
+    child.start()
+    try:
+        code = results.get(timeout=120)
+    except queue_module.Empty:
+        child.kill()
+        pytest.fail(f"canzona {' '.join(args)} did not finish")
+    child.join(timeout=30)
+    assert code == 0, f"canzona {' '.join(args)} exited {code}"
+
+
 def make_schedule(model: str | Path, tp: int, dp: int, *, optimizer: str = "muon", alpha: float = 1.0,
                   bucket_size: int = 4000, group_bytes: int = 4096, dtype: str = "fp32",
                   split_fc1: bool = False, ep: int = 1, coop: str = "auto", order: str = "registration",

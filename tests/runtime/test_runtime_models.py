@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import gc
 import json
-import multiprocessing
-import queue
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ import torch
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, read_schedule
 
-from rt_harness import GROUP_TIMEOUT, run_ranks
+from rt_harness import GROUP_TIMEOUT, canzona_in_child as canzona, run_ranks
 
 pytest.importorskip("transformers")
 import models  # noqa: E402 - needs transformers
@@ -53,28 +51,6 @@ FACTORY = {("hf", 1): "make_tiny_hf_qwen3", ("hf", 2): "make_tiny_hf_qwen3_tp2",
            ("hf_auto", 2): "make_tiny_hf_qwen3_auto_tp2", ("hf_odd", 2): "make_tiny_hf_qwen3_odd_tp2",
            ("titan", 1): "make_tiny_titan", ("titan", 2): "make_tiny_titan_tp2", ("toy", 1): "make_toy",
            ("toy", 2): "make_toy_tp2"}
-
-
-def _cli_child(args: list[str], results: Any) -> None:
-    from canzona.cli.main import main
-
-    results.put(main(args))
-
-
-def canzona(args: list[str]) -> None:
-    """`canzona ARGS` in a forked child (a `_tp2` factory opens a fake process group, which must
-    not outlive it); fails the test unless it exits 0."""
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    child = context.Process(target=_cli_child, args=(args, results))
-    child.start()
-    try:
-        code = results.get(timeout=120)
-    except queue.Empty:
-        child.kill()
-        pytest.fail(f"canzona {' '.join(args)} did not finish")
-    child.join(timeout=30)
-    assert code == 0, f"canzona {' '.join(args)} exited {code}"
 
 
 def plan(tmp_path: Path, model: str, tp: int, dp: int, *flags: str) -> Schedule:

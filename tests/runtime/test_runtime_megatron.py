@@ -1,0 +1,67 @@
+"""megatron-core, the real package: a live `GPTModel` (examples/megatron_gpt.py, Megatron's local
+layer spec, its ColumnParallelLinear / RowParallelLinear at TP 2) planned by `canzona plan --model
+py:...`, trained with `CanzonaOptimizer` configured from Megatron's own `OptimizerConfig`
+(`canzona.runtime.integrations.megatron`), and compared step by step with Megatron's Muon on the
+same gradients (`megatron_reference.py`: the formula always, megatron-core's `TensorParallelMuon`
+where it imports).
+
+Error: max over parameters of max |canzona − reference| / max |reference − initial| after 3
+steps, fp32 (Newton–Schulz at Megatron's "highest" matmul precision). The issue's bound is 1e-4;
+measured (benchmarks/megatron_parity.py, BENCHMARKS.md) 2e-7 to 9e-7 against the formula and
+against megatron-core's own Muon, against 0.2 to 0.7 for the mismatches the options exist for
+(QKV whole, the simple coefficients, no Nesterov mapping)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+
+from megatron_oracle import megatron_muon_available, run_parity  # noqa: E402
+
+BOUND = 1e-4  # the issue's; measured 2e-7 to 9e-7 (module docstring)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, dp", [(1, 1), (1, 2), (2, 1), (2, 2)], ids=["tp1-dp1", "tp1-dp2", "tp2-dp1", "tp2-dp2"])
+def test_megatrons_default_muon_is_reproduced(tp: int, dp: int, tmp_path: Path) -> None:
+    """Megatron's defaults (split QKV per query group, quintic coefficients, no Nesterov, spectral
+    scale √max(m, n)), planned with the options `plan_options` names, at each layout."""
+    error, where = run_parity(tmp_path, tp, dp, ("--ns-coefficients", "quintic"))
+    assert error < BOUND, f"{where}: {error:.3g}"
+
+
+@pytest.mark.slow
+def test_a_plan_with_canzonas_defaults_splits_qkv_as_megatron(tmp_path: Path) -> None:
+    """The plan canzona makes by default (no option) splits the live model's QKV per query group;
+    with the simple coefficients on Megatron's side too, the runs agree; Nesterov and weight
+    decay as Megatron spells them."""
+    error, where = run_parity(tmp_path, 2, 2, overrides={"muon_use_nesterov": True, "weight_decay": 0.1,
+                                                         "muon_coefficient_type": "simple"})
+    assert error < BOUND, f"{where}: {error:.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, ours, theirs", [
+    (("--ns-coefficients", "quintic", "--split-qkv", "none"), {"muon_split_qkv": False}, {"muon_split_qkv": True}),
+    ((), {"muon_coefficient_type": "simple"}, {"muon_coefficient_type": "quintic"}),
+], ids=["qkv-whole", "simple-coefficients"])
+def test_the_reference_tells_the_mismatches_apart(flags: tuple[str, ...], ours: dict[str, Any], theirs: dict[str, Any],
+                                                 tmp_path: Path) -> None:
+    """Negative controls: QKV kept whole, or the simple coefficients, against Megatron's default
+    is far outside the bound."""
+    error, _ = run_parity(tmp_path, 1, 1, flags, overrides=ours, reference_overrides=theirs)
+    assert error > 100 * BOUND
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not megatron_muon_available(), reason="megatron-core's Muon needs emerging_optimizers, which is not on "
+                    "the package index")
+@pytest.mark.parametrize("tp, dp", [(1, 2), (2, 1)])
+def test_megatron_cores_own_muon_is_reproduced(tp: int, dp: int, tmp_path: Path) -> None:
+    error, where = run_parity(tmp_path, tp, dp, ("--ns-coefficients", "quintic"), backend="megatron")
+    assert error < BOUND, f"{where}: {error:.3g}"
+    assert math.isfinite(error)
