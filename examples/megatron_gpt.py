@@ -98,6 +98,12 @@ def make_model_tp2() -> nn.Module:
     return build(2)
 
 
+def make_model_te() -> nn.Module:
+    """The model at TP 1 on Transformer Engine's layer spec (needs transformer_engine)."""
+    _fake_parallel_state(1)
+    return build(1, "te")
+
+
 def optimizer_config(**overrides: Any) -> Any:
     """Megatron's Muon settings this example trains with (Megatron's defaults, at its 'duplicated'
     TP mode, which canzona's whole-matrix update is)."""
@@ -155,7 +161,7 @@ def train(schedule_path: str, steps: int, spec: str) -> float:
     dp_rank = parallel_state.get_data_parallel_rank()
     position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(2, -1)
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool, device=device).triu(1)[None, None]  # True: masked out
-    loss = torch.zeros((), device=device)
+    loss, first = torch.zeros((), device=device), None
     for step in range(steps):
         tokens, labels = batch(step, dp_rank, device)
         loss = model(tokens, position_ids, causal, labels=labels).mean()
@@ -166,8 +172,11 @@ def train(schedule_path: str, steps: int, spec: str) -> float:
         if cuda:
             model.zero_grad_buffer()  # Megatron zeroes its main_grad buffers
         optimizer.zero_grad()
+        first = float(loss.item()) if first is None else first
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss.item():.4f}  grad norm {float(norm):.4f}")
+    if dist.get_rank() == 0:
+        print(f"loss {first:.4f} -> {loss.item():.4f}")
     return float(loss.item())
 
 

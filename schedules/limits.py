@@ -30,7 +30,9 @@ AS_SCHEDULED = "schedule"  # a runtime or simulator option: each bucket in its s
 DP_COLLECTIVE_MODES = (AS_SCHEDULED, *BUCKET_COLLECTIVES)
 SOLVERS = ("greedy", "ilp")
 QKV_SPLITS = ("none", "qkv", "head")
-NAMING_CONVENTIONS = ("megatron", "hf", "torchtitan")  # parameter names of presets and HF configs
+# parameter names of presets and HF configs: Megatron-core with Transformer Engine's layer spec (the
+# default) or its local spec, transformers, torchtitan
+NAMING_CONVENTIONS = ("megatron", "megatron-local", "hf", "torchtitan")
 GRAD_REDUCE_AXES = ("tp",)  # axes over which a parameter's gradient can arrive as a partial sum
 REPLICATED, FSDP = "replicated", "fsdp"
 SHARDINGS = (REPLICATED, FSDP)  # how the parameters lie over DP: replicated (ZeRO-1) or FSDP2 (fully_shard)

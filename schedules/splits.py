@@ -124,7 +124,9 @@ def _consecutive(blocks: Blocks) -> bool:
         blocks[i][0][1] == blocks[i + 1][0][0] for i in range(len(blocks) - 1))
 
 
-_FC1 = {"megatron": re.compile(r"(?:^|\.)linear_fc1\.weight\d*$"), "hf": re.compile(r"(?:^|\.)mlp\.experts\.gate_up_proj\[\d+\]$")}
+_MEGATRON_FC1 = re.compile(r"(?:^|\.)linear_fc1\.weight\d*$")
+_FC1 = {"megatron": _MEGATRON_FC1, "megatron-local": _MEGATRON_FC1, "hf": re.compile(r"(?:^|\.)mlp\.experts\.gate_up_proj\[\d+\]$")}
+_MEGATRON = ("megatron", "megatron-local")
 _QKV = re.compile(r"(?:^|\.)linear_qkv\.weight$")
 _PROJECTIONS = {"hf": re.compile(r"(?:^|\.)self_attn\.[qkv]_proj\.weight$"),
                 "torchtitan": re.compile(r"(?:^|\.)attention\.w[qkv]\.weight$")}
@@ -135,7 +137,7 @@ def expanded_by_canzona(source: str, sha256: str | None, names: str) -> bool:
     """Whether canzona expanded the model's parameters from an architecture (a preset, or a
     Hugging Face config under transformers' or torchtitan's names), so that the request's split
     options decide every matrix's row blocks."""
-    return (sha256 is None and not source.startswith("py:")) or names != "megatron"
+    return (sha256 is None and not source.startswith("py:")) or names != "megatron"  # a list records megatron
 
 
 def _kind(name: str, names: str) -> str:
@@ -143,7 +145,7 @@ def _kind(name: str, names: str) -> str:
     fc1 = _FC1.get(names)
     if fc1 is not None and fc1.search(name):
         return "fc1"
-    if names == "megatron" and _QKV.search(name):
+    if names in _MEGATRON and _QKV.search(name):
         return "qkv"
     projection = _PROJECTIONS.get(names)
     return "projection" if projection is not None and projection.search(name) else "other"

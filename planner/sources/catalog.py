@@ -9,10 +9,11 @@ optimizer updates independently. Presets and Hugging Face configs both end here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from canzona.planner.sources.architecture import Architecture
-from canzona.planner.sources.conventions import MEGATRON, expand_named, num_named_entries
+from canzona.planner.sources.conventions import MEGATRON_LOCAL, MEGATRON_NAMES, expand_named, num_named_entries
 from canzona.planner.spec import (
     ADAMW,
     MATRIX,
@@ -86,18 +87,22 @@ def enumerate_params(
 ) -> tuple[ParamSpec, ...]:
     """The parameters of `arch` at TP size `tp` under `options.names`, in registration order.
 
-    Megatron-core (the default): shapes are full (unsharded), with the vocab padded to a
-    multiple of 128·tp. transformers and torchtitan: `conventions.expand_named`. Raises
-    PlanError when `tp` does not divide a dimension the stack splits, or on bad options.
+    Megatron-core (the default, Transformer Engine's layer spec; `megatron-local` its local
+    spec): shapes are full (unsharded), with the vocab padded to a multiple of 128·tp.
+    transformers and torchtitan: `conventions.expand_named`. Raises PlanError when `tp` does
+    not divide a dimension the stack splits, or on bad options.
     """
     check_tp_size(name, tp)
     _check_options(options)
-    if options.names == MEGATRON:
+    if options.names in MEGATRON_NAMES:
         _check_tp(name, arch, tp)
+    if options.names == MEGATRON_LOCAL and arch.is_mla:
+        raise PlanError(f"{name}: megatron-local names of multi-latent attention are not in the catalog (Megatron's "
+                        "local spec builds it on CUDA only); plan the live model, or --names megatron for TE's spec")
     count = num_param_entries(arch, options)
     if count > MAX_PARAMS:
         raise PlanError(f"{name}: {count} parameters ({arch.num_layers} layers) is above canzona's maximum of {MAX_PARAMS}")
-    if options.names != MEGATRON:
+    if options.names not in MEGATRON_NAMES:
         return tuple(expand_named(arch, options, tp))
     return _expand(arch, options, tp, padded_vocab(arch.vocab, tp))
 
@@ -105,7 +110,7 @@ def enumerate_params(
 def num_param_entries(arch: Architecture, options: ModelOptions = ModelOptions()) -> int:
     """How many parameters `enumerate_params` lists for `arch`, without listing them (grouped
     expert tensors count one entry per expert)."""
-    if options.names != MEGATRON:
+    if options.names not in MEGATRON_NAMES:
         return num_named_entries(arch, options)
     attention = len(_mla_attention(arch) if arch.is_mla else _attention(arch, options))
     moe_layers = sum(1 for layer in range(arch.num_layers) if arch.is_moe_layer(layer))
@@ -160,16 +165,44 @@ def _expand(
     arch: Architecture, options: ModelOptions, tp: int, vocab_rows: int
 ) -> tuple[ParamSpec, ...]:
     params = [_adamw("embedding.word_embeddings.weight", (vocab_rows, arch.h), 0)]
+    local = options.names == MEGATRON_LOCAL
     for layer in range(arch.num_layers):
         prefix = f"decoder.layers.{layer}."
         attention = _mla_attention(arch) if arch.is_mla else _attention(arch, options)
-        params += [_prefixed(prefix, p) for p in attention]
+        params += [_prefixed(prefix, p) for p in (_local_attention(attention) if local else attention)]
         mlp = _moe_mlp(arch, options, tp) if arch.is_moe_layer(layer) else _dense_mlp(arch, options, tp)
-        params += [_prefixed(prefix, p) for p in mlp]
+        params += [_prefixed(prefix, p) for p in (_local_mlp(mlp) if local else mlp)]
     params.append(_adamw("decoder.final_layernorm.weight", (arch.h,), None))
     if not arch.tied_embeddings:
         params.append(_adamw("output_layer.weight", (vocab_rows, arch.h), 0))
     return tuple(params)
+
+
+def _local_attention(params: list[ParamSpec]) -> list[ParamSpec]:
+    """Megatron's local spec: the input norm is the layer's own `input_layernorm`, registered
+    first, not Transformer Engine's `linear_qkv.layer_norm_weight`."""
+    norm = next(p for p in params if p.name.endswith("linear_qkv.layer_norm_weight"))
+    return [replace(norm, name="input_layernorm.weight"), *(p for p in params if p is not norm)]
+
+
+_TE_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def _local_mlp(params: list[ParamSpec]) -> list[ParamSpec]:
+    """Megatron's local spec: a dense MLP's input norm is `pre_mlp_layernorm`, and routed
+    experts are a SequentialMLP, `mlp.experts.local_experts.<e>.linear_fc1/2.weight` expert by
+    expert (Transformer Engine's grouped MLP lists every fc1, then every fc2)."""
+    out, experts = [], []
+    for param in params:
+        expert = _TE_EXPERT.match(param.name)
+        if expert:
+            experts.append(replace(param, name=f"mlp.experts.local_experts.{expert[2]}.{expert[1]}.weight"))
+            continue
+        if experts:
+            out += sorted(experts, key=lambda p: p.expert_index or 0)  # stable: fc1 before fc2 of each expert
+            experts = []
+        out.append(replace(param, name="pre_mlp_layernorm.weight") if param.name == "mlp.linear_fc1.layer_norm_weight" else param)
+    return out + sorted(experts, key=lambda p: p.expert_index or 0)
 
 
 def _prefixed(prefix: str, param: ParamSpec) -> ParamSpec:

@@ -23,7 +23,8 @@ from canzona.planner.sources.architecture import Architecture
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ParamSpec, PlanError, fused_row_blocks
 from canzona.schedules.splits import head_row_blocks
 
-MEGATRON, HF, TORCHTITAN = "megatron", "hf", "torchtitan"
+MEGATRON, MEGATRON_LOCAL, HF, TORCHTITAN = "megatron", "megatron-local", "hf", "torchtitan"
+MEGATRON_NAMES = (MEGATRON, MEGATRON_LOCAL)  # Megatron-core with Transformer Engine's layer spec, or its local spec
 PARTIAL_OVER_TP = "tp"
 ROUTER_FIRST_FAMILIES = ("mixtral",)  # transformers registers their router before the experts
 

@@ -156,27 +156,31 @@ def plan(tmp_path: Path, tp: int, dp: int, *flags: str) -> Schedule:
 
 
 def _gathered(model: torch.nn.Module, tp_group: Any, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (or gradient) of the model, its TP shards concatenated along `partition_dim`."""
+    """Every parameter (or gradient: `main_grad` where Megatron's DDP keeps it) of the model, its
+    TP shards concatenated along `partition_dim`, as fp32 copies on the model's device."""
     import torch.distributed as dist
 
     full = {}
     size = dist.get_world_size(tp_group)
     for name, param in model.named_parameters():
-        value = (param.grad if grads else param).detach()
+        value = (getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad) if grads else param
+        value = value.detach()
         dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
         if dim >= 0 and size > 1:
             parts = [torch.empty_like(value) for _ in range(size)]
             dist.all_gather(parts, value.contiguous(), group=tp_group)
             value = torch.cat(parts, dim=dim)
-        full[name] = value.clone()
+        full[name] = value.float().clone()
     return full
 
 
-def _train(rank: int, world: int, schedule: Schedule, overrides: dict[str, Any], backends: tuple[str, ...],
-           reference_overrides: dict[str, Any]) -> Any:
+def train_against_oracle(schedule: Schedule, overrides: dict[str, Any], backends: tuple[str, ...],
+                         reference_overrides: dict[str, Any], device: torch.device = torch.device("cpu")) -> Any:
     """Train the example's model STEPS steps with canzona (Megatron's config with `overrides`)
-    and, on the same gradients, the reference (with `reference_overrides` on top); rank 0
-    returns both runs' full parameters and the initial ones."""
+    and, on the same gradients, the oracle (with `reference_overrides` on top), on this rank of
+    an initialised process group; on CUDA the model is wrapped in Megatron's
+    DistributedDataParallel and canzona reads its `main_grad`. Global rank 0 returns both runs'
+    full parameters and the initial ones."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -185,40 +189,54 @@ def _train(rank: int, world: int, schedule: Schedule, overrides: dict[str, Any],
 
     gpt = example()
     gpt.run_megatron_on_cpu()
-    tp = schedule.request.tp
+    tp, cuda = schedule.request.tp, device.type == "cuda"
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, distributed_timeout_minutes=1)
     torch.manual_seed(0)
-    model = gpt.build(tp)
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)  # Megatron forks its CUDA RNG around attention, dropout or not
+    model = gpt.build(tp).to(device)
+    wrapped = gpt.wrap_for_gpu(model) if cuda else model
     config = megatron_config(gpt, overrides)
     tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
     optimizer = CanzonaOptimizer(cz_megatron.param_groups(model.named_parameters(), config), schedule,
-                                 dp_group=dp_group, tp_group=tp_group, **cz_megatron.optimizer_kwargs(config, schedule))
-    initial = _gathered(model, tp_group)
+                                 dp_group=dp_group, tp_group=tp_group, grad_attr="main_grad" if cuda else "grad",
+                                 **cz_megatron.optimizer_kwargs(config, schedule))
+    initial = {name: value.cpu() for name, value in _gathered(model, tp_group).items()}
     muon = {e.name for e in schedule.params if e.optimizer == "matrix"}
     qkv_split = (2 * 16, 16, 16)  # per query group: 2 heads of 16 rows, k, v
     theirs = megatron_config(gpt, {**overrides, **reference_overrides})
     coefficients = cz_megatron.plan_options(theirs)["ns_coefficients"]
     references = {backend: MegatronMuonReference(initial, muon, qkv_split, theirs, coefficients, backend)
                   for backend in backends}
-    causal = torch.ones(gpt.SEQ, gpt.SEQ, dtype=torch.bool).triu(1)[None, None]
-    positions = torch.arange(gpt.SEQ).unsqueeze(0).expand(2, -1)
+    causal = torch.ones(gpt.SEQ, gpt.SEQ, dtype=torch.bool, device=device).triu(1)[None, None]
+    positions = torch.arange(gpt.SEQ, device=device).unsqueeze(0).expand(2, -1)
     for step in range(STEPS):
-        tokens, labels = gpt.batch(step, parallel_state.get_data_parallel_rank(), torch.device("cpu"))
-        model(tokens, positions, causal, labels=labels).mean().backward()
+        tokens, labels = gpt.batch(step, parallel_state.get_data_parallel_rank(), device)
+        wrapped(tokens, positions, causal, labels=labels).mean().backward()
         cz_megatron.finalize_model_grads([model])
         grads = _gathered(model, tp_group, grads=True)
         for grad in grads.values():
             dist.all_reduce(grad, group=dp_group)
             grad.div_(dist.get_world_size(dp_group))
         for reference in references.values():
-            reference.step(grads)
+            reference.step({name: grad.cpu() for name, grad in grads.items()})
         optimizer.step()
+        if cuda:
+            wrapped.zero_grad_buffer()
         optimizer.zero_grad()
-    final = _gathered(model, tp_group)
-    if rank != 0:
+    final = {name: value.cpu() for name, value in _gathered(model, tp_group).items()}
+    if dist.get_rank() != 0:
         return None
     return {"canzona": final, "initial": initial,
             "references": {backend: {n: p.detach() for n, p in ref.params.items()} for backend, ref in references.items()}}
+
+
+def _train(rank: int, world: int, schedule: Schedule, overrides: dict[str, Any], backends: tuple[str, ...],
+           reference_overrides: dict[str, Any]) -> Any:
+    """`train_against_oracle` on one of the harness's gloo ranks."""
+    return train_against_oracle(schedule, overrides, backends, reference_overrides)
 
 
 def megatron_config(gpt: Any, overrides: dict[str, Any]) -> Any:
