@@ -76,14 +76,21 @@ def build(tp: int, spec: str = "local", **overrides: Any) -> nn.Module:
 
 
 def _fake_parallel_state(tp: int) -> None:
-    """Megatron's parallel state over a fake process group of `tp` ranks (planning needs no cluster)."""
+    """Megatron's parallel state over a fake process group of `tp` ranks (planning needs no
+    cluster). `canzona check` may describe several models in one process: a state of another
+    TP size is replaced."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
     from megatron.core import parallel_state
 
-    if not dist.is_initialized():  # `canzona check` may describe the model twice in one process
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() == tp:
+            return
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized() and dist.get_world_size() != tp:
+        dist.destroy_process_group()
+    if not dist.is_initialized():
         dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=tp)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
 def make_model() -> nn.Module:

@@ -62,14 +62,17 @@ class MegatronMuonReference:
     """Megatron's Muon + AdamW on `params` (name -> full fp32 tensor): `muon` names the matrices
     Muon updates, `qkv_split` the fused QKV matrices' (q rows, k rows, v rows) per query group;
     `config` is Megatron's `OptimizerConfig`. `backend`: "formula" (fp32), "formula64" (the same
-    in fp64: the yardstick of fp32 rounding) or "megatron" (megatron-core's TensorParallelMuon)."""
+    in fp64: the yardstick of fp32 rounding) or "megatron" (megatron-core's TensorParallelMuon).
+    `shards` (name -> TP dim and size) lets the formula run Megatron's "blockwise" TP mode, which
+    orthogonalises each TP shard on its own."""
 
     def __init__(self, params: Mapping[str, Tensor], muon: set[str], qkv_split: tuple[int, int, int], config: Any,
-                 coefficients: str, backend: str = "formula") -> None:
+                 coefficients: str, backend: str = "formula", shards: Mapping[str, tuple[int, int]] | None = None) -> None:
         dtype = torch.float64 if backend == "formula64" else torch.float32
         self.params = {name: torch.nn.Parameter(value.detach().to(dtype, copy=True)) for name, value in params.items()}
         self.muon, self.qkv_split, self.config, self.coefficients = muon, qkv_split, config, coefficients
         self.nesterov = bool(getattr(config, "muon_use_nesterov", getattr(config, "muon_nesterov", False)))
+        self.shards = dict(shards or {})  # name -> (TP dim, TP size): blockwise orthogonalises each shard
         self.momenta: dict[str, Tensor] = {}
         adam = [name for name in self.params if name not in muon]
         decayed = [self.params[n] for n in adam if not (self.params[n].dim() == 1 or n.endswith(".bias"))]
@@ -116,6 +119,12 @@ class MegatronMuonReference:
         param.add_(self._update(name, direction), alpha=-c.lr)
 
     def _update(self, name: str, direction: Tensor) -> Tensor:
+        dim, size = self.shards.get(name, (0, 1))
+        if getattr(self.config, "muon_tp_mode", "duplicated") == "blockwise" and size > 1:
+            return torch.cat([self._whole(name, piece) for piece in direction.chunk(size, dim)], dim)
+        return self._whole(name, direction)
+
+    def _whole(self, name: str, direction: Tensor) -> Tensor:
         c = self.config
         if not (c.muon_split_qkv and name.endswith("linear_qkv.weight")):
             return self._scaled(direction)
@@ -208,7 +217,9 @@ def train_against_oracle(schedule: Schedule, overrides: dict[str, Any], backends
     qkv_split = (2 * 16, 16, 16)  # per query group: 2 heads of 16 rows, k, v
     theirs = megatron_config(gpt, {**overrides, **reference_overrides})
     coefficients = cz_megatron.plan_options(theirs)["ns_coefficients"]
-    references = {backend: MegatronMuonReference(initial, muon, qkv_split, theirs, coefficients, backend)
+    shards = {name: (param.partition_dim, tp) for name, param in model.named_parameters()
+              if getattr(param, "tensor_model_parallel", False) and param.partition_dim >= 0}
+    references = {backend: MegatronMuonReference(initial, muon, qkv_split, theirs, coefficients, backend, shards)
                   for backend in backends}
     causal = torch.ones(gpt.SEQ, gpt.SEQ, dtype=torch.bool, device=device).triu(1)[None, None]
     positions = torch.arange(gpt.SEQ, device=device).unsqueeze(0).expand(2, -1)
