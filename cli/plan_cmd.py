@@ -169,6 +169,7 @@ def write_plan(request: PlanRequest, output: str | None, force: bool, as_json: b
     if explicit:
         _refuse_names_of_a_listed_model(request.model, request.options.names)
     spec = load_source(request.model, request.tp, request.options)
+    _note_default_dtype(request)
     request = replace(request, options=replace(request.options, names=spec.names))  # auto resolved by the source
     path = target or default_output(spec.name, request, _own_names(request) if explicit else spec.names, in_checkout())
     check_output(path, inputs, "output")
@@ -187,6 +188,16 @@ def _inputs(request: PlanRequest) -> list[str | None]:
 
     profile = request.cost.removeprefix(PROFILE_PREFIX) if request.cost.startswith(PROFILE_PREFIX) else None
     return [*source_files(request.model), profile, device_file(request.alpha_device or request.bucket_device or "")]
+
+
+def _note_default_dtype(request: PlanRequest) -> None:
+    """Say so when a config declares no dtype and none was given: the plan is the default's."""
+    from canzona.cli.sources import is_live
+    from canzona.planner.sources.load import DEFAULT_DTYPE, undeclared_dtype
+
+    if request.options.dtype is None and not is_live(request.model) and undeclared_dtype(request.model):
+        warn(f"{request.model} declares no dtype: planned in {DEFAULT_DTYPE}, the default; transformers builds such a "
+             "model in fp32 (plan it with --dtype fp32 to train it so)")
 
 
 def _refuse_names_of_a_listed_model(source: str, names: str) -> None:

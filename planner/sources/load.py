@@ -20,7 +20,8 @@ from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import params_from_data, read_structured_file
 from canzona.planner.spec import DTYPE_BYTES, ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
 
-__all__ = ["NAMES_AUTO", "count_params", "list_presets", "load_model", "model_from_data", "names_apply", "own_names"]
+__all__ = ["NAMES_AUTO", "count_params", "list_presets", "load_model", "model_from_data", "names_apply", "own_names",
+           "undeclared_dtype"]
 
 _FILE_SUFFIXES = (".json", ".yaml", ".yml")
 DEFAULT_DTYPE = "bf16"  # presets, and configs that declare no dtype, train in bf16
@@ -86,6 +87,16 @@ def names_apply(source: str) -> bool:
     path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
     data, _ = read_structured_file(path)
     return _is_hf_config(data)
+
+
+def undeclared_dtype(source: str) -> bool:
+    """Whether `source` is a Hugging Face config that declares no dtype (planned in the default,
+    `DEFAULT_DTYPE`, though transformers builds such a model in fp32)."""
+    if source.startswith("py:") or source.strip().lower() in PRESETS or not _looks_like_path(source):
+        return False
+    path = Path(source) / "config.json" if Path(source).is_dir() else Path(source)
+    data, _ = read_structured_file(path)
+    return _is_hf_config(data) and data.get("dtype", data.get("torch_dtype")) in (None, "auto")
 
 
 def own_names(source: str) -> str:

@@ -390,5 +390,28 @@ class FsdpOptimizer(torch.optim.Optimizer):
         if tag != expected:
             raise ValueError("canzona: this optimizer state was saved under another FSDP schedule or by another device "
                              "(FsdpOptimizer loads only the layout it saved; resharding FSDP optimizer state is not supported)")
+        problem = self._unsteppable(state_dict)
+        if problem:
+            raise ValueError(f"canzona: this optimizer state cannot be stepped: {problem} (nothing was loaded)")
         super().load_state_dict(state_dict)
         self._failed = None
+
+    def _unsteppable(self, state_dict: dict[str, Any]) -> str | None:
+        """Why `state_dict` (torch's form) would not give every parameter the state a step reads:
+        its state keyed by this optimizer's parameter indices, each with an integer `step` (and
+        the fp32 main copy of a low-precision parameter); None when it would."""
+        state, groups = state_dict.get("state"), state_dict.get("param_groups")
+        if not isinstance(state, dict) or not isinstance(groups, list):
+            return "it has no 'state' and 'param_groups' (torch's optimizer state dict form)"
+        indices = [index for group in groups if isinstance(group, dict) for index in group.get("params", ())]
+        stray = [key for key in state if key not in indices]
+        if len(indices) != len(self.tensors) or stray:
+            return (f"its state is keyed by {', '.join(map(repr, stray[:3]))}, not by the indices of its param groups "
+                    "(a state dict another tool rewrote?)") if stray else f"it lists {len(indices)} parameters, not {len(self.tensors)}"
+        for index, (name, tensor) in zip(indices, zip(self.names, self.tensors)):
+            entry = state.get(index)
+            if not isinstance(entry, dict) or isinstance(entry.get("step"), bool) or not isinstance(entry.get("step"), int):
+                return f"{name} has no integer 'step'"
+            if tensor.dtype != torch.float32 and "main" not in entry:
+                return f"{name} has no fp32 main copy ('main')"
+        return None

@@ -65,3 +65,17 @@ def test_describe_dtype_sets_every_parameter(tmp_path: Path, capsys: pytest.Capt
     code, _, err = run(["describe", "--model", f"py:{factory}:TitanModel", "--dtype", "fp16", "-o", str(out)], capsys)
     assert code == 0, err
     assert "fp16" in out.read_text() and "fp32" not in out.read_text()
+
+
+def test_a_config_without_a_dtype_says_which_it_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`config.save_pretrained()` writes no dtype; transformers builds such a model in fp32, the
+    plan takes the default bf16 and says so on stderr (with the flag for fp32); with a dtype, or
+    with --dtype, nothing is said."""
+    source = config(tmp_path)
+    code, _, err = run(["plan", "--model", source, "--dp", "2", "-o", str(tmp_path / "a.yaml")], capsys)
+    assert code == 0 and "declares no dtype: planned in bf16" in err and "--dtype fp32" in err
+    assert {e.dtype for e in read_schedule(tmp_path / "a.yaml").params} == {"bf16"}
+    for extra in (["--dtype", "fp32"], []):
+        source = config(tmp_path, torch_dtype="float32") if not extra else source
+        code, _, err = run(["plan", "--model", source, "--dp", "2", *extra, "-o", str(tmp_path / f"b{len(extra)}.yaml")], capsys)
+        assert code == 0 and "declares no dtype" not in err

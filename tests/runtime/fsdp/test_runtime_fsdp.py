@@ -163,6 +163,31 @@ def _other_layout(rank: int, world: int, path: str, other: str) -> str:
     return "refused"
 
 
+def _unsteppable(rank: int, world: int, path: str) -> list[str]:
+    """State dicts a step could not use are refused at load, with nothing loaded: string keys (a
+    checkpointer's flattening), an entry without its step."""
+    model = fsdp_models.qwen3()
+    _shard(model, (2,), ("dp",))
+    optimizer = FsdpOptimizer(model.named_parameters(), read_schedule(path), timeout=GROUP_TIMEOUT)
+    saved = optimizer.state_dict()
+    keyed = {**saved, "state": {str(key): value for key, value in saved["state"].items()}}
+    stepless = copy.deepcopy(saved)
+    stepless["state"][0].pop("step")
+    messages = []
+    for bad in (keyed, stepless):
+        with pytest.raises(ValueError, match="cannot be stepped") as raised:
+            optimizer.load_state_dict(bad)
+        messages.append(str(raised.value))
+    optimizer.load_state_dict(saved)  # the state it saved still loads
+    return messages
+
+
+def test_state_it_cannot_step_is_refused_at_load(folder: str) -> None:
+    pytest.importorskip("transformers")
+    messages = run_ranks(_unsteppable, 2, planned("qwen3", 1, 2, 1, folder), timeout=180)[0]
+    assert "keyed by '0'" in messages[0] and "has no integer 'step'" in messages[1]
+
+
 def test_state_dict_of_another_schedule_is_refused(folder: str) -> None:
     pytest.importorskip("transformers")
     path = planned("qwen3", 1, 2, 1, folder)
