@@ -5,6 +5,7 @@ Never imports the planner, typer or ortools: it reads the schedule file and noth
 
 from canzona.runtime.tools.baselines import DpScOptimizer, TpScOptimizer
 from canzona.runtime.state.checkpoint import load_checkpoint, merge_state_dicts, save_checkpoint
+from canzona.runtime.state.stateful import DcpState
 from canzona.runtime.faults import CheckpointError, CollectiveError, StepFailedError
 from canzona.runtime.fsdp.optimizer import FsdpOptimizer
 from canzona.runtime.optimizer import CanzonaOptimizer
@@ -16,6 +17,7 @@ __all__ = [
     "CanzonaOptimizer",
     "CheckpointError",
     "CollectiveError",
+    "DcpState",
     "DpScOptimizer",
     "FsdpOptimizer",
     "Hyperparameters",

@@ -261,6 +261,15 @@ class Engine:
                         "replaced or summed by a hook after backward); reduced again at the step, so the overlap with "
                         "backward was lost for them (said once)", count)
 
+    def refresh_main_copies(self) -> None:
+        """Rebuild stale fp32 main copies from the parameters now instead of at the next step
+        (collective: every rank calls it, and they agree whether any rank's are stale)."""
+        with self.collectives():
+            stale = settle(None, self.safe_groups, self.timeout, "refreshing the main copies", "",
+                           self.plan.device, flags=torch.tensor([int(self.state.main.stale)])).tolist()
+            if stale[0]:
+                precision.rebuild(self.plan, self.state.main, self.gather_full, self.state.main.stale)
+
     def gather_full(self, tasks: Sequence[Task], shard_of: Callable[[Task], Tensor]) -> dict[int, Tensor]:
         """Full fp32 matrices of `tasks` on the ranks that update them (collective over TP)."""
         if self.pipeline is None:

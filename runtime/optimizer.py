@@ -351,6 +351,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self.engine.finish_gather()
         return logical.export_state(self.plan, self.engine.state, self._rule, writers_only, clone)
 
+    def refresh_main_copies(self) -> None:
+        """Rebuild stale fp32 main copies from the parameters now rather than at the next step
+        (collective: every rank calls it); a state exported then holds them."""
+        self.engine.finish_gather()
+        self.engine.refresh_main_copies()
+
     def logical_destination(self, available: Mapping[str, tuple[int, ...]]) -> Destination:
         """Fresh buffers for the logical state this rank holds, and the chunks that fill them
         (ValueError naming what `available`, key -> full size, lacks)."""

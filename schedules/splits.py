@@ -126,10 +126,12 @@ def _consecutive(blocks: Blocks) -> bool:
 
 _MEGATRON_FC1 = re.compile(r"(?:^|\.)linear_fc1\.weight\d*$")
 _FC1 = {"megatron": _MEGATRON_FC1, "megatron-local": _MEGATRON_FC1, "hf": re.compile(r"(?:^|\.)mlp\.experts\.gate_up_proj\[\d+\]$")}
-_MEGATRON = ("megatron", "megatron-local")
-_QKV = re.compile(r"(?:^|\.)linear_qkv\.weight$")
+# a fused QKV weight (rows grouped per KV head as [q heads, k, v]) and the output projection
+# whose input columns are its query rows, by naming convention
+_QKV = {"megatron": ("linear_qkv.weight", "linear_proj.weight"), "megatron-local": ("linear_qkv.weight", "linear_proj.weight"),
+        "torchtitan": ("qkv_linear.wqkv.weight", "wo.weight")}
 _PROJECTIONS = {"hf": re.compile(r"(?:^|\.)self_attn\.[qkv]_proj\.weight$"),
-                "torchtitan": re.compile(r"(?:^|\.)attention\.w[qkv]\.weight$")}
+                "torchtitan": re.compile(r"(?:^|\.)attention\.qkv_linear\.w[qkv]\.weight$")}  # fuse_qkv=False
 Lookup = Callable[[str], "Sequence[int] | None"]
 
 
@@ -145,7 +147,8 @@ def _kind(name: str, names: str) -> str:
     fc1 = _FC1.get(names)
     if fc1 is not None and fc1.search(name):
         return "fc1"
-    if names in _MEGATRON and _QKV.search(name):
+    fused = _QKV.get(names)
+    if fused is not None and (name == fused[0] or name.endswith("." + fused[0])):
         return "qkv"
     projection = _PROJECTIONS.get(names)
     return "projection" if projection is not None and projection.search(name) else "other"
@@ -180,7 +183,8 @@ def derived_problem(name: str, shape: Sequence[int], blocks: Blocks, tp: int, na
     problem, query_rows = cache[key]
     if problem or not query_rows:
         return problem  # type: ignore[no-any-return]
-    output = shape_of(name.replace("linear_qkv.weight", "linear_proj.weight"))
+    qkv, proj = _QKV[names]
+    output = shape_of(name[: -len(qkv)] + proj)
     if output is not None and (len(output) != 2 or output[1] != query_rows):
         return f"its query rows ({query_rows}) are not the input columns of its linear_proj"
     return None

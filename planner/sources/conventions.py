@@ -1,9 +1,9 @@
 """Hugging Face (transformers) and torchtitan parameter lists of catalog architectures.
 
 The catalog's own expansion (`catalog.enumerate_params`) gives Megatron-core's names. A model
-written with transformers or torchtitan registers other parameters: separate Q, K, V and
-gate/up projections, per-layer norms at the end of the block, and MoE experts as grouped 3-D
-tensors `[E, rows, cols]`. `expand_named` lists them in `named_parameters()` order, with the TP
+written with transformers or torchtitan (0.3.0) registers other parameters: separate Q, K, V
+(transformers) or a fused `wqkv` grouped per KV head (torchtitan), separate gate/up projections,
+per-layer norms at the end of the block, and MoE experts as grouped 3-D tensors `[E, rows, cols]`. `expand_named` lists them in `named_parameters()` order, with the TP
 dims each stack's own tensor-parallel plan shards (colwise → dim 0, rowwise → dim 1; for 3-D
 experts the same dims of each expert slice) and each grouped expert tensor as its E expert
 slices (`ParamSpec.parent`). Nothing is padded: the vocab dim must divide by TP.
@@ -11,8 +11,10 @@ slices (`ParamSpec.parent`). Nothing is padded: the vocab dim must divide by TP.
 Which gradients are partial sums over TP (`ParamSpec.grad_reduce`):
 - hf: none by default. transformers all-reduces q_norm/k_norm gradients itself
   (`replicated_with_grad_allreduce` in its TP plan); `sequence_parallel` marks every norm.
-- torchtitan: every norm at TP > 1 (its TP plan runs every norm, q_norm/k_norm included, as
-  `SequenceParallel`, whose replicated weights get partial gradients).
+- torchtitan: none by default. Its TP plan leaves the norms' gradients partial sums over TP
+  (sequence parallelism; q_norm/k_norm over split heads), but torchtitan always wraps the model
+  in FSDP2, whose gradient reduction completes them over TP before any optimizer sees them;
+  `sequence_parallel` marks every norm, for a model parallelized without FSDP2.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import replace
 
 from canzona.planner.sources.architecture import Architecture
 from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ParamSpec, PlanError, fused_row_blocks
-from canzona.schedules.splits import head_row_blocks
+from canzona.schedules.splits import head_row_blocks, qkv_row_blocks, submatrices
 
 MEGATRON, MEGATRON_LOCAL, HF, TORCHTITAN = "megatron", "megatron-local", "hf", "torchtitan"
 MEGATRON_NAMES = (MEGATRON, MEGATRON_LOCAL)  # Megatron-core with Transformer Engine's layer spec, or its local spec
@@ -42,10 +44,7 @@ def expand_named(arch: Architecture, options: ModelOptions, tp: int) -> list[Par
     prefix = "model.layers." if options.names == HF else "layers."
     for layer in range(arch.num_layers):
         params += [_prefixed(f"{prefix}{layer}.", p) for p in layer_params(arch, options, tp, arch.is_moe_layer(layer))]
-    params += _head(arch, options.names)
-    if options.names == TORCHTITAN:
-        return mark_partial_norms(params)
-    return params
+    return params + _head(arch, options.names)
 
 
 def num_named_entries(arch: Architecture, options: ModelOptions) -> int:
@@ -60,7 +59,7 @@ def num_named_entries(arch: Architecture, options: ModelOptions) -> int:
 def check_named(arch: Architecture, options: ModelOptions, tp: int) -> None:
     """PlanError unless `arch` exists in the stack and TP divides its attention heads."""
     stack = options.names
-    if options.split_qkv == "none":
+    if options.split_qkv == "none" and stack == HF:
         raise PlanError(f"split_qkv none updates a fused QKV weight, which {stack} models do not have "
                         "(their Q, K and V are separate parameters); use qkv or head")
     if stack == TORCHTITAN and (arch.is_mla or arch.qkv_bias):
@@ -140,7 +139,7 @@ def _head(arch: Architecture, stack: str) -> list[ParamSpec]:
     """The final norm and, unless tied to the embedding, the output projection."""
     params = [_adamw("model.norm.weight" if stack == HF else "norm.weight", (arch.h,), None)]
     if not arch.tied_embeddings:
-        params.append(_adamw("lm_head.weight" if stack == HF else "output.weight", (arch.vocab, arch.h), 0))
+        params.append(_adamw("lm_head.weight", (arch.vocab, arch.h), 0))
     return params
 
 
@@ -216,27 +215,30 @@ def _hf_moe(arch: Architecture, options: ModelOptions, tp: int) -> list[ParamSpe
 
 
 def _torchtitan_layer(arch: Architecture, options: ModelOptions, tp: int, moe: bool) -> list[ParamSpec]:
+    """torchtitan 0.3.0's block: the fused `qkv_linear.wqkv` (rows per KV head [q heads, k, v],
+    colwise), `wo`, the q/k norms, the MLP or MoE, then the block's two norms."""
     d, h = arch.head_dim, arch.h
-    q_rows, kv_rows = arch.num_heads * d, arch.num_kv_groups * d
-    attention = []
-    if arch.qk_norm:  # torchtitan's attention registers its q/k norms before the projections
+    heads_per_group = arch.num_heads // arch.num_kv_groups
+    rows = (arch.num_heads + 2 * arch.num_kv_groups) * d
+    blocks = qkv_row_blocks(arch.num_kv_groups, heads_per_group, d, options.split_qkv)
+    attention = [_matrix("attention.qkv_linear.wqkv.weight", (rows, h), 0, tuple(submatrices((rows, h), blocks)), blocks),
+                 _matrix("attention.wo.weight", (h, arch.num_heads * d), 1)]
+    if arch.qk_norm:
         attention += [_adamw("attention.q_norm.weight", (d,), None), _adamw("attention.k_norm.weight", (d,), None)]
-    attention += [_projection(f"attention.{w}.weight", rows, h, d, options.split_qkv)
-                  for w, rows in (("wq", q_rows), ("wk", kv_rows), ("wv", kv_rows))]
-    attention.append(_matrix("attention.wo.weight", (h, q_rows), 1))
     mlp = _torchtitan_moe(arch, options) if moe else _torchtitan_ffn("feed_forward.", h, arch.ffn)
     norms = [_adamw("attention_norm.weight", (h,), None), _adamw("ffn_norm.weight", (h,), None)]
     return attention + mlp + norms
 
 
 def _torchtitan_moe(arch: Architecture, options: ModelOptions) -> list[ParamSpec]:
-    """GroupedExperts w1, w3 [E, F, h] (TP: Shard(1)) and w2 [E, h, F] (Shard(2)), the router
-    gate, shared experts."""
+    """Routed experts w1_EFD, w3_EFD [E, F, h] (TP: Shard(1)) and w2_EDF [E, h, F] (Shard(2)),
+    the router gate, shared experts."""
     h, ffn, experts = arch.h, arch.expert_ffn, arch.num_experts
+    prefix = "moe.routed_experts.inner_experts."
     params = (
-        _grouped("moe.experts.w1", experts, _matrix("", (ffn, h), 0))
-        + _grouped("moe.experts.w2", experts, _matrix("", (h, ffn), 1))
-        + _grouped("moe.experts.w3", experts, _matrix("", (ffn, h), 0))
+        _grouped(f"{prefix}w1_EFD", experts, _matrix("", (ffn, h), 0))
+        + _grouped(f"{prefix}w2_EDF", experts, _matrix("", (h, ffn), 1))
+        + _grouped(f"{prefix}w3_EFD", experts, _matrix("", (ffn, h), 0))
         + [_router("moe.router.gate.weight", arch, options)]
     )
     if arch.num_shared_experts:

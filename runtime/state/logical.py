@@ -26,7 +26,8 @@ from canzona.runtime.rules.cooperative import canonical_chunks
 from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, State
 from canzona.runtime.rules.precision import adamw_from_params, from_canonical, to_canonical
 from canzona.runtime.state.store import ADAMW_MOMENTS, OptimizerState, matrix_template
-from canzona.schedules.reshard import full_runs
+from canzona.schedules.limits import MATRIX
+from canzona.schedules.reshard import StateLayout, full_runs
 
 STATE_FORMAT = "canzona-logical/1"
 Offsets = tuple[int, ...]
@@ -78,6 +79,20 @@ def adamw_key(name: str, field_name: str) -> str:
 def main_key(name: str) -> str:
     """The key of a low-precision parameter's fp32 main copy."""
     return f"main/{name}"
+
+
+def layout_sizes(layout: StateLayout) -> dict[str, tuple[int, ...]]:
+    """Every logical tensor a state of `layout` can hold, key -> full size: each matrix's
+    fields (SOAP's eigenbases included, which exist only after a step), each AdamW parameter's
+    moments, and the fp32 main copy of each low-precision parameter."""
+    sizes: dict[str, tuple[int, ...]] = {}
+    for param in layout.params:
+        for path, shape in layout.fields(param):
+            key = matrix_key(param.name, path) if param.kind == MATRIX else adamw_key(param.name, path)
+            sizes[key] = tuple(shape)
+        if param.main_bytes:
+            sizes[main_key(param.name)] = tuple(param.shape) if param.kind == MATRIX else (prod(param.shape),)
+    return sizes
 
 
 def state_leaves(node: Any, prefix: str = "") -> dict[str, Tensor | None]:

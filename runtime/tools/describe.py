@@ -13,6 +13,11 @@ What is read from the module:
   (`_StridedShard`, e.g. transformers' packed gate/up experts) of split factor s is recorded as
   `fused: s`: each TP shard holds s equal row parts. Other mesh dims (FSDP's DP dims, EP) do
   not change the description: shapes are global.
+- torchtitan's spmd_types backend (`canzona.runtime.integrations.titan`): plain tensors annotated
+  with a partition spec and a local type per mesh axis; on the TP axis, `V` is a shard (its
+  dim from the partition spec, the global shape from the axis size), `R` a replicated weight
+  whose gradient is a partial sum over TP (`grad_reduce: tp`), `I` a replicated one. torchtitan's
+  fused `qkv_linear.wqkv` gets `qkv:` from its `FusedQKVLinear`, as Megatron's below.
 - Megatron-core's plain-tensor shards (`canzona.runtime.integrations.megatron`): the TP dim
   from `partition_dim`, the global shape from the model's TP size, `fused: s` from a
   `partition_stride` s > 1 (fc1's [gate; up]), and `linear_qkv`'s per-group layout as `qkv:`
@@ -48,7 +53,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from canzona.runtime.integrations import megatron
+from canzona.runtime.integrations import megatron, titan
 from canzona.schedules.format import compute_fingerprint, flow_value
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -133,6 +138,19 @@ class ModuleDescription:
         return compute_fingerprint((p.name, p.shape, p.dtype, p.tp_dim) for p in self.params)
 
 
+@dataclass(frozen=True)
+class _Context:
+    """What describing one parameter needs of the whole model."""
+
+    model: nn.Module
+    owners: dict[int, nn.Module]
+    heads: list[nn.Module]
+    tp_mesh_dim: str
+    sequence_parallel: bool
+    megatron_tp: int | None
+    spmd_axis: Any
+
+
 def describe_module(
     model: nn.Module,
     *,
@@ -148,35 +166,83 @@ def describe_module(
     over TP. DescribeError on anything that cannot be described."""
     if probe is not None:
         probe(model)
-    owners = _owning_modules(model)
-    heads = _output_heads(model)
-    megatron_tp = _megatron_tp_size(model)
+    context = _Context(model, _owning_modules(model), _output_heads(model), tp_mesh_dim, sequence_parallel,
+                       _megatron_tp_size(model), _spmd_axis(model, tp_mesh_dim))
     params, tp_sizes = [], set()
     for param_name, param in model.named_parameters():
-        tp_dim, fused, tp_size, partial = _tp_placement(param_name, param, tp_mesh_dim)
-        shape, qkv = tuple(param.shape), None
-        if megatron_tp is not None and not isinstance(param, DTensor):
-            tp_dim, fused, shape = _megatron_placement(param, megatron_tp)
-            tp_size, qkv = megatron_tp, _megatron_qkv(param_name, shape, owners[id(param)], model)
+        described, tp_size = _describe_param(param_name, param, context)
+        params.append(described)
         if tp_size is not None:
             tp_sizes.add(tp_size)
-        grouped = param.ndim == 3 and "expert" in param_name.lower()
-        adamw_2d = megatron.is_embedding_or_output(param) if megatron_tp is not None else _adamw_2d(
-            param_name, owners[id(param)], heads)
-        optimizer = "matrix" if grouped or (param.ndim == 2 and not adamw_2d) else "adamw"
-        norm = tp_dim is None and param.ndim == 1 and _is_norm(param_name, owners[id(param)])
-        params.append(ParamDescription(
-            param_name, shape, _dtype_name(param_name, param), tp_dim, optimizer, fused, grouped,
-            PARTIAL_OVER_TP if partial or (sequence_parallel and norm) else None, qkv,
-        ))
     if probe is not None:
         model.zero_grad(set_to_none=True)
     if not params:
         raise DescribeError(f"model {name or type(model).__name__!r} has no parameters")
     if len(tp_sizes) > 1:
-        raise DescribeError(f"the model's DTensors live on {tp_mesh_dim!r} mesh dims of different sizes {sorted(tp_sizes)}")
+        raise DescribeError(f"the model's parameters live on {tp_mesh_dim!r} mesh dims of different sizes {sorted(tp_sizes)}")
     described = _with_partial_patterns(params, list(partial_grads))
     return ModuleDescription(name or _class_name(model), next(iter(tp_sizes), None), tuple(described))
+
+
+def _describe_param(name: str, param: torch.Tensor, context: _Context) -> tuple[ParamDescription, int | None]:
+    """One parameter's description and the TP size its placement shows (None: no TP layout)."""
+    tp_dim, fused, tp_size, partial = _tp_placement(name, param, context.tp_mesh_dim)
+    shape = tuple(param.shape)
+    owner = context.owners[id(param)]
+    if not isinstance(param, DTensor) and context.megatron_tp is not None:
+        tp_dim, fused, shape = _megatron_placement(param, context.megatron_tp)
+        tp_size = context.megatron_tp
+    elif not isinstance(param, DTensor) and context.spmd_axis is not None:
+        tp_dim, tp_size, partial, shape = _spmd_placement(name, param, context.spmd_axis)
+    qkv = _fused_qkv(name, shape, owner, context)
+    grouped = param.ndim == 3 and "expert" in name.lower()
+    adamw_2d = megatron.is_embedding_or_output(param) if context.megatron_tp is not None else _adamw_2d(
+        name, owner, context.heads)
+    optimizer = "matrix" if grouped or (param.ndim == 2 and not adamw_2d) else "adamw"
+    norm = tp_dim is None and param.ndim == 1 and _is_norm(name, owner)
+    partial = partial or (context.sequence_parallel and norm)
+    return ParamDescription(name, shape, _dtype_name(name, param), tp_dim, optimizer, fused, grouped,
+                            PARTIAL_OVER_TP if partial else None, qkv), tp_size
+
+
+def _spmd_axis(model: nn.Module, tp_mesh_dim: str) -> Any:
+    """The TP axis of a model parallelized under spmd_types (None: not such a model)."""
+    try:
+        return titan.spmd_tp_axis(model, tp_mesh_dim)
+    except titan.TitanLayoutError as error:
+        raise DescribeError(str(error)) from None
+
+
+def _spmd_placement(name: str, param: torch.Tensor, axis: Any) -> tuple[int | None, int | None, bool, tuple[int, ...]]:
+    """(TP dim, TP size, partial gradient, global shape) of a parameter under spmd_types."""
+    try:
+        placement = titan.spmd_placement(param, axis)
+    except titan.TitanLayoutError as error:
+        raise DescribeError(f"parameter {name!r}: {error}") from None
+    if placement is None:
+        return None, None, False, tuple(param.shape)
+    shape = list(param.shape)
+    if placement.tp_dim is not None:
+        shape[placement.tp_dim] *= placement.tp_size
+    return placement.tp_dim, placement.tp_size, placement.partial, tuple(shape)
+
+
+def _fused_qkv(name: str, shape: tuple[int, ...], owner: nn.Module, context: _Context) -> tuple[int, int, int] | None:
+    """A fused QKV weight's (query groups, heads, head dim): Megatron-core's `linear_qkv` or
+    torchtitan's `wqkv`, checked against its rows."""
+    if len(shape) != 2:
+        return None
+    if context.megatron_tp is not None:
+        layout = megatron.qkv_layout(name, owner, megatron.model_config(context.model))
+    else:
+        layout = titan.fused_qkv_layout(name, shape[0], context.model)
+    if layout is None:
+        return None
+    groups, heads, head_dim = layout["query_groups"], layout["heads"], layout["head_dim"]
+    if shape[0] != (heads + 2 * groups) * head_dim:
+        raise DescribeError(f"parameter {name!r} has {shape[0]} rows, but its {heads} heads in {groups} query groups "
+                            f"of {head_dim} make {(heads + 2 * groups) * head_dim}: not a fused QKV layout canzona knows")
+    return groups, heads, head_dim
 
 
 def _megatron_tp_size(model: nn.Module) -> int | None:
@@ -195,18 +261,6 @@ def _megatron_placement(param: torch.Tensor, size: int) -> tuple[int | None, int
     if layout is None:
         return None, None, tuple(param.shape)
     return layout.dim, layout.stride if layout.stride > 1 else None, megatron.global_shape(param, layout, size)
-
-
-def _megatron_qkv(name: str, shape: tuple[int, ...], owner: nn.Module, model: nn.Module) -> tuple[int, int, int] | None:
-    """A Megatron `linear_qkv` weight's (query groups, heads, head dim), checked against its rows."""
-    layout = megatron.qkv_layout(name, owner, megatron.model_config(model))
-    if layout is None or len(shape) != 2:
-        return None
-    groups, heads, head_dim = layout["query_groups"], layout["heads"], layout["head_dim"]
-    if shape[0] != (heads + 2 * groups) * head_dim:
-        raise DescribeError(f"parameter {name!r} has {shape[0]} rows, but its config's {heads} heads and {groups} query "
-                            f"groups of {head_dim} make {(heads + 2 * groups) * head_dim}: not Megatron's fused QKV layout")
-    return groups, heads, head_dim
 
 
 def _class_name(model: nn.Module) -> str:

@@ -34,10 +34,7 @@ class LocalAttention(Attention):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.q_norm(self.wq(x).view(batch, seq, -1, self.head_dim))
-        k = self.k_norm(self.wk(x).view(batch, seq, -1, self.head_dim))
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        q, k, v = (t.to_local() if hasattr(t, "to_local") else t for t in (q, k, v))
+        q, k, v = (t.to_local() if hasattr(t, "to_local") else t for t in self.heads(x))
         k, v = (t.repeat_interleave(self.n_rep, dim=2) for t in (k, v))
         out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                          is_causal=True)
@@ -135,7 +132,7 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, tp_mesh: Any = None) -> torc
         if tp_mesh is not None:
             from torch.distributed.tensor import DTensor, Shard
 
-            shape = (*logits.shape[:2], model.output.weight.shape[0])  # the local logits may be a shorter chunk
+            shape = (*logits.shape[:2], model.lm_head.weight.shape[0])  # the local logits may be a shorter chunk
             stride = (shape[1] * shape[2], shape[2], 1)
             logits = DTensor.from_local(logits, tp_mesh, [Shard(2)], shape=shape, stride=stride).full_tensor()
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))

@@ -91,13 +91,12 @@ def parallelize_titan(model: TitanModel, tp_mesh: Any) -> TitanModel:
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-            "attention.wq": ColwiseParallel(input_layouts=Shard(1)), "attention.wk": ColwiseParallel(input_layouts=Shard(1)),
-            "attention.wv": ColwiseParallel(input_layouts=Shard(1)),
+            "attention.qkv_linear.wqkv": ColwiseParallel(input_layouts=Shard(1)),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "feed_forward.w1": ColwiseParallel(input_layouts=Shard(1)), "feed_forward.w3": ColwiseParallel(input_layouts=Shard(1)),
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import multiprocessing
 import os
 import queue as queue_module
 import tempfile
@@ -187,3 +188,36 @@ def reload_and_step(optimizer: Any, state: dict[str, Any], params: list[tuple[st
             param.copy_(value)
     optimizer.step()
     return {name: p.detach().clone() for name, p in params}
+
+
+def _child(fn: Callable[[], Any], results: Any) -> None:
+    try:
+        results.put(("ok", fn()))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent
+        results.put(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+
+
+def in_child(fn: Callable[[], Any], timeout: float = 120.0) -> Any:
+    """Run `fn` in a forked process (its process group dies with it); its result or error."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    process = context.Process(target=_child, args=(fn, results))
+    process.start()
+    try:
+        status, payload = results.get(timeout=timeout)
+    except queue_module.Empty:
+        process.kill()
+        pytest.fail("the child process did not report in time")
+    process.join(timeout=30)
+    if status == "error":
+        pytest.fail(payload)
+    return payload
+
+
+def fake_world(world: int, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A DeviceMesh over a fake (communication-free) process group of `world` ranks."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
+    return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)

@@ -1,7 +1,8 @@
 """Checkpoints through torch.distributed.checkpoint move between schedules: k steps under
 TP 1 x DP 4, save, load under TP 2 x DP 2 with another α and bucket size, m more steps: the
 parameters equal an uninterrupted single-process reference run (fp32, rtol 1e-5) for Muon,
-Shampoo and SOAP (also in memory: every rank's state_dict merged, then loaded; and from the
+Shampoo and SOAP (also in memory: every rank's state_dict merged, then loaded; through a plain
+`dcp.save` / `dcp.load` of a `DcpState`, as DCP-based checkpointers save it; and from the
 TP-SC baseline to the DP-SC one: the logical state does not depend on the strategy either). The model's vocab (300) pads to 384 rows at TP 1 and 512 at TP 2, so the
 AdamW embedding and output states also cross a padding change. Under one schedule, save and
 load is bit-exact."""
@@ -15,10 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from canzona.runtime import CanzonaOptimizer, load_checkpoint, merge_state_dicts, save_checkpoint
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.runtime.schedule import DTYPES
+from canzona.runtime.state.stateful import DcpState
 from canzona.schedules.format import ParamEntry, Schedule
 from canzona.schedules.reshard import reshard_report
 
@@ -123,8 +126,11 @@ def _gather_canonical(schedule: Schedule, params: list[tuple[str, Any]], tp_grou
     return out
 
 
-def _move_state(optimizer: CanzonaOptimizer, folder: str | None) -> Any:
-    """Save the state (to `folder` with DCP, else every rank's state_dict in memory)."""
+def _move_state(optimizer: CanzonaOptimizer, folder: str | None, via: str) -> Any:
+    """Save the state (to `folder` with canzona's checkpoint, or through `dcp.save` of a
+    `DcpState` as a DCP-based checkpointer does; else every rank's state_dict in memory)."""
+    if via == "stateful":
+        return dcp.save({"optimizer": DcpState(optimizer)}, checkpoint_id=folder)
     if folder is not None:
         return save_checkpoint(optimizer, folder)
     states: list[Any] = [None] * dist.get_world_size()
@@ -133,17 +139,19 @@ def _move_state(optimizer: CanzonaOptimizer, folder: str | None) -> Any:
 
 
 def _reshard_worker(rank: int, world: int, first: Schedule, second: Schedule, folder: str | None, hp: dict[str, Any],
-                    strategies: tuple[str, str]) -> dict[str, torch.Tensor]:
+                    strategies: tuple[str, str], via: str) -> dict[str, torch.Tensor]:
     dp_group, tp_group = make_groups(first.request.dp, first.request.tp)
     params = _local_params(first, {e.name: canonical_init(e) for e in first.params}, rank % first.request.tp)
     optimizer = STRATEGIES[strategies[0]](params, first, dp_group=dp_group, tp_group=tp_group, **hp)
     _train(optimizer, first, params, range(K))
-    saved = _move_state(optimizer, folder)
+    saved = _move_state(optimizer, folder, via)
     canonical = _gather_canonical(first, params, tp_group)
     dp_group, tp_group = make_groups(second.request.dp, second.request.tp)
     params = _local_params(second, canonical, rank % second.request.tp)
     resumed = STRATEGIES[strategies[1]](params, second, dp_group=dp_group, tp_group=tp_group, **hp)
-    if folder is None:
+    if via == "stateful":
+        dcp.load({"optimizer": DcpState(resumed)}, checkpoint_id=folder)
+    elif folder is None:
         resumed.load_state_dict(saved)
     else:
         assert load_checkpoint(resumed, folder)["step"] == K
@@ -183,12 +191,12 @@ def test_training_continues_exactly_under_another_schedule(optimizer: str, via: 
     first, second = layouts if move.startswith("tp1") else layouts[::-1]
     report = reshard_report(first, second)
     assert report.compatible and len(report.notes) == 2, report.notes  # embedding and output: 384 <-> 512 rows
-    folder = str(tmp_path / "checkpoint") if via == "dcp" else None
+    folder = str(tmp_path / "checkpoint") if via != "memory" else None
     strategies = ("canzona", "canzona") if strategy == "canzona" else ("tp-sc", "dp-sc")
     # all_to_all sums the DP 4 gradients in rank order, as the reference does: the comparison is
     # exact, so it checks the resharding alone. The backend's order (rooted, the default) on these
     # ill-conditioned Shampoo/SOAP settings moves results by up to 4e-3 / O(1) (benchmarks/numerics.py).
-    results = run_ranks(_reshard_worker, 4, first, second, folder, {**HP, "dp_collectives": "all_to_all"}, strategies)
+    results = run_ranks(_reshard_worker, 4, first, second, folder, {**HP, "dp_collectives": "all_to_all"}, strategies, via)
     dp_per_step = [first.request.dp] * K + [second.request.dp] * M
     reference = reference_run(make_schedule(MODEL, 1, 1, optimizer=optimizer, dtype=dtype, **settings), dp_per_step, HP)
     tp = second.request.tp
@@ -244,3 +252,27 @@ def test_save_and_load_under_the_same_schedule_is_bit_exact(optimizer: str, tmp_
         _assert_equal(result["saved"], result["loaded"], f"rank {rank}: state after load")
         _assert_equal(result["straight"], result["resumed"], f"rank {rank}: parameters after {K + M} steps")
         _assert_equal(result["final"], result["final_resumed"], f"rank {rank}: state after {K + M} steps")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("optimizer", "dtype"), [("muon", "fp32"), ("soap", "fp32"), ("muon", "bf16")])
+def test_a_dcp_stateful_checkpoint_moves_between_schedules_of_one_shape(optimizer: str, dtype: str, tmp_path: Path) -> None:
+    """`dcp.save` / `dcp.load` of a `DcpState` (what torchtitan's checkpointer does): under another
+    α and bucket size every matrix has another DP owner, and training goes on as the reference.
+    DCP's own load planner refuses a logical tensor whose size changed (vocab padding at another
+    TP size), which `load_checkpoint` reads across, so the layouts share TP 2 here."""
+    settings = SETTINGS[optimizer]
+    first = make_schedule(MODEL, 2, 2, optimizer=optimizer, alpha=0.0, dtype=dtype, **settings)
+    second = make_schedule(MODEL, 2, 2, optimizer=optimizer, alpha=1.0, bucket_size=3000, group_bytes=6144, dtype=dtype,
+                           **settings)
+    assert {e.name: e.owner for e in first.params} != {e.name: e.owner for e in second.params}
+    results = run_ranks(_reshard_worker, 4, first, second, str(tmp_path / "dcp"), {**HP, "dp_collectives": "all_to_all"},
+                        ("canzona", "canzona"), "stateful")
+    reference = reference_run(make_schedule(MODEL, 1, 1, optimizer=optimizer, dtype=dtype, **settings), [2] * (K + M), HP)
+    rtol, atol = (1e-5, 1e-6) if dtype == "fp32" else (2**-7, 0.0)
+    for rank, shards in enumerate(results):
+        for entry in ordered(second):
+            expected = shard(to_gathered(entry, _rows(reference[entry.name], entry.shape[0]), 2), entry, rank % 2, 2)
+            torch.testing.assert_close(shards[entry.name], expected.to(shards[entry.name].dtype), rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} {entry.name}: {m}")

@@ -22,7 +22,8 @@ import canzona.runtime as root
 names = [root.__name__] + sorted(
     info.name for info in pkgutil.walk_packages(root.__path__, prefix=root.__name__ + ".")
 )
-optional = {"canzona.runtime.integrations.hf": "transformers"}  # an adapter needs its stack installed
+optional = {"canzona.runtime.integrations.hf": "transformers",  # an adapter needs its stack installed
+            "canzona.runtime.integrations.titan_optimizers": "torchtitan"}
 for name in names:
     if name in optional and importlib.util.find_spec(optional[name]) is None:
         continue

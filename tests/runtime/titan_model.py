@@ -1,10 +1,13 @@
-"""A tiny model with torchtitan's module structure and parameter names (Qwen3 flavour: qk-norm,
-optional MoE layers with grouped 3-D experts), written here so tests need no torchtitan, and
-torchtitan's tensor-parallel plan for it (`parallelize_titan`).
+"""A tiny model with torchtitan 0.3.0's module structure and parameter names (Qwen3 flavour:
+qk-norm, optional MoE layers with grouped 3-D experts), small enough for the DTensor runtime tests
+to drive with plain `torch.distributed.tensor.parallel` plans (`parallelize_titan`). The tests
+against torchtitan itself are in `tests/runtime/integrations/test_titan.py`; this model's names
+and shapes are checked there against the real package's.
 
-Registration order follows torchtitan: `tok_embeddings`, `layers.N` (attention with q_norm and
-k_norm before wq/wk/wv/wo; `feed_forward.w1/w2/w3` or `moe.experts.w1/w2/w3` [E, ...] and
-`moe.router.gate`; `attention_norm`, `ffn_norm`), `norm`, `output`.
+Registration order follows torchtitan: `tok_embeddings`, `layers.N` (attention: the fused
+`qkv_linear.wqkv`, rows per KV head as [its query heads, k, v], then `wo`, `q_norm`, `k_norm`;
+`feed_forward.w1/w2/w3` or `moe.routed_experts.inner_experts.w1_EFD/w2_EDF/w3_EFD` [E, ...] and
+`moe.router.gate`; `attention_norm`, `ffn_norm`), `norm`, `lm_head`.
 """
 
 from __future__ import annotations
@@ -34,22 +37,36 @@ class TitanConfig:
     eps: float = 1e-6
 
 
+class FusedQKV(nn.Module):
+    """torchtitan's `FusedQKVLinear`: one weight, and the attributes describing its layout."""
+
+    def __init__(self, c: TitanConfig) -> None:
+        super().__init__()
+        self.heads_per_kv, self.head_dim = c.n_heads // c.n_kv_heads, c.head_dim
+        self.r_dim = self.heads_per_kv + 2
+        self.wqkv = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=False)
+
+
 class Attention(nn.Module):
     def __init__(self, c: TitanConfig) -> None:
         super().__init__()
         self.head_dim, self.n_rep = c.head_dim, c.n_heads // c.n_kv_heads
+        self.qkv_linear = FusedQKV(c)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.q_norm = nn.RMSNorm(c.head_dim, eps=c.eps)
         self.k_norm = nn.RMSNorm(c.head_dim, eps=c.eps)
-        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
-        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
-        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
-        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, L, heads, d] (normed), k and v [B, L, KV heads, d] (k normed)."""
+        batch, seq, _ = x.shape
+        grouped = self.qkv_linear.wqkv(x).view(batch, seq, -1, self.n_rep + 2, self.head_dim)
+        q, k, v = torch.split(grouped, [self.n_rep, 1, 1], dim=-2)
+        q = self.q_norm(q.reshape(batch, seq, -1, self.head_dim))
+        return q, self.k_norm(k.reshape(batch, seq, -1, self.head_dim)), v.reshape(batch, seq, -1, self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.q_norm(self.wq(x).view(batch, seq, -1, self.head_dim))
-        k = self.k_norm(self.wk(x).view(batch, seq, -1, self.head_dim))
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k, v = self.heads(x)
         k, v = (t.repeat_interleave(self.n_rep, dim=2) for t in (k, v))
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -69,14 +86,14 @@ class FeedForward(nn.Module):
 class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        for weight in (self.w1, self.w2, self.w3):
+        self.w1_EFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3_EFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        for weight in (self.w1_EFD, self.w2_EDF, self.w3_EFD):
             nn.init.normal_(weight, std=0.02)
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        return F.silu(x @ self.w1[expert].T) * (x @ self.w3[expert].T) @ self.w2[expert].T
+        return F.silu(x @ self.w1_EFD[expert].T) * (x @ self.w3_EFD[expert].T) @ self.w2_EDF[expert].T
 
 
 class Router(nn.Module):
@@ -85,11 +102,17 @@ class Router(nn.Module):
         self.gate = nn.Linear(dim, num_experts, bias=False)
 
 
+class RoutedExperts(nn.Module):
+    def __init__(self, c: TitanConfig) -> None:
+        super().__init__()
+        self.inner_experts = GroupedExperts(c.dim, c.moe_hidden_dim, c.num_experts)
+
+
 class MoE(nn.Module):
     def __init__(self, c: TitanConfig) -> None:
         super().__init__()
         self.top_k = c.top_k
-        self.experts = GroupedExperts(c.dim, c.moe_hidden_dim, c.num_experts)
+        self.routed_experts = RoutedExperts(c)
         self.router = Router(c.dim, c.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,11 +120,12 @@ class MoE(nn.Module):
         scores = torch.softmax(self.router.gate(tokens).float(), dim=-1)
         top_scores, chosen = scores.topk(self.top_k, dim=-1)
         out = torch.zeros_like(tokens)
-        for expert in range(self.experts.w1.shape[0]):
+        experts = self.routed_experts.inner_experts
+        for expert in range(experts.w1_EFD.shape[0]):
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
             if rows.numel():
                 weight = top_scores[rows, slot].unsqueeze(-1).to(tokens.dtype)
-                out = out.index_add(0, rows, weight * self.experts(tokens[rows], expert))
+                out = out.index_add(0, rows, weight * experts(tokens[rows], expert))
         return out.view_as(x)
 
 
@@ -125,25 +149,25 @@ class TransformerBlock(nn.Module):
 
 class TitanModel(nn.Module):
     """torchtitan's decoder layout: tok_embeddings, layers (a ModuleDict keyed "0", "1", ...),
-    norm, output."""
+    norm, lm_head."""
 
     def __init__(self, c: TitanConfig = TitanConfig()) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleDict({str(n): TransformerBlock(n, c) for n in range(c.n_layers)})
         self.norm = nn.RMSNorm(c.dim, eps=c.eps)
-        self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             x = layer(x)
-        return self.output(self.norm(x))
+        return self.lm_head(self.norm(x))
 
 
 def parallelize_titan(model: TitanModel, tp_mesh) -> TitanModel:  # noqa: ANN001 - a DeviceMesh
     """torchtitan's TP plan: embedding rowwise, norms sequence-parallel (q_norm/k_norm over the
-    head dim), wq/wk/wv/w1/w3 colwise, wo/w2 rowwise, output colwise; grouped experts w1/w3
+    head dim), wqkv/w1/w3 colwise, wo/w2 rowwise, lm_head colwise; grouped experts w1/w3
     Shard(1), w2 Shard(2); the router replicated."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (
@@ -156,14 +180,12 @@ def parallelize_titan(model: TitanModel, tp_mesh) -> TitanModel:  # noqa: ANN001
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1)),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1)),
     })
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
-            "attention.wq": ColwiseParallel(use_local_output=False),
-            "attention.wk": ColwiseParallel(use_local_output=False),
-            "attention.wv": ColwiseParallel(use_local_output=False),
+            "attention.qkv_linear.wqkv": ColwiseParallel(use_local_output=False),
             "attention.q_norm": SequenceParallel(sequence_dim=2),
             "attention.k_norm": SequenceParallel(sequence_dim=2),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
@@ -174,8 +196,8 @@ def parallelize_titan(model: TitanModel, tp_mesh) -> TitanModel:  # noqa: ANN001
                          "feed_forward.w3": ColwiseParallel()})
         parallelize_module(block, tp_mesh, plan)
         if block.moe_enabled:
-            experts = block.moe.experts
-            for name, dim in (("w1", 1), ("w2", 2), ("w3", 1)):
+            experts = block.moe.routed_experts.inner_experts
+            for name, dim in (("w1_EFD", 1), ("w2_EDF", 2), ("w3_EFD", 1)):
                 experts.register_parameter(name, nn.Parameter(distribute_tensor(getattr(experts, name), tp_mesh, [Shard(dim)])))
             gate = block.moe.router.gate
             gate.register_parameter("weight", nn.Parameter(distribute_tensor(gate.weight, tp_mesh, [Replicate()])))

@@ -91,22 +91,26 @@ def test_hf_names_order_and_tp_dims_of_a_tiny_qwen3_moe() -> None:
     assert all(p.grad_reduce is None for p in params)  # transformers reduces q_norm/k_norm itself
 
 
-def test_torchtitan_names_order_and_partial_norms() -> None:
+def test_torchtitan_names_order_and_tp_dims() -> None:
+    """torchtitan 0.3.0's registration order (checked against its real Qwen3 in
+    tests/runtime/integrations/test_titan.py): fused wqkv first, the q/k norms after wo, routed
+    experts under `moe.routed_experts.inner_experts`, `lm_head`."""
     params = enumerate_params("tiny", tiny_moe(), 2, TITAN)
+    experts = "moe.routed_experts.inner_experts."
     layer1 = [n.removeprefix("layers.1.") for n, *_ in folded(params) if n.startswith("layers.1.")]
-    assert layer1 == ["attention.q_norm.weight", "attention.k_norm.weight", "attention.wq.weight",
-                      "attention.wk.weight", "attention.wv.weight", "attention.wo.weight", "moe.experts.w1",
-                      "moe.experts.w2", "moe.experts.w3", "moe.router.gate.weight", "attention_norm.weight",
-                      "ffn_norm.weight"]
-    assert names(params)[0] == "tok_embeddings.weight" and names(params)[-2:] == ["norm.weight", "output.weight"]
+    assert layer1 == ["attention.qkv_linear.wqkv.weight", "attention.wo.weight", "attention.q_norm.weight",
+                      "attention.k_norm.weight", f"{experts}w1_EFD", f"{experts}w2_EDF", f"{experts}w3_EFD",
+                      "moe.router.gate.weight", "attention_norm.weight", "ffn_norm.weight"]
+    assert names(params)[0] == "tok_embeddings.weight" and names(params)[-2:] == ["norm.weight", "lm_head.weight"]
     layer0 = [n for n in names(params) if n.startswith("layers.0.feed_forward")]
     assert layer0 == ["layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight"]
     tp_dims = {n: t for n, _, _, t in folded(params)}
-    assert (tp_dims["layers.1.moe.experts.w1"], tp_dims["layers.1.moe.experts.w2"], tp_dims["layers.1.moe.experts.w3"]) == (1, 2, 1)
-    assert (tp_dims["tok_embeddings.weight"], tp_dims["output.weight"], tp_dims["layers.0.attention.wo.weight"]) == (0, 0, 1)
-    partial = {p.name for p in params if p.grad_reduce == "tp"}
-    assert partial == {p.name for p in params if "norm" in p.name}
-    assert len(partial) == 2 * 4 + 1  # q/k/attention/ffn norms per layer, the final norm
+    assert tuple(tp_dims[f"layers.1.{experts}{w}"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")) == (1, 2, 1)
+    assert (tp_dims["tok_embeddings.weight"], tp_dims["lm_head.weight"], tp_dims["layers.0.attention.wo.weight"]) == (0, 0, 1)
+    assert all(p.grad_reduce is None for p in params)  # torchtitan's FSDP2 completes the norms' gradients over TP
+    wqkv = next(p for p in params if p.name.endswith("wqkv.weight"))  # Q, K, V per KV head, as Megatron's linear_qkv
+    megatron_qkv = next(p for p in enumerate_params("tiny", tiny_moe(), 2) if p.name.endswith("linear_qkv.weight"))
+    assert (wqkv.shape, wqkv.row_blocks, wqkv.submatrices) == (megatron_qkv.shape, megatron_qkv.row_blocks, megatron_qkv.submatrices)
 
 
 def test_tied_embeddings_have_no_output_projection() -> None:

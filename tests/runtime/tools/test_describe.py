@@ -5,10 +5,6 @@ torch's fake process group, in a forked child so no process group outlives the t
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +16,7 @@ from canzona.planner.compile import compile_schedule
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.architecture import Architecture
 from canzona.planner.sources.catalog import enumerate_params
+from canzona.planner.sources.conventions import mark_partial_norms
 from canzona.planner.sources.load import load_model, model_from_data
 from canzona.planner.spec import ModelOptions, ModelSpec
 from canzona.runtime.tools.describe import (
@@ -32,7 +29,7 @@ from canzona.runtime.tools.describe import (
 )
 from canzona.runtime.schedule import check_schedule
 
-from rt_harness import run_ranks
+from rt_harness import fake_world, in_child, run_ranks
 from titan_model import TitanConfig, TitanModel, parallelize_titan
 
 HF_QWEN3_MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
@@ -62,40 +59,6 @@ def hf_model(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(hf_config(), dtype=dtype)
-
-
-def _child(fn: Callable[[], Any], results: Any) -> None:
-    try:
-        results.put(("ok", fn()))
-    except BaseException as error:  # noqa: BLE001 - reported to the parent
-        results.put(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
-
-
-def in_child(fn: Callable[[], Any], timeout: float = 120.0) -> Any:
-    """Run `fn` in a forked process (its process group dies with it); its result or error."""
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    process = context.Process(target=_child, args=(fn, results))
-    process.start()
-    try:
-        status, payload = results.get(timeout=timeout)
-    except queue.Empty:
-        process.kill()
-        pytest.fail("the child process did not report in time")
-    process.join(timeout=30)
-    if status == "error":
-        pytest.fail(payload)
-    return payload
-
-
-def fake_world(world: int, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
-    """A DeviceMesh over a fake (communication-free) process group of `world` ranks."""
-    import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
-    return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +236,7 @@ def _titan_tp_fsdp() -> list[Any]:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     try:
-        describe_module(model, partial_grads=["layers.0.attention.wq.weight"])
+        describe_module(model, partial_grads=["layers.0.attention.qkv_linear.wqkv.weight"])
         sharded_error = ""
     except DescribeError as error:
         sharded_error = str(error)
@@ -285,10 +248,11 @@ def test_torchtitan_model_under_tp_and_fsdp2_is_the_torchtitan_convention() -> N
     plain, sequence_parallel, sharded_error = in_child(_titan_tp_fsdp)
     assert plain.name == "TitanModel" and plain.tp == 2
     convention = enumerate_params("titan", TITAN_ARCH, 2, ModelOptions(names="torchtitan"))
-    ours = planned(sequence_parallel, 2, names="megatron")
-    expected = [replace_dtype(p) for p in convention]
-    assert rows(ours) == [tuple(r) for r in expected]
-    assert all(p.grad_reduce is None for p in planned(plain, 2).params)  # the norms need a probe, the flag or a pattern
+    # FSDP2 completes the norms' gradients over TP: the convention marks none, as the plain description
+    assert rows(planned(plain, 2, names="megatron")) == [tuple(replace_dtype(p)) for p in convention]
+    flagged = mark_partial_norms(list(convention))  # what --sequence-parallel adds
+    assert rows(planned(sequence_parallel, 2, names="megatron")) == [tuple(replace_dtype(p)) for p in flagged]
+    assert {p.name for p in flagged if p.grad_reduce} == {p.name for p in convention if "norm" in p.name}
     assert "split over TP (dim 0)" in sharded_error
 
 
