@@ -34,6 +34,7 @@ from typing import Any
 from torch import Tensor
 
 from canzona.runtime.binding import local, placement_problems
+from canzona.runtime.integrations import titan
 from canzona.runtime.rules.optimizers import Hyperparameters
 from canzona.runtime.schedule import tensor_problems
 from canzona.schedules.limits import ADAMW, MATRIX
@@ -194,7 +195,9 @@ def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, Param
         if fsdp:  # FSDP2 shards over DP too: global shapes here, placements in fsdp_checks
             problems += tensor_problems(entries[name], tensor, tp, tp_rank)
         else:
-            problems += placement_problems(entries[name], tensor, tp) + tensor_problems(entries[name], local(tensor), tp, tp_rank)
+            entry = entries[name]
+            problems += placement_problems(entry, tensor, tp) + tensor_problems(entry, local(tensor), tp, tp_rank)
+            problems += titan.spmd_problems(name, tensor, entry.tp_dim, entry.grad_reduce is not None, tp)
     devices = sorted({str(tensor.device) for _, tensor in pairs})
     if len(devices) > 1:
         problems.append(f"parameters are on several devices ({', '.join(devices)}); one optimizer serves one device")

@@ -124,3 +124,37 @@ def fused_qkv_layout(name: str, rows: int, model: nn.Module) -> dict[str, int] |
         return None
     groups = rows // (r_dim * head_dim)  # type: ignore[operator]
     return {"query_groups": groups, "heads": groups * heads_per_kv, "head_dim": head_dim}  # type: ignore[operator]
+
+
+def spmd_problems(name: str, tensor: torch.Tensor, tp_dim: int | None, partial: bool, tp: int) -> list[str]:
+    """Where a plain tensor's spmd_types annotation on the TP axis disagrees with its schedule
+    entry (`tp_dim`, and `partial`: whether the schedule sums its gradient over TP): a shard the
+    schedule holds whole, or a partial gradient it would not sum, would train silently wrong.
+    Empty without annotations, at TP 1, or where no axis is recognisably the TP one."""
+    spmd = _spmd()
+    types = spmd.get_local_type(tensor) if spmd is not None and tp > 1 else {}
+    if not types:
+        return []
+    axes = [spmd.normalize_axis(a) for a in types]
+    named = [a for a in axes if _axis_name(spmd, a) in ("tp", "mesh_tp")]
+    sized = [a for a in axes if a.size() == tp]
+    axis = named[0] if named else sized[0] if len(sized) == 1 else None
+    if axis is None:
+        return []
+    try:
+        placement = spmd_placement(tensor, axis)
+    except TitanLayoutError as error:
+        return [f"{name}: {error}"]
+    if placement is None:
+        return []
+    problems = []
+    if placement.tp_dim != tp_dim:
+        found = f"split on dim {placement.tp_dim}" if placement.tp_dim is not None else "replicated"
+        problems.append(f"{name}: spmd_types has it {found} over TP, the schedule says tp_dim {tp_dim}; plan the live "
+                        "model")
+    if placement.partial != partial:
+        how = "partial over TP (R)" if placement.partial else "whole over TP"
+        fix = "plan the live model or with --sequence-parallel" if placement.partial else "plan the live model"
+        problems.append(f"{name}: spmd_types makes its gradient {how}, the schedule "
+                        f"{'does not sum' if placement.partial else 'sums'} it over TP; {fix}")
+    return problems

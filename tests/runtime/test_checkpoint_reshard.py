@@ -139,7 +139,7 @@ def _move_state(optimizer: CanzonaOptimizer, folder: str | None, via: str) -> An
 
 
 def _reshard_worker(rank: int, world: int, first: Schedule, second: Schedule, folder: str | None, hp: dict[str, Any],
-                    strategies: tuple[str, str], via: str) -> dict[str, torch.Tensor]:
+                    strategies: tuple[str, str], via: str = "checkpoint") -> dict[str, torch.Tensor]:
     dp_group, tp_group = make_groups(first.request.dp, first.request.tp)
     params = _local_params(first, {e.name: canonical_init(e) for e in first.params}, rank % first.request.tp)
     optimizer = STRATEGIES[strategies[0]](params, first, dp_group=dp_group, tp_group=tp_group, **hp)

@@ -1,13 +1,18 @@
 """torchrun driver of tests/runtime/integrations/test_titan.py: torchtitan 0.3.0's tiny Qwen3
-(tests/runtime/titan_model_real.py) parallelized by torchtitan's own `parallelize_qwen3` (FSDP2,
-and TP under the `partial_dtensor` backend), trained by torchtitan's components as its trainer
-uses them: the optimizer built from `CanzonaOptimizersContainer.Config`, its LR schedulers,
-`dist_utils.clip_grad_norm_`, its loss, and its `CheckpointManager` to save and resume. Records
-what the single-process reference needs: every DP rank's micro-batch per step, the final
-parameters and the gradient norms.
+(tests/runtime/titan_model_real.py) trained with canzona, recording what the single-process
+reference needs: every DP rank's micro-batch per step, the final parameters, the gradient norms.
+
+- `--mode fsdp` (torchtitan's trainer): parallelized by torchtitan's own `parallelize_qwen3`
+  (FSDP2, and TP inside it), trained by torchtitan's components as its trainer uses them: the
+  optimizer built from `CanzonaOptimizersContainer.Config`, its LR schedulers,
+  `dist_utils.clip_grad_norm_`, its loss, and its `CheckpointManager` to save and resume.
+- `--mode tp`: only torchtitan's TP (`model.parallelize`, no FSDP2), DP by canzona
+  (`CanzonaOptimizer` over `make_groups`, its `clip_grad_norm_` on the reduced gradient), under
+  either SPMD backend (`--backend spmd_types`: TP shards are plain tensors).
+- `--mode plain`: torchtitan's model unparallelized, DP by canzona.
 
     torchrun --nproc-per-node 4 tests/runtime/titan_stack_run.py SCHEDULE OUTPUT DUMP --dp 2 --tp 2
-        [--steps N] [--save-at N] [--resume]
+        [--mode fsdp|tp|plain] [--backend partial_dtensor|spmd_types] [--steps N] [--save-at N] [--resume]
 """
 
 from __future__ import annotations
@@ -35,9 +40,9 @@ from torchtitan.distributed import utils as dist_utils  # noqa: E402
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3  # noqa: E402
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config  # noqa: E402
 
+from canzona.runtime import CanzonaOptimizer, DcpState, make_groups  # noqa: E402
 from canzona.runtime.integrations.titan_optimizers import CanzonaOptimizersContainer  # noqa: E402
 
-BACKEND = "partial_dtensor"
 HYPERPARAMETERS = {"lr": 0.02, "adamw_lr": 3e-3, "weight_decay": 0.1, "adamw_weight_decay": 0.1}
 MAX_NORM, BATCH, SEQ = 0.5, 2, 8
 
@@ -66,21 +71,69 @@ class TrainState:
         self.step = int(state["step"])
 
 
-def parallelized(dp: int, tp: int) -> tuple[torch.nn.Module, ParallelDims]:
+def parallelized(options: argparse.Namespace) -> tuple[torch.nn.Module, ParallelDims]:
+    """The model as `options.mode` parallelizes it, and torchtitan's parallel dims."""
+    dp, tp, backend = options.dp, options.tp, options.backend
     config = titan_model_real.config()
     set_qwen3_sharding_config(config, enable_sp=tp > 1, enable_ep=False)
-    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=dp * tp, spmd_backend=BACKEND)
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=dp * tp, spmd_backend=backend)
     torch.manual_seed(0)
-    model = parallelize_qwen3(config.build(), parallel_dims=dims, parallelism=ParallelismConfig(spmd_backend=BACKEND),
-                              training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
-                              compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    model = config.build()
+    if options.mode == "tp":
+        model.parallelize(dims)
+    elif options.mode == "fsdp":
+        model = parallelize_qwen3(model, parallel_dims=dims, parallelism=ParallelismConfig(spmd_backend=backend),
+                                  training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+                                  compile_config=CompileConfig(), ac_config=None, dump_folder="")
+        _sum_reductions(model)
+    return model, dims
+
+
+def _sum_reductions(model: torch.nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # torchtitan's trainer: the loss is already a global token mean
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (NCCL runs it as torchtitan asks)
-    return model, dims
+
+
+def build_optimizers(model: torch.nn.Module, options: argparse.Namespace) -> Any:
+    """torchtitan's container (FSDP2), or CanzonaOptimizer reducing over DP itself."""
+    if options.mode == "fsdp":
+        config = CanzonaOptimizersContainer.Config(schedule=options.schedule, hyperparameters=HYPERPARAMETERS,
+                                                   timeout_seconds=60)
+        return config.build(model_parts=[model])
+    dp_group, tp_group = make_groups(options.dp, options.tp, timeout=timedelta(seconds=60))
+    return CanzonaOptimizer(model.named_parameters(), options.schedule, dp_group=dp_group, tp_group=tp_group,
+                            timeout=60, **HYPERPARAMETERS)
+
+
+def clip(model: torch.nn.Module, optimizers: Any, options: argparse.Namespace) -> float:
+    """Clip at MAX_NORM: torchtitan's clipping of FSDP2's reduced gradients, or canzona's of its own."""
+    if options.mode == "fsdp":
+        norm = dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True)
+    else:
+        norm = optimizers.clip_grad_norm_(MAX_NORM)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def full_shapes() -> list[torch.Size]:
+    """The unsharded model's parameter shapes, in order."""
+    return [p.shape for p in titan_model_real.build().parameters()]
+
+
+def full_tensor(param: torch.Tensor, shape: torch.Size, tp: int) -> torch.Tensor:
+    """The whole parameter: a DTensor's full tensor, or a plain TP shard (spmd_types) gathered
+    from the TP ranks of DP rank 0 along the dim it is split on."""
+    if hasattr(param, "full_tensor"):
+        return param.full_tensor().detach().clone()
+    if param.shape == shape:
+        return param.detach().clone()
+    dim = next(d for d, (local, full) in enumerate(zip(param.shape, shape)) if local != full)
+    pieces = [torch.empty_like(param) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, param.detach().contiguous())
+    return torch.cat(pieces[:tp], dim)
 
 
 def main() -> None:
@@ -89,20 +142,23 @@ def main() -> None:
         parser.add_argument(name)
     parser.add_argument("--dp", type=int, required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--mode", choices=("fsdp", "tp", "plain"), default="fsdp")
+    parser.add_argument("--backend", choices=("partial_dtensor", "spmd_types"), default="partial_dtensor")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     options = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    dist_utils.set_spmd_backend(BACKEND)
-    model, dims = parallelized(options.dp, options.tp)
-    optimizers = CanzonaOptimizersContainer.Config(schedule=options.schedule, hyperparameters=HYPERPARAMETERS,
-                                                   timeout_seconds=60).build(model_parts=[model])
-    schedulers = lr_schedulers_config().build(optimizers=optimizers, training_steps=options.steps)
+    dist_utils.set_spmd_backend(options.backend)
+    model, dims = parallelized(options)
+    optimizers = build_optimizers(model, options)
+    fsdp = options.mode == "fsdp"  # else a CanzonaOptimizer: the schedulers take a list, DCP its DcpState
+    schedulers = lr_schedulers_config().build(optimizers=optimizers if fsdp else [optimizers], training_steps=options.steps)
     state = TrainState()
     checkpoint = CheckpointManager.Config(enable=True, folder=options.output, interval=max(options.save_at, 1),
                                           last_save_model_only=False).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        dataloader=None, model_parts=[model], optimizers=optimizers if fsdp else DcpState(optimizers),
+        lr_schedulers=schedulers,
         states={"train_state": state}, sd_adapter=None)
     if options.resume:
         assert checkpoint.load(step=options.save_at), "no checkpoint to resume from"
@@ -113,9 +169,9 @@ def main() -> None:
         with dist_utils.get_spmd_context(parallel_dims=dims)():
             logits = model(tokens[:, :-1])
             loss = cross_entropy_loss(logits, tokens[:, 1:], global_vocab_size=titan_model_real.SIZES["vocab_size"])
-            (loss / (tokens[:, 1:].numel() * options.dp)).backward()  # torchtitan: the sum over the global tokens
-        norm = dist_utils.clip_grad_norm_(list(model.parameters()), MAX_NORM, foreach=True)
-        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            # FSDP2 sums over DP (torchtitan divides by the global tokens); canzona averages over DP
+            (loss / (tokens[:, 1:].numel() * (options.dp if fsdp else 1))).backward()
+        norms.append(clip(model, optimizers, options))
         optimizers.step()
         schedulers.step()
         optimizers.zero_grad()
@@ -123,8 +179,7 @@ def main() -> None:
         state.step += 1
         if state.step == options.save_at and not options.resume:
             checkpoint.save(curr_step=state.step)
-    final = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-             for name, p in model.named_parameters()}
+    final = {name: full_tensor(p, shape, options.tp) for (name, p), shape in zip(model.named_parameters(), full_shapes())}
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, batches)
     if dist.get_rank() == 0:

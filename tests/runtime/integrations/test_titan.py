@@ -5,10 +5,12 @@ canzona trains them as torchtitan's optimizer (`CanzonaOptimizersContainer`).
   the plan of the same architecture's config.json under `--names torchtitan` (names, order,
   shapes, fused wqkv row blocks, grouped experts), at TP 1 and, parallelized by torchtitan, at
   TP 2 under both of its SPMD backends.
-- Training (tests/runtime/titan_stack_run.py on 4 gloo ranks): torchtitan's `parallelize_qwen3`
-  (FSDP2 4 shards, and FSDP2 2 x TP 2), its LR schedule, clipping and loss, against the
-  single-process reference on the same batches; a save at step 2 through torchtitan's
-  `CheckpointManager`, resumed, equals the uninterrupted run bit for bit.
+- Training (tests/runtime/titan_stack_run.py on 4 gloo ranks) against the single-process
+  reference on the same batches: torchtitan's `parallelize_qwen3` (FSDP2 4 shards, and FSDP2 2 x
+  TP 2) with its LR schedule, clipping and loss; and without FSDP2, torchtitan's model over DP 4
+  and its TP plan at TP 2 x DP 2 under both SPMD backends with `CanzonaOptimizer`. A save at
+  step 2 through torchtitan's `CheckpointManager`, resumed, equals the uninterrupted run bit
+  for bit; a schedule that would leave spmd_types' partial gradients unsummed is refused.
 
 Tolerances, measured against an fp64 reference after 4 steps: every matrix is within 2.6e-7 of
 fp64 on both sides (rtol 1e-5, atol 1e-6 here); the output head (AdamW, 256 rows, near-cancelling
@@ -106,23 +108,31 @@ def test_the_convention_is_torchtitans_tp_layout(tmp_path: Path) -> None:
         assert [r[:-1] for r in rows(spec)] == [r[:-1] for r in rows(planned)]
 
 
+PLANS = {  # name: (dp, tp, extra plan options)
+    "fsdp4": (4, 1, ["--fsdp"]), "fsdp2xtp2": (2, 2, ["--fsdp"]), "dp4": (4, 1, []),
+    "dp2xtp2": (2, 2, ["--sequence-parallel"]),  # without FSDP2 the norms' gradients stay partial over TP
+    "dp2xtp2-unsummed": (2, 2, []),
+}
+
+
 @pytest.fixture(scope="module")
-def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], Path]:
+def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from canzona.cli.main import main as canzona
 
     folder = tmp_path_factory.mktemp("titan")
     config = titan_model_real.hf_config(folder / "config.json")
     paths = {}
-    for dp, tp in ((4, 1), (2, 2)):
-        paths[dp, tp] = folder / f"muon-tp{tp}-dp{dp}-fsdp.yaml"
-        assert canzona(["plan", "--model", str(config), "--names", "torchtitan", "--fsdp", "--dp", str(dp), "--tp", str(tp),
-                        "-o", str(paths[dp, tp])]) == 0
+    for name, (dp, tp, options) in PLANS.items():
+        paths[name] = folder / f"{name}.yaml"
+        assert canzona(["plan", "--model", str(config), "--names", "torchtitan", "--dp", str(dp), "--tp", str(tp),
+                        *options, "-o", str(paths[name])]) == 0
     return paths
 
 
-def train(schedule: Path, output: Path, dp: int, tp: int, *flags: str, fails: bool = False) -> Any:
-    """One torchrun of the driver on 4 gloo ranks; what it recorded (`fails`: its stderr, and
-    that it failed)."""
+def train(schedule: Path, output: Path, plan: str, *flags: str, fails: bool = False) -> Any:
+    """One torchrun of the driver on 4 gloo ranks at `plan`'s sizes; what it recorded (`fails`:
+    its stderr, and that it failed)."""
+    dp, tp, _ = PLANS[plan]
     dump = output / f"dump-{len(list(output.glob('dump-*')))}.pt"
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(DRIVER), str(schedule), str(output / "checkpoint"),
@@ -156,25 +166,55 @@ def reference(run: dict[str, Any], schedule: Path) -> tuple[dict[str, torch.Tens
     return {name: p.detach() for name, p in model.named_parameters()}, norms
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dp, tp", [(4, 1), (2, 2)], ids=["fsdp4", "fsdp2xtp2"])
-def test_torchtitan_training_equals_the_reference(plans: dict[tuple[int, int], Path], tmp_path: Path,
-                                                  dp: int, tp: int) -> None:
-    run = train(plans[dp, tp], tmp_path, dp, tp)
-    expected, norms = reference(run, plans[dp, tp])
+def check_against_reference(run: dict[str, Any], schedule: Path) -> None:
+    expected, norms = reference(run, schedule)
     assert min(norms) > titan_stack_run.MAX_NORM  # every step clipped
     torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(norms), rtol=1e-5, atol=0)
-    matrices = {e.param or e.name for e in read_schedule(plans[dp, tp]).params if e.optimizer == "matrix"}
+    matrices = {e.param or e.name for e in read_schedule(schedule).params if e.optimizer == "matrix"}
     for name, value in expected.items():
         atol = MATRIX_ATOL if name in matrices else ADAMW_ATOL
         torch.testing.assert_close(run["params"][name], value, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
-    if tp == 2:  # resume from torchtitan's checkpoint at SAVE_AT: the same bits as the uninterrupted run
-        resumed = train(plans[dp, tp], tmp_path, dp, tp, "--resume")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["fsdp4", "fsdp2xtp2"])
+def test_torchtitan_training_equals_the_reference(plans: dict[str, Path], tmp_path: Path, plan: str) -> None:
+    """torchtitan's trainer components: parallelize_qwen3, the container, clipping, checkpoints."""
+    run = train(plans[plan], tmp_path, plan)
+    check_against_reference(run, plans[plan])
+    if plan == "fsdp2xtp2":  # resume from torchtitan's checkpoint at SAVE_AT: the same bits as the uninterrupted run
+        resumed = train(plans[plan], tmp_path, plan, "--resume")
         assert resumed["norms"] == run["norms"][SAVE_AT:]
         assert all(torch.equal(resumed["params"][name], value) for name, value in run["params"].items())
     else:  # the optimizer state of FSDP 4 does not load under FSDP 2 x TP 2 (the model's would): every rank raises
-        stderr = train(plans[2, 2], tmp_path, 2, 2, "--resume", fails=True)
+        stderr = train(plans["fsdp2xtp2"], tmp_path, "fsdp2xtp2", "--resume", fails=True)
         assert stderr.count("another FSDP schedule") >= 4, stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan, mode, backend", [("dp4", "plain", "partial_dtensor"), ("dp2xtp2", "tp", "partial_dtensor"),
+                                                 ("dp2xtp2", "tp", "spmd_types")])
+def test_torchtitans_model_without_fsdp_equals_the_reference(plans: dict[str, Path], tmp_path: Path, plan: str,
+                                                             mode: str, backend: str) -> None:
+    """torchtitan's model, its TP plan under either backend (spmd_types: plain tensors holding
+    shards), DP by CanzonaOptimizer; under DTensor TP saved through torchtitan's checkpointer as a
+    `DcpState` and resumed exactly. (Under spmd_types without FSDP2 torchtitan's checkpointer
+    saves each plain weight shard as if it were the whole weight, so the model cannot resume.)"""
+    run = train(plans[plan], tmp_path, plan, "--mode", mode, "--backend", backend)
+    check_against_reference(run, plans[plan])
+    if mode == "tp" and backend == "partial_dtensor":
+        resumed = train(plans[plan], tmp_path, plan, "--mode", mode, "--backend", backend, "--resume")
+        assert resumed["norms"] == run["norms"][SAVE_AT:]
+        assert all(torch.equal(resumed["params"][name], value) for name, value in run["params"].items())
+
+
+@pytest.mark.slow
+def test_spmd_types_partial_gradients_the_schedule_does_not_sum_are_refused(plans: dict[str, Path], tmp_path: Path) -> None:
+    """Planned without --sequence-parallel, the schedule would leave the norms' partial
+    gradients unsummed under spmd_types: construction fails on every rank, naming the fix."""
+    stderr = train(plans["dp2xtp2-unsummed"], tmp_path, "dp2xtp2-unsummed", "--mode", "tp", "--backend", "spmd_types",
+                   fails=True)
+    assert stderr.count("--sequence-parallel") >= 4, stderr[-4000:]
 
 
 def test_the_container_refuses_what_it_cannot_run() -> None:
