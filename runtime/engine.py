@@ -48,6 +48,8 @@ from canzona.runtime.state.store import OptimizerState, fresh_state
 from canzona.runtime.update import StepContext, Updater
 
 LOG = logging.getLogger("canzona")
+HYPERPARAMETERS_DIFFER = ("the groups' hyperparameters (lr, weight decay, betas, momentum, eps, ...) differ across ranks: "
+                          "every rank must step with the same values, or replicas diverge")
 SCALES_DIFFER = ("the loss scaler's scale differs across ranks (an overflow only some ranks saw changed theirs): use "
                  "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler and call scaler.unscale_(optimizer) "
                  "before scaler.step(optimizer): it agrees overflows across ranks")
@@ -72,16 +74,29 @@ class Agreed:
     overflow: bool
 
 
-def _scaling_flags(scaling: LossScaling | None, device: torch.device) -> dict[str, Tensor]:
-    """The loss scaler's flags for a safe point: any overflow, and the scale's bits both ways
-    (a positive fp32's bits order like its value: MAX of both gives the largest and smallest)."""
+def _scaling_flags(scaling: LossScaling | None, device: torch.device, digest: int = 0) -> dict[str, Tensor]:
+    """The flags for a safe point: the hyperparameters' `digest` both ways (MAX of v and -v is
+    the largest and the negated smallest: they match only if every rank's does); and the loss
+    scaler's: any overflow, and the scale's bits both ways (a positive fp32's bits order like its
+    value)."""
+    flags = {"hp_max": torch.tensor(digest, dtype=torch.int32, device=device),
+             "hp_min": torch.tensor(-digest, dtype=torch.int32, device=device)}
     if scaling is None:
-        return {}
-    flags = {"overflow": (scaling.found_inf.to(device) > 0).to(torch.int32)}
+        return flags
+    flags["overflow"] = (scaling.found_inf.to(device) > 0).to(torch.int32)
     if scaling.scale is not None:
         bits = scaling.scale.to(device=device, dtype=torch.float32).reshape(1).view(torch.int32)
         flags.update(scale_max=bits, scale_min=-bits)
     return flags
+
+
+def _disagreement(named: dict[str, int], scaling: LossScaling | None) -> str | None:
+    """What the agreed flags show the ranks disagree on, if anything."""
+    if named["hp_max"] != -named["hp_min"]:
+        return HYPERPARAMETERS_DIFFER
+    if scaling is not None and scaling.scale is not None and named["scale_max"] != -named["scale_min"]:
+        return SCALES_DIFFER
+    return None
 
 
 @dataclass(frozen=True)
@@ -176,12 +191,13 @@ class Engine:
             current = opened
         current.arrive(indices)
 
-    def reduce(self, problem: str | None, scaling: LossScaling | None = None) -> None:
+    def reduce(self, problem: str | None, scaling: LossScaling | None = None, digest: int = 0) -> None:
         """Stages 1 and 2 (collective): the DP mean of every gradient in this rank's slices of
         the bucket buffer, agreed by every rank; StepFailedError on every rank if any has a
         problem (nothing changed). With a loss scaler's `scaling`, the ranks also agree whether
         any found an overflow (then `skipped` is set and nothing else happens) and the mean is
-        unscaled. A second call before the step does nothing."""
+        unscaled. Every rank must pass the same hyperparameter `digest` (else StepFailedError on
+        every rank). A second call before the step does nothing."""
         if self.reduced is not None:
             return
         step = self.state.step + 1
@@ -193,12 +209,12 @@ class Engine:
                 if problem is None:
                     fresh.pack_rest()
                 buckets = torch.zeros(len(self.plan.layout.buckets), dtype=torch.int32, device=self.plan.device)
-                agreed = self._agree(problem or fresh.problem, step, fresh, buckets, scaling)
+                agreed = self._agree(problem or fresh.problem, step, fresh, buckets, scaling, digest)
                 fresh.drain()
             else:
                 hooked.drain()
                 where = "after reducing its gradients"
-                agreed = self._agree(problem or hooked.problem, step, hooked, hooked.changes(), scaling, where)
+                agreed = self._agree(problem or hooked.problem, step, hooked, hooked.changes(), scaling, digest, where)
                 if agreed.redo:
                     self._warn_overlap_lost(len(agreed.redo))
                     hooked.redo(agreed.redo)
@@ -209,12 +225,12 @@ class Engine:
             self.reduced = agreed.has_grad
 
     def _agree(self, problem: str | None, step: int, done: Round, stale: Tensor, scaling: LossScaling | None,
-               where: str = "before its first collective") -> Agreed:
+               digest: int, where: str = "before its first collective") -> Agreed:
         """The safe point of the reduction: every rank's problem, and agreed flags (a non-finite
         gradient somewhere, main copies to rebuild, a loss-scaler overflow and the scale, each
         bucket to reduce again, each entry's gradient); rebuilds stale main copies."""
         device, buckets = self.plan.device, len(self.plan.layout.buckets)
-        heads = {"nonfinite": done.nonfinite, "rebuild": self.state.main.stale, **_scaling_flags(scaling, device)}
+        heads = {"nonfinite": done.nonfinite, "rebuild": self.state.main.stale, **_scaling_flags(scaling, device, digest)}
         flags = torch.cat([*(torch.as_tensor(v, device=device).to(torch.int32).reshape(1) for v in heads.values()),
                            stale.to(device=device, dtype=torch.int32),
                            torch.tensor(done.has_grad, dtype=torch.int32, device=device)])
@@ -223,29 +239,34 @@ class Engine:
         named = dict(zip(heads, values))
         if named["nonfinite"]:  # a rank saw a non-finite gradient (check_finite): every rank says which
             fail_together(done.nonfinite_problem(), self.safe_groups, point, failure)
-        if scaling is not None and scaling.scale is not None and named["scale_max"] != -named["scale_min"]:
-            fail_together(SCALES_DIFFER, self.safe_groups, point, failure)
+        disagreement = _disagreement(named, scaling)
+        if disagreement:
+            fail_together(disagreement, self.safe_groups, point, failure)
         if named["rebuild"]:
             precision.rebuild(self.plan, self.state.main, self.gather_full, self.state.main.stale)
         rest = values[len(heads):]
         return Agreed([b for b, flag in enumerate(rest[:buckets]) if flag], [bool(f) for f in rest[buckets:]],
                       bool(named.get("overflow", 0)))
 
-    def agree_scaling(self, problem: str | None, scaling: LossScaling | None) -> None:
+    def agree_scaling(self, problem: str | None, scaling: LossScaling | None, digest: int = 0) -> None:
         """When the gradients were reduced before the step (by `clip_grad_norm_`): one safe point
-        for the step's own problems and the loss scaler's overflow (collective)."""
+        for the step's own problems, the hyperparameters and the loss scaler's overflow
+        (collective)."""
         step = self.state.step + 1
-        flags = torch.cat([torch.as_tensor(v, device=self.plan.device).to(torch.int32).reshape(1)
-                           for v in _scaling_flags(scaling, self.plan.device).values()] or
-                          [torch.zeros(1, dtype=torch.int32, device=self.plan.device)])
+        heads = _scaling_flags(scaling, self.plan.device, digest)
+        flags = torch.cat([torch.as_tensor(v, device=self.plan.device).to(torch.int32).reshape(1) for v in heads.values()])
         if scaling is not None and scaling.scale is not None:
             problem = problem or ("clip_grad_norm_ ran on loss-scaled gradients: unscale them first "
                                   "(scaler.unscale_(optimizer)), then clip")
+        point = f"the start of step {step}"
+        failure = f"step {step} failed before applying its update, nothing was applied on any rank"
         with self.collectives():
-            values = settle(problem, self.safe_groups, self.timeout, f"the start of step {step}",
-                            f"step {step} failed before applying its update, nothing was applied on any rank",
-                            self.plan.device, flags=flags).tolist()
-        self.skipped = bool(scaling is not None and values[0])
+            named = dict(zip(heads, settle(problem, self.safe_groups, self.timeout, point, failure, self.plan.device,
+                                           flags=flags).tolist()))
+            disagreement = _disagreement(named, scaling)
+            if disagreement:
+                fail_together(disagreement, self.safe_groups, point, failure)
+        self.skipped = bool(named.get("overflow", 0))
 
     def _unscale(self, scale: Tensor) -> None:
         inverse = scale.double().reciprocal().float().to(self.plan.device)

@@ -19,6 +19,7 @@ refuses to step until a checkpoint is loaded. A collective that fails or times o
 from __future__ import annotations
 
 import os
+import zlib
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -231,7 +232,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         for it, and reduces again the buckets whose gradients changed since. StepFailedError on
         every rank if any rank has a problem (nothing changes)."""
         self.engine.check_usable()
-        self.engine.reduce(problem or self._hyperparameters()[1])
+        hps, hp_problem = self._hyperparameters()
+        self.engine.reduce(problem or hp_problem, digest=hyperparameter_digest(hps))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -263,9 +265,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         hps, hp_problem = self._hyperparameters()
         scaling = self._loss_scaling()
         try:
+            digest = hyperparameter_digest(hps)
             if engine.reduced is not None:  # reduced by clip_grad_norm_: the step agrees on its own problems
-                engine.agree_scaling(problem or hp_problem, scaling)
-            engine.reduce(problem or hp_problem, scaling)  # stages 1-2: reduce over DP, agree
+                engine.agree_scaling(problem or hp_problem, scaling, digest)
+            engine.reduce(problem or hp_problem, scaling, digest)  # stages 1-2: reduce over DP, agree
             active = engine.reduced
             assert active is not None
             if engine.skipped:  # a loss scaler saw an overflow on some rank: nothing to apply
@@ -443,6 +446,12 @@ class StateView(Mapping[Tensor, dict[str, Any]]):
 
 
 # -- construction helpers ------------------------------------------------------------------
+
+
+def hyperparameter_digest(hps: list[Hyperparameters]) -> int:
+    """A 31-bit digest of every group's hyperparameters, which the ranks compare at the safe
+    point: one rank alone with another lr would make TP replicas diverge for good."""
+    return zlib.crc32(repr(hps).encode()) & 0x7FFFFFFF
 
 
 def _check_options(dp_collectives: str, grad_attr: str, overlap_grad_reduce: Any, overlap_param_gather: Any,

@@ -17,12 +17,14 @@ reduction order. It is filled one of two ways:
   step's safe point, every bucket launched.
 
 Backward-time reduction must never change a result, so a round remembers what it packed: the
-gradient tensor (weakly) and a fingerprint of its values (sum and sum of squares, on the
-device). At the step, `changes` compares them with what each gradient attribute holds then
-(`.grad` edited in place by clipping or a loss scaler, replaced, set to None, summed over TP by a
-hook that ran after canzona's): the buckets of every changed entry are reduced again
-(`redo`), once every rank agrees which. Fingerprints see edits that bump no version counter
-(foreach ops on DTensors, fused multi-tensor kernels).
+gradient tensor (weakly) or that there was none, the tensor's in-place version counter, and a
+fingerprint of its values (sum and 2-norm, on the device). At the step, `changes` compares them
+with what each gradient attribute holds then (`.grad` edited in place by clipping or a loss
+scaler, replaced, set to None on some ranks, summed over TP by a hook that ran after canzona's):
+the buckets of every changed entry are reduced again (`redo`), once every rank agrees which.
+The version counter catches every in-place edit of the tensor, even one that keeps its sum and
+norm (rows swapped); the fingerprint catches edits that bump no counter of the tensor itself
+(a DTensor gradient's local tensor edited, foreach ops on DTensors).
 
 Either way every rank issues the same collectives in the same order, whatever the timing of its
 hooks, so the DP group never desynchronises. A rank-local problem while packing (a gradient of
@@ -64,6 +66,13 @@ def _fingerprint(flat: Tensor) -> Tensor:
     return torch.stack((flat.sum(dtype=torch.float32), torch.linalg.vector_norm(flat, dtype=torch.float32)))
 
 
+def _version(tensor: Tensor) -> int:
+    """torch's in-place version counter of `tensor` (the one autograd checks saved tensors
+    with): every in-place operation bumps it, so an edit that keeps the values' sum and norm
+    (rows swapped) still shows."""
+    return int(tensor._version)
+
+
 class Round:
     """One reduction of every bucket into `send`. `launching`: launch buckets as soon as they
     are full (backward); otherwise nothing is launched before `launch_rest`."""
@@ -78,6 +87,8 @@ class Round:
         self.packed = [False] * count
         self.has_grad = [False] * count
         self.referents: list[Callable[[], Tensor | None] | None] = [None] * count  # the gradient each entry was packed from
+        self.packed_none = [False] * count  # packed from no gradient (zeros)
+        self.versions: list[int | None] = [None] * count  # the packed gradient's in-place version counter
         self.fingerprints = torch.zeros(count, 2, dtype=torch.float32, device=plan.device)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=plan.device)
         self.launched = 0  # buckets launched so far, in reduction order
@@ -139,6 +150,8 @@ class Round:
             if self.launching:  # packed during backward: the step checks whether it changed since
                 self.fingerprints[index] = _fingerprint(flat)
         self.referents[index] = (lambda: None) if grad is None else weakref.ref(grad)
+        self.packed_none[index] = grad is None
+        self.versions[index] = None if grad is None else _version(grad)
         if not self.packed[index]:
             self.missing[self.plan.layout.bucket_of[index]] -= 1
         self.packed[index] = True
@@ -246,9 +259,9 @@ class Round:
                 self.fail(str(error) if isinstance(error, ValueError) else first_line(error))
                 flat = None
             self.has_grad[index] = flat is not None
-            if referent is None or referent() is not grad:
+            if self._replaced(index, grad, referent):
                 replaced.add(plan.layout.bucket_of[index])
-            elif flat is not None:
+            elif flat is not None:  # the same tensor, never edited in place: a fingerprint guards its local part
                 prints.append(_fingerprint(flat))
                 entries.append(index)
         flags = torch.zeros(len(plan.layout.buckets), dtype=torch.int32, device=plan.device)
@@ -260,6 +273,15 @@ class Round:
             where = torch.tensor([plan.layout.bucket_of[i] for i in entries], dtype=torch.int64, device=plan.device)
             flags.index_add_(0, where, differs.to(torch.int32))
         return flags.clamp_(max=1)
+
+    def _replaced(self, index: int, grad: Tensor | None, referent: Callable[[], Tensor | None] | None) -> bool:
+        """Whether entry `index`'s gradient attribute no longer holds what was packed: set to
+        None or from None, another tensor, or the same tensor edited in place."""
+        if referent is None:
+            return True
+        if grad is None or self.packed_none[index]:
+            return (grad is None) != self.packed_none[index]
+        return referent() is not grad or _version(grad) != self.versions[index]
 
     def redo(self, buckets: Iterable[int]) -> None:
         """Pack again every entry of `buckets` from its gradient attribute and reduce those

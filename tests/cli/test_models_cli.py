@@ -170,12 +170,12 @@ def test_described_tp_size_must_match(tmp_path: Path, capsys: pytest.CaptureFixt
 @pytest.mark.parametrize("command", ["plan", "describe"])
 def test_a_live_model_that_cannot_load_is_refused_before_torch(model: str, message: str, command: str,
                                                                 tmp_path: Path) -> None:
-    probe = ("import sys, time; from canzona.cli.main import main; started = time.perf_counter(); "
+    probe = ("import sys; from canzona.cli.main import main; "
              f"code = main([{command!r}, '--model', {model!r}]); "
-             "print(code, 'torch' in sys.modules, time.perf_counter() - started)")
+             "print(code, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path)
-    code, torch_loaded, seconds = done.stdout.split()
-    assert (code, torch_loaded) == ("2", "False") and float(seconds) < 3.0
+    code, torch_loaded = done.stdout.split()
+    assert (code, torch_loaded) == ("2", "False")  # refused before the heavy import, whatever the machine's speed
     assert done.stderr.startswith(f"canzona: error: {message}") and done.stderr.count("\n") == 1, done.stderr
 
 

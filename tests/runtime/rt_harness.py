@@ -29,10 +29,16 @@ DATA = Path(__file__).parent / "data"
 GROUP_TIMEOUT = timedelta(seconds=30)
 
 
-def make_groups(dp: int, tp: int) -> tuple[dist.ProcessGroup, ...]:
+# Groups whose collectives wait longer than any test's bound on a refusal: a rank that waited
+# for a collective timeout instead of refusing at once would take at least this long.
+LONG_TIMEOUT = timedelta(seconds=120)
+REFUSAL_S = 60.0  # only a rank that waited for LONG_TIMEOUT (or a hang) reaches it, on any machine
+
+
+def make_groups(dp: int, tp: int, timeout: timedelta = GROUP_TIMEOUT) -> tuple[dist.ProcessGroup, ...]:
     """This rank's DP and TP groups (global rank = dp_rank · tp + tp_rank), with the tests'
     timeout so a broken collective fails instead of hanging."""
-    return runtime_make_groups(dp, tp, GROUP_TIMEOUT)
+    return runtime_make_groups(dp, tp, timeout)
 
 
 def optimizer_groups(schedule: Schedule) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch
 from canzona.runtime import CanzonaOptimizer, ScheduleMismatchError
 from canzona.schedules.format import Schedule, write_schedule
 
-from rt_harness import DATA, make_groups, make_schedule, run_ranks_raw
+from rt_harness import DATA, LONG_TIMEOUT, REFUSAL_S, make_groups, make_schedule, run_ranks_raw
 from rt_oracle import full_params, ordered, shard
 
 MODEL = DATA / "tiny_moe.json"
@@ -21,7 +21,7 @@ MODEL = DATA / "tiny_moe.json"
 
 def _build(rank: int, schedule: Schedule | str, dp: int, tp: int, tamper: str | None = None) -> str:
     """Build the optimizer on this rank; 'built' or the error's message."""
-    dp_group, tp_group = make_groups(dp, tp)
+    dp_group, tp_group = make_groups(dp, tp, LONG_TIMEOUT)
     spec = schedule if isinstance(schedule, Schedule) else make_schedule(MODEL, 2, 2)
     full = full_params(spec)
     params = [(e.name, torch.nn.Parameter(shard(full[e.name], e, rank % tp, tp))) for e in ordered(spec)]
@@ -68,8 +68,8 @@ def schedule() -> Schedule:
 
 def _run(fn: Any, *args: Any) -> dict[int, tuple[str, Any]]:
     started = time.monotonic()
-    outcomes = run_ranks_raw(fn, 4, *args, timeout=60)
-    assert time.monotonic() - started < 30, "a mismatch must not wait for a collective timeout"
+    outcomes = run_ranks_raw(fn, 4, *args, timeout=2 * REFUSAL_S + 60)
+    assert time.monotonic() - started < REFUSAL_S, "a mismatch must not wait for a collective timeout"
     return outcomes
 
 

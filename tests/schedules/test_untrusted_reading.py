@@ -40,16 +40,21 @@ def tiny() -> Schedule:
     return compile_schedule(make_plan(load_model(str(TINY), 2), PlanRequest(str(TINY), 2, 2)))
 
 
+# Only a hang, or a pass that grows with the square of these inputs (minutes on them), reaches this
+# bound: the refusals take well under a second on any machine, and speed is benchmarks/' business.
+HANG_S = 60.0
+
+
 @lru_cache(maxsize=None)
 def text() -> str:
     return dump_schedule(tiny())
 
 
-def refused(document: str, *needles: str, seconds: float = 2.0) -> str:
+def refused(document: str, *needles: str) -> str:
     started = time.perf_counter()
     with pytest.raises(ScheduleError) as excinfo:
         parse_schedule(document, "plan.yaml")
-    assert time.perf_counter() - started < seconds
+    assert time.perf_counter() - started < HANG_S
     message = str(excinfo.value)
     assert "\n" not in message and message.startswith("plan.yaml: "), message
     for needle in needles:
@@ -86,7 +91,7 @@ except ScheduleError as error:
 
 def read_in_a_subprocess(path: Path) -> str:
     """read_schedule(path) in a child, so that a reader that blocks fails the test, not hangs it."""
-    result = subprocess.run([sys.executable, "-c", READ, str(path)], capture_output=True, text=True, timeout=20)
+    result = subprocess.run([sys.executable, "-c", READ, str(path)], capture_output=True, text=True, timeout=HANG_S)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -99,9 +104,7 @@ def test_a_fifo_without_a_writer_is_refused_at_once(tmp_path: Path, via_symlink:
     if via_symlink:
         path = tmp_path / "link.yaml"
         path.symlink_to(fifo)
-    started = time.perf_counter()
-    message = read_in_a_subprocess(path)
-    assert time.perf_counter() - started < 10
+    message = read_in_a_subprocess(path)  # opening it would block: the child's timeout fails the test
     assert message == f"cannot read schedule {str(path)!r}: not a regular file (a FIFO, a socket or a device)"
 
 
@@ -127,7 +130,7 @@ def test_placeholder_tokens_in_a_comment_cost_one_pass() -> None:
         comment = "# " + separator.join(f"__canzona_rows{serial}_" for serial in range(120_000)) + "\n"
         started = time.perf_counter()
         assert parse_schedule(comment + text()) == tiny()
-        assert time.perf_counter() - started < 2.0
+        assert time.perf_counter() - started < HANG_S
 
 
 def test_a_placeholder_spelled_with_yaml_escapes_is_refused() -> None:
@@ -144,7 +147,7 @@ def test_twenty_thousand_matrices_with_distinct_row_blocks_are_checked_in_linear
         data["params"] = [dict(template, name=f"m{i}", index=i, shape=[rows, 8], tp_dim=None, numel=rows * 8,
                                row_blocks=[[[0, i + 1]], [[i + 1, rows]]]) for i in range(20_000)]
 
-    refused(resealed(many), seconds=4.0)
+    refused(resealed(many))
 
 
 @pytest.mark.parametrize("ranges", [[[0, 1]], [[1, 2]]])
