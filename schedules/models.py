@@ -50,9 +50,9 @@ class TrainingSettings(_Strict):
     """The training iteration a simulator search assumed: sequences per step over all DP
     ranks, tokens per sequence, micro-batches per DP rank (null: one sequence each)."""
 
-    global_batch: int = Field(ge=1)
-    seq_len: int = Field(ge=1)
-    micro_batches: int | None = Field(default=None, ge=1)
+    global_batch: int = Field(ge=1, le=MAX_FILE_INT)
+    seq_len: int = Field(ge=1, le=MAX_FILE_INT)
+    micro_batches: int | None = Field(default=None, ge=1, le=MAX_FILE_INT)
 
 
 class Request(_Strict):
@@ -309,8 +309,8 @@ class BucketTrial(_Strict):
     """One bucket size tried by `--bucket-size auto`: the matrix buffer's bucket count and
     canzona's predicted step and iteration time with it."""
 
-    bucket_size: int
-    num_buckets: int
+    bucket_size: Count
+    num_buckets: Count
     predicted_step_s: float
     predicted_iteration_s: float
 

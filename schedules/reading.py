@@ -339,9 +339,22 @@ def schedule_skeleton(text: str) -> dict[str, Any]:
     return data
 
 
+def _plain_line_breaks(text: str) -> str:
+    """`text` with CR LF and lone CR line breaks as LF, so that the row reader (which splits at
+    LF) sees every row YAML would; UnsafeDocument on the other breaks YAML 1.1 knows (NEL, LS,
+    PS), which canzona never writes raw."""
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    odd = next((char for char in ("\x85", "\u2028", "\u2029") if char in text), None)
+    if odd is not None:
+        line = text.count("\n", 0, text.index(odd)) + 1
+        raise UnsafeDocument(f"line {line}: a raw {odd!r} line break (canzona writes only LF; an editor put it there)")
+    return text
+
+
 def schedule_json(text: str) -> Document:
     """The schedule text as one JSON document (UnsafeDocument on anything unusual)."""
-    text = text.removeprefix("\ufeff")
+    text = _plain_line_breaks(text.removeprefix("\ufeff"))
     token = _token(text)
     skeleton, runs = _split_rows(text, token)
     data = _load_skeleton(skeleton)

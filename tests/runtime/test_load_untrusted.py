@@ -94,3 +94,18 @@ def test_a_dtensors_full_shape_is_checked_against_the_schedule() -> None:
         swapped, same = problems[: problems.index("--")], problems[problems.index("--") + 1 :]
         assert any("full shape [16, 8], the schedule says [8, 16]" in p for p in swapped), swapped
         assert same == []
+
+
+def test_load_schedule_errors_carry_no_terminal_escapes(schedule: Schedule, tmp_path: Path) -> None:
+    """A row key spelled with JSON escapes in a pure-ASCII file (clear the screen, set the
+    window title, ring the bell): the runtime's error names it printably, as `canzona show` does."""
+    text = dump_schedule(schedule)
+    row = next(line for line in text.splitlines() if line.lstrip().startswith('- {"name"'))
+    hostile = row.replace('{"name"', '{"\\u001b[2J\\u001b]0;x\\u0007k": 1, "name"', 1)
+    path = tmp_path / "escapes.yaml"
+    path.write_text(text.replace(row, hostile), encoding="ascii")
+    with pytest.raises(ScheduleError) as error:
+        load_schedule(path)
+    message = str(error.value)
+    assert not any(ord(char) < 32 or ord(char) == 127 for char in message), repr(message)
+    assert "\\x1b" in message and "\\x07" in message, message  # named, escaped

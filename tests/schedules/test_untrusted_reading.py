@@ -29,6 +29,7 @@ from canzona.schedules.format import (
     schedule_fingerprint,
     sealed,
 )
+from canzona.schedules import reading
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny_qwen3.yaml"
@@ -217,3 +218,25 @@ def test_read_schedule_of_a_regular_file_still_works(tmp_path: Path) -> None:
     path = tmp_path / "s.yaml"
     path.write_text(text())
     assert read_schedule(path) == tiny()
+
+
+@pytest.mark.parametrize("field", ["global_batch", "seq_len", "micro_batches"])
+def test_training_settings_are_bounded_like_every_integer(field: str) -> None:
+    """Integers of 2^63 or more are refused everywhere, the simulator's training settings too."""
+    settings = {"global_batch": 256, "seq_len": 4096, "micro_batches": 4, field: 10**30}
+    line = "  training: {" + ", ".join(f"{k}: {v}" for k, v in settings.items()) + "}\n"
+    document = text().replace("  tp: ", line + "  tp: ", 1)
+    refused(document, field)
+
+
+def test_cr_line_endings_go_through_the_row_reader() -> None:
+    """CR LF and lone CR line breaks (an editor's) are read as LF: the rows go through the row
+    reader, under its limits, exactly as in the original (same rows, same JSON); NEL, LS and PS
+    line breaks, which canzona never writes raw, are refused in one line."""
+    original = reading.schedule_json(text())
+    for newline in ("\r\n", "\r"):
+        document = reading.schedule_json(text().replace("\n", newline))
+        assert document.json == original.json and len(document.runs) == len(original.runs) > 0
+        assert parse_schedule(text().replace("\n", newline)) == tiny()
+    for odd in ("\x85", "\u2028", "\u2029"):
+        refused(text().replace("\n", odd, 3), "line break")
