@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
+import sys
 import shutil
 import uuid
 from collections.abc import Sequence
@@ -29,7 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -292,6 +301,49 @@ def _check_record(opt: Checkpointable, root: Path, param_groups: bool) -> dict[s
     return manifest
 
 
+# What a DCP `.metadata` pickle may name: DCP's own metadata classes and what they hold. Anything
+# else (a function to call, a class from elsewhere) means the file was not written by DCP.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata and nothing else: a `.metadata` file naming anything but DCP's
+    metadata classes, torch sizes and dtypes is refused before any of it is built or called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        """The class `module.name` if DCP metadata may hold it; CheckpointError otherwise."""
+        found = getattr(sys.modules.get(module), name, None)
+        own = module == _METADATA_MODULE and isinstance(found, type) and found.__module__ == module
+        dtype = module == "torch" and isinstance(found, torch.dtype)
+        if own or dtype or name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        raise CheckpointError(f"the checkpoint's DCP metadata names {module}.{name}, which DCP never writes: "
+                              "refusing to unpickle it (load checkpoints only from sources you trust)")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file-system reader with the metadata read by `_MetadataUnpickler` (DCP's own reader
+    unpickles it unrestricted, which would run whatever a crafted file asks)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The folder's `.metadata`, unpickled under the allowlist."""
+        with open(Path(self.path) / DCP_METADATA, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError("the checkpoint's DCP metadata is not DCP metadata")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def _verify(opt: Checkpointable, folder: Path, files: dict[str, str]) -> None:
     for name in _my_files(opt, sorted(files)):
         if not (folder / name).is_file():
@@ -301,7 +353,7 @@ def _verify(opt: Checkpointable, folder: Path, files: dict[str, str]) -> None:
 
 
 def _plan(opt: Checkpointable, folder: Path) -> Destination:
-    stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    stored = _SafeReader(folder).read_metadata().state_dict_metadata
     available = {key: tuple(md.size) for key, md in stored.items() if isinstance(md, TensorStorageMetadata)}
     return opt.logical_destination(available)
 
@@ -325,7 +377,7 @@ def load_checkpoint(opt: Checkpointable, path: str | os.PathLike[str], *, verify
     folder = root / manifest["data"]
     dest, problem = _attempt(_plan, opt, folder)
     _exchange(opt, problem, None, what)
-    reader = dcp.FileSystemReader(folder)
+    reader = _SafeReader(folder)
     _, problem = _attempt(lambda: dcp.load(dest.tensors, storage_reader=reader, planner=_LoadPlanner(), process_group=group))
     _exchange(opt, problem, None, what)
     opt.install_logical(dest, int(manifest["step"]), manifest.get("param_steps", {}))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import time
 from pathlib import Path
@@ -331,3 +332,39 @@ def test_a_save_interrupted_before_its_commit_leaves_the_previous_checkpoint(tmp
         assert len(result["folders_after_crash"]) == 2, "the unfinished data folder is left beside the committed one"
         assert len(result["folders_at_end"]) == 1 and result["folders_at_end"][0].startswith("data-00000003-")
     assert len({result["error"] for result in results}) == 1
+
+
+class _Payload:
+    """What a crafted checkpoint would smuggle in: unpickling it runs a command."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _crafted_metadata_worker(rank: int, world: int, schedule: Schedule, folder: str, marker: str) -> str:
+    optimizer, params = _setup(schedule, rank)
+    _train(optimizer, params, range(1))
+    save_checkpoint(optimizer, folder)
+    record = json.loads((Path(folder) / checkpoint.MANIFEST).read_text())
+    dist.barrier()
+    if rank == 0:
+        (Path(folder) / record["data"] / checkpoint.DCP_METADATA).write_bytes(pickle.dumps(_Payload(marker)))
+    dist.barrier()
+    fresh, _ = _setup(schedule, rank)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(fresh, folder, verify=False)  # the checksums would catch this file; a forger reseals them
+    return str(caught.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_crafted_checkpoint_metadata_runs_nothing(tmp_path: Path) -> None:
+    """DCP's metadata is a pickle: canzona unpickles only DCP's metadata classes, so a file that
+    would run a command is refused on every rank and the command never runs."""
+    marker = tmp_path / "ran"
+    results = run_ranks(_crafted_metadata_worker, 4, make_schedule(MODEL, 2, 2), str(tmp_path / "checkpoint"), str(marker))
+    assert not marker.exists()
+    assert all("refusing to unpickle" in message and "posix.system" in message for message in results), results
