@@ -221,6 +221,7 @@ def simulate(
 ) -> None:
     """Predict the optimizer step and the training iteration of the schedule and of every baseline."""
     from canzona.planner.plan import TrainingSetup
+    from canzona.planner.predict.iteration import check_routed_fraction
     from canzona.planner.predict.simulate import simulate as run_simulation
     from canzona.planner.spec import PlanError
 
@@ -231,7 +232,12 @@ def simulate(
                                   "overlap_param_gather", "train_tflops", "routed_fraction"),
                   "--step-only predicts no training iteration")
     device = device_option(device)
-    schedule = load_schedule(file)
+    training = None if step_only else TrainingSetup(global_batch, seq_len, micro_batches)
+    if training is not None:
+        training.check_values()
+    if routed_fraction is not None:
+        check_routed_fraction(routed_fraction)
+    schedule = load_schedule(file)  # every option is checked before this, the command's real work
     if schedule.request.sharding == "fsdp":
         refuse_unless(False, ("global_batch", "seq_len", "micro_batches", "overlap_grad_reduce", "overlap_param_gather",
                               "train_tflops", "routed_fraction", "fused", "dp_collectives"),
@@ -244,7 +250,6 @@ def simulate(
 
         refuse_unless(bool(expert_indices(schedule)), ("routed_fraction",),
                       f"{schedule.request.model.name} has no MoE experts")
-    training = None if step_only else TrainingSetup(global_batch, seq_len, micro_batches)
     if training is not None:
         training.validate(schedule.request.dp)
     chosen = schedule_device(schedule, device, (intra_gbps, inter_gbps, gpus_per_node, latency_us), train_tflops)

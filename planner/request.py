@@ -41,12 +41,16 @@ class TrainingSetup:
     seq_len: int = DEFAULT_SEQ_LEN
     micro_batches: int | None = None
 
-    def validate(self, dp: int) -> int:
-        """The micro-batch count per DP rank; PlanError unless the batch splits evenly."""
+    def check_values(self) -> None:
+        """PlanError unless every value is a positive count (what needs no schedule to check)."""
         if self.global_batch < 1 or self.seq_len < 1:
             raise PlanError(f"global batch and sequence length must be >= 1, got {self.global_batch} and {self.seq_len}")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise PlanError(f"micro-batches must be >= 1, got {self.micro_batches}")
+
+    def validate(self, dp: int) -> int:
+        """The micro-batch count per DP rank; PlanError unless the batch splits evenly."""
+        self.check_values()
         count = self.micro_batches if self.micro_batches is not None else self.global_batch // dp
         if count < 1 or self.global_batch % (dp * count):
             raise PlanError(f"a global batch of {self.global_batch} sequences does not split into dp {dp} x "

@@ -124,10 +124,16 @@ def expert_indices(schedule: Schedule) -> frozenset[int]:
     return frozenset(i for i, p in enumerate(model.params) if p.expert_index is not None and p.name in names)
 
 
+def check_routed_fraction(routed_fraction: float) -> None:
+    """PlanError unless `routed_fraction` (top_k / num_experts) is in (0, 1]."""
+    if not 0 < routed_fraction <= 1:
+        raise PlanError(f"routed fraction must be in (0, 1], got {routed_fraction}")
+
+
 def routing(schedule: Schedule, routed_fraction: float | None) -> tuple[float, frozenset[int]]:
     """(share of a layer's experts each token visits, expert parameters on one device)."""
-    if routed_fraction is not None and not 0 < routed_fraction <= 1:
-        raise PlanError(f"routed fraction must be in (0, 1], got {routed_fraction}")
+    if routed_fraction is not None:
+        check_routed_fraction(routed_fraction)
     arch = source_architecture(schedule.request.model.source)
     moe = (arch is not None and arch.num_experts > 0) or any(e.param is not None for e in schedule.params)
     if schedule.request.ep == 1 and not moe and routed_fraction is None:

@@ -14,6 +14,8 @@ from canzona.schedules.format import Schedule, dump_schedule, read_schedule, sea
 from canzona.schedules.library import library_root
 from cli_run import PLANNING, refused, run
 
+SIMULATING = ("canzona.cli.simulate_cmd:load_schedule",)  # reading the schedule: the command's work
+
 LIBRARY = library_root() / "qwen3-8b" / "muon-tp2-dp4.yaml"
 
 
@@ -80,7 +82,20 @@ def test_show_refuses_special_files(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_simulate_refuses_non_finite_network_figures(capsys: pytest.CaptureFixture[str]) -> None:
     for option in (["--latency-us", "nan"], ["--intra-gbps", "inf"], ["--inter-gbps", "nan"]):
-        refused(["simulate", str(LIBRARY), *option], capsys, "finite")
+        refused(["simulate", str(LIBRARY), *option], capsys, "finite", before=SIMULATING)
+
+
+@pytest.mark.parametrize("option, needle", [
+    (["--routed-fraction", "2"], "routed fraction must be in (0, 1]"),
+    (["--routed-fraction", "nan"], "routed fraction must be in (0, 1]"),
+    (["--global-batch", "0"], "global batch and sequence length must be >= 1"),
+    (["--seq-len", "0"], "global batch and sequence length must be >= 1"),
+    (["--micro-batches", "0"], "micro-batches must be >= 1"),
+    (["--dp-collectives", "magic"], "--dp-collectives must be one of"),
+])
+def test_simulate_checks_every_option_before_reading_the_schedule(option: list[str], needle: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    refused(["simulate", str(LIBRARY), *option], capsys, needle, before=SIMULATING)
 
 
 @lru_cache(maxsize=None)
