@@ -2,19 +2,24 @@
 
 On a terminal, slow work shows a rich progress bar (steps known) or a spinner with the elapsed
 time (steps unknown); both vanish when the work ends. Elsewhere (CI logs, pipes) a bar would be
-noise: nothing is drawn, or, for work that asks for it, one `[n/N] what` line per step.
+noise: instead one plain `canzona: <what>: working, N s` line every HEARTBEAT_S seconds, so a
+long plan never looks like a hang in a log, and, for work that asks for it, one `[n/N] what`
+line per step.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from canzona.cli.wording import echo
 
 Step = Callable[[str], None]
+HEARTBEAT_S = 10.0
 
 
 def interactive() -> bool:
@@ -33,10 +38,29 @@ def note(message: str) -> None:
 
 
 @contextmanager
+def heartbeat(description: str, every: float = HEARTBEAT_S) -> Iterator[None]:
+    """While the body runs, one `canzona: <description>: working, N s` line on stderr every
+    `every` seconds (from a daemon thread, stopped when the body ends)."""
+    stop, started = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            echo(f"canzona: {description}: working, {time.monotonic() - started:.0f} s", err=True)
+
+    thread = threading.Thread(target=beat, name="canzona-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+@contextmanager
 def progress(description: str, total: int | None = None, *, lines: bool = False) -> Iterator[Step]:
     """Show `total` steps of slow work (None: unknown, a spinner with the elapsed time). Yields
-    `step(label)`, called once per finished step with what it was. Off a terminal nothing is
-    shown, unless `lines`: then one `[n/N] label` line per step."""
+    `step(label)`, called once per finished step with what it was. Off a terminal: a heartbeat
+    line every HEARTBEAT_S seconds and, with `lines`, one `[n/N] label` line per step."""
     if not interactive():
         done = 0
 
@@ -46,7 +70,8 @@ def progress(description: str, total: int | None = None, *, lines: bool = False)
             if lines:
                 echo(f"[{done}/{total}] {label}" if total else label, err=True)
 
-        yield plain
+        with heartbeat(description, HEARTBEAT_S):
+            yield plain
         return
     from rich.console import Console
     from rich.progress import (

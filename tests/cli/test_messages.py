@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import re
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -188,6 +189,24 @@ def test_progress_off_a_terminal_is_silent_or_lines(capsys: pytest.CaptureFixtur
     with progress_module.progress("spinner") as step:
         step("a")
     assert capsys.readouterr().out == ""
+
+
+def test_slow_work_off_a_terminal_says_it_is_working(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a CI log a long plan prints a plain line every HEARTBEAT_S seconds (here made tiny),
+    so it never looks like a hang; the lines stop with the work."""
+    monkeypatch.setattr(progress_module, "interactive", lambda: False)
+    monkeypatch.setattr(progress_module, "HEARTBEAT_S", 0.01)
+    seen = ""
+    with progress_module.progress("planning deepseek-v3 tp 8 x dp 1024") as step:
+        while seen.count("\n") < 2:  # bounded by the suite's timeout, not asserted on the clock
+            time.sleep(0.01)
+            seen += capsys.readouterr().err
+        step("done")
+    lines = seen.splitlines()
+    assert lines[0].startswith("canzona: planning deepseek-v3 tp 8 x dp 1024: working, ") and lines[0].endswith(" s")
+    time.sleep(0.05)
+    assert capsys.readouterr().err == ""  # stopped with the work
 
 
 def test_calibrate_estimates_then_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
