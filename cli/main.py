@@ -12,7 +12,9 @@ import os
 import signal
 import sys
 import threading
-from typing import Annotated, Optional
+import typing
+from enum import Enum
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = app(args=args or ["--help"], prog_name="canzona", standalone_mode=False)
     except ClickException as error:
-        echo(f"canzona: error: {error.format_message()}", err=True)
+        echo(f"canzona: error: {_usage_message(error, args)}", err=True)
         return EXIT_BAD_INPUT
     except (KeyboardInterrupt, typer.Abort):  # typer itself turns Ctrl-C into exit code 130
         echo("canzona: interrupted", err=True)
@@ -153,6 +155,63 @@ def main(argv: list[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return result if isinstance(result, int) else 0
+
+
+def _usage_message(error: ClickException, args: list[str]) -> str:
+    """click's message, except for a value an option cannot take: that one in canzona's own
+    words (click's and typer's change between versions), naming the option, the value given and
+    what it must be, read from the command's own signature."""
+    param = getattr(error, "param", None)
+    wanted = _wanted(getattr(getattr(getattr(error, "ctx", None), "command", None), "callback", None),
+                     getattr(param, "name", None))
+    options = [o for o in getattr(param, "opts", []) if o.startswith("--")]
+    given = _value_given(args, options) if wanted and options else None
+    if given is None or wanted is None or _fits(given, wanted):
+        return error.format_message()  # the value has the right form: refused for another reason
+    return f"{options[0]} {given!r} is not {wanted}"
+
+
+def _fits(value: str, wanted: str) -> bool:
+    """Whether `value` has the form `wanted` describes (then a refusal was for something else)."""
+    if wanted.startswith("one of "):
+        return value in wanted.removeprefix("one of ").split(", ")
+    try:
+        (int if wanted == "a whole number" else float)(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _wanted(command: Any, name: str | None) -> str | None:
+    """What `command`'s parameter `name` takes, in words: one of an Enum's values, a whole
+    number or a number (None: anything else, or no such parameter)."""
+    if command is None or name is None:
+        return None
+    try:
+        hint = typing.get_type_hints(command, include_extras=True).get(name)
+    except (NameError, TypeError):
+        return None
+    pending = [hint]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, type) and issubclass(current, Enum):
+            return "one of " + ", ".join(str(member.value) for member in current)
+        if current is int:
+            return "a whole number"
+        if current is float:
+            return "a number"
+        pending.extend(typing.get_args(current))
+    return None
+
+
+def _value_given(args: list[str], options: list[str]) -> str | None:
+    """The last value given to any of `options` on the command line (`--opt v` or `--opt=v`)."""
+    found = None
+    for position, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name in options:
+            found = value if equals else (args[position + 1] if position + 1 < len(args) else None)
+    return found
 
 
 def run() -> None:

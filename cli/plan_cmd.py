@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 from dataclasses import replace
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated, Any, Optional
@@ -177,9 +178,20 @@ def write_plan(request: PlanRequest, output: str | None, force: bool, as_json: b
     if problem:
         raise OutputError(problem)
     schedule = _solve(spec, request)
-    write_output(path, dump_schedule(schedule))
-    summary = report.plan_summary(schedule, str(path), time.perf_counter() - started)
+    text = dump_schedule(schedule)
+    written = not _holds(path, text)
+    if written:  # the same bytes already there: nothing to write (nor to say it was written)
+        write_output(path, text)
+    summary = report.plan_summary(schedule, str(path), time.perf_counter() - started, written)
     echo(json.dumps(summary, indent=2) if as_json else report.summary_text(summary))
+
+
+def _holds(path: Path, text: str) -> bool:
+    """Whether the regular file at `path` already holds exactly `text` (UTF-8)."""
+    try:
+        return path.is_file() and path.stat().st_size == len(text.encode()) and path.read_bytes() == text.encode()
+    except OSError:
+        return False
 
 
 def _inputs(request: PlanRequest) -> list[str | None]:

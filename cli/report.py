@@ -48,11 +48,12 @@ def presets_table(rows: list[dict[str, Any]]) -> str:
     return _table(header, body)
 
 
-def plan_summary(schedule: Schedule, path: str, seconds: float) -> dict[str, Any]:
-    """Headline figures of a freshly written plan."""
+def plan_summary(schedule: Schedule, path: str, seconds: float, written: bool = True) -> dict[str, Any]:
+    """Headline figures of a plan just made; `written`: False when its file already held it."""
     req, dp = schedule.request, schedule.metrics.dp
     return {
         "output": path,
+        "written": written,
         "model": req.model.name,
         "tp": req.tp,
         "dp": req.dp,
@@ -113,7 +114,7 @@ def _fsdp_layout(tp: int, dp: int, replicate: int) -> str:
 def summary_text(summary: dict[str, Any]) -> str:
     """Short human summary of `plan_summary`."""
     lines = [
-        f"wrote {summary['output']}",
+        f"wrote {summary['output']}" if summary.get("written", True) else f"unchanged {summary['output']} (it held this plan)",
         f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  "
         f"cost {summary['cost']}  alpha {summary['alpha']:g}",
         f"{plural(summary['num_matrix_params'], 'matrix parameter')} in {plural(summary['num_buckets'], 'bucket')}, "

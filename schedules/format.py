@@ -112,6 +112,8 @@ def check_version(version: Any, origin: str) -> None:
             f"{origin}: schema_version {version} is from an older canzona (this one reads {SCHEMA_VERSION}); "
             "regenerate it with `canzona check --fix FILE` or `canzona plan`"
         )
+    if version is None:
+        raise ScheduleError(f"{origin}: not a canzona schedule (it has no schema_version; make one with `canzona plan`)")
     raise ScheduleError(f"{origin}: schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
 
 

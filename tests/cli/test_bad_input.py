@@ -164,3 +164,22 @@ def test_check_flags_the_bad_schedule_and_fixes_it(tmp_path: Path, capsys: pytes
     assert code == 2 and out == "" and "owner 99 is not a DP rank" in err
     assert run(["check", str(bad), "--fix"], capsys)[0] == 0
     assert bad.read_bytes() == LIBRARY.read_bytes()
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--optimizer", "adam"], ["--optimizer 'adam' is not one of muon, shampoo, soap"]),
+    (["--dtype=fp64"], ["--dtype 'fp64' is not one of bf16, fp16, fp32"]),
+    (["--tp", "two"], ["--tp 'two' is not a whole number"]),
+    (["--ns-steps", "1.5"], ["--ns-steps '1.5' is not a whole number"]),
+])
+def test_bad_option_values_are_named_in_canzonas_words(args: list[str], needles: list[str],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The option, the value given and what it must be, whatever click or typer say about it."""
+    err = refused([*PLAN, *args, "-o", "never-written.yaml"], capsys, *needles, before=PLANNING)
+    assert "Value error" not in err and "Input should" not in err, err
+
+
+def test_a_file_that_is_not_a_schedule_is_called_that(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    refused(["show", str(empty)], capsys, "not a canzona schedule")

@@ -130,3 +130,16 @@ def test_outside_a_checkout_the_file_lands_here_under_a_name_show_reads(
     assert code == 0 and written == "qwen3-0.6b-muon-tp1-dp2.yaml" and os.listdir(tmp_path) == [written]
     code, out, _ = run(["show", written], capsys)
     assert code == 0 and "qwen3-0.6b" in out
+
+
+def test_planning_again_into_the_same_bytes_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan` says "wrote" only when it wrote: the same plan again leaves the file untouched."""
+    target = tmp_path / "p.yaml"
+    args = ["plan", "--model", "qwen3-0.6b", "--dp", "2", "-o", str(target)]
+    code, out, _ = run(args, capsys)
+    assert code == 0 and out.startswith(f"wrote {target}\n")
+    os.utime(target, ns=(0, 0))  # a mark a rewrite would clear
+    code, out, _ = run(args, capsys)
+    assert code == 0 and out.startswith(f"unchanged {target} ") and target.stat().st_mtime_ns == 0
+    code, out, _ = run([*args, "--json"], capsys)
+    assert code == 0 and '"written": false' in out
