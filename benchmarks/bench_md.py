@@ -24,7 +24,7 @@ def write_section(path: Path, heading: str, text: str, command: str) -> None:
         content = content.rstrip("\n") + f"\n\n{heading}\n\n{generated}\n"
     elif BEGIN in found.group(0) and END in found.group(0):
         inner = re.compile(rf"{re.escape(BEGIN)}.*?{re.escape(END)}", re.S)
-        content = content[: found.start()] + inner.sub(lambda _: generated, found.group(0)) + content[found.end():]
+        content = content[: found.start()] + inner.sub(lambda _: generated, found.group(0)) + content[found.end() :]
     else:
-        content = content[: found.start()] + f"{heading}\n\n{generated}\n\n" + content[found.end():]
+        content = content[: found.start()] + f"{heading}\n\n{generated}\n\n" + content[found.end() :]
     path.write_text(content)

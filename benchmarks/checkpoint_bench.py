@@ -27,11 +27,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_step import MODEL, TIMEOUT, _make_optimizer, make_schedule  # noqa: E402
+from bench_md import write_section
+from runtime_step import MODEL, TIMEOUT, _make_optimizer, make_schedule
 
-from canzona.runtime import CanzonaOptimizer, load_checkpoint, make_groups, save_checkpoint  # noqa: E402
-from canzona.schedules.format import Schedule  # noqa: E402
-from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
+from canzona.runtime import CanzonaOptimizer, load_checkpoint, make_groups, save_checkpoint
+from canzona.schedules.format import Schedule
 
 HEADING = "## Checkpoint save and load (CPU)"
 REPEATS = 3
@@ -47,7 +47,9 @@ def _timed(call: Callable[[], Any]) -> float:
     return float(elapsed)
 
 
-def _rank_main(rank: int, world: int, init_file: str, schedules: tuple[Schedule, Schedule], folder: str, results: Any) -> None:
+def _rank_main(
+    rank: int, world: int, init_file: str, schedules: tuple[Schedule, Schedule], folder: str, results: Any
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
     first, second = schedules
@@ -60,7 +62,14 @@ def _rank_main(rank: int, world: int, init_file: str, schedules: tuple[Schedule,
     moved = [_timed(lambda: load_checkpoint(other, folder)) for _ in range(REPEATS)]
     if rank == 0:
         size = sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
-        results.put({"save": statistics.median(save), "load": statistics.median(same), "reshard": statistics.median(moved), "bytes": size})
+        results.put(
+            {
+                "save": statistics.median(save),
+                "load": statistics.median(same),
+                "reshard": statistics.median(moved),
+                "bytes": size,
+            }
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -73,7 +82,10 @@ def measure(config: str, optimizer: str) -> dict[str, float]:
     results = context.Queue()
     with tempfile.TemporaryDirectory() as scratch:
         init_file, folder = os.path.join(scratch, "rendezvous"), os.path.join(scratch, "checkpoint")
-        processes = [context.Process(target=_rank_main, args=(r, 4, init_file, (first, second), folder, results)) for r in range(4)]
+        processes = [
+            context.Process(target=_rank_main, args=(r, 4, init_file, (first, second), folder, results))
+            for r in range(4)
+        ]
         for process in processes:
             process.start()
         measured = results.get(timeout=1800)
@@ -94,7 +106,9 @@ def table(rows: dict[str, dict[str, float]], cores: int) -> str:
         "|---|---|---|---|---|",
     ]
     for name, row in rows.items():
-        lines.append(f"| {name} | {row['bytes'] / (1 << 20):.1f} | {row['save'] * 1e3:.0f} | {row['load'] * 1e3:.0f} | {row['reshard'] * 1e3:.0f} |")
+        lines.append(
+            f"| {name} | {row['bytes'] / (1 << 20):.1f} | {row['save'] * 1e3:.0f} | {row['load'] * 1e3:.0f} | {row['reshard'] * 1e3:.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -29,11 +29,23 @@ from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule
 
 LAYOUTS = [
-    ("qwen3-1.7b", 8, 32, 1), ("qwen3-1.7b", 4, 64, 1), ("qwen3-4b", 8, 32, 1), ("qwen3-4b", 4, 64, 1),
-    ("qwen3-8b", 8, 32, 1), ("qwen3-8b", 4, 64, 1), ("qwen3-14b", 8, 32, 1), ("qwen3-14b", 4, 64, 1),
-    ("qwen3-32b", 8, 32, 1), ("qwen3-32b", 4, 64, 1), ("qwen3-1.7b", 2, 128, 1), ("qwen3-4b", 2, 128, 1),
-    ("llama3.1-8b", 8, 32, 1), ("llama3.1-8b", 4, 64, 1), ("llama3.1-70b", 8, 32, 1),
-    ("qwen3-30b-a3b", 4, 64, 8), ("qwen3-235b-a22b", 4, 64, 8),
+    ("qwen3-1.7b", 8, 32, 1),
+    ("qwen3-1.7b", 4, 64, 1),
+    ("qwen3-4b", 8, 32, 1),
+    ("qwen3-4b", 4, 64, 1),
+    ("qwen3-8b", 8, 32, 1),
+    ("qwen3-8b", 4, 64, 1),
+    ("qwen3-14b", 8, 32, 1),
+    ("qwen3-14b", 4, 64, 1),
+    ("qwen3-32b", 8, 32, 1),
+    ("qwen3-32b", 4, 64, 1),
+    ("qwen3-1.7b", 2, 128, 1),
+    ("qwen3-4b", 2, 128, 1),
+    ("llama3.1-8b", 8, 32, 1),
+    ("llama3.1-8b", 4, 64, 1),
+    ("llama3.1-70b", 8, 32, 1),
+    ("qwen3-30b-a3b", 4, 64, 8),
+    ("qwen3-235b-a22b", 4, 64, 8),
 ]
 QUICK = [("qwen3-32b", 8, 32, 1), ("llama3.1-8b", 4, 64, 1)]
 
@@ -64,9 +76,15 @@ def row(name: str, tp: int, dp: int, ep: int) -> list[str]:
     for schedule, teams in ((off, False), (auto, True)):
         out.append(f"{schedule.metrics.tp.worst_device_load / device_bound(schedule, shapes, teams):.3f}")
     stage_off, stage_auto = sims["off"].optimizer_stage * 1e3, sims["auto"].optimizer_stage * 1e3
-    out += [f"{stage_off:.1f}", f"{stage_auto:.1f}", f"{stage_off / stage_auto:.2f}x",
-            f"{sims['off'].step * 1e3:.1f}", f"{sims['auto'].step * 1e3:.1f}",
-            f"{cells['off'][1]:.2f}", f"{cells['auto'][1]:.2f}"]
+    out += [
+        f"{stage_off:.1f}",
+        f"{stage_auto:.1f}",
+        f"{stage_off / stage_auto:.2f}x",
+        f"{sims['off'].step * 1e3:.1f}",
+        f"{sims['auto'].step * 1e3:.1f}",
+        f"{cells['off'][1]:.2f}",
+        f"{cells['auto'][1]:.2f}",
+    ]
     return out
 
 
@@ -75,8 +93,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two layouts only")
     args = parser.parse_args()
-    header = ["model", "layout", "teams", "imbalance off", "imbalance auto", "worst/bound off", "worst/bound auto",
-              "opt stage off ms", "opt stage auto ms", "speedup", "step off ms", "step auto ms", "plan off s", "plan auto s"]
+    header = [
+        "model",
+        "layout",
+        "teams",
+        "imbalance off",
+        "imbalance auto",
+        "worst/bound off",
+        "worst/bound auto",
+        "opt stage off ms",
+        "opt stage auto ms",
+        "speedup",
+        "step off ms",
+        "step auto ms",
+        "plan off s",
+        "plan auto s",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for layout in QUICK if args.quick else LAYOUTS:

@@ -27,10 +27,10 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))  # the tests' forked-rank harness
 
-from rt_harness import run_ranks  # noqa: E402
-
 from canzona.runtime.rules.cooperative import team_newton_schulz  # noqa: E402
 from canzona.runtime.rules.optimizers import newton_schulz  # noqa: E402
+
+from rt_harness import run_ranks  # noqa: E402
 
 STEPS = 5
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -67,8 +67,12 @@ def measure(shape: tuple[int, int], kind: str, k: int) -> dict[str, Any]:
     dim = 0 if shape[0] > shape[1] else 1
     team = torch.cat(run_ranks(_worker, k, matrix, timeout=300.0), dim=dim)
     fp32, fp64 = newton_schulz(matrix.float(), STEPS, COEFFICIENTS), newton_schulz(matrix, STEPS, COEFFICIENTS)
-    return {"team/64": _normwise(team, fp64), "fp32/64": _normwise(fp32, fp64), "team/32": _normwise(team, fp32),
-            "rtol team/32": _needed_rtol(team, fp32)}
+    return {
+        "team/64": _normwise(team, fp64),
+        "fp32/64": _normwise(fp32, fp64),
+        "team/32": _normwise(team, fp32),
+        "rtol team/32": _needed_rtol(team, fp32),
+    }
 
 
 def main() -> None:

@@ -34,14 +34,22 @@ from canzona.planner.fsdp import make_fsdp_plan
 from canzona.planner.plan import PlanRequest
 from canzona.planner.sources.load import model_from_data
 from canzona.planner.spec import ModelOptions
-from canzona.runtime.tools.describe import describe_module
 from canzona.runtime.fsdp.optimizer import FsdpOptimizer
 from canzona.runtime.rules.optimizers import Hyperparameters, adamw_, init_matrix_state, make_rule, matrix_update
+from canzona.runtime.tools.describe import describe_module
 from canzona.schedules.format import Schedule
 from canzona.schedules.geometry import fsdp_rows
 
-CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-              head_dim=32, vocab_size=2048, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    vocab_size=2048,
+    tie_word_embeddings=False,
+)
 HP = {"lr": 0.02, "adamw_lr": 1e-3}
 GROUP_BYTES = 1 << 20  # per host and micro-group: several groups, so the next gather is in flight
 TIMEOUT = timedelta(seconds=300)
@@ -59,9 +67,17 @@ def plan(ranks: int) -> Schedule:
     """The FSDP schedule of the model over `ranks` FSDP2 ranks (one planner call on its description)."""
     with torch.device("meta"):
         description = describe_module(make_model())
-    spec = model_from_data(description.to_data(), description.name, "py:benchmarks/fsdp.py:make_model",
-                           description.sha256, 1, ModelOptions())
-    return compile_schedule(make_fsdp_plan(spec, PlanRequest(spec.source, 1, ranks, sharding="fsdp", group_bytes=GROUP_BYTES)))
+    spec = model_from_data(
+        description.to_data(),
+        description.name,
+        "py:benchmarks/fsdp.py:make_model",
+        description.sha256,
+        1,
+        ModelOptions(),
+    )
+    return compile_schedule(
+        make_fsdp_plan(spec, PlanRequest(spec.source, 1, ranks, sharding="fsdp", group_bytes=GROUP_BYTES))
+    )
 
 
 class RedundantMuon:
@@ -85,7 +101,9 @@ class RedundantMuon:
             if entry.optimizer == "matrix":
                 if name not in self.state:
                     self.state[name] = init_matrix_state(self.rule, tuple(entry.shape), entry.row_blocks, local.device)
-                update = matrix_update(self.rule, self.state[name], param.grad.full_tensor(), entry.row_blocks, self.steps)
+                update = matrix_update(
+                    self.rule, self.state[name], param.grad.full_tensor(), entry.row_blocks, self.steps
+                )
                 start, stop = fsdp_rows(entry.shape[0], self.world)[self.rank]
                 local.add_(update[start:stop], alpha=-self.hp.lr)
             elif local.numel():
@@ -93,7 +111,6 @@ class RedundantMuon:
                     self.state[name] = [torch.zeros(local.numel(), device=local.device) for _ in range(2)]
                 exp_avg, exp_avg_sq = self.state[name]
                 adamw_(local.view(-1), param.grad.to_local().reshape(-1), exp_avg, exp_avg_sq, self.steps, self.hp)
-
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -129,7 +146,9 @@ def _rank(rank: int, ranks: int, init: str, schedule: Schedule, warmup: int, ste
     }
     times: dict[str, list[float]] = {name: [] for name in [*optimizers, "forward+backward"]}
     for step in range(warmup + steps):
-        tokens = torch.randint(0, CONFIG["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(step * 100 + rank))
+        tokens = torch.randint(
+            0, CONFIG["vocab_size"], (2, 64), generator=torch.Generator().manual_seed(step * 100 + rank)
+        )
         dist.barrier()
         started = time.perf_counter()
         model(input_ids=tokens, labels=tokens).loss.backward()
@@ -159,7 +178,9 @@ def run(ranks: int, warmup: int, steps: int) -> list[Any]:
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init = os.path.join(folder, "rendezvous")
-        processes = [context.Process(target=_rank, args=(r, ranks, init, schedule, warmup, steps, queue)) for r in range(ranks)]
+        processes = [
+            context.Process(target=_rank, args=(r, ranks, init, schedule, warmup, steps, queue)) for r in range(ranks)
+        ]
         for process in processes:
             process.start()
         result = queue.get(timeout=1800)
@@ -171,17 +192,25 @@ def run(ranks: int, warmup: int, steps: int) -> list[Any]:
 def table(gathered: list[Any], ranks: int, groups: int) -> str:
     """The markdown table: medians of the slowest rank, ratios to canzona, state per rank."""
     names = list(gathered[0][0])
-    slowest = {name: [max(rank[0][name][i] for rank in gathered) for i in range(len(gathered[0][0][name]))] for name in names}
+    slowest = {
+        name: [max(rank[0][name][i] for rank in gathered) for i in range(len(gathered[0][0][name]))] for name in names
+    }
     medians = {name: statistics.median(values) for name, values in slowest.items()}
     state = {name: max(rank[1].get(name, 0) for rank in gathered) for name in names if name != "forward+backward"}
-    lines = [f"{ranks} CPU ranks (gloo, one thread each), FSDP2 over all of them, transformers Qwen3 "
-             f"{CONFIG['num_hidden_layers']} layers x hidden {CONFIG['hidden_size']} (F {CONFIG['intermediate_size']}, "
-             f"vocab {CONFIG['vocab_size']}), Muon, {groups} micro-groups; medians over {len(slowest['canzona'])} steps "
-             "of the slowest rank's step()", "",
-             "| optimizer | step ms | step / canzona | optimizer state MiB/rank |", "|---|---|---|---|"]
+    lines = [
+        f"{ranks} CPU ranks (gloo, one thread each), FSDP2 over all of them, transformers Qwen3 "
+        f"{CONFIG['num_hidden_layers']} layers x hidden {CONFIG['hidden_size']} (F {CONFIG['intermediate_size']}, "
+        f"vocab {CONFIG['vocab_size']}), Muon, {groups} micro-groups; medians over {len(slowest['canzona'])} steps "
+        "of the slowest rank's step()",
+        "",
+        "| optimizer | step ms | step / canzona | optimizer state MiB/rank |",
+        "|---|---|---|---|",
+    ]
     for name in ("canzona", "redundant", "adamw"):
-        lines.append(f"| {name} | {medians[name] * 1e3:.1f} | {medians[name] / medians['canzona']:.2f}x | "
-                     f"{state[name] / 2**20:.2f} |")
+        lines.append(
+            f"| {name} | {medians[name] * 1e3:.1f} | {medians[name] / medians['canzona']:.2f}x | "
+            f"{state[name] / 2**20:.2f} |"
+        )
     lines.append(f"| (forward+backward) | {medians['forward+backward'] * 1e3:.1f} | - | - |")
     return "\n".join(lines)
 

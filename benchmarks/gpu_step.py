@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
+from bench_md import write_section
 
 MODELS = ("qwen3-1.7b", "qwen3-4b")
 WARMUP, STEPS = 3, 10
@@ -57,7 +56,9 @@ def _schedule(model: str) -> Any:
     options = ModelOptions(names="hf")
     spec = load_model(model, 1, options)
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="bf16") for p in spec.params))
-    return compile_schedule(make_plan(spec, PlanRequest(model, 1, 1, optimizer=OptimizerConfig("muon"), options=options)))
+    return compile_schedule(
+        make_plan(spec, PlanRequest(model, 1, 1, optimizer=OptimizerConfig("muon"), options=options))
+    )
 
 
 def _params(schedule: Any) -> list[tuple[str, torch.nn.Parameter]]:
@@ -65,7 +66,9 @@ def _params(schedule: Any) -> list[tuple[str, torch.nn.Parameter]]:
     generator = torch.Generator(device="cuda").manual_seed(0)
     out = []
     for entry in sorted(schedule.params, key=lambda e: e.index):
-        param = torch.nn.Parameter(torch.randn(entry.shape, generator=generator, device="cuda", dtype=torch.bfloat16) * 0.02)
+        param = torch.nn.Parameter(
+            torch.randn(entry.shape, generator=generator, device="cuda", dtype=torch.bfloat16) * 0.02
+        )
         param.grad = torch.randn(entry.shape, generator=generator, device="cuda", dtype=torch.bfloat16)
         out.append((entry.name, param))
     return out
@@ -103,7 +106,11 @@ def _canzona(params: list[tuple[str, Any]], schedule: Any) -> Any:
 
 
 def _torch_muon(params: list[tuple[str, Any]]) -> Callable[[], None]:
-    matrices = [p for _, p in params if p.dim() == 2 and "embed" not in _name_of(params, p) and "lm_head" not in _name_of(params, p)]
+    matrices = [
+        p
+        for _, p in params
+        if p.dim() == 2 and "embed" not in _name_of(params, p) and "lm_head" not in _name_of(params, p)
+    ]
     rest = [p for _, p in params if all(p is not m for m in matrices)]
     muon = torch.optim.Muon(matrices, lr=LR, weight_decay=0.0)
     adamw = torch.optim.AdamW(rest, lr=ADAMW_LR, weight_decay=0.0, fused=True)
@@ -164,9 +171,16 @@ def measure_model(model: str, batch: int = 8, seq: int = 2048) -> dict[str, floa
     from canzona.planner.sources.catalog import PRESETS
 
     arch = PRESETS[model]
-    config = Qwen3Config(hidden_size=arch.h, intermediate_size=arch.ffn, num_hidden_layers=arch.num_layers,
-                         num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_groups,
-                         head_dim=arch.head_dim, vocab_size=arch.vocab, tie_word_embeddings=arch.tied_embeddings)
+    config = Qwen3Config(
+        hidden_size=arch.h,
+        intermediate_size=arch.ffn,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_kv_groups,
+        head_dim=arch.head_dim,
+        vocab_size=arch.vocab,
+        tie_word_embeddings=arch.tied_embeddings,
+    )
     schedule = _schedule(model)
     tokens = torch.randint(0, arch.vocab, (batch, seq), device="cuda")
     out = {}
@@ -188,23 +202,33 @@ def measure_model(model: str, batch: int = 8, seq: int = 2048) -> dict[str, floa
 
 def table(rows: list[dict[str, Any]], iteration: dict[str, float] | None, device: str) -> str:
     """The markdown table of the run."""
-    lines = [f"Device: {device}. One process, NCCL world size 1, TP 1 x DP 1, bf16 parameters and gradients; "
-             f"median of {STEPS} steps after {WARMUP}; peak = memory the step allocates above params + grads.", "",
-             "| model | params | canzona s | torch.optim.Muon + fused AdamW s | NS floor s | canzona / torch "
-             "| canzona peak GiB (B/param) | torch peak GiB | canzona NS TFLOP/s | floor NS TFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Device: {device}. One process, NCCL world size 1, TP 1 x DP 1, bf16 parameters and gradients; "
+        f"median of {STEPS} steps after {WARMUP}; peak = memory the step allocates above params + grads.",
+        "",
+        "| model | params | canzona s | torch.optim.Muon + fused AdamW s | NS floor s | canzona / torch "
+        "| canzona peak GiB (B/param) | torch peak GiB | canzona NS TFLOP/s | floor NS TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         c, t, f = row["canzona"], row["torch"], row["floor"]
         if c is None or t is None or f is None:
-            lines.append(f"| {row['model']} | {row['params'] / 1e9:.2f}B | " + ("out of memory | " * 3) + "- | - | - | - | - |")
+            lines.append(
+                f"| {row['model']} | {row['params'] / 1e9:.2f}B | " + ("out of memory | " * 3) + "- | - | - | - | - |"
+            )
             continue
-        lines.append(f"| {row['model']} | {row['params'] / 1e9:.2f}B | {c['s']:.3f} | {t['s']:.3f} | {f['s']:.3f} "
-                     f"| {c['s'] / t['s']:.2f}x | {c['peak'] / GIB:.1f} ({c['peak'] / row['params']:.1f}) "
-                     f"| {t['peak'] / GIB:.1f} | {c['tflops']:.0f} | {f['tflops']:.0f} |")
+        lines.append(
+            f"| {row['model']} | {row['params'] / 1e9:.2f}B | {c['s']:.3f} | {t['s']:.3f} | {f['s']:.3f} "
+            f"| {c['s'] / t['s']:.2f}x | {c['peak'] / GIB:.1f} ({c['peak'] / row['params']:.1f}) "
+            f"| {t['peak'] / GIB:.1f} | {c['tflops']:.0f} | {f['tflops']:.0f} |"
+        )
     if iteration:
-        lines += ["", f"Whole iteration (transformers Qwen3ForCausalLM of {rows[0]['model']}'s shape, bf16, 8 x 2048 "
-                  f"tokens): canzona {iteration['canzona']:.3f} s, torch {iteration['torch']:.3f} s, ratio "
-                  f"{iteration['canzona'] / iteration['torch']:.2f}x."]
+        lines += [
+            "",
+            f"Whole iteration (transformers Qwen3ForCausalLM of {rows[0]['model']}'s shape, bf16, 8 x 2048 "
+            f"tokens): canzona {iteration['canzona']:.3f} s, torch {iteration['torch']:.3f} s, ratio "
+            f"{iteration['canzona'] / iteration['torch']:.2f}x.",
+        ]
     return "\n".join(lines)
 
 

@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from tiny_qwen3 import TinyConfig, TinyQwen3, init_full_state, shard_state, synthetic_batch  # noqa: E402
+from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 from canzona.planner.compile import compile_schedule  # noqa: E402
 from canzona.planner.partition.costs import OptimizerConfig  # noqa: E402
@@ -64,11 +64,19 @@ from canzona.planner.predict.simulate import simulate  # noqa: E402
 from canzona.planner.sources.load import load_model  # noqa: E402
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, make_groups  # noqa: E402
 from canzona.schedules.format import Schedule  # noqa: E402
-from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
+
+from tiny_qwen3 import TinyConfig, TinyQwen3, init_full_state, shard_state, synthetic_batch  # noqa: E402
 
 MODEL = {  # the runtime step benchmark's Qwen3-style model: about 5M parameters
-    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048, "tie_word_embeddings": False,
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "vocab_size": 2048,
+    "tie_word_embeddings": False,
 }
 LAYOUTS = {"tp2xdp2": (2, 2), "dp4": (1, 4)}
 BUCKET = 1 << 20  # elements per bucket (4 MiB of fp32 gradients), DDP's bucket_cap_mb alike
@@ -82,7 +90,9 @@ def make_schedule(config_path: str, dp: int, tp: int) -> Schedule:
     """A Muon schedule for the benchmark model (1 Mi-element buckets, 1 MiB micro-groups)."""
     spec = load_model(config_path, tp)  # the example model trains in fp32
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="fp32") for p in spec.params))
-    request = PlanRequest(config_path, tp, dp, optimizer=OptimizerConfig("muon"), bucket_size=BUCKET, group_bytes=1 << 20)
+    request = PlanRequest(
+        config_path, tp, dp, optimizer=OptimizerConfig("muon"), bucket_size=BUCKET, group_bytes=1 << 20
+    )
     return compile_schedule(make_plan(spec, request))
 
 
@@ -102,9 +112,14 @@ def _build(name: str, cfg: TinyConfig, schedule: Schedule, groups: tuple[Any, An
     if name == "ddp-adamw":
         wrapped = DistributedDataParallel(model, process_group=dp_group, bucket_cap_mb=BUCKET * 4 / 2**20)
         return wrapped, torch.optim.AdamW(model.parameters(), lr=HP["adamw_lr"])
-    options = {"canzona off": {"overlap_grad_reduce": False}, "canzona": {},
-               "canzona +gather": {"overlap_param_gather": True, "model": model},
-               "canzona a2a": {"dp_collectives": "all_to_all"}, "tp-sc": {}, "dp-sc": {}}[name]
+    options = {
+        "canzona off": {"overlap_grad_reduce": False},
+        "canzona": {},
+        "canzona +gather": {"overlap_param_gather": True, "model": model},
+        "canzona a2a": {"dp_collectives": "all_to_all"},
+        "tp-sc": {},
+        "dp-sc": {},
+    }[name]
     kind = {"dp-sc": DpScOptimizer, "tp-sc": TpScOptimizer}.get(name, CanzonaOptimizer)
     return model, kind(named, schedule, dp_group=dp_group, tp_group=tp_group, **options, **HP)
 
@@ -124,8 +139,18 @@ def _iteration(model: Any, optimizer: Any, tokens: torch.Tensor) -> float:
     return float(elapsed)
 
 
-def _rank_main(rank: int, world: int, init_file: str, schedule: Schedule, cfg: TinyConfig, batch: int, seq: int,
-               blocks: int, per_block: int, results: Any) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    init_file: str,
+    schedule: Schedule,
+    cfg: TinyConfig,
+    batch: int,
+    seq: int,
+    blocks: int,
+    per_block: int,
+    results: Any,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
     dp, tp = schedule.request.dp, schedule.request.tp
@@ -190,15 +215,28 @@ def predict(schedule: Schedule, measured_fwd_bwd: float, batch: int, seq: int) -
     tokens = batch * (seq - 1)  # per DP rank: every position predicts the next token
     hardware = replace(device.hardware, train_flops=6.0 * local * tokens / measured_fwd_bwd)
     opt = schedule.request.optimizer
-    time_model = device.time_model(OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency,
-                                                   opt.max_precond_dim))
+    time_model = device.time_model(
+        OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+    )
     training = TrainingSetup(global_batch=batch * dp, seq_len=seq - 1, micro_batches=1)
     out: dict[str, float] = {"fwd+bwd": measured_fwd_bwd}
-    runs = (("canzona off", "schedule", False, False), ("canzona", "schedule", True, False),
-            ("canzona +gather", "schedule", True, True), ("canzona a2a", "all_to_all", True, False))
+    runs = (
+        ("canzona off", "schedule", False, False),
+        ("canzona", "schedule", True, False),
+        ("canzona +gather", "schedule", True, True),
+        ("canzona a2a", "all_to_all", True, False),
+    )
     for name, collectives, grad, gather in runs:
-        sim = simulate(schedule, hardware, time_model, publish_bytes=4, dp_collectives=collectives, training=training,
-                       overlap_grad_reduce=grad, overlap_param_gather=gather)
+        sim = simulate(
+            schedule,
+            hardware,
+            time_model,
+            publish_bytes=4,
+            dp_collectives=collectives,
+            training=training,
+            overlap_grad_reduce=grad,
+            overlap_param_gather=gather,
+        )
         out[name] = sim.iteration("canzona").iteration
         if name == "canzona":
             for baseline in ("tp-sc", "dp-sc", "ddp-adamw"):
@@ -222,8 +260,10 @@ def table(rows: list[tuple[str, Schedule, dict[str, float], dict[str, float]]], 
         for name in measured:
             m_ratio, p_ratio = measured[name] / measured["canzona"], predicted[name] / predicted["canzona"]
             error = "" if name == "fwd+bwd" else f"{100 * (p_ratio / m_ratio - 1):+.0f}%"
-            lines.append(f"| {layout} | {name} | {measured[name] * 1e3:.0f} | {predicted[name] * 1e3:.0f} "
-                         f"| {m_ratio:.2f}x | {p_ratio:.2f}x | {error} |")
+            lines.append(
+                f"| {layout} | {name} | {measured[name] * 1e3:.0f} | {predicted[name] * 1e3:.0f} "
+                f"| {m_ratio:.2f}x | {p_ratio:.2f}x | {error} |"
+            )
     return "\n".join(lines)
 
 
@@ -244,15 +284,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         config = Path(folder) / "bench_qwen3.json"
         config.write_text(json.dumps(MODEL))
-        for layout in (LAYOUTS if args.layout == "both" else [args.layout]):
+        for layout in LAYOUTS if args.layout == "both" else [args.layout]:
             tp, dp = LAYOUTS[layout]
             schedule = make_schedule(str(config), dp, tp)
             measured = measure(schedule, cfg, args.batch, args.seq, blocks, per_block)
             predicted = predict(schedule, measured["fwd+bwd"], args.batch, args.seq)
             label = f"TP {tp} x DP {dp}" if tp > 1 else f"DP {dp}"
             rows.append((label, schedule, measured, predicted))
-            print(f"{label}: " + ", ".join(f"{k} {v * 1e3:.0f}/{predicted[k] * 1e3:.0f} ms" for k, v in measured.items()),
-                  file=sys.stderr, flush=True)
+            print(
+                f"{label}: " + ", ".join(f"{k} {v * 1e3:.0f}/{predicted[k] * 1e3:.0f} ms" for k, v in measured.items()),
+                file=sys.stderr,
+                flush=True,
+            )
     text = table(rows, args.batch, args.seq)
     print(text)
     if args.write is not None and args.write.exists():

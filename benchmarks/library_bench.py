@@ -61,8 +61,10 @@ def stages(text: str) -> dict[str, float]:
 def main() -> None:
     """Print the load-time table and the check time."""
     print(f"libyaml C loader available: {hasattr(yaml, 'CSafeLoader')}\n")
-    print("| schedule | MB | load + validate s | runtime load_schedule s | reader s | pydantic s "
-          "| fingerprint + digest s | validator s | validator share | plain yaml.safe_load s |")
+    print(
+        "| schedule | MB | load + validate s | runtime load_schedule s | reader s | pydantic s "
+        "| fingerprint + digest s | validator s | validator share | plain yaml.safe_load s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     files = sorted(ROOT.rglob("*.yaml"), key=lambda p: p.stat().st_size)
     largest = 0.0
@@ -71,9 +73,11 @@ def main() -> None:
         times = stages(text)
         slow = median_seconds(lambda: yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)), 1)
         name = path.relative_to(ROOT).with_suffix("").as_posix()
-        print(f"| {name} | {len(text) / 1e6:.1f} | {times['total']:.2f} | {runtime_load(path)} | {times['reader']:.2f} "
-              f"| {times['pydantic']:.2f} "
-              f"| {times['sums']:.2f} | {times['validator']:.2f} | {times['validator'] / times['total']:.0%} | {slow:.2f} |")
+        print(
+            f"| {name} | {len(text) / 1e6:.1f} | {times['total']:.2f} | {runtime_load(path)} | {times['reader']:.2f} "
+            f"| {times['pydantic']:.2f} "
+            f"| {times['sums']:.2f} | {times['validator']:.2f} | {times['validator'] / times['total']:.0%} | {slow:.2f} |"
+        )
         largest = times["total"]
     verdict = "under" if largest < TARGET_S else "OVER"
     print(f"\nlargest file: load + validate {largest:.2f} s ({verdict} the {TARGET_S:g} s target)")

@@ -43,14 +43,39 @@ CASES: list[tuple[str, int, int, tuple[str, ...], dict[str, Any], dict[str, Any]
     ("Megatron's defaults (quintic, split QKV)", 1, 2, QUINTIC, {}, {}),
     ("Megatron's defaults (quintic, split QKV)", 2, 1, QUINTIC, {}, {}),
     ("Megatron's defaults (quintic, split QKV)", 2, 2, QUINTIC, {}, {}),
-    ("canzona's default plan; simple, Nesterov, wd 0.1", 2, 2, (),
-     {"muon_coefficient_type": "simple", "muon_use_nesterov": True, "weight_decay": 0.1}, {}),
-    ("mismatch: QKV whole (--split-qkv none)", 1, 1, QUINTIC + ("--split-qkv", "none"), {"muon_split_qkv": False},
-     {"muon_split_qkv": True}),
-    ("mismatch: simple coefficients", 1, 1, (), {"muon_coefficient_type": "simple"}, {"muon_coefficient_type": "quintic"}),
+    (
+        "canzona's default plan; simple, Nesterov, wd 0.1",
+        2,
+        2,
+        (),
+        {"muon_coefficient_type": "simple", "muon_use_nesterov": True, "weight_decay": 0.1},
+        {},
+    ),
+    (
+        "mismatch: QKV whole (--split-qkv none)",
+        1,
+        1,
+        QUINTIC + ("--split-qkv", "none"),
+        {"muon_split_qkv": False},
+        {"muon_split_qkv": True},
+    ),
+    (
+        "mismatch: simple coefficients",
+        1,
+        1,
+        (),
+        {"muon_coefficient_type": "simple"},
+        {"muon_coefficient_type": "quintic"},
+    ),
     ("mismatch: Nesterov on", 1, 1, QUINTIC, {"muon_use_nesterov": True}, {"muon_use_nesterov": False}),
-    ("mismatch: canzona's 0.2 spectral scale", 1, 1, QUINTIC, {"muon_extra_scale_factor": 0.2},
-     {"muon_extra_scale_factor": 1.0}),
+    (
+        "mismatch: canzona's 0.2 spectral scale",
+        1,
+        1,
+        QUINTIC,
+        {"muon_extra_scale_factor": 0.2},
+        {"muon_extra_scale_factor": 1.0},
+    ),
     ("Megatron's blockwise TP mode (refused)", 2, 1, QUINTIC, {}, {"muon_tp_mode": "blockwise"}),
 ]
 
@@ -63,8 +88,10 @@ def measure(tmp: Path, backends: tuple[str, ...]) -> list[list[str]]:
         result = run_parity_runs(tmp, tp, dp, flags, ours, chosen, theirs)
         refs, initial = result["references"], result["initial"]
         blockwise = theirs.get("muon_tp_mode") == "blockwise"  # megatron-core's own needs a real TP group for it
-        cells = ["-" if blockwise and b == "megatron" else f"{parity_error(result['canzona'], refs[b], initial)[0]:.1e}"
-                 for b in backends]
+        cells = [
+            "-" if blockwise and b == "megatron" else f"{parity_error(result['canzona'], refs[b], initial)[0]:.1e}"
+            for b in backends
+        ]
         own = parity_error(refs["formula"], refs["formula64"], initial)[0]
         rows.append([case, f"tp{tp} dp{dp}", *cells, f"{own:.1e}"])
         print(" | ".join(rows[-1]), flush=True)
@@ -93,7 +120,9 @@ def main() -> None:
     if arguments.write:
         from bench_md import write_section
 
-        write_section(ROOT / "BENCHMARKS.md", "## Megatron-core parity", text, "python benchmarks/megatron_parity.py --write")
+        write_section(
+            ROOT / "BENCHMARKS.md", "## Megatron-core parity", text, "python benchmarks/megatron_parity.py --write"
+        )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_md import write_section
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import OptimizerConfig
@@ -47,16 +48,22 @@ from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.runtime import CanzonaOptimizer, make_groups
 from canzona.runtime.schedule import DTYPES
-from canzona.schedules.layout import local_shape
 from canzona.schedules.format import Schedule
-from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
+from canzona.schedules.layout import local_shape
 
 # A Qwen3-style decoder of ~23M parameters whose embedding and output layer (AdamW) are 18 % of
 # the model, as in qwen3-1.7b; large enough that fixed costs (threads, allocator arenas) are
 # small beside the optimizer's buffers.
 MODEL = {
-    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096, "tie_word_embeddings": False,
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "tie_word_embeddings": False,
 }
 GROUP_MB = 16  # micro-group capacity: 0.7 B/param here, as 2 GiB is for qwen3-1.7b (1.2 B/param)
 BUCKET = 1 << 20  # elements per DP bucket: 24 buckets here, as 40M-element buckets give qwen3-1.7b 43
@@ -64,14 +71,19 @@ STEPS = 3
 TIMEOUT = timedelta(seconds=600)
 HEADING = "## Optimizer memory (CPU)"
 STATE_BYTES = {"muon": 4}
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters  # per matrix element; Shampoo/SOAP state depends on shapes (not floored here)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = (
+    -1,
+    -3,
+)  # glibc's mallopt parameters  # per matrix element; Shampoo/SOAP state depends on shapes (not floored here)
 
 
 def make_schedule(config: str, dp: int, optimizer: str) -> Schedule:
     """The benchmark's schedule: bf16 parameters, TP 1, small micro-groups."""
     spec = load_model(config, 1)
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="bf16") for p in spec.params))
-    request = PlanRequest(config, 1, dp, optimizer=OptimizerConfig(optimizer), bucket_size=BUCKET, group_bytes=GROUP_MB << 20)
+    request = PlanRequest(
+        config, 1, dp, optimizer=OptimizerConfig(optimizer), bucket_size=BUCKET, group_bytes=GROUP_MB << 20
+    )
     return compile_schedule(make_plan(spec, request))
 
 
@@ -138,7 +150,9 @@ def measure(schedule: Schedule) -> list[tuple[int, int]]:
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "rendezvous")
-        processes = [context.Process(target=_rank_main, args=(r, world, init_file, schedule, results)) for r in range(world)]
+        processes = [
+            context.Process(target=_rank_main, args=(r, world, init_file, schedule, results)) for r in range(world)
+        ]
         for process in processes:
             process.start()
         grown = dict(results.get(timeout=1200) for _ in range(world))
@@ -184,17 +198,20 @@ def table(rows: list[tuple[Schedule, list[tuple[int, int]]]]) -> str:
         target = "peak 14" if dp == 1 else f"held {4 + 10 / dp + 8 * adamw / dp:.2f}"
         target = target if schedule.request.optimizer.name == "muon" else "-"  # the targets are Muon's
         predicted = max(d.peak_bytes or 0.0 for d in schedule.metrics.device) / total
-        lines.append(f"| {schedule.request.optimizer.name} | {dp} | {total / 1e6:.1f}M | {adamw:.0%} | {peak:.2f} "
-                     f"| {held:.2f} | {peak - held:.2f} | {floor_text} | {ratio} | {predicted:.2f} "
-                     f"| {peak / predicted:.3f} | {target} |")
+        lines.append(
+            f"| {schedule.request.optimizer.name} | {dp} | {total / 1e6:.1f}M | {adamw:.0%} | {peak:.2f} "
+            f"| {held:.2f} | {peak - held:.2f} | {floor_text} | {ratio} | {predicted:.2f} "
+            f"| {peak / predicted:.3f} | {target} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     """Measure DP 1 and DP 4 and print (optionally write) the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--optimizer", default="muon",
-                        help="comma-separated matrix optimizers: muon, shampoo, soap (default muon)")
+    parser.add_argument(
+        "--optimizer", default="muon", help="comma-separated matrix optimizers: muon, shampoo, soap (default muon)"
+    )
     parser.add_argument("--dp", default="1,4", help="comma-separated DP sizes (default 1,4)")
     parser.add_argument("--write", type=Path, help="update this BENCHMARKS.md (only if it exists)")
     args = parser.parse_args()
@@ -205,8 +222,12 @@ def main() -> None:
         for optimizer, dp in ((o, int(d)) for o in args.optimizer.split(",") for d in args.dp.split(",")):
             schedule = make_schedule(str(config), dp, optimizer)
             grown = measure(schedule)
-            print(f"dp {dp}: " + ", ".join(f"peak {g / 2**20:.0f} MiB, held {h / 2**20:.0f} MiB" for g, h in grown),
-                  file=sys.stderr, flush=True)
+            for rank, (peak, held) in enumerate(grown):  # one line per rank, so the ranks read apart
+                print(
+                    f"{optimizer} dp {dp} rank {rank}: peak {peak / 2**20:.0f} MiB, held {held / 2**20:.0f} MiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
             rows.append((schedule, grown))
     text = table(rows)
     print(text)

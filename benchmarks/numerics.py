@@ -33,11 +33,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))  # the tests' oracle: same model, gradients and settings
 
-from rt_harness import DATA, make_groups, make_schedule, run_ranks  # noqa: E402
-from rt_oracle import STRATEGIES, full_grad, full_params, ordered, reference_run, shard  # noqa: E402
-
 from canzona.runtime.tools.reference import ReferenceOptimizer  # noqa: E402
 from canzona.schedules.format import Schedule  # noqa: E402
+
+from rt_harness import DATA, make_groups, make_schedule, run_ranks  # noqa: E402
+from rt_oracle import STRATEGIES, full_grad, full_params, ordered, reference_run, shard  # noqa: E402
 
 MODEL = DATA / "tiny_moe.json"
 # (label, optimizer, schedule settings, extra hyperparameters): the tests' settings, then the
@@ -97,7 +97,9 @@ def reference64(schedule: Schedule, steps: int, hp: dict[str, Any]) -> dict[str,
 
 def _mean32(schedule: Schedule, step: int) -> dict[str, torch.Tensor]:
     dp = schedule.request.dp
-    return {e.name: torch.stack([full_grad(e, step, d).float() for d in range(dp)]).sum(0) / dp for e in ordered(schedule)}
+    return {
+        e.name: torch.stack([full_grad(e, step, d).float() for d in range(dp)]).sum(0) / dp for e in ordered(schedule)
+    }
 
 
 def _normwise(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -109,8 +111,9 @@ def _needed_rtol(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(((got.double() - want.double()).abs() / (0.1 + want.double().abs())).max())
 
 
-def compare(schedule: Schedule, results: list[dict[str, Any]], ref32: dict[str, torch.Tensor],
-            ref64: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+def compare(
+    schedule: Schedule, results: list[dict[str, Any]], ref32: dict[str, torch.Tensor], ref64: dict[str, torch.Tensor]
+) -> dict[str, dict[str, float]]:
     """Per kind of parameter (matrix, adamw), the worst parameter's errors of every comparison
     (see the module docstring)."""
     tp = schedule.request.tp
@@ -146,8 +149,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", help="run only the cases whose label contains this")
     args = parser.parse_args()
-    print("| optimizer | layout | reduction | grad err | Δ err runtime vs fp64 | Δ err ref32 vs fp64 "
-          "| Δ err runtime vs ref32 | amplification | rtol runtime vs ref32 | rtol runtime vs fp64 | rtol ref32 vs fp64 |")
+    print(
+        "| optimizer | layout | reduction | grad err | Δ err runtime vs fp64 | Δ err ref32 vs fp64 "
+        "| Δ err runtime vs ref32 | amplification | rtol runtime vs ref32 | rtol runtime vs fp64 | rtol ref32 vs fp64 |"
+    )
     print("|" + "---|" * 11)
     for label, optimizer, settings, extra in CASES:
         if args.only and args.only not in label:
@@ -163,9 +168,12 @@ def main() -> None:
                 rows = [(label, by_kind["matrix"])] + ([("adamw", by_kind["adamw"])] if label == "muon" else [])
                 for name, w in rows:
                     amplification = f"{w['rt32'] / w['grad']:.0f}x" if w["grad"] else "-"
-                    print(f"| {name} | {layout} | {strategy} {mode} | {w['grad']:.1e} | {w['rt64']:.1e} | {w['ref64']:.1e} "
-                          f"| {w['rt32']:.1e} | {amplification} | {w['rtol_rt32']:.1e} | {w['rtol_rt64']:.1e} "
-                          f"| {w['rtol_ref64']:.1e} |", flush=True)
+                    print(
+                        f"| {name} | {layout} | {strategy} {mode} | {w['grad']:.1e} | {w['rt64']:.1e} | {w['ref64']:.1e} "
+                        f"| {w['rt32']:.1e} | {amplification} | {w['rtol_rt32']:.1e} | {w['rtol_rt64']:.1e} "
+                        f"| {w['rtol_ref64']:.1e} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

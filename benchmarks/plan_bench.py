@@ -24,12 +24,13 @@ import subprocess
 import sys
 import time
 
+from library_bench import median_seconds
+
 from canzona.planner.compile import compile_schedule
 from canzona.planner.devices import tp_score
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, dump_schedule, parse_schedule
-from library_bench import median_seconds  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 LAYOUTS = [("qwen3-8b", 2, 4), ("qwen3-32b", 8, 32), ("qwen3-235b-a22b", 4, 64)]
 ALPHAS = [0.0, 0.25, 0.5, 0.75, 0.9, 1.0]
@@ -65,7 +66,15 @@ def balance_table(repeats: int) -> None:
         metrics = schedule.metrics.dp
         cells = [f"{1 + metrics.gap:.4f} / {metrics.imbalance:.4f}"]
         cells += [f"{1 + metrics.baselines[b].gap:.3f} / {metrics.baselines[b].imbalance:.3f}" for b in BASELINES]
-        row = [name, f"tp{tp} dp{dp}", *cells, f"{seconds:.2f}", f"{written:.2f}", f"{loaded:.2f}", f"{len(text) / 1e6:.1f}"]
+        row = [
+            name,
+            f"tp{tp} dp{dp}",
+            *cells,
+            f"{seconds:.2f}",
+            f"{written:.2f}",
+            f"{loaded:.2f}",
+            f"{len(text) / 1e6:.1f}",
+        ]
         print("| " + " | ".join(row) + " |")
     print()
 
@@ -75,7 +84,12 @@ def tp_table(repeats: int) -> None:
     print("## TP micro-group modes (efficiency; critical path / lower bound; device imbalance; groups)\n")
     print("| model | layout | rollback | fixed | sorted | heap |")
     print("|---|---|---|---|---|---|")
-    layouts = [("qwen3-8b", 2, 4, 1), ("qwen3-32b", 8, 32, 1), ("qwen3-235b-a22b", 4, 16, 8), ("qwen3-30b-a3b", 4, 8, 4)]
+    layouts = [
+        ("qwen3-8b", 2, 4, 1),
+        ("qwen3-32b", 8, 32, 1),
+        ("qwen3-235b-a22b", 4, 16, 8),
+        ("qwen3-30b-a3b", 4, 8, 4),
+    ]
     for name, tp, dp, ep in layouts:
         plan = make_plan(load_model(name, tp), PlanRequest(name, tp, dp, ep=ep))
         bound = compile_schedule(plan).metrics.tp.critical_lower_bound
@@ -106,14 +120,28 @@ def alpha_table(alphas: list[float]) -> None:
 
 # Every preset at 1024 devices (dense: tp 8 x dp 128; MoE: tp 4 x dp 256, tp <= 4 for Qwen3 MoE,
 # with ep 8 and without EP; mixtral tp 8 x dp 128), and the two slow examples.
-DENSE = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
-         "llama3.1-8b", "llama3.1-70b", "llama3.1-405b"]
+DENSE = [
+    "qwen3-0.6b",
+    "qwen3-1.7b",
+    "qwen3-4b",
+    "qwen3-8b",
+    "qwen3-14b",
+    "qwen3-32b",
+    "llama3.1-8b",
+    "llama3.1-70b",
+    "llama3.1-405b",
+]
 SCALE = [(name, 8, 128, 1, 1.0) for name in DENSE] + [
-    ("mixtral-8x7b", 8, 128, 8, 1.0), ("mixtral-8x7b", 8, 128, 1, 1.0),
-    ("qwen3-30b-a3b", 4, 256, 8, 1.0), ("qwen3-30b-a3b", 4, 256, 1, 1.0),
-    ("qwen3-235b-a22b", 4, 256, 8, 1.0), ("qwen3-235b-a22b", 4, 256, 1, 1.0),
-    ("deepseek-v3", 4, 256, 8, 1.0), ("deepseek-v3", 4, 256, 1, 1.0),
-    ("deepseek-v3", 8, 1024, 1, 1.0), ("qwen3-235b-a22b", 2, 16, 4, 0.75),
+    ("mixtral-8x7b", 8, 128, 8, 1.0),
+    ("mixtral-8x7b", 8, 128, 1, 1.0),
+    ("qwen3-30b-a3b", 4, 256, 8, 1.0),
+    ("qwen3-30b-a3b", 4, 256, 1, 1.0),
+    ("qwen3-235b-a22b", 4, 256, 8, 1.0),
+    ("qwen3-235b-a22b", 4, 256, 1, 1.0),
+    ("deepseek-v3", 4, 256, 8, 1.0),
+    ("deepseek-v3", 4, 256, 1, 1.0),
+    ("deepseek-v3", 8, 1024, 1, 1.0),
+    ("qwen3-235b-a22b", 2, 16, 4, 0.75),
 ]
 BUDGET_S = 30.0
 STARTUP_TARGET_S = 0.3
@@ -138,18 +166,25 @@ def scale_table() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name, tp, dp, ep, alpha in SCALE:
-        out = subprocess.run([sys.executable, "-c", PROBE, name, str(tp), str(dp), str(ep), str(alpha)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE, name, str(tp), str(dp), str(ep), str(alpha)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         r = json.loads(out)
         layout = f"tp{tp} dp{dp}" + (f" ep{ep}" if ep > 1 else "")
-        print(f"| {name} | {layout} | {alpha:g} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['wall'] / BUDGET_S:.2f} | "
-              f"{r['mib']:.0f} | {r['gap']:.2%} | {r['device_gap']:.2%} |")
+        print(
+            f"| {name} | {layout} | {alpha:g} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['wall'] / BUDGET_S:.2f} | "
+            f"{r['mib']:.0f} | {r['gap']:.2%} | {r['device_gap']:.2%} |"
+        )
     print()
 
 
 def _median_run(command: list[str], repeats: int) -> float:
-    return median_seconds(lambda: subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                                 check=True), repeats)
+    return median_seconds(
+        lambda: subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True), repeats
+    )
 
 
 def startup_table(repeats: int) -> None:
@@ -162,12 +197,20 @@ def startup_table(repeats: int) -> None:
     print(f"| python -c pass | {bare:.3f} | 1.00x | {bare / STARTUP_TARGET_S:.2f} |")
     for args in (["--version"], ["-h"], ["show", "qwen3-8b/muon-tp2-dp4"]):
         seconds = _median_run([exe, *args], repeats)
-        print(f"| canzona {' '.join(args)} | {seconds:.3f} | {seconds / bare:.2f}x | {seconds / STARTUP_TARGET_S:.2f} |")
+        print(
+            f"| canzona {' '.join(args)} | {seconds:.3f} | {seconds / bare:.2f}x | {seconds / STARTUP_TARGET_S:.2f} |"
+        )
     print()
 
 
-DEVICE_LAYOUTS = [("qwen3-8b", 4, 64), ("qwen3-8b", 8, 32), ("qwen3-4b", 4, 64), ("qwen3-32b", 8, 32),
-                  ("llama3.1-8b", 4, 64), ("llama3.1-70b", 8, 128)]
+DEVICE_LAYOUTS = [
+    ("qwen3-8b", 4, 64),
+    ("qwen3-8b", 8, 32),
+    ("qwen3-4b", 4, 64),
+    ("qwen3-32b", 8, 32),
+    ("llama3.1-8b", 4, 64),
+    ("llama3.1-70b", 8, 128),
+]
 
 
 def device_table() -> None:
@@ -178,8 +221,20 @@ def device_table() -> None:
     from canzona.planner.predict.simulate import simulate
 
     print("## Device-aware DP ownership (Muon, flops, alpha 1; H100 model for the step)\n")
-    header = ["model", "layout", "worst device off", "worst device on", "on / off", "DP gap off", "DP gap on",
-              "device gap on", "step ms off", "step ms on", "iteration ms off", "iteration ms on"]
+    header = [
+        "model",
+        "layout",
+        "worst device off",
+        "worst device on",
+        "on / off",
+        "DP gap off",
+        "DP gap on",
+        "device gap on",
+        "step ms off",
+        "step ms on",
+        "iteration ms off",
+        "iteration ms on",
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     limit = device_aware.MAX_RANK_TASKS
@@ -192,9 +247,11 @@ def device_table() -> None:
             rows.append((schedule.metrics, sim.get("canzona").step, sim.iteration("canzona").iteration))
         device_aware.MAX_RANK_TASKS = limit
         (off, off_step, off_it), (on, on_step, on_it) = rows
-        print(f"| {name} | tp{tp} dp{dp} | {off.tp.worst_device_load:.3e} | {on.tp.worst_device_load:.3e} | "
-              f"{on.tp.worst_device_load / off.tp.worst_device_load:.3f} | {off.dp.gap:.2%} | {on.dp.gap:.2%} | "
-              f"{on.tp.device_gap:.2%} | {off_step * 1e3:.1f} | {on_step * 1e3:.1f} | {off_it * 1e3:.1f} | {on_it * 1e3:.1f} |")
+        print(
+            f"| {name} | tp{tp} dp{dp} | {off.tp.worst_device_load:.3e} | {on.tp.worst_device_load:.3e} | "
+            f"{on.tp.worst_device_load / off.tp.worst_device_load:.3f} | {off.dp.gap:.2%} | {on.dp.gap:.2%} | "
+            f"{on.tp.device_gap:.2%} | {off_step * 1e3:.1f} | {on_step * 1e3:.1f} | {off_it * 1e3:.1f} | {on_it * 1e3:.1f} |"
+        )
     print()
 
 

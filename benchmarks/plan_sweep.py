@@ -35,10 +35,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from canzona.planner.buffers import dp_instance
 from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost
 from canzona.planner.partition.dp import DpInstance, lower_bound, partition, rank_loads
 from canzona.planner.partition.layout import build_buffer
-from canzona.planner.buffers import dp_instance
 from canzona.planner.sources.catalog import PRESETS
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, PlanError
@@ -54,8 +54,12 @@ BUCKETS = {"10M": 10_000_000, "40M": 40_000_000, "160M": 160_000_000, "one": ONE
 TPS = (1, 2, 4, 8)
 DPS = tuple(2**k for k in range(1, 11))
 STRIDE = 13
-EXAMPLES = (("qwen3-8b", 4, 64, "40M"), ("qwen3-4b", 2, 64, "40M"), ("qwen3-1.7b", 2, 64, "10M"),
-            ("llama3.1-70b", 8, 64, "160M"))
+EXAMPLES = (
+    ("qwen3-8b", 4, 64, "40M"),
+    ("qwen3-4b", 2, 64, "40M"),
+    ("qwen3-1.7b", 2, 64, "10M"),
+    ("llama3.1-70b", 8, 64, "160M"),
+)
 MOE_LAYOUTS = (("qwen3-30b-a3b", 4, 64, "40M"), ("mixtral-8x7b", 4, 64, "40M"))
 AT_BOUND = 1e-9
 Gaps = dict[str, float]  # "alpha 0", ..., "free alpha 1" -> gap
@@ -77,8 +81,14 @@ class Layout:
 
 def layouts(full: bool) -> Iterator[Layout]:
     """The swept layouts, in a fixed order (the subsample unless `full`)."""
-    grid = [Layout(name, tp, dp, bucket) for name, arch in PRESETS.items() if full or arch.num_experts == 0
-            for tp in TPS for dp in DPS for bucket in BUCKETS]
+    grid = [
+        Layout(name, tp, dp, bucket)
+        for name, arch in PRESETS.items()
+        if full or arch.num_experts == 0
+        for tp in TPS
+        for dp in DPS
+        for bucket in BUCKETS
+    ]
     if full:
         yield from grid
         return
@@ -126,10 +136,14 @@ def summary(results: dict[str, Gaps], prefix: str = "") -> None:
         at_bound = sum(gap <= AT_BOUND for gap in gaps.values())
         worst = sorted(gaps.items(), key=lambda item: (-item[1], item[0]))[:3]
         worst_text = "; ".join(f"{key} {gap:.1%}" for key, gap in worst)
-        print(f"| {alpha:g} | {len(gaps)} | {at_bound / len(gaps):.1%} | {sum(gaps.values()) / len(gaps):.2%} | {worst_text} |")
+        print(
+            f"| {alpha:g} | {len(gaps)} | {at_bound / len(gaps):.1%} | {sum(gaps.values()) / len(gaps):.2%} | {worst_text} |"
+        )
     bad = {key: row for key, row in results.items() if violations(row, prefix)}
     print(f"\nmonotonicity violations (a larger alpha worse than a smaller one): {len(bad)} of {len(results)} layouts")
-    for key, row in sorted(bad.items(), key=lambda item: (-(item[1][f"{prefix}alpha 1"] - item[1][f"{prefix}alpha 0"]), item[0]))[:5]:
+    for key, row in sorted(
+        bad.items(), key=lambda item: (-(item[1][f"{prefix}alpha 1"] - item[1][f"{prefix}alpha 0"]), item[0])
+    )[:5]:
         print(f"  {key}: " + " / ".join(f"alpha {a:g} {row[f'{prefix}alpha {a:g}']:.1%}" for a in ALPHAS))
 
 
@@ -144,8 +158,10 @@ def free_gain(results: dict[str, Gaps]) -> None:
         worse = sum(gain < -1e-12 for gain in gains.values())
         best = max(improved.items(), key=lambda item: (item[1], item[0]), default=("-", 0.0))
         mean = sum(improved.values()) / len(improved) if improved else 0.0
-        print(f"| {alpha:g} | {len(improved)} of {len(gains)}{f' ({worse} worse!)' if worse else ''} | "
-              f"{mean:.2%} of the bound | {best[1]:.2%} | {best[0]} |")
+        print(
+            f"| {alpha:g} | {len(improved)} of {len(gains)}{f' ({worse} worse!)' if worse else ''} | "
+            f"{mean:.2%} of the bound | {best[1]:.2%} | {best[0]} |"
+        )
 
 
 def load(path: str) -> dict[str, Gaps]:
@@ -161,10 +177,14 @@ def compare(results: dict[str, Gaps], path: str) -> None:
     print(f"\n## against {path} ({len(common)} layouts in both)\n")
     for alpha in ALPHAS:
         column = f"alpha {alpha:g}"
-        better = [before[k][column] - results[k][column] for k in common if results[k][column] < before[k][column] - 1e-12]
+        better = [
+            before[k][column] - results[k][column] for k in common if results[k][column] < before[k][column] - 1e-12
+        ]
         worse = [k for k in common if results[k][column] > before[k][column] + 1e-12]
-        print(f"- alpha {alpha:g}: {len(better)} better (by up to {max(better, default=0.0):.1%} of the bound), "
-              f"{len(worse)} worse" + (f": {', '.join(worse[:5])}" if worse else ""))
+        print(
+            f"- alpha {alpha:g}: {len(better)} better (by up to {max(better, default=0.0):.1%} of the bound), "
+            f"{len(worse)} worse" + (f": {', '.join(worse[:5])}" if worse else "")
+        )
 
 
 def save(results: dict[str, Gaps], path: str) -> None:

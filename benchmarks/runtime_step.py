@@ -18,7 +18,6 @@ the table shows medians over the timed steps after warm-up, and ratios baseline 
 from __future__ import annotations
 
 import argparse
-from functools import partial
 import dataclasses
 import json
 import os
@@ -27,12 +26,14 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_md import write_section
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import OptimizerConfig
@@ -41,22 +42,41 @@ from canzona.planner.sources.load import load_model
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, make_groups
 from canzona.runtime.schedule import DTYPES
 from canzona.schedules.format import Schedule
-from bench_md import write_section  # noqa: E402 - benchmarks/ is sys.path[0] when run as a script
 
 # A small Qwen3-style decoder: large enough that optimizer compute dominates on one core.
 MODEL = {
-    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048, "tie_word_embeddings": False,
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "vocab_size": 2048,
+    "tie_word_embeddings": False,
 }
 # A small Qwen3-MoE-style decoder: layer 0 dense, then 8 experts per layer (top-2), planned with
 # Megatron names; the router is a matrix, as the planner records it.
 MOE_MODEL = {
-    "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 256, "intermediate_size": 1024, "moe_intermediate_size": 256,
-    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048,
-    "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "vocab_size": 2048,
+    "tie_word_embeddings": False,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
     "mlp_only_layers": [0],
 }
-LAYOUTS = {"dense": [(2, 1, 1), (1, 2, 1), (2, 2, 1), (4, 1, 1)], "moe": [(2, 1, 2), (4, 1, 2), (2, 2, 2)]}  # (dp, tp, ep)
+LAYOUTS = {
+    "dense": [(2, 1, 1), (1, 2, 1), (2, 2, 1), (4, 1, 1)],
+    "moe": [(2, 1, 2), (4, 1, 2), (2, 2, 2)],
+}  # (dp, tp, ep)
 STRATEGIES = {
     "canzona": CanzonaOptimizer,  # each bucket's DP collective as the schedule records it (the default)
     "canzona-a2a": partial(CanzonaOptimizer, dp_collectives="all_to_all"),  # one all_to_all per bucket
@@ -67,15 +87,22 @@ TIMEOUT = timedelta(seconds=300)
 HEADING = "## Runtime step latency (CPU)"
 
 
-def make_schedule(config_path: str, dp: int, tp: int, optimizer: str, group_mb: float, dtype: str = "fp32",
-                  ep: int = 1) -> Schedule:
+def make_schedule(
+    config_path: str, dp: int, tp: int, optimizer: str, group_mb: float, dtype: str = "fp32", ep: int = 1
+) -> Schedule:
     """A canzona schedule for a benchmark model (`dtype` parameters, 1 Mi-element buckets)."""
     spec = load_model(config_path, tp)
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype=dtype) for p in spec.params))
-    request = PlanRequest(config_path, tp, dp, optimizer=OptimizerConfig(optimizer), bucket_size=1 << 20,
-                          group_bytes=int(group_mb * (1 << 20)), ep=ep)
+    request = PlanRequest(
+        config_path,
+        tp,
+        dp,
+        optimizer=OptimizerConfig(optimizer),
+        bucket_size=1 << 20,
+        group_bytes=int(group_mb * (1 << 20)),
+        ep=ep,
+    )
     return compile_schedule(make_plan(spec, request))
-
 
 
 def _timed_step(optimizer: Any) -> float:
@@ -107,7 +134,9 @@ def _make_optimizer(strategy: Any, schedule: Schedule, groups: dict[str, Any], s
     return strategy(params, schedule, **groups)
 
 
-def _rank_main(rank: int, world: int, init_file: str, schedule: Schedule, warmup: int, steps: int, results: Any) -> None:
+def _rank_main(
+    rank: int, world: int, init_file: str, schedule: Schedule, warmup: int, steps: int, results: Any
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=TIMEOUT)
     req = schedule.request
@@ -137,7 +166,10 @@ def run_layout(schedule: Schedule, warmup: int, steps: int) -> dict[str, float]:
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "rendezvous")
-        processes = [context.Process(target=_rank_main, args=(r, world, init_file, schedule, warmup, steps, results)) for r in range(world)]
+        processes = [
+            context.Process(target=_rank_main, args=(r, world, init_file, schedule, warmup, steps, results))
+            for r in range(world)
+        ]
         for process in processes:
             process.start()
         medians = results.get(timeout=1800)
@@ -190,15 +222,18 @@ def main() -> None:
         configs["moe"].write_text(json.dumps(MOE_MODEL))
         rows = []
         for model in models:
-            for dtype in (["fp32", "bf16"] if args.dtype == "both" else [args.dtype]):
+            for dtype in ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]:
                 for dp, tp, ep in LAYOUTS[model]:
                     schedule = make_schedule(str(configs[model]), dp, tp, args.optimizer, args.group_mb, dtype, ep)
                     groups = max(len(rank.groups) for rank in schedule.tp.ranks)
                     medians = run_layout(schedule, warmup, steps)
                     layout = f"DP {dp} x TP {tp}" if ep == 1 else f"EP {ep} x DP {dp} (expert-DP {dp // ep}) x TP {tp}"
                     rows.append((model, dtype, dp * tp, layout, groups, medians))
-                    print(f"{model} {dtype} {layout}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in medians.items()),
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"{model} {dtype} {layout}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in medians.items()),
+                        file=sys.stderr,
+                        flush=True,
+                    )
     text = table(rows, args.optimizer, os.cpu_count() or 1)
     print(text)
     if args.write is not None and args.write.exists():

@@ -42,17 +42,39 @@ PAPER_MODELS = ["qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
 PAPER_LAYOUTS = [(8, 32), (4, 64)]
 BASELINES = ["tp-sc", "dp-sc", "zero1-gather", "start-owner", "layer-wise"]
 LAYOUTS_256 = [(name, tp, dp, 1) for name in PAPER_MODELS for tp, dp in PAPER_LAYOUTS] + [
-    ("qwen3-0.6b", 1, 256, 1), ("qwen3-1.7b", 2, 128, 1), ("qwen3-4b", 2, 128, 1), ("llama3.1-8b", 8, 32, 1),
-    ("llama3.1-8b", 4, 64, 1), ("llama3.1-70b", 8, 32, 1), ("qwen3-30b-a3b", 4, 64, 8), ("qwen3-235b-a22b", 4, 64, 8),
+    ("qwen3-0.6b", 1, 256, 1),
+    ("qwen3-1.7b", 2, 128, 1),
+    ("qwen3-4b", 2, 128, 1),
+    ("llama3.1-8b", 8, 32, 1),
+    ("llama3.1-8b", 4, 64, 1),
+    ("llama3.1-70b", 8, 32, 1),
+    ("qwen3-30b-a3b", 4, 64, 8),
+    ("qwen3-235b-a22b", 4, 64, 8),
 ]
 BUCKET_LAYOUTS = [(name, tp, dp) for name in PAPER_MODELS for tp, dp in PAPER_LAYOUTS] + [
-    ("llama3.1-8b", 8, 32), ("llama3.1-70b", 8, 32)]
-SCALE = [("qwen3-235b-a22b", 4, dp, 8) for dp in (64, 256, 1024)] + [("deepseek-v3", 4, dp, 8) for dp in (64, 256, 1024)]
+    ("llama3.1-8b", 8, 32),
+    ("llama3.1-70b", 8, 32),
+]
+SCALE = [("qwen3-235b-a22b", 4, dp, 8) for dp in (64, 256, 1024)] + [
+    ("deepseek-v3", 4, dp, 8) for dp in (64, 256, 1024)
+]
 # Every preset at 1024 devices: dense ones tp 8 x dp 128, MoE ones (tp <= 4) tp 4 x dp 256 with ep 8.
-DENSE = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
-         "llama3.1-8b", "llama3.1-70b", "llama3.1-405b"]
+DENSE = [
+    "qwen3-0.6b",
+    "qwen3-1.7b",
+    "qwen3-4b",
+    "qwen3-8b",
+    "qwen3-14b",
+    "qwen3-32b",
+    "llama3.1-8b",
+    "llama3.1-70b",
+    "llama3.1-405b",
+]
 PRESET_SCALE = [(name, 8, 128, 1) for name in DENSE] + [
-    ("mixtral-8x7b", 8, 128, 8), ("qwen3-30b-a3b", 4, 256, 8), ("qwen3-235b-a22b", 4, 256, 8), ("deepseek-v3", 4, 256, 8)
+    ("mixtral-8x7b", 8, 128, 8),
+    ("qwen3-30b-a3b", 4, 256, 8),
+    ("qwen3-235b-a22b", 4, 256, 8),
+    ("deepseek-v3", 4, 256, 8),
 ]
 H100 = BUILTIN["h100"]
 
@@ -75,17 +97,28 @@ def paper_table() -> None:
     """Per Qwen3 model and layout: canzona's predicted step and iteration, and every
     baseline's ratio to them (step / iteration)."""
     print("### Qwen3 at 256 GPUs, H100 model, Muon, `canzona plan` and `canzona simulate` defaults\n")
-    print("Cells: baseline / canzona for the optimizer step (nothing overlapped), then for the training "
-          "iteration (every strategy's DP collectives overlapped alike: reductions with backward, gathers not). The paper "
-          "(arXiv 2602.06079): 5.8x optimizer step, 1.57x iteration at 32B.\n")
+    print(
+        "Cells: baseline / canzona for the optimizer step (nothing overlapped), then for the training "
+        "iteration (every strategy's DP collectives overlapped alike: reductions with backward, gathers not). The paper "
+        "(arXiv 2602.06079): 5.8x optimizer step, 1.57x iteration at 32B.\n"
+    )
     _header(["model", "layout", "canzona step ms", "canzona iteration ms", *BASELINES, "ddp-adamw (ref.)"])
     for name in PAPER_MODELS:
         for tp, dp in PAPER_LAYOUTS:
             sim = simulate(default_schedule(name, tp, dp), H100, training=TrainingSetup())
             step, it = sim.ratios(), sim.iteration_ratios()
             cells = [f"{step[b]:.2f}x / {it[b]:.2f}x" for b in [*BASELINES, "ddp-adamw"]]
-            print(_row([name, f"tp{tp} dp{dp}", f"{sim.get('canzona').step * 1e3:.1f}",
-                        f"{sim.iteration('canzona').iteration * 1e3:.1f}", *cells]))
+            print(
+                _row(
+                    [
+                        name,
+                        f"tp{tp} dp{dp}",
+                        f"{sim.get('canzona').step * 1e3:.1f}",
+                        f"{sim.iteration('canzona').iteration * 1e3:.1f}",
+                        *cells,
+                    ]
+                )
+            )
     print()
 
 
@@ -93,18 +126,41 @@ def batch_table() -> None:
     """qwen3-32b tp8 dp32 (the library schedule): how the iteration speedups move with the
     global batch and with canzona's parameter-gather overlap."""
     schedule = read_schedule(Path(__file__).resolve().parents[1] / "schedules/qwen3-32b/muon-tp8-dp32.yaml")
-    print("### qwen3-32b tp8 dp32 (library schedule): iteration by global batch (4096-token sequences, "
-          "one per micro-batch)\n")
+    print(
+        "### qwen3-32b tp8 dp32 (library schedule): iteration by global batch (4096-token sequences, "
+        "one per micro-batch)\n"
+    )
     print("Cells: baseline iteration / canzona iteration.\n")
-    _header(["global batch", "gather overlap", "canzona iteration ms", "fwd+bwd ms", "exposed reduce ms",
-             "optimizer ms", "exposed gather ms", *BASELINES])
+    _header(
+        [
+            "global batch",
+            "gather overlap",
+            "canzona iteration ms",
+            "fwd+bwd ms",
+            "exposed reduce ms",
+            "optimizer ms",
+            "exposed gather ms",
+            *BASELINES,
+        ]
+    )
     for batch in (64, 256, 1024):
         for overlap in (False, True):
             sim = simulate(schedule, H100, training=TrainingSetup(global_batch=batch), overlap_param_gather=overlap)
             it, ratios = sim.iteration("canzona"), sim.iteration_ratios()
-            print(_row([str(batch), "on" if overlap else "off", f"{it.iteration * 1e3:.1f}",
-                        f"{it.forward_backward * 1e3:.1f}", f"{it.exposed_reduce * 1e3:.1f}", f"{it.optimizer * 1e3:.1f}",
-                        f"{it.exposed_gather * 1e3:.1f}", *[f"{ratios[b]:.2f}x" for b in BASELINES]]))
+            print(
+                _row(
+                    [
+                        str(batch),
+                        "on" if overlap else "off",
+                        f"{it.iteration * 1e3:.1f}",
+                        f"{it.forward_backward * 1e3:.1f}",
+                        f"{it.exposed_reduce * 1e3:.1f}",
+                        f"{it.optimizer * 1e3:.1f}",
+                        f"{it.exposed_gather * 1e3:.1f}",
+                        *[f"{ratios[b]:.2f}x" for b in BASELINES],
+                    ]
+                )
+            )
     print()
 
 
@@ -112,8 +168,10 @@ def bucket_table() -> None:
     """Per layout: canzona's predicted iteration (and step) at Megatron's 40M, the authors'
     400M and `--bucket-size auto`'s choice."""
     print("### Bucket size: Megatron's 40M, the authors' 400M, `--bucket-size auto` (H100 model, defaults)\n")
-    print("Cells: predicted iteration ms (step ms) and matrix buckets. auto picks the fastest predicted "
-          "iteration among 10M, 20M, 40M, 100M, 200M, 400M and one bucket that keeps >= 2 matrix buckets.\n")
+    print(
+        "Cells: predicted iteration ms (step ms) and matrix buckets. auto picks the fastest predicted "
+        "iteration among 10M, 20M, 40M, 100M, 200M, 400M and one bucket that keeps >= 2 matrix buckets.\n"
+    )
     _header(["model", "layout", "40M", "400M", "one bucket", "auto", "auto vs 40M", "auto vs 400M"])
     for name, tp, dp in BUCKET_LAYOUTS:
         model = load_model(name, tp)
@@ -124,10 +182,20 @@ def bucket_table() -> None:
         def cell(t) -> str:
             return f"{t.iteration_s * 1e3:.1f} ({t.step_s * 1e3:.1f}), {t.num_buckets}"
 
-        print(_row([name, f"tp{tp} dp{dp}", cell(by_size[40_000_000]), cell(by_size[400_000_000]),
-                    cell(trials[-1]), f"{size_label(plan.request.bucket_size)}: {cell(chosen)}",
+        print(
+            _row(
+                [
+                    name,
+                    f"tp{tp} dp{dp}",
+                    cell(by_size[40_000_000]),
+                    cell(by_size[400_000_000]),
+                    cell(trials[-1]),
+                    f"{size_label(plan.request.bucket_size)}: {cell(chosen)}",
                     f"{by_size[40_000_000].iteration_s / chosen.iteration_s:.4f}x",
-                    f"{by_size[400_000_000].iteration_s / chosen.iteration_s:.4f}x"]))
+                    f"{by_size[400_000_000].iteration_s / chosen.iteration_s:.4f}x",
+                ]
+            )
+        )
     print()
 
 
@@ -135,16 +203,33 @@ def layouts_table() -> None:
     """The done-when check: default plans at 256 GPUs; the closest baseline for the step and
     for the iteration (ratio > 1: canzona faster)."""
     print("### Default plans at 256 GPUs: canzona against its closest baseline (H100 model, defaults)\n")
-    _header(["model", "layout", "canzona step ms", "closest baseline (step)", "canzona iteration ms",
-             "closest baseline (iteration)"])
+    _header(
+        [
+            "model",
+            "layout",
+            "canzona step ms",
+            "closest baseline (step)",
+            "canzona iteration ms",
+            "closest baseline (iteration)",
+        ]
+    )
     for name, tp, dp, ep in LAYOUTS_256:
         sim = simulate(default_schedule(name, tp, dp, ep), H100, training=TrainingSetup())
         others = [s.name for s in sim.strategies if s.name not in (*REFERENCES, "canzona")]
         step, it = sim.ratios(), sim.iteration_ratios()
         closest_step, closest_it = min(others, key=step.__getitem__), min(others, key=it.__getitem__)
-        print(_row([name, f"tp{tp} dp{dp}" + (f" ep{ep}" if ep > 1 else ""), f"{sim.get('canzona').step * 1e3:.1f}",
-                    f"{closest_step} {step[closest_step]:.3f}x", f"{sim.iteration('canzona').iteration * 1e3:.1f}",
-                    f"{closest_it} {it[closest_it]:.3f}x"]))
+        print(
+            _row(
+                [
+                    name,
+                    f"tp{tp} dp{dp}" + (f" ep{ep}" if ep > 1 else ""),
+                    f"{sim.get('canzona').step * 1e3:.1f}",
+                    f"{closest_step} {step[closest_step]:.3f}x",
+                    f"{sim.iteration('canzona').iteration * 1e3:.1f}",
+                    f"{closest_it} {it[closest_it]:.3f}x",
+                ]
+            )
+        )
     print()
 
 
@@ -177,12 +262,29 @@ def scale_table(layouts: list[tuple[str, int, int, int]] = SCALE) -> None:
     print(_row(header))
     print("|" + "---|" * len(header))
     for name, tp, dp, ep in layouts:
-        output = subprocess.run([sys.executable, __file__, "--one", name, str(tp), str(dp), str(ep)],
-                                check=True, capture_output=True, text=True).stdout
+        output = subprocess.run(
+            [sys.executable, __file__, "--one", name, str(tp), str(dp), str(ep)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         t = json.loads(output)
         total = t["plan_s"] + t["write_s"] + t["read_s"] + t["simulate_s"]
-        print(_row([name, f"tp{tp} dp{dp} ep{ep}", f"{t['plan_s']:.2f}", f"{t['write_s']:.2f}", f"{t['read_s']:.2f}",
-                    f"{t['simulate_s']:.2f}", f"{total:.2f}", f"{t['peak_mib']:.0f}", f"{t['file_mb']:.1f}"]))
+        print(
+            _row(
+                [
+                    name,
+                    f"tp{tp} dp{dp} ep{ep}",
+                    f"{t['plan_s']:.2f}",
+                    f"{t['write_s']:.2f}",
+                    f"{t['read_s']:.2f}",
+                    f"{t['simulate_s']:.2f}",
+                    f"{total:.2f}",
+                    f"{t['peak_mib']:.0f}",
+                    f"{t['file_mb']:.1f}",
+                ]
+            )
+        )
     print()
 
 
@@ -206,13 +308,21 @@ def cpu_predictions(schedule: Schedule) -> dict[str, float]:
 def cpu_table(repeats: int, quick: bool, optimizer: str) -> None:
     """Run benchmarks/runtime_step.py's layouts `repeats` times and the simulator once; print both."""
     sys.path.insert(0, str(Path(__file__).parent))
-    import runtime_step  # noqa: PLC0415 - needs torch; only this section does
+    import runtime_step
 
     warmup, steps = (2, 3) if quick else (3, 9)
-    print(f"### CPU cross-check: predicted vs measured ({optimizer}, runtime_step.py layouts, "
-          f"median of {repeats} run(s) of {steps} timed steps)\n")
-    header = ["layout", "measured canzona / TP-SC / DP-SC ms", "predicted ms", "measured DP-SC/c, TP-SC/c",
-              "predicted DP-SC/c, TP-SC/c", "ratio error"]
+    print(
+        f"### CPU cross-check: predicted vs measured ({optimizer}, runtime_step.py layouts, "
+        f"median of {repeats} run(s) of {steps} timed steps)\n"
+    )
+    header = [
+        "layout",
+        "measured canzona / TP-SC / DP-SC ms",
+        "predicted ms",
+        "measured DP-SC/c, TP-SC/c",
+        "predicted DP-SC/c, TP-SC/c",
+        "ratio error",
+    ]
     print(_row(header))
     print("|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as folder:
@@ -226,10 +336,18 @@ def cpu_table(repeats: int, quick: bool, optimizer: str) -> None:
             m_ratio = [measured[k] / measured["canzona"] for k in ("dp-sc", "tp-sc")]
             p_ratio = [predicted[k] / predicted["canzona"] for k in ("dp-sc", "tp-sc")]
             error = [p / m - 1 for p, m in zip(p_ratio, m_ratio)]
-            print(_row([f"DP {dp} x TP {tp}", " / ".join(f"{measured[k] * 1e3:.0f}" for k in ("canzona", "tp-sc", "dp-sc")),
+            print(
+                _row(
+                    [
+                        f"DP {dp} x TP {tp}",
+                        " / ".join(f"{measured[k] * 1e3:.0f}" for k in ("canzona", "tp-sc", "dp-sc")),
                         " / ".join(f"{predicted[k] * 1e3:.0f}" for k in ("canzona", "tp-sc", "dp-sc")),
-                        ", ".join(f"{r:.2f}" for r in m_ratio), ", ".join(f"{r:.2f}" for r in p_ratio),
-                        ", ".join(f"{100 * e:+.0f}%" for e in error)]))
+                        ", ".join(f"{r:.2f}" for r in m_ratio),
+                        ", ".join(f"{r:.2f}" for r in p_ratio),
+                        ", ".join(f"{100 * e:+.0f}%" for e in error),
+                    ]
+                )
+            )
             sys.stdout.flush()
     print()
 
@@ -248,8 +366,15 @@ def main() -> None:
         name, tp, dp, ep = args.one
         print(json.dumps(scale_one(name, int(tp), int(dp), int(ep))))
         return
-    everything = not any(getattr(args, flag) for flag in ("paper", "batch", "buckets", "layouts", "scale", "presets", "cpu"))
-    for flag, table in (("paper", paper_table), ("batch", batch_table), ("buckets", bucket_table), ("layouts", layouts_table)):
+    everything = not any(
+        getattr(args, flag) for flag in ("paper", "batch", "buckets", "layouts", "scale", "presets", "cpu")
+    )
+    for flag, table in (
+        ("paper", paper_table),
+        ("batch", batch_table),
+        ("buckets", bucket_table),
+        ("layouts", layouts_table),
+    ):
         if getattr(args, flag) or everything:
             table()
             sys.stdout.flush()

@@ -13,7 +13,7 @@ import os
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -106,17 +106,40 @@ def grid_shapes(max_side: int) -> list[tuple[int, int]]:
 
 def calibrate(
     output: Annotated[str, typer.Option("--output", "-o", metavar="FILE", help="Profile file to write.")],
-    torch_device: Annotated[TorchDevice, typer.Option(help="Where torch runs the kernels (a torch device, not a hardware model).")] = TorchDevice.cpu,
-    model: Annotated[Optional[str], typer.Option(help="Time this model's distinct matrix shapes (preset or file).")] = None,
-    shapes: Annotated[Optional[Path], typer.Option(help="YAML/JSON list of [rows, cols] or {rows, cols, optimizers}.")] = None,
-    optimizer: Annotated[Optional[list[str]], typer.Option(help="Matrix optimizer(s) to time (default all three).")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="A rough profile in seconds: one timed call per kernel after one warm-up, every shape at most 512 on a side (a model's or a shapes file's scaled down, aspect kept).")] = False,
+    torch_device: Annotated[
+        TorchDevice, typer.Option(help="Where torch runs the kernels (a torch device, not a hardware model).")
+    ] = TorchDevice.cpu,
+    model: Annotated[
+        str | None, typer.Option(help="Time this model's distinct matrix shapes (preset or file).")
+    ] = None,
+    shapes: Annotated[
+        Path | None, typer.Option(help="YAML/JSON list of [rows, cols] or {rows, cols, optimizers}.")
+    ] = None,
+    optimizer: Annotated[
+        list[str] | None, typer.Option(help="Matrix optimizer(s) to time (default all three).")
+    ] = None,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick",
+            help="A rough profile in seconds: one timed call per kernel after one warm-up, every shape at most 512 on a side (a model's or a shapes file's scaled down, aspect kept).",
+        ),
+    ] = False,
     repeats: Annotated[int, typer.Option(help="Timed repeats per kernel (median).")] = 5,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up calls per kernel.")] = 2,
-    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
-    comm_ranks: Annotated[int, typer.Option(help="Also fit gloo all-to-all among this many local processes (0: no).")] = 0,
-    train_tokens: Annotated[int, typer.Option(help="Also time training forward+backward on this many tokens (0: no): one matmul per 2-D weight of --model, else per timed shape.")] = 0,
-    max_side: Annotated[int, typer.Option(help="Largest side of the default grid (without --model or --shapes).")] = 1024,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice).")] = None,
+    comm_ranks: Annotated[
+        int, typer.Option(help="Also fit gloo all-to-all among this many local processes (0: no).")
+    ] = 0,
+    train_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Also time training forward+backward on this many tokens (0: no): one matmul per 2-D weight of --model, else per timed shape."
+        ),
+    ] = 0,
+    max_side: Annotated[
+        int, typer.Option(help="Largest side of the default grid (without --model or --shapes).")
+    ] = 1024,
     ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
     precondition_frequency: Annotated[int, typer.Option(help="Shampoo/SOAP refresh every N steps.")] = 10,
@@ -130,7 +153,9 @@ def calibrate(
     if model is not None and shapes is not None:
         raise PlanError("give --model or --shapes, not both")
     refuse_unless(not quick, ("repeats", "warmup", "max_side"), "--quick sets it")
-    refuse_unless(model is None and shapes is None, ("max_side",), "it sizes the default grid, which --model or --shapes replaces")
+    refuse_unless(
+        model is None and shapes is None, ("max_side",), "it sizes the default grid, which --model or --shapes replaces"
+    )
     if quick:
         repeats, warmup, max_side = QUICK["repeats"], QUICK["warmup"], QUICK["max_side"]
     settings = (ns_steps, block_size, precondition_frequency, max_precond_dim)
@@ -146,7 +171,9 @@ def calibrate(
         raise PlanError(f"unknown optimizer {unknown[0]!r}; choose from {', '.join(OPTIMIZERS)}")
     refuse_unused_settings(names)
     plan = kernel_plan(names, model, shapes, max_side, quick)
-    train_shapes = training_shapes(model) if model is not None else list(dict.fromkeys(s for todo in plan.values() for s in todo))
+    train_shapes = (
+        training_shapes(model) if model is not None else list(dict.fromkeys(s for todo in plan.values() for s in todo))
+    )
     train = (scaled_shapes(train_shapes, max_side) if quick else train_shapes, train_tokens)
     profile = _run_calibration(plan, torch_device.value, repeats, warmup, threads, comm_ranks, settings, train)
     from canzona.planner.partition.profile_cost import Profile, dump_profile
@@ -156,8 +183,9 @@ def calibrate(
     echo(f"wrote {target}: {plural(len(validated.rows), 'row')} on {validated.device_name}")
 
 
-def kernel_plan(names: list[str], model: str | None, shapes: Path | None, max_side: int,
-                quick: bool) -> dict[str, list[tuple[int, int]]]:
+def kernel_plan(
+    names: list[str], model: str | None, shapes: Path | None, max_side: int, quick: bool
+) -> dict[str, list[tuple[int, int]]]:
     """Optimizer -> the shapes to time: a shapes file's, a model's distinct ones, or the grid up
     to `max_side`; under --quick none longer than `max_side` on a side."""
     if shapes is not None:
@@ -168,21 +196,27 @@ def kernel_plan(names: list[str], model: str | None, shapes: Path | None, max_si
     if not plan:
         raise PlanError("nothing to time: no shape is asked for with the chosen optimizers")
     if quick and any(max(shape) > max_side for todo in plan.values() for shape in todo):
-        note(f"--quick: shapes scaled down to at most {max_side} on a side, aspect kept (the profile prices the full "
-             "shapes by FLOP rate); leave --quick out to time them as they are")
+        note(
+            f"--quick: shapes scaled down to at most {max_side} on a side, aspect kept (the profile prices the full "
+            "shapes by FLOP rate); leave --quick out to time them as they are"
+        )
         plan = {name: scaled_shapes(todo, max_side) for name, todo in plan.items()}
     return plan
 
 
-def calibrate_problem(repeats: int, warmup: int, threads: int | None, comm_ranks: int, max_side: int,
-                      settings: Settings) -> str | None:
+def calibrate_problem(
+    repeats: int, warmup: int, threads: int | None, comm_ranks: int, max_side: int, settings: Settings
+) -> str | None:
     """What is wrong with `calibrate`'s arguments, found before any timing (None: nothing)."""
     cpus = os.cpu_count() or 1
     return (
         bounded_int_problem("--repeats", repeats, MAX_REPEATS, "repeats")
         or bounded_int_problem("--warmup", warmup, MAX_REPEATS, "calls", minimum=0)
-        or (bounded_int_problem("--threads", threads, cpus, f"threads (this machine has {cpus} CPUs)")
-            if threads is not None else None)
+        or (
+            bounded_int_problem("--threads", threads, cpus, f"threads (this machine has {cpus} CPUs)")
+            if threads is not None
+            else None
+        )
         or (f"--comm-ranks must be 0 or >= 2, got {comm_ranks}" if comm_ranks == 1 or comm_ranks < 0 else None)
         or bounded_int_problem("--comm-ranks", comm_ranks, MAX_COMM_RANKS, "local processes", minimum=0)
         or bounded_int_problem("--max-side", max_side, MAX_GRID_SIDE, "rows or columns", minimum=128)
@@ -201,15 +235,28 @@ def kernel_flops(plan: dict[str, list[tuple[int, int]]], settings: Settings, cal
     work = {}
     for name, todo in plan.items():
         config = OptimizerConfig(name, *settings)
-        steps = ([replace(config, precondition_frequency=1), replace(config, precondition_frequency=MAX_PRECONDITION_FREQUENCY)]
-                 if name in TIMED_TWICE else [config])
+        steps = (
+            [
+                replace(config, precondition_frequency=1),
+                replace(config, precondition_frequency=MAX_PRECONDITION_FREQUENCY),
+            ]
+            if name in TIMED_TWICE
+            else [config]
+        )
         for rows, cols in dict.fromkeys(todo):
             work[f"{name} {rows}x{cols}"] = calls * sum(FlopsCost(step).matrix_cost(rows, cols) for step in steps)
     return work
 
 
-def _estimate(plan: dict[str, list[tuple[int, int]]], settings: Settings, calls: int, train: tuple[list[tuple[int, int]], int],
-              flops_per_second: float, num_adamw: int, comm_ranks: int) -> str:
+def _estimate(
+    plan: dict[str, list[tuple[int, int]]],
+    settings: Settings,
+    calls: int,
+    train: tuple[list[tuple[int, int]], int],
+    flops_per_second: float,
+    num_adamw: int,
+    comm_ranks: int,
+) -> str:
     """One line: what will be timed and about how long it takes at `flops_per_second`."""
     work = kernel_flops(plan, settings, calls)
     seconds = sum(work.values()) / flops_per_second
@@ -218,9 +265,11 @@ def _estimate(plan: dict[str, list[tuple[int, int]]], settings: Settings, calls:
     counts = ", ".join(f"{name} {len(dict.fromkeys(todo))}" for name, todo in plan.items())
     extras = " and the training throughput" if train[1] >= 1 else ""
     extras += f" and a collective fit on {comm_ranks} processes" if comm_ranks >= 2 else ""
-    return (f"timing {plural(len(work), 'matrix kernel')} ({counts}), {plural(num_adamw, 'AdamW size')}{extras}; "
-            f"about {duration(seconds)} at this machine's Muon speed ({flops_per_second / 1e9:.3g} GFLOP/s), "
-            "longer where eigendecompositions (Shampoo, SOAP) run slower than matrix products")
+    return (
+        f"timing {plural(len(work), 'matrix kernel')} ({counts}), {plural(num_adamw, 'AdamW size')}{extras}; "
+        f"about {duration(seconds)} at this machine's Muon speed ({flops_per_second / 1e9:.3g} GFLOP/s), "
+        "longer where eigendecompositions (Shampoo, SOAP) run slower than matrix products"
+    )
 
 
 MS_LABEL = re.compile(r"(\d+(?:\.\d+)?) ms$")
@@ -231,14 +280,20 @@ def _readable(line: str) -> str:
     return MS_LABEL.sub(lambda match: duration(float(match.group(1)) / 1e3), line)
 
 
-def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeats: int, warmup: int,
-                     threads: int | None, comm_ranks: int, settings: Settings,
-                     train: tuple[list[tuple[int, int]], int] = ([], 0)) -> dict[str, Any]:
+def _run_calibration(
+    plan: dict[str, list[tuple[int, int]]],
+    device: str,
+    repeats: int,
+    warmup: int,
+    threads: int | None,
+    comm_ranks: int,
+    settings: Settings,
+    train: tuple[list[tuple[int, int]], int] = ([], 0),
+) -> dict[str, Any]:
     try:
-        from canzona.runtime.tools.calibrate import DEFAULT_ADAMW_SIZES
+        from canzona.runtime.tools.calibrate import DEFAULT_ADAMW_SIZES, matrix_row
         from canzona.runtime.tools.calibrate import Settings as KernelSettings
         from canzona.runtime.tools.calibrate import calibrate as run
-        from canzona.runtime.tools.calibrate import matrix_row
     except ImportError as error:  # torch is an optional dependency of the planner CLI
         raise PlanError(f"calibrate needs torch (pip install 'canzona[runtime]'): {error}") from error
     import torch
@@ -256,7 +311,18 @@ def _run_calibration(plan: dict[str, list[tuple[int, int]]], device: str, repeat
     steps = len(kernel_flops(plan, settings, 1)) + len(DEFAULT_ADAMW_SIZES) + (1 if train[1] >= 1 else 0)
     try:
         with progress(f"calibrating on {device}", steps, lines=True) as step:
-            return run([], kernel, device, repeats, warmup, plan, threads=threads, comm_ranks=comm_ranks,
-                       progress=lambda line: step(_readable(line)), train_shapes=train[0], train_tokens=train[1])
+            return run(
+                [],
+                kernel,
+                device,
+                repeats,
+                warmup,
+                plan,
+                threads=threads,
+                comm_ranks=comm_ranks,
+                progress=lambda line: step(_readable(line)),
+                train_shapes=train[0],
+                train_tokens=train[1],
+            )
     except ValueError as error:
         raise PlanError(str(error)) from error

@@ -10,11 +10,11 @@ import json
 import math
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -127,8 +127,9 @@ def diff_text(old_path: str, new_path: str, rows: list[Row]) -> str:
     """The side-by-side table (columns named by file name, or in full where those are equal)."""
     names = [Path(old_path).name, Path(new_path).name]
     header = ["metric", *(names if names[0] != names[1] else [old_path, new_path]), "delta", "verdict"]
-    body = [[r.name, _format(r.old), _format(r.new), "-" if r.delta is None else f"{r.delta:+.4g}", r.verdict]
-            for r in rows]
+    body = [
+        [r.name, _format(r.old), _format(r.new), "-" if r.delta is None else f"{r.delta:+.4g}", r.verdict] for r in rows
+    ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in [header, *body])
 
@@ -137,13 +138,23 @@ def diff(
     old: Annotated[str, typer.Argument(metavar="OLD", help="Baseline: " + SCHEDULE_HELP)],
     new: Annotated[str, typer.Argument(metavar="NEW", help="Candidate: " + SCHEDULE_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    max_imbalance_increase: Annotated[float, typer.Option(help="Allowed absolute increase of DP/device imbalance.")] = 0.0,
-    max_gap_increase: Annotated[float, typer.Option(help="Allowed absolute increase of the DP gap and of the device gap.")] = 0.0,
-    max_memory_increase: Annotated[float, typer.Option(help="Allowed relative increase of max state per device.")] = 0.0,
+    max_imbalance_increase: Annotated[
+        float, typer.Option(help="Allowed absolute increase of DP/device imbalance.")
+    ] = 0.0,
+    max_gap_increase: Annotated[
+        float, typer.Option(help="Allowed absolute increase of the DP gap and of the device gap.")
+    ] = 0.0,
+    max_memory_increase: Annotated[
+        float, typer.Option(help="Allowed relative increase of max state per device.")
+    ] = 0.0,
     same_model: Annotated[bool, typer.Option("--same-model", help="Fail (exit 2) if the models differ.")] = False,
 ) -> None:
     """Compare two schedules' headline metrics; exit 1 on a regression past the thresholds."""
-    for name, value in (("imbalance", max_imbalance_increase), ("gap", max_gap_increase), ("memory", max_memory_increase)):
+    for name, value in (
+        ("imbalance", max_imbalance_increase),
+        ("gap", max_gap_increase),
+        ("memory", max_memory_increase),
+    ):
         if not math.isfinite(value) or value < 0:
             raise ScheduleError(f"--max-{name}-increase must be a finite number >= 0, got {value}")
     before, after = load_schedule(old), load_schedule(new)
@@ -151,13 +162,19 @@ def diff(
     if same_model and models:
         raise ScheduleError(f"different models: {before.request.model.name} vs {after.request.model.name}")
     if models:  # still compared, and a regression still fails: a CI gate stays a gate
-        echo(f"canzona: note: the schedules are for {models}: every figure compares two models, not two plans of "
-             "one model (--same-model refuses such a pair)", err=True)
+        echo(
+            f"canzona: note: the schedules are for {models}: every figure compares two models, not two plans of "
+            "one model (--same-model refuses such a pair)",
+            err=True,
+        )
     limits = {"imbalance": max_imbalance_increase, "gap": max_gap_increase, "memory": max_memory_increase}
     modes = (before.request.sharding, before.request.dp_replicate), (after.request.sharding, after.request.dp_replicate)
     if modes[0] != modes[1]:
-        echo(f"canzona: note: the sharding modes differ (OLD {_mode(*modes[0])}, NEW {_mode(*modes[1])}): the DP "
-                   "figures are per DP rank of each mode (owners and buckets vs FSDP hosts)", err=True)
+        echo(
+            f"canzona: note: the sharding modes differ (OLD {_mode(*modes[0])}, NEW {_mode(*modes[1])}): the DP "
+            "figures are per DP rank of each mode (owners and buckets vs FSDP hosts)",
+            err=True,
+        )
     rows = compare(before, after, limits)
     if as_json:
         echo(json.dumps([vars(row) for row in rows], indent=2))
@@ -203,8 +220,9 @@ def schedule_files(paths: list[Path]) -> list[Path]:
         elif resolve_schedule(path).exists():
             found.append(resolve_schedule(path))
         else:
-            raise ScheduleError(f"no such schedule or folder, nor a library schedule: {str(path)!r}"
-                                + library_hint(str(path)))
+            raise ScheduleError(
+                f"no such schedule or folder, nor a library schedule: {str(path)!r}" + library_hint(str(path))
+            )
     return found
 
 
@@ -262,8 +280,10 @@ def regenerate_within(path: Path, request: Request, seconds: float) -> Schedule:
         with deadline(seconds):
             return regenerate(path, request)
     except Overtime:
-        raise Refused(f"regenerating it takes longer than {seconds:g} s (check's --timeout); "
-                      "regenerate it with `canzona plan`, or give check more time") from None
+        raise Refused(
+            f"regenerating it takes longer than {seconds:g} s (check's --timeout); "
+            "regenerate it with `canzona plan`, or give check more time"
+        ) from None
     except (PlanError, ScheduleError) as error:
         raise Refused(f"its request cannot be planned: {error}") from None
 
@@ -275,7 +295,9 @@ def staleness(old: Schedule, new: Schedule) -> str | None:
     if old.request.model.sha256 != new.request.model.sha256:
         live = old.request.model.source.startswith("py:")
         return "the live model's description changed (sha256)" if live else "the model file changed (sha256)"
-    moved = sum(a.owner != b.owner or a.offset != b.offset or a.bucket != b.bucket for a, b in zip(old.params, new.params))
+    moved = sum(
+        a.owner != b.owner or a.offset != b.offset or a.bucket != b.bucket for a, b in zip(old.params, new.params)
+    )
     if moved or old.params != new.params or old.dp != new.dp:
         return f"different assignment ({moved} parameters moved or re-laid out)"
     if old.tp != new.tp:
@@ -311,17 +333,20 @@ def gate_code(request: Request, policy: CodePolicy) -> None:
     if not is_live(source):
         return
     if not policy.allowed:
-        raise Refused(f"its model is a live model ({source}): it cannot be regenerated without running code; "
-                      "pass --allow-code for your own files, or plan from a described parameter list "
-                      "(`canzona describe`)")
+        raise Refused(
+            f"its model is a live model ({source}): it cannot be regenerated without running code; "
+            "pass --allow-code for your own files, or plan from a described parameter list "
+            "(`canzona describe`)"
+        )
     try:
         require_code_inside(source, policy.roots)
     except PlanError as error:
         raise Refused(str(error)) from None
 
 
-def check_file(path: Path, policy: CodePolicy, fix: bool = False,
-               seconds: float = DEFAULT_TIMEOUT) -> tuple[str | None, Schedule]:
+def check_file(
+    path: Path, policy: CodePolicy, fix: bool = False, seconds: float = DEFAULT_TIMEOUT
+) -> tuple[str | None, Schedule]:
     """Why `path` differs from the regeneration of its recorded request (None: byte-identical),
     and that regeneration. The file is read (`schedule_text`, as every reader does) and
     validated (digest included) before anything is regenerated: an invalid one is Refused,
@@ -368,13 +393,25 @@ def library_rows(files: list[Path], root: Path) -> list[dict[str, Any]]:
     for path in files:
         s = read_schedule(path)
         r, dp = s.request, s.metrics.dp
-        rows.append({
-            "schedule": path.relative_to(root).with_suffix("").as_posix(), "model": r.model.name, "tp": r.tp,
-            "dp": r.dp, "ep": r.ep, "optimizer": r.optimizer.name, "alpha": r.alpha, "dp_imbalance": dp.imbalance,
-            "gap": dp.gap, "padding_overhead": dp.padding_overhead, "tp_efficiency": s.metrics.tp.efficiency,
-            "num_groups": s.metrics.tp.num_groups, "max_state_gib": _max_device(s, "state_bytes") / GIB,
-            "sharding": r.sharding, "dp_replicate": r.dp_replicate,
-        })
+        rows.append(
+            {
+                "schedule": path.relative_to(root).with_suffix("").as_posix(),
+                "model": r.model.name,
+                "tp": r.tp,
+                "dp": r.dp,
+                "ep": r.ep,
+                "optimizer": r.optimizer.name,
+                "alpha": r.alpha,
+                "dp_imbalance": dp.imbalance,
+                "gap": dp.gap,
+                "padding_overhead": dp.padding_overhead,
+                "tp_efficiency": s.metrics.tp.efficiency,
+                "num_groups": s.metrics.tp.num_groups,
+                "max_state_gib": _max_device(s, "state_bytes") / GIB,
+                "sharding": r.sharding,
+                "dp_replicate": r.dp_replicate,
+            }
+        )
     return rows
 
 
@@ -414,14 +451,18 @@ def _with_table(readme: str, table: str) -> str:
 
 def table(
     folder: Annotated[Path, typer.Argument(help="Schedule library folder.")] = Path("schedules"),
-    update: Annotated[bool, typer.Option("--update", help=f"Rewrite the table inside FOLDER/{LIBRARY_README}.")] = False,
+    update: Annotated[
+        bool, typer.Option("--update", help=f"Rewrite the table inside FOLDER/{LIBRARY_README}.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON (not with --update).")] = False,
 ) -> None:
     """Print the library's metrics table (markdown), or update it in the library README."""
     from canzona.schedules.reading import UnsafeDocument, read_text
 
     if not folder.is_dir():
-        raise ScheduleError(f"table reads a folder of schedules; {str(folder)!r} is {'a file' if folder.exists() else 'missing'}")
+        raise ScheduleError(
+            f"table reads a folder of schedules; {str(folder)!r} is {'a file' if folder.exists() else 'missing'}"
+        )
     if update and as_json:
         raise ScheduleError("--json prints the table; --update writes it into the README: give one")
     readme = folder / LIBRARY_README
@@ -442,11 +483,28 @@ def table(
 
 
 def check(
-    paths: Annotated[Optional[list[Path]], typer.Argument(metavar="[SCHEDULE|FOLDER]...", help="Schedules (files or library names) or folders (default: schedules).")] = None,
-    fix: Annotated[bool, typer.Option("--fix", help="Rewrite stale files (atomically), and invalid ones from their request.")] = False,
-    allow_code: Annotated[bool, typer.Option("--allow-code", help="Regenerate schedules of live models (py:MODULE:FACTORY) by importing and calling their factory: this RUNS the code the file names. Only for your own files; the module must lie inside a checked folder or the current directory.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON report: every file's status and reason.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to regenerate one schedule; a slower one is refused (exit 2).")] = DEFAULT_TIMEOUT,
+    paths: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            metavar="[SCHEDULE|FOLDER]...", help="Schedules (files or library names) or folders (default: schedules)."
+        ),
+    ] = None,
+    fix: Annotated[
+        bool, typer.Option("--fix", help="Rewrite stale files (atomically), and invalid ones from their request.")
+    ] = False,
+    allow_code: Annotated[
+        bool,
+        typer.Option(
+            "--allow-code",
+            help="Regenerate schedules of live models (py:MODULE:FACTORY) by importing and calling their factory: this RUNS the code the file names. Only for your own files; the module must lie inside a checked folder or the current directory.",
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON report: every file's status and reason.")
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to regenerate one schedule; a slower one is refused (exit 2).")
+    ] = DEFAULT_TIMEOUT,
 ) -> None:
     """Regenerate each schedule from its recorded request and compare bytes; exit 1 if any
     differs (content or formatting), 2 if any is invalid, names a live model (code is run only
@@ -456,15 +514,25 @@ def check(
         raise ScheduleError(f"--timeout must be a finite number of seconds > 0, got {timeout}")
     roots = paths or [Path("schedules")]
     files = schedule_files(roots)
-    policy = CodePolicy(allow_code, (Path.cwd(), *(root if root.is_dir() else resolve_schedule(root).parent
-                                                   for root in roots)))
+    policy = CodePolicy(
+        allow_code, (Path.cwd(), *(root if root.is_dir() else resolve_schedule(root).parent for root in roots))
+    )
     results = [_check_one(path, fix, policy, timeout) for path in files]
     results += [result for root in roots if (result := _check_readme(root, fix)) is not None]
     stale = sum(1 for result in results if result["status"] == "stale")
     refused = [result for result in results if result["status"] == "refused"]
     if as_json:
-        echo(json.dumps({"files": results, "stale": stale, "fixed": sum(r["status"] == "fixed" for r in results),
-                               "refused": len(refused)}, indent=2))
+        echo(
+            json.dumps(
+                {
+                    "files": results,
+                    "stale": stale,
+                    "fixed": sum(r["status"] == "fixed" for r in results),
+                    "refused": len(refused),
+                },
+                indent=2,
+            )
+        )
     else:
         for result in results:
             if result["status"] == "refused":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,17 +15,29 @@ from canzona.schedules.files import check_output, write_atomic
 
 def describe(
     model: Annotated[str, typer.Option(help="A live model: py:MODULE:FACTORY (built on the meta device, no memory).")],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Parameter-list YAML to write (default: stdout).")] = None,
-    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Mark every norm's gradient as a partial sum over TP.")] = False,
-    dtype: Annotated[Optional[Dtype], typer.Option(help="Dtype of every parameter, where the model trains in another dtype than the factory builds it in.", show_default=False)] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Parameter-list YAML to write (default: stdout).")
+    ] = None,
+    sequence_parallel: Annotated[
+        bool, typer.Option("--sequence-parallel", help="Mark every norm's gradient as a partial sum over TP.")
+    ] = False,
+    dtype: Annotated[
+        Dtype | None,
+        typer.Option(
+            help="Dtype of every parameter, where the model trains in another dtype than the factory builds it in.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Describe a live model as a parameter list: names, global shapes, dtypes, TP dims from
     DTensor placements, grouped 3-D experts, partial gradients."""
     from canzona.cli.sources import describe_source, is_live, source_files
 
     if not is_live(model):
-        raise PlanError(f"describe reads a live model: give --model py:MODULE:FACTORY, not {model!r} (presets, "
-                        "configs and parameter lists plan as they are)")
+        raise PlanError(
+            f"describe reads a live model: give --model py:MODULE:FACTORY, not {model!r} (presets, "
+            "configs and parameter lists plan as they are)"
+        )
     if output is not None:
         check_output(output, source_files(model), "--output")
     description = describe_source(model, sequence_parallel)
@@ -39,5 +51,7 @@ def describe(
     grouped = sum(p.grouped_experts for p in description.params)
     matrices = sum(p.optimizer == "matrix" for p in description.params)
     tp = f", TP {description.tp}" if description.tp is not None else ""
-    echo(f"wrote {output}: {len(description.params)} parameters of {description.name} ({matrices} matrices, "
-               f"{grouped} grouped expert tensors{tp})")
+    echo(
+        f"wrote {output}: {len(description.params)} parameters of {description.name} ({matrices} matrices, "
+        f"{grouped} grouped expert tensors{tp})"
+    )

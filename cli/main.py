@@ -14,7 +14,7 @@ import sys
 import threading
 import typing
 from enum import Enum
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -60,8 +60,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                          help="Print canzona's version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print canzona's version and exit.")
+    ] = False,
 ) -> None:
     """Plan and inspect canzona schedules for matrix optimizers under DP x TP."""
 
@@ -82,7 +83,7 @@ app.command()(plan_cmd.plan)
 def show(
     file: Annotated[str, typer.Argument(metavar="SCHEDULE", help=SCHEDULE_HELP)],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    rank: Annotated[Optional[int], typer.Option(help="Show one device (global rank = dp_rank * tp + tp_rank).")] = None,
+    rank: Annotated[int | None, typer.Option(help="Show one device (global rank = dp_rank * tp + tp_rank).")] = None,
 ) -> None:
     """Show a schedule: per-rank loads as bars, imbalance, gap, memory, baselines, TP modes."""
     schedule = load_schedule(file)
@@ -93,8 +94,11 @@ def show(
         part = report.rank_part(schedule, rank)
         echo(json.dumps(part, indent=2) if as_json else report.rank_text(part))
     elif as_json:
-        data = {"request": schedule.request.model_dump(mode="json"), "metrics": report.metrics_data(schedule),
-                "collectives": report.bucket_collectives(schedule)}
+        data = {
+            "request": schedule.request.model_dump(mode="json"),
+            "metrics": report.metrics_data(schedule),
+            "collectives": report.bucket_collectives(schedule),
+        }
         echo(json.dumps(data, indent=2))
     else:
         echo(report.show_text(schedule))
@@ -123,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     of exiting. No arguments at all print the help."""
     debug = os.environ.get("CANZONA_DEBUG") == "1"
     args = sys.argv[1:] if argv is None else list(argv)
-    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
+    previous = (
+        signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
+    )
     try:
         result = app(args=args or ["--help"], prog_name="canzona", standalone_mode=False)
     except ClickException as error:
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{error.filename}: " if error.filename else ""
         echo(f"canzona: error: {where}{error.strerror or error}", err=True)
         return EXIT_BAD_INPUT
-    except Exception as error:  # noqa: BLE001 - the last line of defence against tracebacks
+    except Exception as error:
         if debug:
             raise
         echo(f"canzona: internal error: {type(error).__name__}: {error} (CANZONA_DEBUG=1 for details)", err=True)
@@ -162,8 +168,9 @@ def _usage_message(error: ClickException, args: list[str]) -> str:
     words (click's and typer's change between versions), naming the option, the value given and
     what it must be, read from the command's own signature."""
     param = getattr(error, "param", None)
-    wanted = _wanted(getattr(getattr(getattr(error, "ctx", None), "command", None), "callback", None),
-                     getattr(param, "name", None))
+    wanted = _wanted(
+        getattr(getattr(getattr(error, "ctx", None), "command", None), "callback", None), getattr(param, "name", None)
+    )
     options = [o for o in getattr(param, "opts", []) if o.startswith("--")]
     given = _value_given(args, options) if wanted and options else None
     if given is None or wanted is None or _fits(given, wanted):

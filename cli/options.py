@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from canzona.planner.spec import PlanError
-from canzona.schedules.files import OutputError, write_atomic
 from canzona.schedules.errors import ScheduleError
+from canzona.schedules.files import OutputError, write_atomic
 from canzona.schedules.library import library_names, resolve_schedule
 from canzona.schedules.limits import PROFILE_PREFIX, SETTING_USERS
 
@@ -49,8 +49,10 @@ def schedule_path(ref: str | os.PathLike[str]) -> Path:
     path = resolve_schedule(ref)
     if path.exists() or os.path.islink(path):
         return path
-    raise ScheduleError(f"cannot read schedule {str(ref)!r}: no such file, and no library schedule of that name"
-                        + library_hint(str(ref)))
+    raise ScheduleError(
+        f"cannot read schedule {str(ref)!r}: no such file, and no library schedule of that name"
+        + library_hint(str(ref))
+    )
 
 
 def library_hint(ref: str) -> str:
@@ -125,8 +127,11 @@ OPTIMIZER_SETTINGS = SETTING_USERS  # option -> the matrix optimizers it changes
 def refuse_unused_settings(optimizers: list[str]) -> None:
     """Refuse an optimizer setting none of `optimizers` uses (e.g. --ns-steps with shampoo)."""
     for parameter, users in OPTIMIZER_SETTINGS.items():
-        refuse_unless(any(name in users for name in optimizers), (parameter,),
-                      f"it only changes {' and '.join(users)}, and the optimizer is {', '.join(optimizers)}")
+        refuse_unless(
+            any(name in users for name in optimizers),
+            (parameter,),
+            f"it only changes {' and '.join(users)}, and the optimizer is {', '.join(optimizers)}",
+        )
 
 
 # --------------------------------------------------------------------------------------------

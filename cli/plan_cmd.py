@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import math
 import time
-from pathlib import Path
 from dataclasses import replace
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -53,8 +53,10 @@ if TYPE_CHECKING:
     from canzona.schedules.format import Schedule
 
 IDLE_SHARE = 0.5  # warn when more than this share of DP ranks has no matrix to update
-OUTPUT_HELP = ("Schedule file to write (default: schedules/<model>/<name>.yaml in a canzona checkout, else "
-               "./<model>-<name>.yaml; <name> spells out every option that changes the plan).")
+OUTPUT_HELP = (
+    "Schedule file to write (default: schedules/<model>/<name>.yaml in a canzona checkout, else "
+    "./<model>-<name>.yaml; <name> spells out every option that changes the plan)."
+)
 
 
 def choices(name: str, values: tuple[str, ...]) -> Any:
@@ -75,40 +77,101 @@ Names = choices("Names", ("auto", *NAMING_CONVENTIONS))
 
 
 def plan(
-    model: Annotated[str, typer.Option(help="Preset name, HF config.json, parameter-list YAML/JSON, or a live model py:MODULE:FACTORY.")],
+    model: Annotated[
+        str,
+        typer.Option(help="Preset name, HF config.json, parameter-list YAML/JSON, or a live model py:MODULE:FACTORY."),
+    ],
     tp: Annotated[int, typer.Option(help="Tensor-parallel size.")] = 1,
     dp: Annotated[int, typer.Option(help="Data-parallel size.")] = 1,
     optimizer: Annotated[Optimizer, typer.Option(help="Matrix optimizer.")] = Optimizer.muon,
-    cost: Annotated[str, typer.Option(help="Cost model balanced across ranks: numel, flops, or profile:FILE.")] = "flops",
+    cost: Annotated[
+        str, typer.Option(help="Cost model balanced across ranks: numel, flops, or profile:FILE.")
+    ] = "flops",
     alpha: Annotated[str, typer.Option(help="In [0, 1] (1 balances compute, 0 keeps slices equal), or auto.")] = "1",
-    device: Annotated[str, typer.Option(help=DEVICE_HELP + " Only with --alpha auto or --bucket-size auto.")] = DEFAULT_DEVICE,
-    bucket_size: Annotated[str, typer.Option(help="Bucket size in elements, or auto (the simulator's fastest iteration).")] = str(DEFAULT_BUCKET_SIZE),
-    global_batch: Annotated[int, typer.Option(help="auto searches: sequences per optimizer step, over all DP ranks.")] = DEFAULT_GLOBAL_BATCH,
+    device: Annotated[
+        str, typer.Option(help=DEVICE_HELP + " Only with --alpha auto or --bucket-size auto.")
+    ] = DEFAULT_DEVICE,
+    bucket_size: Annotated[
+        str, typer.Option(help="Bucket size in elements, or auto (the simulator's fastest iteration).")
+    ] = str(DEFAULT_BUCKET_SIZE),
+    global_batch: Annotated[
+        int, typer.Option(help="auto searches: sequences per optimizer step, over all DP ranks.")
+    ] = DEFAULT_GLOBAL_BATCH,
     seq_len: Annotated[int, typer.Option(help="auto searches: tokens per sequence.")] = DEFAULT_SEQ_LEN,
-    micro_batches: Annotated[Optional[int], typer.Option(help="auto searches: micro-batches per DP rank (default: global batch / dp).")] = None,
+    micro_batches: Annotated[
+        int | None, typer.Option(help="auto searches: micro-batches per DP rank (default: global batch / dp).")
+    ] = None,
     split_qkv: Annotated[QkvSplit, typer.Option(help="How QKV is orthogonalised.")] = QkvSplit.qkv,
-    split_fc1: Annotated[bool, typer.Option("--split-fc1/--no-split-fc1", help="Update fc1 gate and up halves separately.")] = False,
-    router_optimizer: Annotated[RouterOptimizer, typer.Option(help="Optimizer of MoE routers.")] = RouterOptimizer.matrix,
-    names: Annotated[Names, typer.Option(help="Parameter names of a preset or HF config: megatron, hf (transformers), torchtitan; auto: hf for a config.json, megatron for a preset.")] = Names.auto,
-    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Every norm's gradient is a partial sum over TP, which the optimizer sums (leave off if the model reduces them itself).")] = False,
-    dtype: Annotated[Optional[Dtype], typer.Option(help="Dtype of every parameter, over the source's own (a config.json's dtype / torch_dtype, bf16 for a preset or a config without one, each entry's for a parameter list or live model).", show_default=False)] = None,
+    split_fc1: Annotated[
+        bool, typer.Option("--split-fc1/--no-split-fc1", help="Update fc1 gate and up halves separately.")
+    ] = False,
+    router_optimizer: Annotated[
+        RouterOptimizer, typer.Option(help="Optimizer of MoE routers.")
+    ] = RouterOptimizer.matrix,
+    names: Annotated[
+        Names,
+        typer.Option(
+            help="Parameter names of a preset or HF config: megatron, hf (transformers), torchtitan; auto: hf for a config.json, megatron for a preset."
+        ),
+    ] = Names.auto,
+    sequence_parallel: Annotated[
+        bool,
+        typer.Option(
+            "--sequence-parallel",
+            help="Every norm's gradient is a partial sum over TP, which the optimizer sums (leave off if the model reduces them itself).",
+        ),
+    ] = False,
+    dtype: Annotated[
+        Dtype | None,
+        typer.Option(
+            help="Dtype of every parameter, over the source's own (a config.json's dtype / torch_dtype, bf16 for a preset or a config without one, each entry's for a parameter list or live model).",
+            show_default=False,
+        ),
+    ] = None,
     ns_steps: Annotated[int, typer.Option(help="Muon Newton-Schulz steps.")] = 5,
-    ns_coefficients: Annotated[NsCoefficients, typer.Option(help="Muon's Newton-Schulz coefficients per iteration: simple (one triple), quintic (Megatron-core's default), polar_express.")] = NsCoefficients.simple,
+    ns_coefficients: Annotated[
+        NsCoefficients,
+        typer.Option(
+            help="Muon's Newton-Schulz coefficients per iteration: simple (one triple), quintic (Megatron-core's default), polar_express."
+        ),
+    ] = NsCoefficients.simple,
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
-    precondition_frequency: Annotated[int, typer.Option(help="Shampoo/SOAP preconditioner refresh every N steps.")] = 10,
+    precondition_frequency: Annotated[
+        int, typer.Option(help="Shampoo/SOAP preconditioner refresh every N steps.")
+    ] = 10,
     max_precond_dim: Annotated[int, typer.Option(help="SOAP: sides above this get no preconditioner.")] = 10000,
     mode: Annotated[TpMode, typer.Option(help="TP micro-group scheduler.")] = TpMode.rollback,
-    group_mb: Annotated[float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")] = DEFAULT_GROUP_MB,
-    coop: Annotated[Coop, typer.Option(help="Cooperative hosting (Muon): auto hosts a dominant matrix on several TP ranks where that shortens the busiest device; force: every eligible matrix on all TP ranks (tests); off.")] = Coop.auto,
+    group_mb: Annotated[
+        float, typer.Option(help="MiB of gathered fp32 gradients a host holds per micro-group.")
+    ] = DEFAULT_GROUP_MB,
+    coop: Annotated[
+        Coop,
+        typer.Option(
+            help="Cooperative hosting (Muon): auto hosts a dominant matrix on several TP ranks where that shortens the busiest device; force: every eligible matrix on all TP ranks (tests); off."
+        ),
+    ] = Coop.auto,
     ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
-    fsdp: Annotated[bool, typer.Option("--fsdp", help="Parameters are sharded by FSDP2 (fully_shard) over DP: plan hosts over DP shard x TP.")] = False,
+    fsdp: Annotated[
+        bool,
+        typer.Option(
+            "--fsdp", help="Parameters are sharded by FSDP2 (fully_shard) over DP: plan hosts over DP shard x TP."
+        ),
+    ] = False,
     dp_replicate: Annotated[int, typer.Option(help="--fsdp: HSDP replicas (dp = replicate x shard).")] = 1,
     solver: Annotated[Solver, typer.Option(help="greedy, or ilp: refine with CP-SAT (needs ortools).")] = Solver.greedy,
     time_limit: Annotated[float, typer.Option(help="--solver ilp: CP-SAT budget in deterministic seconds.")] = 10.0,
     seed: Annotated[int, typer.Option(help="--solver ilp: CP-SAT random seed.")] = 0,
-    order: Annotated[Optional[Order], typer.Option(help="Parameter order inside a bucket: free (the planner's; canzona's runtime owns its exchange buffer) or registration (Megatron's fixed gradient buffer). Default: free, or registration with --solver ilp.", show_default=False)] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="FILE", help=OUTPUT_HELP)] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing file that holds another plan (or no schedule).")] = False,
+    order: Annotated[
+        Order | None,
+        typer.Option(
+            help="Parameter order inside a bucket: free (the planner's; canzona's runtime owns its exchange buffer) or registration (Megatron's fixed gradient buffer). Default: free, or registration with --solver ilp.",
+            show_default=False,
+        ),
+    ] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", metavar="FILE", help=OUTPUT_HELP)] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing file that holds another plan (or no schedule).")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Solve the DP partition for a model and layout, and write the schedule file."""
@@ -119,39 +182,72 @@ def plan(
     started = time.perf_counter()
     _check_group_mb(group_mb)
     searched_alpha, size = alpha.strip().lower() == "auto", _bucket_size(bucket_size)
-    searched_on = _refuse_options_without_effect(searched_alpha or size is None, device, solver.value, fsdp,
-                                                 optimizer.value, tp)
+    searched_on = _refuse_options_without_effect(
+        searched_alpha or size is None, device, solver.value, fsdp, optimizer.value, tp
+    )
     request = PlanRequest(
-        model, tp, dp,
-        optimizer=OptimizerConfig(optimizer.value, ns_steps=ns_steps, block_size=block_size,
-                                  precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim,
-                                  ns_coefficients=ns_coefficients.value),
-        cost=cost, alpha=1.0 if searched_alpha else _alpha(alpha), bucket_size=DEFAULT_BUCKET_SIZE if size is None else size,
-        options=ModelOptions(split_qkv=split_qkv.value, split_fc1=split_fc1, router_optimizer=router_optimizer.value,
-                             names=names.value, sequence_parallel=sequence_parallel,
-                             dtype=None if dtype is None else dtype.value),
-        tp_mode=mode.value, group_bytes=int(group_mb * MIB), ep=ep, solver=solver.value, time_limit=time_limit, seed=seed,
-        alpha_device=searched_on if searched_alpha else None, bucket_device=searched_on if size is None else None,
-        training=(TrainingSetup(global_batch=global_batch, seq_len=seq_len, micro_batches=micro_batches)
-                  if searched_on is not None else None),
-        sharding=FSDP if fsdp else REPLICATED, dp_replicate=dp_replicate, coop=coop.value,
+        model,
+        tp,
+        dp,
+        optimizer=OptimizerConfig(
+            optimizer.value,
+            ns_steps=ns_steps,
+            block_size=block_size,
+            precondition_frequency=precondition_frequency,
+            max_precond_dim=max_precond_dim,
+            ns_coefficients=ns_coefficients.value,
+        ),
+        cost=cost,
+        alpha=1.0 if searched_alpha else _alpha(alpha),
+        bucket_size=DEFAULT_BUCKET_SIZE if size is None else size,
+        options=ModelOptions(
+            split_qkv=split_qkv.value,
+            split_fc1=split_fc1,
+            router_optimizer=router_optimizer.value,
+            names=names.value,
+            sequence_parallel=sequence_parallel,
+            dtype=None if dtype is None else dtype.value,
+        ),
+        tp_mode=mode.value,
+        group_bytes=int(group_mb * MIB),
+        ep=ep,
+        solver=solver.value,
+        time_limit=time_limit,
+        seed=seed,
+        alpha_device=searched_on if searched_alpha else None,
+        bucket_device=searched_on if size is None else None,
+        training=(
+            TrainingSetup(global_batch=global_batch, seq_len=seq_len, micro_batches=micro_batches)
+            if searched_on is not None
+            else None
+        ),
+        sharding=FSDP if fsdp else REPLICATED,
+        dp_replicate=dp_replicate,
+        coop=coop.value,
         order=None if order is None else order.value,
     )
     request.validate()
     write_plan(request, output, force, as_json, started)
 
 
-def _refuse_options_without_effect(searching: bool, device: str, solver: str, fsdp: bool, optimizer: str,
-                                   tp: int) -> str | None:
+def _refuse_options_without_effect(
+    searching: bool, device: str, solver: str, fsdp: bool, optimizer: str, tp: int
+) -> str | None:
     """Refuse every option the other options make pointless; the device the automatic searches
     simulate on (None: no search)."""
-    refuse_unless(searching, ("device", "global_batch", "seq_len", "micro_batches"),
-                  "it sets up the simulation that --alpha auto and --bucket-size auto search with")
+    refuse_unless(
+        searching,
+        ("device", "global_batch", "seq_len", "micro_batches"),
+        "it sets up the simulation that --alpha auto and --bucket-size auto search with",
+    )
     refuse_unless(solver == "ilp", ("time_limit", "seed"), "it applies to --solver ilp")
     refuse_unless(fsdp, ("dp_replicate",), "it sets the HSDP replicas of --fsdp")
     refuse_unless(not fsdp, ("order",), "FSDP plans have no buckets to order")
-    refuse_unless(optimizer == "muon" and tp > 1 and not fsdp, ("coop",),
-                  "cooperative hosting applies to Muon with tp > 1, without --fsdp")
+    refuse_unless(
+        optimizer == "muon" and tp > 1 and not fsdp,
+        ("coop",),
+        "cooperative hosting applies to Muon with tp > 1, without --fsdp",
+    )
     refuse_unused_settings([optimizer])
     return device_option(device) if searching else None
 
@@ -208,8 +304,10 @@ def _note_default_dtype(request: PlanRequest) -> None:
     from canzona.planner.sources.load import DEFAULT_DTYPE, undeclared_dtype
 
     if request.options.dtype is None and not is_live(request.model) and undeclared_dtype(request.model):
-        warn(f"{request.model} declares no dtype: planned in {DEFAULT_DTYPE}, the default; transformers builds such a "
-             "model in fp32 (plan it with --dtype fp32 to train it so)")
+        warn(
+            f"{request.model} declares no dtype: planned in {DEFAULT_DTYPE}, the default; transformers builds such a "
+            "model in fp32 (plan it with --dtype fp32 to train it so)"
+        )
 
 
 def _refuse_names_of_a_listed_model(source: str, names: str) -> None:
@@ -220,7 +318,9 @@ def _refuse_names_of_a_listed_model(source: str, names: str) -> None:
 
     if not names_apply(source):
         kind = "a live model" if is_live(source) else "a parameter list"
-        raise PlanError(f"--names {names} applies to presets and Hugging Face configs; {kind} names its parameters itself")
+        raise PlanError(
+            f"--names {names} applies to presets and Hugging Face configs; {kind} names its parameters itself"
+        )
 
 
 def _own_names(request: PlanRequest) -> str:
@@ -246,8 +346,6 @@ def _solve(spec: ModelSpec, request: PlanRequest) -> Schedule:
     if not warned:
         _warn_idle_ranks(schedule)
     return schedule
-
-
 
 
 def _bucket_size(text: str) -> int | None:
@@ -288,9 +386,11 @@ def _warn_few_matrices(spec: ModelSpec, dp: int, ep: int) -> bool:
     matrices = sum(1 for p in spec.params if p.optimizer == MATRIX)
     if ep != 1 or matrices >= dp * (1 - IDLE_SHARE):
         return False
-    warn(f"{spec.name} has {plural(matrices, 'matrix', 'matrices')} for {dp} DP ranks: at least "
-         f"{dp - matrices} ranks will have nothing to update and the busiest rank sets the step; "
-         "a smaller --dp (or a larger --tp) balances better")
+    warn(
+        f"{spec.name} has {plural(matrices, 'matrix', 'matrices')} for {dp} DP ranks: at least "
+        f"{dp - matrices} ranks will have nothing to update and the busiest rank sets the step; "
+        "a smaller --dp (or a larger --tp) balances better"
+    )
     return True
 
 
@@ -299,5 +399,7 @@ def _warn_idle_ranks(schedule: Schedule) -> None:
     loads = schedule.metrics.dp.load
     idle = sum(1 for load in loads if load == 0)
     if idle > IDLE_SHARE * len(loads):
-        warn(f"{idle} of {len(loads)} DP ranks own no matrix to update (DP imbalance "
-             f"{schedule.metrics.dp.imbalance:.1f}); a smaller --dp (or a larger --tp) balances better")
+        warn(
+            f"{idle} of {len(loads)} DP ranks own no matrix to update (DP imbalance "
+            f"{schedule.metrics.dp.imbalance:.1f}); a smaller --dp (or a larger --tp) balances better"
+        )

@@ -27,8 +27,13 @@ DEFAULT_DEVICE = "h100"  # what `--alpha auto` and `--bucket-size auto` simulate
 MIB = 1 << 20
 UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 PROJECT_NAME = re.compile(r'^name\s*=\s*"canzona"\s*$', re.MULTILINE)
-SETTING_LABELS = {"ns_steps": "ns", "block_size": "block", "precondition_frequency": "every", "max_precond_dim": "maxdim",
-                  "ns_coefficients": "ns-"}
+SETTING_LABELS = {
+    "ns_steps": "ns",
+    "block_size": "block",
+    "precondition_frequency": "every",
+    "max_precond_dim": "maxdim",
+    "ns_coefficients": "ns-",
+}
 
 
 def file_part(text: str) -> str:
@@ -62,8 +67,14 @@ def plan_stem(request: PlanRequest, own_names: str) -> str:
     default: `-ep<E>`, `-fsdp` / `-hsdp<R>`, `-alpha<A>` / `-alphaauto`, `-<cost>`, then the
     bucket size, the searches' device and training, the optimizer's settings, the model's
     options, the TP scheduler, cooperative hosting, the solver and the parameter order."""
-    parts = [f"{request.optimizer.name}-tp{request.tp}-dp{request.dp}", *_layout_parts(request), *_search_parts(request),
-             *_setting_parts(request), *_model_parts(request, own_names), *_scheduler_parts(request)]
+    parts = [
+        f"{request.optimizer.name}-tp{request.tp}-dp{request.dp}",
+        *_layout_parts(request),
+        *_search_parts(request),
+        *_setting_parts(request),
+        *_model_parts(request, own_names),
+        *_scheduler_parts(request),
+    ]
     return "-".join(part for part in parts if part)
 
 
@@ -89,10 +100,17 @@ def _layout_parts(request: PlanRequest) -> Iterator[str]:
 def _search_parts(request: PlanRequest) -> Iterator[str]:
     from canzona.planner.request import TrainingSetup
 
-    yield "alphaauto" if request.alpha_device is not None else ("" if request.alpha == 1.0 else f"alpha{_number(request.alpha)}")
+    yield (
+        "alphaauto"
+        if request.alpha_device is not None
+        else ("" if request.alpha == 1.0 else f"alpha{_number(request.alpha)}")
+    )
     yield "" if request.cost == "flops" else _source_label(request.cost)
-    yield "bucketauto" if request.bucket_device is not None else (
-        "" if request.bucket_size == DEFAULT_BUCKET_SIZE else f"bucket{request.bucket_size}")
+    yield (
+        "bucketauto"
+        if request.bucket_device is not None
+        else ("" if request.bucket_size == DEFAULT_BUCKET_SIZE else f"bucket{request.bucket_size}")
+    )
     device = request.alpha_device or request.bucket_device
     yield "" if device in (None, DEFAULT_DEVICE) else f"on-{_source_label(device)}"
     if request.searching:

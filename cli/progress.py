@@ -86,8 +86,13 @@ def progress(description: str, total: int | None = None, *, lines: bool = False)
 
     columns = [SpinnerColumn(), TextColumn("{task.description}")]
     if total:
-        columns += [BarColumn(bar_width=20), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
-                    TimeRemainingColumn()]
+        columns += [
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+        ]
     else:
         columns += [TimeElapsedColumn()]
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:

@@ -16,8 +16,8 @@ import typer
 
 from canzona.cli.options import DEVICE_HELP, SCHEDULE_HELP, device_option, output_path, schedule_path, write_output
 from canzona.cli.wording import echo, plural, table_unit
-from canzona.schedules.files import check_output, write_target
 from canzona.schedules.errors import ScheduleError
+from canzona.schedules.files import check_output, write_target
 
 if TYPE_CHECKING:  # loaded by the command itself: `canzona -h` stays fast
     from canzona.schedules.format import Schedule
@@ -47,8 +47,10 @@ def _image_format(path: Path) -> str:
     kind = path.suffix[1:].lower()
     known = FigureCanvasBase.get_supported_filetypes()
     if kind not in known:
-        raise ScheduleError(f"cannot write {str(path)!r}: .{kind} is not an image format; use .png, .svg or .pdf "
-                            f"(or {', '.join(sorted(set(known) - {'png', 'svg', 'pdf'}))})")
+        raise ScheduleError(
+            f"cannot write {str(path)!r}: .{kind} is not an image format; use .png, .svg or .pdf "
+            f"(or {', '.join(sorted(set(known) - {'png', 'svg', 'pdf'}))})"
+        )
     return kind
 
 
@@ -62,17 +64,36 @@ def _strategy_panel(ax: Any, schedule: Schedule) -> None:
     # canzona is a wide pale band under the baselines, so a baseline as balanced as it (often
     # layer-wise) stays visible on top instead of hiding beneath it.
     ratios = [max(load / bound, FLOOR) for load in dp.load]
-    ax.plot(ranks, ratios, "-", color="black", lw=8, alpha=0.25, solid_capstyle="butt", zorder=1,
-            label=f"canzona (max {dp.max / bound:.3f})")
+    ax.plot(
+        ranks,
+        ratios,
+        "-",
+        color="black",
+        lw=8,
+        alpha=0.25,
+        solid_capstyle="butt",
+        zorder=1,
+        label=f"canzona (max {dp.max / bound:.3f})",
+    )
     styles = {"dp-sc": ":", "zero1-gather": "-.", "start-owner": "-", "layer-wise": "--"}
     for name, score in dp.baselines.items():
         loads = [max(load / bound, FLOOR) for load in score.load]
-        ax.plot(ranks, loads, styles.get(name, "-"), marker=marker, lw=1.5, zorder=3,
-                label=f"{name} (max {score.max / bound:.2f})")
+        ax.plot(
+            ranks,
+            loads,
+            styles.get(name, "-"),
+            marker=marker,
+            lw=1.5,
+            zorder=3,
+            label=f"{name} (max {score.max / bound:.2f})",
+        )
     ax.set_yscale("log")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set(title=f"matrix-optimizer load per DP rank / lower bound (idle ranks drawn at {FLOOR:g})",
-           xlabel="DP rank", ylabel="load / lower bound")
+    ax.set(
+        title=f"matrix-optimizer load per DP rank / lower bound (idle ranks drawn at {FLOOR:g})",
+        xlabel="DP rank",
+        ylabel="load / lower bound",
+    )
     ax.legend(title="strategy (max / bound)", **LEGEND_OUTSIDE)
 
 
@@ -93,15 +114,23 @@ def _device_panel(ax: Any, schedule: Schedule) -> None:
     devices, tp = schedule.metrics.device, schedule.request.tp
     mean = sum(d.load for d in devices) / len(devices)
     colours = _tp_colours(tp)
-    ax.bar([d.rank for d in devices], [d.load / mean if mean else 0.0 for d in devices],
-           color=[colours[d.tp_rank] for d in devices], width=0.9)
+    ax.bar(
+        [d.rank for d in devices],
+        [d.load / mean if mean else 0.0 for d in devices],
+        color=[colours[d.tp_rank] for d in devices],
+        width=0.9,
+    )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax.set(title="canzona compute per device (1 = mean)", xlabel="device (dp_rank * tp + tp_rank)",
-           ylabel="load / mean")
+    ax.set(
+        title="canzona compute per device (1 = mean)", xlabel="device (dp_rank * tp + tp_rank)", ylabel="load / mean"
+    )
     shown = range(tp) if tp <= 16 else sorted({0, tp // 4, tp // 2, 3 * tp // 4, tp - 1})
-    ax.legend(handles=[Patch(color=colours[rank], label=f"TP rank {rank}") for rank in shown],
-              title=f"colour: TP rank of {tp}" + ("" if tp <= 16 else " (some shown)"), **LEGEND_OUTSIDE)
+    ax.legend(
+        handles=[Patch(color=colours[rank], label=f"TP rank {rank}") for rank in shown],
+        title=f"colour: TP rank of {tp}" + ("" if tp <= 16 else " (some shown)"),
+        **LEGEND_OUTSIDE,
+    )
 
 
 def busiest_pipeline(schedule: Schedule, device: str) -> tuple[int, list[Any], list[list[float]], float, str]:
@@ -136,16 +165,31 @@ def _timeline_panel(ax: Any, schedule: Schedule, device: str) -> dict[str, Any]:
                 if busy:
                     ax.barh(host, busy / scale, left=event.start / scale, color=colour, edgecolor="white", lw=0.3)
         else:  # the TP group's all-to-alls share one network lane above the hosts
-            ax.barh(tp, (event.end - event.start) / scale, left=event.start / scale, color=colour, alpha=0.6,
-                    hatch="//" if event.kind == "gather" else "..", edgecolor="black", lw=0.3)
+            ax.barh(
+                tp,
+                (event.end - event.start) / scale,
+                left=event.start / scale,
+                color=colour,
+                alpha=0.6,
+                hatch="//" if event.kind == "gather" else "..",
+                edgecolor="black",
+                lw=0.3,
+            )
     ax.set_yticks(range(tp + 1), [f"TP {host}" for host in range(tp)] + ["all-to-all"])
-    ax.set(title=f"micro-group timeline of DP rank {dp_rank}, simulated on {hardware}: "
-                 f"{plural(len(host_loads), 'micro-group')} in {seconds / scale:.3g} {unit}",
-           xlabel=f"time ({unit})", ylabel="TP host")
-    ax.legend(handles=[Patch(facecolor="C0", label="host update (colour: micro-group)"),
-                       Patch(facecolor="white", edgecolor="black", hatch="//", label="gather all-to-all"),
-                       Patch(facecolor="white", edgecolor="black", hatch="..", label="scatter all-to-all")],
-              **LEGEND_OUTSIDE)
+    ax.set(
+        title=f"micro-group timeline of DP rank {dp_rank}, simulated on {hardware}: "
+        f"{plural(len(host_loads), 'micro-group')} in {seconds / scale:.3g} {unit}",
+        xlabel=f"time ({unit})",
+        ylabel="TP host",
+    )
+    ax.legend(
+        handles=[
+            Patch(facecolor="C0", label="host update (colour: micro-group)"),
+            Patch(facecolor="white", edgecolor="black", hatch="//", label="gather all-to-all"),
+            Patch(facecolor="white", edgecolor="black", hatch="..", label="scatter all-to-all"),
+        ],
+        **LEGEND_OUTSIDE,
+    )
     return {"dp_rank": dp_rank, "device": hardware, "seconds": seconds, "num_groups": len(host_loads)}
 
 
@@ -166,7 +210,9 @@ def draw(plt: Any, schedule: Schedule, device: str) -> tuple[Any, dict[str, Any]
 
 def render(
     file: Annotated[str, typer.Argument(metavar="SCHEDULE", help=SCHEDULE_HELP)],
-    output: Annotated[str, typer.Option("--output", "-o", metavar="FILE", help="Image to write (.png, .svg, .pdf; no suffix: .png).")] = "plan.png",
+    output: Annotated[
+        str, typer.Option("--output", "-o", metavar="FILE", help="Image to write (.png, .svg, .pdf; no suffix: .png).")
+    ] = "plan.png",
     device: Annotated[str, typer.Option(help=DEVICE_HELP + " Times the micro-group timeline.")] = "h100",
     as_json: Annotated[bool, typer.Option("--json", help="Print what was written as JSON.")] = False,
 ) -> None:
@@ -184,8 +230,10 @@ def render(
 
     schedule = read_schedule(source)
     if schedule.request.sharding == "fsdp":
-        raise ScheduleError(f"{file}: render draws the DP buckets and TP micro-groups of replicated schedules; for an FSDP "
-                            "schedule see `canzona show` and `canzona simulate`")
+        raise ScheduleError(
+            f"{file}: render draws the DP buckets and TP micro-groups of replicated schedules; for an FSDP "
+            "schedule see `canzona show` and `canzona simulate`"
+        )
     figure, timeline = draw(plt, schedule, device)
     image = io.BytesIO()
     try:
@@ -194,7 +242,10 @@ def render(
         plt.close(figure)
     write_output(target, image.getvalue())
     if as_json:
-        echo(json.dumps({"output": str(target), "format": kind, "bytes": len(image.getvalue()),
-                               "timeline": timeline}, indent=2))
+        echo(
+            json.dumps(
+                {"output": str(target), "format": kind, "bytes": len(image.getvalue()), "timeline": timeline}, indent=2
+            )
+        )
     else:
         echo(f"wrote {target}")

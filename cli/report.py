@@ -34,7 +34,9 @@ def preset_row(name: str, arch: Architecture, num_params: int) -> dict[str, Any]
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
-    lines = ["  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [header, *rows]
+    ]
     return "\n".join(lines)
 
 
@@ -42,7 +44,17 @@ def presets_table(rows: list[dict[str, Any]]) -> str:
     """The `canzona models` table."""
     header = ["model", "params", "layers", "hidden", "heads", "kv", "experts", "vocab", "tied"]
     body = [
-        [r["name"], f"{r['params_b']:.3f}B", r["layers"], r["hidden"], r["heads"], r["kv_groups"], r["experts"] or "-", r["vocab"], "yes" if r["tied"] else "no"]
+        [
+            r["name"],
+            f"{r['params_b']:.3f}B",
+            r["layers"],
+            r["hidden"],
+            r["heads"],
+            r["kv_groups"],
+            r["experts"] or "-",
+            r["vocab"],
+            "yes" if r["tied"] else "no",
+        ]
         for r in rows
     ]
     return _table(header, body)
@@ -92,8 +104,9 @@ def search_candidates(trials: list[tuple[str, float]], chosen: int, prefix: str 
     difference from it, to the thousandth of a millisecond, so that the winner is visible even
     where all of them round to the same seconds."""
     label, best = trials[chosen]
-    others = ", ".join(f"{name}: {_difference(seconds - best)}" for index, (name, seconds) in enumerate(trials)
-                       if index != chosen)
+    others = ", ".join(
+        f"{name}: {_difference(seconds - best)}" for index, (name, seconds) in enumerate(trials) if index != chosen
+    )
     return f"{duration(best)} at {prefix}{label}" + (f"; {others}" if others else "")
 
 
@@ -114,7 +127,9 @@ def _fsdp_layout(tp: int, dp: int, replicate: int) -> str:
 def summary_text(summary: dict[str, Any]) -> str:
     """Short human summary of `plan_summary`."""
     lines = [
-        f"wrote {summary['output']}" if summary.get("written", True) else f"unchanged {summary['output']} (it held this plan)",
+        f"wrote {summary['output']}"
+        if summary.get("written", True)
+        else f"unchanged {summary['output']} (it held this plan)",
         f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  "
         f"cost {summary['cost']}  alpha {summary['alpha']:g}",
         f"{plural(summary['num_matrix_params'], 'matrix parameter')} in {plural(summary['num_buckets'], 'bucket')}, "
@@ -125,35 +140,51 @@ def summary_text(summary: dict[str, Any]) -> str:
         + ", ".join(f"{name} {1 + b['gap']:.3f}" for name, b in summary["baselines"].items()),
         f"TP {summary['tp_mode']}: {plural(summary['num_groups'], 'micro-group')}, efficiency "
         f"{summary['tp_efficiency']:.3f}, device imbalance {summary['device_imbalance']:.3f}"
-        + (f", {plural(summary['cooperative'], 'matrix', 'matrices')} hosted cooperatively" if summary["cooperative"] else "")
+        + (
+            f", {plural(summary['cooperative'], 'matrix', 'matrices')} hosted cooperatively"
+            if summary["cooperative"]
+            else ""
+        )
         + _device_gap_text(summary["device_gap"]),
         f"planned in {duration(summary['seconds'])}",
     ]
     if summary.get("sharding") == "fsdp":
-        lines[1] = f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  cost {summary['cost']}"
-        lines[2] = (f"{plural(summary['num_matrix_params'], 'matrix parameter')}, "
-                    + _fsdp_layout(summary["tp"], summary["dp"], summary["dp_replicate"]))
+        lines[1] = (
+            f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  cost {summary['cost']}"
+        )
+        lines[2] = f"{plural(summary['num_matrix_params'], 'matrix parameter')}, " + _fsdp_layout(
+            summary["tp"], summary["dp"], summary["dp_replicate"]
+        )
     if summary["alpha_search"]:
         objective = "iteration" if summary["alpha_search"][0].get("predicted_iteration_s") is not None else "step"
         tried = [(f"{t['alpha']:g}", t[f"predicted_{objective}_s"]) for t in summary["alpha_search"]]
         chosen = next(i for i, t in enumerate(summary["alpha_search"]) if t["alpha"] == summary["alpha"])
-        lines.insert(2, f"alpha chosen by the simulator on {summary['alpha_device']}: predicted {objective} "
-                        f"{search_candidates(tried, chosen, 'alpha ')} (equal times go to the larger alpha)")
+        lines.insert(
+            2,
+            f"alpha chosen by the simulator on {summary['alpha_device']}: predicted {objective} "
+            f"{search_candidates(tried, chosen, 'alpha ')} (equal times go to the larger alpha)",
+        )
     if summary["bucket_search"]:
         from canzona.planner.predict.auto_bucket import size_label
 
         search = summary["bucket_search"]
         tried = [(size_label(t["bucket_size"]), t["predicted_iteration_s"]) for t in search["trials"]]
         chosen = next(i for i, t in enumerate(search["trials"]) if t["bucket_size"] == summary["bucket_size"])
-        lines.insert(2, f"bucket size chosen by the simulator on {summary['bucket_device']}: {search['reason']} "
-                        f"(predicted iteration {search_candidates(tried, chosen)})")
+        lines.insert(
+            2,
+            f"bucket size chosen by the simulator on {summary['bucket_device']}: {search['reason']} "
+            f"(predicted iteration {search_candidates(tried, chosen)})",
+        )
     solver = summary["solver"]
     if solver:
-        lines.insert(-1, (
-            f"CP-SAT: DP {solver['dp_status']} (objective {solver['dp_objective']:.4g}, bound "
-            f"{solver['dp_bound']:.4g}, {'accepted' if solver['dp_accepted'] else 'greedy kept'}); "
-            f"TP hosts improved in {solver['tp_groups_improved']} of {plural(solver['tp_groups_refined'], 'group')}"
-        ))
+        lines.insert(
+            -1,
+            (
+                f"CP-SAT: DP {solver['dp_status']} (objective {solver['dp_objective']:.4g}, bound "
+                f"{solver['dp_bound']:.4g}, {'accepted' if solver['dp_accepted'] else 'greedy kept'}); "
+                f"TP hosts improved in {solver['tp_groups_improved']} of {plural(solver['tp_groups_refined'], 'group')}"
+            ),
+        )
     return "\n".join(lines)
 
 
@@ -169,14 +200,18 @@ def _bars(values: list[float], reference: float, what: str) -> list[str]:
     if len(ratios) <= MAX_BAR_ROWS:
         return [f"{what} (1.000 = mean, full bar = 2x mean):"] + [_bar(str(i), r) for i, r in enumerate(ratios)]
     step = -(-len(ratios) // RANGE_ROWS)
-    lines = [f"{what} (1.000 = mean, full bar = 2x mean), {step} ranks a row, each row the maximum of its range; "
-             "--rank R shows one device:"]
+    lines = [
+        f"{what} (1.000 = mean, full bar = 2x mean), {step} ranks a row, each row the maximum of its range; "
+        "--rank R shows one device:"
+    ]
     for start in range(0, len(ratios), step):
         chunk = ratios[start : start + step]
         lines.append(_bar(f"{start}-{start + len(chunk) - 1}", max(chunk)))
     idle = sum(1 for value in values if value == 0)
-    lines.append(f"{'':>9}  min {min(ratios):.3f}, median {statistics.median(ratios):.3f}, max {max(ratios):.3f}"
-                 + (f"; {idle} of {len(ratios)} idle" if idle else ""))
+    lines.append(
+        f"{'':>9}  min {min(ratios):.3f}, median {statistics.median(ratios):.3f}, max {max(ratios):.3f}"
+        + (f"; {idle} of {len(ratios)} idle" if idle else "")
+    )
     return lines
 
 
@@ -222,8 +257,9 @@ def show_text(schedule: Schedule) -> str:
         f"alpha {req.alpha:g}  method {dp.method}" + ("  order free" if req.order == "free" else "")
     )
     if req.sharding == "fsdp":
-        header = (f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  "
-                  + _fsdp_layout(req.tp, req.dp, req.dp_replicate))
+        header = f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  " + _fsdp_layout(
+            req.tp, req.dp, req.dp_replicate
+        )
     lines = [header, "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
     lines += [
         "",
@@ -231,14 +267,22 @@ def show_text(schedule: Schedule) -> str:
         "(no plan of this model and layout does better: mean, largest matrix, pairs of the largest)",
         f"padding overhead {dp.padding_overhead:.2f}x (worst bucket {dp.max_padding_overhead:.2f}x)",
         *collective_lines(schedule),
-        f"gradient slice per rank: max {max(dp.slice_bytes) / GIB:.3f} GiB, "
-        f"min {min(dp.slice_bytes) / GIB:.3f} GiB",
+        f"gradient slice per rank: max {max(dp.slice_bytes) / GIB:.3f} GiB, min {min(dp.slice_bytes) / GIB:.3f} GiB",
         f"optimizer state per DP rank (TP group): max {max(dp.state_bytes) / GIB:.2f} GiB, "
         f"min {min(dp.state_bytes) / GIB:.2f} GiB",
         "",
     ]
     rows = [["canzona", f"{1 + dp.gap:.3f}", f"{dp.imbalance:.3f}", "1.00", f"{dp.padding_overhead:.2f}x"]]
-    rows += [[name, f"{1 + s.gap:.3f}", f"{s.imbalance:.3f}", f"{s.redundancy:.2f}", "-" if s.padding_overhead is None else f"{s.padding_overhead:.2f}x"] for name, s in dp.baselines.items()]
+    rows += [
+        [
+            name,
+            f"{1 + s.gap:.3f}",
+            f"{s.imbalance:.3f}",
+            f"{s.redundancy:.2f}",
+            "-" if s.padding_overhead is None else f"{s.padding_overhead:.2f}x",
+        ]
+        for name, s in dp.baselines.items()
+    ]
     lines.append(_table(["strategy", "max/bound", "imbalance", "redundancy", "padding"], rows))
     return "\n".join(lines + [""] + _tp_lines(schedule))
 
@@ -251,9 +295,16 @@ def _tp_lines(schedule: Schedule) -> list[str]:
         + (f"; {plural(tp.cooperative, 'matrix', 'matrices')} hosted cooperatively" if tp.cooperative else ""),
     ]
     s = tp.modes[tp.mode]  # older files also hold other modes' scores, which nothing re-checks: not shown
-    rows = [[tp.mode, str(s.num_groups), f"{s.efficiency:.3f}",
-             f"{s.critical_time / tp.critical_lower_bound if tp.critical_lower_bound else 1:.3f}",
-             f"{s.device_imbalance:.3f}", f"{s.max_saturation:.2f}"]]
+    rows = [
+        [
+            tp.mode,
+            str(s.num_groups),
+            f"{s.efficiency:.3f}",
+            f"{s.critical_time / tp.critical_lower_bound if tp.critical_lower_bound else 1:.3f}",
+            f"{s.device_imbalance:.3f}",
+            f"{s.max_saturation:.2f}",
+        ]
+    ]
     lines.append(_table(["mode", "groups", "efficiency", "critical/bound", "device imbalance", "max saturation"], rows))
     loads = [d.load for d in devices]
     lines += ["", *_bars(loads, sum(loads) / len(loads), "compute load per device")]
@@ -289,33 +340,75 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
     device = schedule.metrics.device[rank]
     if req.sharding == "fsdp":  # one plan for every replica; hosts are fragment ranks (shard · tp + tp rank)
         host = (dp_rank % (req.dp // req.dp_replicate)) * req.tp + tp_rank
-        groups = [{"index": g.index, "tasks": len(g.params), "makespan": g.makespan, "saturation": g.saturation,
-                   "hosted": [name for name, h in zip(g.params, g.hosts) if h == host], "teamed": []}
-                  for g in schedule.tp.ranks[0].groups]
-        return {"rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
-                "load": device.load, "state_bytes": device.state_bytes, "peak_bytes": device.peak_bytes,
-                "bytes_sent": device.bytes_sent,
-                "bytes_received": device.bytes_received, "owned": [n for g in groups for n in g["hosted"]], "slices": [],
-                "groups": groups, "sharding": req.sharding}
+        groups = [
+            {
+                "index": g.index,
+                "tasks": len(g.params),
+                "makespan": g.makespan,
+                "saturation": g.saturation,
+                "hosted": [name for name, h in zip(g.params, g.hosts) if h == host],
+                "teamed": [],
+            }
+            for g in schedule.tp.ranks[0].groups
+        ]
+        return {
+            "rank": rank,
+            "dp_rank": dp_rank,
+            "tp_rank": tp_rank,
+            "model": req.model.name,
+            "tp": req.tp,
+            "dp": req.dp,
+            "load": device.load,
+            "state_bytes": device.state_bytes,
+            "peak_bytes": device.peak_bytes,
+            "bytes_sent": device.bytes_sent,
+            "bytes_received": device.bytes_received,
+            "owned": [n for g in groups for n in g["hosted"]],
+            "slices": [],
+            "groups": groups,
+            "sharding": req.sharding,
+        }
     slices = [
-        {"bucket": bucket.index, "start": bucket.cuts[dp_rank], "stop": bucket.cuts[dp_rank + 1],
-         "elements": bucket.cuts[dp_rank + 1] - bucket.cuts[dp_rank]}
-        for bucket in schedule.dp.buckets if bucket.cuts[dp_rank + 1] > bucket.cuts[dp_rank]
+        {
+            "bucket": bucket.index,
+            "start": bucket.cuts[dp_rank],
+            "stop": bucket.cuts[dp_rank + 1],
+            "elements": bucket.cuts[dp_rank + 1] - bucket.cuts[dp_rank],
+        }
+        for bucket in schedule.dp.buckets
+        if bucket.cuts[dp_rank + 1] > bucket.cuts[dp_rank]
     ]
     groups = [
-        {"index": group.index, "tasks": len(group.params), "makespan": group.makespan, "saturation": group.saturation,
-         "hosted": [name for name, host in zip(group.params, group.hosts) if host == tp_rank
-                    or tp_rank in teams.get(name, ())],
-         "teamed": [name for name in group.params if tp_rank in teams.get(name, ())]}
+        {
+            "index": group.index,
+            "tasks": len(group.params),
+            "makespan": group.makespan,
+            "saturation": group.saturation,
+            "hosted": [
+                name
+                for name, host in zip(group.params, group.hosts)
+                if host == tp_rank or tp_rank in teams.get(name, ())
+            ],
+            "teamed": [name for name in group.params if tp_rank in teams.get(name, ())],
+        }
         for group in schedule.tp.ranks[dp_rank].groups
         for teams in ({team.param: team.hosts for team in group.teams},)
     ]
     return {
-        "rank": rank, "dp_rank": dp_rank, "tp_rank": tp_rank, "model": req.model.name, "tp": req.tp, "dp": req.dp,
-        "load": device.load, "state_bytes": device.state_bytes, "peak_bytes": device.peak_bytes,
+        "rank": rank,
+        "dp_rank": dp_rank,
+        "tp_rank": tp_rank,
+        "model": req.model.name,
+        "tp": req.tp,
+        "dp": req.dp,
+        "load": device.load,
+        "state_bytes": device.state_bytes,
+        "peak_bytes": device.peak_bytes,
         "bytes_sent": device.bytes_sent,
         "bytes_received": device.bytes_received,
-        "owned": [p.name for p in schedule.params if p.owner == dp_rank], "slices": slices, "groups": groups,
+        "owned": [p.name for p in schedule.params if p.owner == dp_rank],
+        "slices": slices,
+        "groups": groups,
     }
 
 
@@ -332,13 +425,18 @@ def rank_text(part: dict[str, Any]) -> str:
     ]
     if part.get("sharding") == "fsdp":
         lines[-1] = f"hosts {plural(len(part['owned']), 'matrix', 'matrices')} (FSDP: no buffer slices)"
-    lines += [f"  bucket {s['bucket']}: [{s['start']}, {s['stop']})  {plural(s['elements'], 'element')}"
-              for s in part["slices"]]
+    lines += [
+        f"  bucket {s['bucket']}: [{s['start']}, {s['stop']})  {plural(s['elements'], 'element')}"
+        for s in part["slices"]
+    ]
     lines += ["", "micro-groups (tasks hosted here marked *):"]
     for group in part["groups"]:
         lines.append(
             f"  group {group['index']}: {plural(group['tasks'], 'task')}, makespan {group['makespan']:.4g}, "
             f"saturation {group['saturation']:.2f}, {len(group['hosted'])} hosted here"
         )
-        lines += [f"    * {name}" + (" (a slice: hosted by a team)" if name in group["teamed"] else "") for name in group["hosted"]]
+        lines += [
+            f"    * {name}" + (" (a slice: hosted by a team)" if name in group["teamed"] else "")
+            for name in group["hosted"]
+        ]
     return "\n".join(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -26,7 +26,17 @@ if TYPE_CHECKING:  # loaded by the command itself: `canzona -h` stays fast
     from canzona.planner.predict.simulate import Simulation
     from canzona.schedules.format import Schedule
 
-STEP_FIELDS = ("name", "description", "step", "compute", "comm", "exposed_comm", "dp_comm", "tp_comm", "critical_device")
+STEP_FIELDS = (
+    "name",
+    "description",
+    "step",
+    "compute",
+    "comm",
+    "exposed_comm",
+    "dp_comm",
+    "tp_comm",
+    "critical_device",
+)
 
 
 def bucket_rows(sim: Simulation) -> list[dict[str, Any]]:
@@ -36,8 +46,17 @@ def bucket_rows(sim: Simulation) -> list[dict[str, Any]]:
 
     phases = sim.get("canzona").phases
     gathers = {(s.buffer, s.bucket): s.exchange.seconds() for s in phases.gather}
-    return [{"buffer": s.buffer, "bucket": s.bucket, "collective": s.collective, "reduce_s": s.exchange.seconds(),
-             "gather_s": gathers.get((s.buffer, s.bucket), 0.0)} for s in phases.reduce if s.buffer != ADAMW_BUFFER]
+    return [
+        {
+            "buffer": s.buffer,
+            "bucket": s.bucket,
+            "collective": s.collective,
+            "reduce_s": s.exchange.seconds(),
+            "gather_s": gathers.get((s.buffer, s.bucket), 0.0),
+        }
+        for s in phases.reduce
+        if s.buffer != ADAMW_BUFFER
+    ]
 
 
 def simulation_dict(sim: Simulation) -> dict[str, Any]:
@@ -45,18 +64,31 @@ def simulation_dict(sim: Simulation) -> dict[str, Any]:
     canzona's iteration)."""
     ratios, iteration_ratios = sim.ratios(), sim.iteration_ratios()
     data: dict[str, Any] = {
-        "model": sim.model, "tp": sim.tp, "dp": sim.dp, "ep": sim.ep, "optimizer": sim.optimizer,
-        "hardware": asdict(sim.hardware), "time_model": sim.time_model, "fused": sim.fused,
+        "model": sim.model,
+        "tp": sim.tp,
+        "dp": sim.dp,
+        "ep": sim.ep,
+        "optimizer": sim.optimizer,
+        "hardware": asdict(sim.hardware),
+        "time_model": sim.time_model,
+        "fused": sim.fused,
         "dp_collectives": sim.dp_collectives,
         "strategies": [
-            {**{key: getattr(s, key) for key in STEP_FIELDS}, "optimizer_stage": s.optimizer_stage, "ratio": ratios[s.name]}
+            {
+                **{key: getattr(s, key) for key in STEP_FIELDS},
+                "optimizer_stage": s.optimizer_stage,
+                "ratio": ratios[s.name],
+            }
             for s in sim.strategies
         ],
         "buckets": bucket_rows(sim),
     }
     if sim.training is not None:
-        data["training"] = {**asdict(sim.training), "micro_batches": sim.training.validate(sim.dp),
-                            "train_flops": sim.hardware.training_flops()}
+        data["training"] = {
+            **asdict(sim.training),
+            "micro_batches": sim.training.validate(sim.dp),
+            "train_flops": sim.hardware.training_flops(),
+        }
         data["iterations"] = [{**asdict(it), "ratio": iteration_ratios[it.name]} for it in sim.iterations]
     return data
 
@@ -77,17 +109,23 @@ def _header(sim: Simulation) -> list[str]:
 
     hw = sim.hardware
     lines = [
-        f"{sim.model}  tp {sim.tp} x dp {sim.dp}" + (f" (ep {sim.ep})" if sim.ep > 1 else "")
+        f"{sim.model}  tp {sim.tp} x dp {sim.dp}"
+        + (f" (ep {sim.ep})" if sim.ep > 1 else "")
         + f"  {sim.optimizer}  on {hw.name}",
         f"compute: {_pricing(sim.time_model)}; {hw.matrix_flops / 1e12:.3g} TFLOP/s matrix, "
         f"{hw.memory_bandwidth / 1e9:.3g} GB/s memory",
         f"network: {hw.intra_bandwidth / 1e9:.3g} GB/s intra-node, {hw.inter_bandwidth / 1e9:.3g} GB/s inter-node "
-        f"per direction, " + ("all on one host" if hw.gpus_per_node >= CPU_GPUS_PER_NODE else f"{hw.gpus_per_node} per node")
+        f"per direction, "
+        + ("all on one host" if hw.gpus_per_node >= CPU_GPUS_PER_NODE else f"{hw.gpus_per_node} per node")
         + f", α {hw.latency * 1e6:.3g} µs per step",
         f"source: {hw.source}",
-        "DP collectives: " + ("one fused exchange per buffer" if sim.fused else "one per bucket")
-        + ("; canzona's matrix buckets as the schedule records them" if sim.dp_collectives == AS_SCHEDULED
-           else f"; every canzona matrix bucket as {sim.dp_collectives}"),
+        "DP collectives: "
+        + ("one fused exchange per buffer" if sim.fused else "one per bucket")
+        + (
+            "; canzona's matrix buckets as the schedule records them"
+            if sim.dp_collectives == AS_SCHEDULED
+            else f"; every canzona matrix bucket as {sim.dp_collectives}"
+        ),
     ]
     if sim.training is not None:
         tr, canzona = sim.training, sim.iteration("canzona")
@@ -97,7 +135,8 @@ def _header(sim: Simulation) -> list[str]:
         )
         lines.append(
             "overlap, the same for every strategy that has such collectives: gradient reduction "
-            + ("overlapped with backward" if canzona.overlap_grad else "after backward") + ", parameter gather "
+            + ("overlapped with backward" if canzona.overlap_grad else "after backward")
+            + ", parameter gather "
             + ("overlapped with the next forward" if canzona.overlap_param else "before the step returns")
             + " (defaults: the runtime's and Megatron-Core's, --overlap-param-gather to change)"
         )
@@ -107,12 +146,27 @@ def _header(sim: Simulation) -> list[str]:
 def _step_table(sim: Simulation) -> str:
     ratios = sim.ratios()
     unit, scale = table_unit(max(s.step for s in sim.strategies))
-    header = ["strategy", f"step {unit}", f"compute {unit}", f"comm {unit}", f"exposed {unit}", f"DP comm {unit}",
-              f"optimizer {unit}", "vs canzona", "critical device"]
+    header = [
+        "strategy",
+        f"step {unit}",
+        f"compute {unit}",
+        f"comm {unit}",
+        f"exposed {unit}",
+        f"DP comm {unit}",
+        f"optimizer {unit}",
+        "vs canzona",
+        "critical device",
+    ]
     rows = [
-        [s.name, *(f"{value / scale:.3f}" for value in (s.step, s.compute, s.comm, s.exposed_comm, s.dp_comm,
-                                                        s.optimizer_stage)),
-         f"{ratios[s.name]:.2f}x", str(s.critical_device)]
+        [
+            s.name,
+            *(
+                f"{value / scale:.3f}"
+                for value in (s.step, s.compute, s.comm, s.exposed_comm, s.dp_comm, s.optimizer_stage)
+            ),
+            f"{ratios[s.name]:.2f}x",
+            str(s.critical_device),
+        ]
         for s in sim.strategies
     ]
     return _table(header, rows)
@@ -121,12 +175,26 @@ def _step_table(sim: Simulation) -> str:
 def _iteration_table(sim: Simulation) -> str:
     ratios = sim.iteration_ratios()
     unit, scale = table_unit(max(it.iteration for it in sim.iterations))
-    header = ["strategy", f"iteration {unit}", f"fwd+bwd {unit}", f"exposed reduce {unit}", f"optimizer {unit}",
-              f"exposed gather {unit}", "vs canzona", "overlap (grad, param)"]
+    header = [
+        "strategy",
+        f"iteration {unit}",
+        f"fwd+bwd {unit}",
+        f"exposed reduce {unit}",
+        f"optimizer {unit}",
+        f"exposed gather {unit}",
+        "vs canzona",
+        "overlap (grad, param)",
+    ]
     rows = [
-        [it.name, *(f"{value / scale:.3f}" for value in (it.iteration, it.forward_backward, it.exposed_reduce,
-                                                         it.optimizer, it.exposed_gather)),
-         f"{ratios[it.name]:.2f}x", f"{'yes' if it.overlap_grad else 'no'}, {'yes' if it.overlap_param else 'no'}"]
+        [
+            it.name,
+            *(
+                f"{value / scale:.3f}"
+                for value in (it.iteration, it.forward_backward, it.exposed_reduce, it.optimizer, it.exposed_gather)
+            ),
+            f"{ratios[it.name]:.2f}x",
+            f"{'yes' if it.overlap_grad else 'no'}, {'yes' if it.overlap_param else 'no'}",
+        ]
         for it in sim.iterations
     ]
     return _table(header, rows)
@@ -149,18 +217,30 @@ def _collective_lines(sim: Simulation) -> list[str]:
 def simulation_text(sim: Simulation) -> str:
     """The `canzona simulate` report: the optimizer step, then (with a training setup) the iteration."""
     lines = _header(sim) + _collective_lines(sim) + ["optimizer step (nothing overlapped):", _step_table(sim)]
-    lines += ["", "compute/comm/exposed: the critical device's (exposed = step - compute); optimizer = step "
-              "without DP collectives; vs canzona: this strategy's time over canzona's (above 1: canzona is faster)."]
+    lines += [
+        "",
+        "compute/comm/exposed: the critical device's (exposed = step - compute); optimizer = step "
+        "without DP collectives; vs canzona: this strategy's time over canzona's (above 1: canzona is faster).",
+    ]
     if sim.iterations:
-        lines += ["", "training iteration (every strategy's DP collectives overlapped alike, where it has them):",
-                  _iteration_table(sim),
-                  "", "optimizer: fetches + optimizer stage + publishing broadcasts, which nothing overlaps; "
-                  "ddp-adamw is a reference (AdamW, not a matrix optimizer)."]
+        lines += [
+            "",
+            "training iteration (every strategy's DP collectives overlapped alike, where it has them):",
+            _iteration_table(sim),
+            "",
+            "optimizer: fetches + optimizer stage + publishing broadcasts, which nothing overlaps; "
+            "ddp-adamw is a reference (AdamW, not a matrix optimizer).",
+        ]
     return "\n".join(lines)
 
 
-def _check_network(gpus_per_node: int | None, intra_gbps: float | None, inter_gbps: float | None,
-                   latency_us: float | None, train_tflops: float | None) -> None:
+def _check_network(
+    gpus_per_node: int | None,
+    intra_gbps: float | None,
+    inter_gbps: float | None,
+    latency_us: float | None,
+    train_tflops: float | None,
+) -> None:
     from canzona.planner.spec import PlanError
 
     if gpus_per_node is not None and gpus_per_node < 1:
@@ -172,8 +252,12 @@ def _check_network(gpus_per_node: int | None, intra_gbps: float | None, inter_gb
         raise PlanError(f"--latency-us must be a finite number >= 0, got {latency_us}")
 
 
-def schedule_device(schedule: Schedule, device: str, network: tuple[float | None, float | None, int | None, float | None] = (None,) * 4,
-                    train_tflops: float | None = None) -> Device:
+def schedule_device(
+    schedule: Schedule,
+    device: str,
+    network: tuple[float | None, float | None, int | None, float | None] = (None,) * 4,
+    train_tflops: float | None = None,
+) -> Device:
     """The device (`--device` value) a schedule is priced on, with the network overrides (intra
     and inter GB/s, GPUs per node, latency µs) and training rate given; a CPU profile is shared
     by every rank of the schedule's layout."""
@@ -184,8 +268,12 @@ def schedule_device(schedule: Schedule, device: str, network: tuple[float | None
     chosen = resolve_device(device, *network)
     if train_tflops is not None:
         hw = chosen.hardware
-        chosen = replace(chosen, hardware=replace(hw, train_flops=train_tflops * 1e12,
-                                                  source=f"{hw.source}; overridden: train_flops={train_tflops:g}e12"))
+        chosen = replace(
+            chosen,
+            hardware=replace(
+                hw, train_flops=train_tflops * 1e12, source=f"{hw.source}; overridden: train_flops={train_tflops:g}e12"
+            ),
+        )
     if chosen.profile is not None and chosen.profile.device == "cpu":
         # Every rank of a CPU run shares this host: the profile's measured contention applies.
         chosen = shared_host(chosen, schedule.request.tp * schedule.request.dp)
@@ -203,20 +291,49 @@ def optimizer_config(schedule: Schedule) -> OptimizerConfig:
 def simulate(
     file: Annotated[str, typer.Argument(metavar="SCHEDULE", help=SCHEDULE_HELP)],
     device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "h100",
-    intra_gbps: Annotated[Optional[float], typer.Option(help="Intra-node bandwidth, GB/s (gigabytes) per direction per device.")] = None,
-    inter_gbps: Annotated[Optional[float], typer.Option(help="Inter-node bandwidth, GB/s (gigabytes) per direction per device.")] = None,
-    gpus_per_node: Annotated[Optional[int], typer.Option(help="Devices per node.")] = None,
-    latency_us: Annotated[Optional[float], typer.Option(help="α: microseconds per collective step.")] = None,
-    fused: Annotated[bool, typer.Option("--fused", help="One DP collective per buffer instead of one per bucket.")] = False,
-    dp_collectives: Annotated[str, typer.Option(help="canzona's matrix buckets: schedule (each bucket's recorded collective, the runtime's default), or ring, rooted or all_to_all for every bucket.")] = AS_SCHEDULED,
-    global_batch: Annotated[int, typer.Option(help="Iteration: sequences per optimizer step, over all DP ranks.")] = DEFAULT_GLOBAL_BATCH,
+    intra_gbps: Annotated[
+        float | None, typer.Option(help="Intra-node bandwidth, GB/s (gigabytes) per direction per device.")
+    ] = None,
+    inter_gbps: Annotated[
+        float | None, typer.Option(help="Inter-node bandwidth, GB/s (gigabytes) per direction per device.")
+    ] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="Devices per node.")] = None,
+    latency_us: Annotated[float | None, typer.Option(help="α: microseconds per collective step.")] = None,
+    fused: Annotated[
+        bool, typer.Option("--fused", help="One DP collective per buffer instead of one per bucket.")
+    ] = False,
+    dp_collectives: Annotated[
+        str,
+        typer.Option(
+            help="canzona's matrix buckets: schedule (each bucket's recorded collective, the runtime's default), or ring, rooted or all_to_all for every bucket."
+        ),
+    ] = AS_SCHEDULED,
+    global_batch: Annotated[
+        int, typer.Option(help="Iteration: sequences per optimizer step, over all DP ranks.")
+    ] = DEFAULT_GLOBAL_BATCH,
     seq_len: Annotated[int, typer.Option(help="Iteration: tokens per sequence.")] = DEFAULT_SEQ_LEN,
-    micro_batches: Annotated[Optional[int], typer.Option(help="Iteration: forward/backward passes per DP rank (default: global batch / dp).")] = None,
-    overlap_grad_reduce: Annotated[bool, typer.Option(help="Every strategy reduces gradients during backward (the runtime's default).")] = True,
-    overlap_param_gather: Annotated[bool, typer.Option(help="Every strategy with per-bucket parameter gathers runs them during the next forward (a runtime option).")] = False,
-    train_tflops: Annotated[Optional[float], typer.Option(help="Achieved training forward+backward TFLOP/s per device (default: the device model's).")] = None,
-    routed_fraction: Annotated[Optional[float], typer.Option(help="MoE: top_k / num_experts (default: from the model's preset or config).")] = None,
-    step_only: Annotated[bool, typer.Option("--step-only", help="Predict the optimizer step only, not the iteration.")] = False,
+    micro_batches: Annotated[
+        int | None, typer.Option(help="Iteration: forward/backward passes per DP rank (default: global batch / dp).")
+    ] = None,
+    overlap_grad_reduce: Annotated[
+        bool, typer.Option(help="Every strategy reduces gradients during backward (the runtime's default).")
+    ] = True,
+    overlap_param_gather: Annotated[
+        bool,
+        typer.Option(
+            help="Every strategy with per-bucket parameter gathers runs them during the next forward (a runtime option)."
+        ),
+    ] = False,
+    train_tflops: Annotated[
+        float | None,
+        typer.Option(help="Achieved training forward+backward TFLOP/s per device (default: the device model's)."),
+    ] = None,
+    routed_fraction: Annotated[
+        float | None, typer.Option(help="MoE: top_k / num_experts (default: from the model's preset or config).")
+    ] = None,
+    step_only: Annotated[
+        bool, typer.Option("--step-only", help="Predict the optimizer step only, not the iteration.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Predict the optimizer step and the training iteration of the schedule and of every baseline."""
@@ -228,9 +345,19 @@ def simulate(
     _check_network(gpus_per_node, intra_gbps, inter_gbps, latency_us, train_tflops)
     if dp_collectives not in DP_COLLECTIVE_MODES:
         raise PlanError(f"--dp-collectives must be one of {', '.join(DP_COLLECTIVE_MODES)}, got {dp_collectives!r}")
-    refuse_unless(not step_only, ("global_batch", "seq_len", "micro_batches", "overlap_grad_reduce",
-                                  "overlap_param_gather", "train_tflops", "routed_fraction"),
-                  "--step-only predicts no training iteration")
+    refuse_unless(
+        not step_only,
+        (
+            "global_batch",
+            "seq_len",
+            "micro_batches",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "train_tflops",
+            "routed_fraction",
+        ),
+        "--step-only predicts no training iteration",
+    )
     device = device_option(device)
     training = None if step_only else TrainingSetup(global_batch, seq_len, micro_batches)
     if training is not None:
@@ -239,24 +366,45 @@ def simulate(
         check_routed_fraction(routed_fraction)
     schedule = load_schedule(file)  # every option is checked before this, the command's real work
     if schedule.request.sharding == "fsdp":
-        refuse_unless(False, ("global_batch", "seq_len", "micro_batches", "overlap_grad_reduce", "overlap_param_gather",
-                              "train_tflops", "routed_fraction", "fused", "dp_collectives"),
-                      "FSDP schedules are simulated for the optimizer step only (FSDP2's own collectives are the same "
-                      "for every optimizer)")
+        refuse_unless(
+            False,
+            (
+                "global_batch",
+                "seq_len",
+                "micro_batches",
+                "overlap_grad_reduce",
+                "overlap_param_gather",
+                "train_tflops",
+                "routed_fraction",
+                "fused",
+                "dp_collectives",
+            ),
+            "FSDP schedules are simulated for the optimizer step only (FSDP2's own collectives are the same "
+            "for every optimizer)",
+        )
         _simulate_fsdp(schedule, device, (intra_gbps, inter_gbps, gpus_per_node, latency_us), as_json)
         return
     if routed_fraction is not None:
         from canzona.planner.predict.iteration import expert_indices
 
-        refuse_unless(bool(expert_indices(schedule)), ("routed_fraction",),
-                      f"{schedule.request.model.name} has no MoE experts")
+        refuse_unless(
+            bool(expert_indices(schedule)), ("routed_fraction",), f"{schedule.request.model.name} has no MoE experts"
+        )
     if training is not None:
         training.validate(schedule.request.dp)
     chosen = schedule_device(schedule, device, (intra_gbps, inter_gbps, gpus_per_node, latency_us), train_tflops)
     config = optimizer_config(schedule)
-    sim = run_simulation(schedule, chosen.hardware, chosen.time_model(config), fused=fused,
-                         dp_collectives=dp_collectives, training=training, overlap_grad_reduce=overlap_grad_reduce,
-                         overlap_param_gather=overlap_param_gather, routed_fraction=routed_fraction)
+    sim = run_simulation(
+        schedule,
+        chosen.hardware,
+        chosen.time_model(config),
+        fused=fused,
+        dp_collectives=dp_collectives,
+        training=training,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        routed_fraction=routed_fraction,
+    )
     echo(json.dumps(simulation_dict(sim), indent=2) if as_json else simulation_text(sim))
 
 
@@ -268,15 +416,33 @@ def _simulate_fsdp(schedule: Schedule, device: str, network: tuple[Any, ...], as
     sim = simulate_fsdp(schedule, chosen.hardware, chosen.time_model(optimizer_config(schedule)))
     canzona = sim.get("canzona").step
     if as_json:
-        echo(json.dumps({"model": sim.model, "tp": sim.tp, "dp": sim.dp, "dp_replicate": sim.dp_replicate,
-                               "optimizer": sim.optimizer, "device": sim.hardware.name, "num_groups": sim.num_groups,
-                               "strategies": [asdict(s) for s in sim.strategies]}, indent=2))
+        echo(
+            json.dumps(
+                {
+                    "model": sim.model,
+                    "tp": sim.tp,
+                    "dp": sim.dp,
+                    "dp_replicate": sim.dp_replicate,
+                    "optimizer": sim.optimizer,
+                    "device": sim.hardware.name,
+                    "num_groups": sim.num_groups,
+                    "strategies": [asdict(s) for s in sim.strategies],
+                },
+                indent=2,
+            )
+        )
         return
     hsdp = f" (HSDP {sim.dp_replicate} replicas)" if sim.dp_replicate > 1 else ""
-    lines = [f"{sim.model}  FSDP tp {sim.tp} x dp {sim.dp}{hsdp}  {sim.optimizer}  on {sim.hardware.name}  "
-             f"{sim.num_groups} micro-groups", "predicted optimizer step (FSDP2's own collectives excluded)", ""]
+    lines = [
+        f"{sim.model}  FSDP tp {sim.tp} x dp {sim.dp}{hsdp}  {sim.optimizer}  on {sim.hardware.name}  "
+        f"{sim.num_groups} micro-groups",
+        "predicted optimizer step (FSDP2's own collectives excluded)",
+        "",
+    ]
     unit, scale = table_unit(max(s.step for s in sim.strategies))
-    rows = [[s.name, f"{s.step / scale:.3f}", f"{s.step / canzona:.2f}x" if canzona else "-", s.description]
-            for s in sim.strategies]
+    rows = [
+        [s.name, f"{s.step / scale:.3f}", f"{s.step / canzona:.2f}x" if canzona else "-", s.description]
+        for s in sim.strategies
+    ]
     lines.append(_table(["strategy", f"step {unit}", "vs canzona", "what"], rows))
     echo("\n".join(lines))

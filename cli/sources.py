@@ -7,9 +7,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from importlib.machinery import PathFinder
 from collections.abc import Sequence
 from dataclasses import replace
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,11 +64,17 @@ def require_code_inside(source: str, roots: Sequence[Path]) -> None:
             found = None  # a built-in or already-imported module would be what actually runs
         else:
             stem = cwd.joinpath(*parts) if all(part.isidentifier() for part in parts) else None
-            found = next((c for c in (stem.with_suffix(".py"), stem / "__init__.py") if c.is_file()), None) if stem else None
+            found = (
+                next((c for c in (stem.with_suffix(".py"), stem / "__init__.py") if c.is_file()), None)
+                if stem
+                else None
+            )
     if found is None or not _inside(found, roots if module.endswith(".py") else [cwd]):
         where = " or ".join(repr(str(root)) for root in dict.fromkeys(roots if module.endswith(".py") else [cwd]))
-        raise PlanError(f"live model module {module!r} is not a file inside {where}: --allow-code runs only code of "
-                        "the checked folder or the current project")
+        raise PlanError(
+            f"live model module {module!r} is not a file inside {where}: --allow-code runs only code of "
+            "the checked folder or the current project"
+        )
 
 
 def check_live_source(source: str) -> None:
@@ -77,8 +83,10 @@ def check_live_source(source: str) -> None:
     exist, or a module whose top-level package cannot be found (nothing is imported to tell)."""
     module, _, factory = source.removeprefix(PY_PREFIX).rpartition(":")
     if not is_live(source) or not module or not factory:
-        raise PlanError("a live model is py:MODULE:FACTORY (e.g. py:mypkg.models:make_model or "
-                        f"py:models.py:make_model), got {source!r}")
+        raise PlanError(
+            "a live model is py:MODULE:FACTORY (e.g. py:mypkg.models:make_model or "
+            f"py:models.py:make_model), got {source!r}"
+        )
     if module.endswith(".py"):
         if not Path(module).is_file():
             raise PlanError(f"no such model file {module!r}")
@@ -114,7 +122,10 @@ def load_source(source: str, tp: int, options: ModelOptions) -> ModelSpec:
             f"live model {source!r} shows no TP layout, so at --tp {tp} its parameters would be planned as whole "
             "matrices: build it as it trains, with DTensor parameters on a mesh dim named 'tp' (parallelize_module) or "
             "Megatron-core's tensor-parallel layers at that TP size (a fake process group gives either without a "
-            "cluster: docs/models.md), or plan its config.json / a parameter list")
+            "cluster: docs/models.md), or plan its config.json / a parameter list"
+        )
     data = description.to_data()
     # The description already marked the norms (it sees the modules); the names rule is not rerun.
-    return planner_sources.model_from_data(data, description.name, source, description.sha256, tp, replace(options, sequence_parallel=False))
+    return planner_sources.model_from_data(
+        data, description.name, source, description.sha256, tp, replace(options, sequence_parallel=False)
+    )

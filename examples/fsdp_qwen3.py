@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_qwen3 import CONFIG, counting_batch  # noqa: E402
+from hf_qwen3 import CONFIG, counting_batch
 
 
 def make_model() -> nn.Module:
@@ -61,15 +61,20 @@ def train(schedule: str, steps: int, device: torch.device, batch: int = 4, seq: 
 
     plan = load_schedule(schedule)
     replicas = plan.request.dp_replicate
-    shape, names = ((replicas, dist.get_world_size() // replicas), ("replicate", "shard")) if replicas > 1 else \
-        ((dist.get_world_size(),), ("dp",))
+    shape, names = (
+        ((replicas, dist.get_world_size() // replicas), ("replicate", "shard"))
+        if replicas > 1
+        else ((dist.get_world_size(),), ("dp",))
+    )
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     torch.manual_seed(0)  # the same initial weights on every rank
     model = shard(make_model().to(device), mesh)
     optimizer = FsdpOptimizer(model.named_parameters(), plan, timeout=timedelta(seconds=60), lr=0.05, adamw_lr=1e-2)
     losses = []
     for step in range(steps):
-        loss = loss_of(model, counting_batch(batch, seq, seed=step * dist.get_world_size() + dist.get_rank()).to(device))
+        loss = loss_of(
+            model, counting_batch(batch, seq, seed=step * dist.get_world_size() + dist.get_rank()).to(device)
+        )
         loss.backward()  # FSDP2 reduce-scatters the gradients
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # works on FSDP2's DTensor gradients
         optimizer.step()

@@ -30,9 +30,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-CONFIG: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False,
-                              max_position_embeddings=64)
+CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    tie_word_embeddings=False,
+    max_position_embeddings=64,
+)
 
 
 def make_model() -> nn.Module:
@@ -48,17 +56,28 @@ def parallelize(model: nn.Module, tp_mesh: Any) -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     plan: dict[str, Any] = {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
     for n in range(len(model.model.layers)):
         prefix = f"model.layers.{n}."
-        plan.update({prefix + "input_layernorm": SequenceParallel(), prefix + "post_attention_layernorm": SequenceParallel(),
-                     prefix + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-                     prefix + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
-        plan.update({prefix + p: ColwiseParallel(input_layouts=Shard(1))
-                     for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")})
+        plan.update(
+            {
+                prefix + "input_layernorm": SequenceParallel(),
+                prefix + "post_attention_layernorm": SequenceParallel(),
+                prefix + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                prefix + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            }
+        )
+        plan.update(
+            {
+                prefix + p: ColwiseParallel(input_layouts=Shard(1))
+                for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+            }
+        )
     return parallelize_module(model, tp_mesh, plan)
 
 
@@ -91,7 +110,9 @@ def counting_batch(batch: int, seq: int, seed: int) -> torch.Tensor:
     return (starts + torch.arange(seq)) % CONFIG["vocab_size"]
 
 
-def train(schedule: str, steps: int, batch: int = 4, seq: int = 16, device: torch.device = torch.device("cpu")) -> list[float]:
+def train(
+    schedule: str, steps: int, batch: int = 4, seq: int = 16, device: torch.device = torch.device("cpu")
+) -> list[float]:
     """Train on this rank (inside an initialised process group, on `device`); the DP-mean loss
     of every step."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -105,8 +126,15 @@ def train(schedule: str, steps: int, batch: int = 4, seq: int = 16, device: torc
     model = make_model().to(device)
     if tp > 1:
         parallelize(model, mesh["tp"])
-    optimizer = CanzonaOptimizer(model.named_parameters(), plan, mesh=mesh, timeout=timedelta(seconds=60),
-                                 lr=0.05, adamw_lr=1e-2, weight_decay=0.01)
+    optimizer = CanzonaOptimizer(
+        model.named_parameters(),
+        plan,
+        mesh=mesh,
+        timeout=timedelta(seconds=60),
+        lr=0.05,
+        adamw_lr=1e-2,
+        weight_decay=0.01,
+    )
     dp_rank, losses = mesh.get_local_rank("dp"), []
     for step in range(steps):
         loss = loss_of(model, counting_batch(batch, seq, seed=step * dp + dp_rank).to(device))

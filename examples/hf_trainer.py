@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_qwen3 import CONFIG, make_model  # noqa: E402
+from hf_qwen3 import CONFIG, make_model
 
 SEQ, SEQUENCES = 16, 64
 # AdamW's eps 1e-5: this tiny model sees some tokens rarely, and with 1e-8 their near-zero
@@ -48,10 +48,24 @@ def training_arguments(output: str, steps: int, **overrides: Any) -> Any:
 
     cuda = torch.cuda.is_available()
     settings: dict[str, Any] = dict(
-        output_dir=output, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=steps,
-        max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_steps=3,
-        save_strategy="steps", report_to=[], seed=0, data_seed=0, use_cpu=not cuda, ddp_backend="nccl" if cuda else "gloo",
-        dataloader_drop_last=True, disable_tqdm=True, ddp_timeout=120,
+        output_dir=output,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=steps,
+        max_grad_norm=1.0,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        logging_steps=1,
+        save_steps=3,
+        save_strategy="steps",
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        use_cpu=not cuda,
+        ddp_backend="nccl" if cuda else "gloo",
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        ddp_timeout=120,
     )
     return TrainingArguments(**{**settings, **overrides})
 
@@ -63,7 +77,9 @@ def make_trainer(schedule: str, output: str, steps: int, trainer_class: Any = No
 
     torch.manual_seed(0)  # the same initial weights on every rank
     return (trainer_class or CanzonaTrainer)(
-        model=make_model(), args=training_arguments(output, steps, **overrides), train_dataset=dataset(),
+        model=make_model(),
+        args=training_arguments(output, steps, **overrides),
+        train_dataset=dataset(),
         optimizer_cls_and_kwargs=(CanzonaOptimizerFactory, {"schedule": schedule, **HYPERPARAMETERS}),
     )
 

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-MODEL: dict[str, Any] = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-                             ffn_hidden_size=160)
+MODEL: dict[str, Any] = dict(
+    num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16, ffn_hidden_size=160
+)
 VOCAB, SEQ = 256, 16
 
 
@@ -41,11 +42,20 @@ def transformer_config(tp: int, **overrides: Any) -> Any:
     """The model's `TransformerConfig` at TP size `tp` (fp32 parameters, initialised on the CPU)."""
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(**MODEL, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                             normalization="RMSNorm", qk_layernorm=True, add_bias_linear=False, attention_dropout=0.0,
-                             hidden_dropout=0.0,
-                             use_cpu_initialization=True, tensor_model_parallel_size=tp, params_dtype=torch.float32,
-                             **overrides)
+    return TransformerConfig(
+        **MODEL,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        params_dtype=torch.float32,
+        **overrides,
+    )
 
 
 def run_megatron_on_cpu() -> None:
@@ -64,15 +74,20 @@ def run_megatron_on_cpu() -> None:
 
 def build(tp: int, spec: str = "local", **overrides: Any) -> nn.Module:
     """The `GPTModel` at TP size `tp` (Megatron's parallel state must be initialised for it)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 
     if spec == "te":
         layers = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
     else:
         layers = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    return GPTModel(config=transformer_config(tp, **overrides), transformer_layer_spec=layers, vocab_size=VOCAB,
-                    max_sequence_length=SEQ, position_embedding_type="rope", share_embeddings_and_output_weights=False)
+    return GPTModel(
+        config=transformer_config(tp, **overrides),
+        transformer_layer_spec=layers,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
 
 
 def _fake_parallel_state(tp: int) -> None:
@@ -133,24 +148,28 @@ def wrap_for_gpu(model: nn.Module, optimizer_hook: Any = None) -> nn.Module:
     that canzona reads (docs/megatron.md)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                        use_distributed_optimizer=False)
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
     return DistributedDataParallel(config=model.config, ddp_config=ddp, module=model)
 
 
 def train(schedule_path: str, steps: int, spec: str) -> float:
     """Train the model `steps` steps under the schedule's DP x TP layout; the last loss."""
-    from canzona.runtime import CanzonaOptimizer, load_schedule
-    from canzona.runtime.integrations import megatron as cz_megatron
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from canzona.runtime import CanzonaOptimizer, load_schedule
+    from canzona.runtime.integrations import megatron as cz_megatron
 
     sys.path.insert(0, os.path.dirname(__file__))
     from launch import init_distributed
 
     device = init_distributed(timedelta(minutes=2))
     schedule = load_schedule(schedule_path)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=schedule.request.tp, distributed_timeout_minutes=2)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=schedule.request.tp, distributed_timeout_minutes=2
+    )
     torch.manual_seed(0)  # the same master weights on every rank (TP shards are cut from them)
     if device.type == "cuda":
         model_parallel_cuda_manual_seed(0)
@@ -162,9 +181,13 @@ def train(schedule_path: str, steps: int, spec: str) -> float:
     if cuda:
         model = wrap_for_gpu(model)
     optimizer = CanzonaOptimizer(
-        cz_megatron.param_groups(unwrapped.named_parameters(), config), schedule,
-        dp_group=parallel_state.get_data_parallel_group(), tp_group=parallel_state.get_tensor_model_parallel_group(),
-        grad_attr="main_grad" if cuda else "grad", **cz_megatron.optimizer_kwargs(config, schedule))
+        cz_megatron.param_groups(unwrapped.named_parameters(), config),
+        schedule,
+        dp_group=parallel_state.get_data_parallel_group(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        grad_attr="main_grad" if cuda else "grad",
+        **cz_megatron.optimizer_kwargs(config, schedule),
+    )
     dp_rank = parallel_state.get_data_parallel_rank()
     position_ids = torch.arange(SEQ, device=device).unsqueeze(0).expand(2, -1)
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool, device=device).triu(1)[None, None]  # True: masked out

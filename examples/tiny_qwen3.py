@@ -38,8 +38,15 @@ class TinyConfig:
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> TinyConfig:
         """Read the keys of a Hugging Face Qwen3 config."""
-        return cls(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
-                   config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"], config["vocab_size"])
+        return cls(
+            config["hidden_size"],
+            config["intermediate_size"],
+            config["num_hidden_layers"],
+            config["num_attention_heads"],
+            config["num_key_value_heads"],
+            config["head_dim"],
+            config["vocab_size"],
+        )
 
 
 class _CopyToTp(torch.autograd.Function):
@@ -313,7 +320,10 @@ def gather_state(shards: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 def _split_dim(name: str) -> int | None:
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1
-    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight")) or name == "output_layer.weight":
+    if (
+        name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight"))
+        or name == "output_layer.weight"
+    ):
         return 0
     return None
 

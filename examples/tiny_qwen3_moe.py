@@ -52,10 +52,19 @@ class MoeConfig(TinyConfig):
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> MoeConfig:
         """Read the keys of a Hugging Face Qwen3-MoE config."""
-        return cls(config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"],
-                   config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"], config["vocab_size"],
-                   experts=config["num_experts"], top_k=config["num_experts_per_tok"],
-                   expert_ffn=config["moe_intermediate_size"], dense_layers=tuple(config.get("mlp_only_layers", ())))
+        return cls(
+            config["hidden_size"],
+            config["intermediate_size"],
+            config["num_hidden_layers"],
+            config["num_attention_heads"],
+            config["num_key_value_heads"],
+            config["head_dim"],
+            config["vocab_size"],
+            experts=config["num_experts"],
+            top_k=config["num_experts_per_tok"],
+            expert_ffn=config["moe_intermediate_size"],
+            dense_layers=tuple(config.get("mlp_only_layers", ())),
+        )
 
 
 class _GatherFromEp(torch.autograd.Function):
@@ -184,8 +193,9 @@ class DenseLayer(nn.Module):
 class MoeDecoder(nn.Module):
     def __init__(self, cfg: MoeConfig, tp: Tp, ep: Ep) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DenseLayer(cfg, tp) if i in cfg.dense_layers else MoeLayer(cfg, tp, ep)
-                                    for i in range(cfg.layers))
+        self.layers = nn.ModuleList(
+            DenseLayer(cfg, tp) if i in cfg.dense_layers else MoeLayer(cfg, tp, ep) for i in range(cfg.layers)
+        )
         self.final_layernorm = FinalNorm(cfg, tp)
 
 
@@ -223,8 +233,12 @@ def make_ep_group(dp: int, tp: int, ep: int, timeout: Any = None) -> Any:
 def init_full_state(cfg: MoeConfig, seed: int = 0) -> dict[str, Tensor]:
     """Deterministic full (unsharded, canonical: fc1 rows [gate; up]) weights of every expert."""
     generator = torch.Generator().manual_seed(seed)
-    return {name: torch.ones_like(param) if param.dim() == 1 else torch.randn(param.shape, generator=generator) / math.sqrt(param.size(1))
-            for name, param in TinyQwen3Moe(cfg).named_parameters()}
+    return {
+        name: torch.ones_like(param)
+        if param.dim() == 1
+        else torch.randn(param.shape, generator=generator) / math.sqrt(param.size(1))
+        for name, param in TinyQwen3Moe(cfg).named_parameters()
+    }
 
 
 def _expert_dim(name: str) -> int | None:

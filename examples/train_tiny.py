@@ -40,12 +40,12 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import init_distributed  # noqa: E402
-from tiny_qwen3 import TinyConfig, TinyQwen3, init_full_state, shard_state, synthetic_batch  # noqa: E402
-import tiny_qwen3_moe as moe  # noqa: E402
+from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, load_schedule, make_groups
+from canzona.runtime.schedule import DTYPES
 
-from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer, load_schedule, make_groups  # noqa: E402
-from canzona.runtime.schedule import DTYPES  # noqa: E402
+import tiny_qwen3_moe as moe
+from launch import init_distributed
+from tiny_qwen3 import TinyConfig, TinyQwen3, init_full_state, shard_state, synthetic_batch
 
 STRATEGIES = {"canzona": CanzonaOptimizer, "dp-sc": DpScOptimizer, "tp-sc": TpScOptimizer}
 TIMEOUT = timedelta(seconds=60)
@@ -57,8 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--dp", type=int, required=True)
     parser.add_argument("--schedule", required=True, help="schedule file from `canzona plan`")
-    parser.add_argument("--config", default=str(Path(__file__).with_name("tiny_qwen3.json")), help="model shapes (HF config)")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (a MoE config, e.g. tiny_qwen3_moe.json)")
+    parser.add_argument(
+        "--config", default=str(Path(__file__).with_name("tiny_qwen3.json")), help="model shapes (HF config)"
+    )
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size (a MoE config, e.g. tiny_qwen3_moe.json)"
+    )
     parser.add_argument("--strategy", choices=sorted(STRATEGIES), default="canzona")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8, help="sequences per DP rank (all micro-batches)")
@@ -79,8 +83,10 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     named = list(model.named_parameters())
     flat = [(n, p) for n, p in named if p.dim() == 1 or "embedding" in n]
     rest = [(n, p) for n, p in named if not (p.dim() == 1 or "embedding" in n)]
-    return [{"params": rest, "weight_decay": weight_decay, "adamw_weight_decay": weight_decay},
-            {"params": flat, "adamw_weight_decay": 0.0}]
+    return [
+        {"params": rest, "weight_decay": weight_decay, "adamw_weight_decay": weight_decay},
+        {"params": flat, "adamw_weight_decay": 0.0},
+    ]
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, steps: int) -> torch.optim.lr_scheduler.LRScheduler:
@@ -89,7 +95,6 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, steps: int) -> 
     if warmup < 1:
         return cosine
     return SequentialLR(optimizer, [LinearLR(optimizer, 0.1, 1.0, total_iters=warmup), cosine], milestones=[warmup])
-
 
 
 def build_model(config: dict[str, Any], args: argparse.Namespace, tp_rank: int) -> tuple[Any, dict[str, Any]]:
@@ -120,8 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     model = model.to(device=device, dtype=dtype)
     cfg, dp_group = model.cfg, groups["dp_group"]
     overlap = not args.no_overlap
-    optimizer = STRATEGIES[args.strategy](param_groups(model, args.weight_decay), args.schedule, **groups, lr=args.lr, adamw_lr=args.adamw_lr, model=model,
-                                          overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+    optimizer = STRATEGIES[args.strategy](
+        param_groups(model, args.weight_decay),
+        args.schedule,
+        **groups,
+        lr=args.lr,
+        adamw_lr=args.adamw_lr,
+        model=model,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+    )
     scheduler = warmup_cosine(optimizer, args.warmup, args.steps)
     times, first = [], None
     for step in range(args.steps):
@@ -146,12 +159,17 @@ def main(argv: list[str] | None = None) -> None:
         mean = float(mean) / args.dp
         first = mean if first is None else first
         if dist.get_rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step:3d}  loss {mean:.4f}  grad norm {float(norm):.3f}  lr {optimizer.param_groups[0]['lr']:.4f}  "
-                  f"iteration {times[-1] * 1e3:.1f} ms", flush=True)
+            print(
+                f"step {step:3d}  loss {mean:.4f}  grad norm {float(norm):.3f}  lr {optimizer.param_groups[0]['lr']:.4f}  "
+                f"iteration {times[-1] * 1e3:.1f} ms",
+                flush=True,
+            )
     optimizer.finish_gather()  # before using the parameters outside the model's forward
     if dist.get_rank() == 0:
-        print(f"{args.strategy}: loss {first:.4f} -> {mean:.4f}; median iteration {statistics.median(times) * 1e3:.1f} ms",
-              flush=True)
+        print(
+            f"{args.strategy}: loss {first:.4f} -> {mean:.4f}; median iteration {statistics.median(times) * 1e3:.1f} ms",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

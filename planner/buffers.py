@@ -17,7 +17,13 @@ from canzona.planner.partition.device_aware import DeviceModel, reown
 from canzona.planner.partition.dp import DpAssignment, DpInstance, Owners, partition, rank_loads, slice_caps
 from canzona.planner.partition.even_slices import SliceState, even_slices
 from canzona.planner.partition.free_order import partition_free, reorder_buffer
-from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, BufferLayout, owners_to_cuts, param_bytes, slice_sizes
+from canzona.planner.partition.layout import (
+    GRAD_BYTES_PER_ELEMENT,
+    BufferLayout,
+    owners_to_cuts,
+    param_bytes,
+    slice_sizes,
+)
 from canzona.planner.partition.tp import Task
 from canzona.planner.spec import ModelSpec
 
@@ -66,8 +72,9 @@ def dp_instance(
     )
 
 
-def _assign(instance: DpInstance, request: PlanRequest, seeds: tuple[tuple[tuple[int, ...], ...], ...]
-            ) -> tuple[DpAssignment, SolverReport | None]:
+def _assign(
+    instance: DpInstance, request: PlanRequest, seeds: tuple[tuple[tuple[int, ...], ...], ...]
+) -> tuple[DpAssignment, SolverReport | None]:
     """The α-balanced partition (free or registration order), refined by CP-SAT if asked."""
     if request.order == "free":
         assignment = partition_free(instance, request.alpha, seeds)
@@ -78,16 +85,26 @@ def _assign(instance: DpInstance, request: PlanRequest, seeds: tuple[tuple[tuple
         from canzona.planner.partition.ilp import refine_dp
 
         refined, report = refine_dp(
-            instance, slice_caps(instance, request.alpha), assignment.owners,
-            time_limit=request.time_limit, seed=request.seed,
+            instance,
+            slice_caps(instance, request.alpha),
+            assignment.owners,
+            time_limit=request.time_limit,
+            seed=request.seed,
         )
         if report.accepted:
             assignment = DpAssignment(refined, assignment.method + "+cp-sat")
     return assignment, report
 
 
-def _polish(instance: DpInstance, layout: BufferLayout, model: ModelSpec, costs: tuple[float, ...],
-            request: PlanRequest, assignment: DpAssignment, device: DeviceModel | None) -> DpAssignment:
+def _polish(
+    instance: DpInstance,
+    layout: BufferLayout,
+    model: ModelSpec,
+    costs: tuple[float, ...],
+    request: PlanRequest,
+    assignment: DpAssignment,
+    device: DeviceModel | None,
+) -> DpAssignment:
     """Device-aware ownership (when `device` is given), then slices evened out at equal loads."""
     if not any(instance.costs):
         return assignment
@@ -95,8 +112,11 @@ def _polish(instance: DpInstance, layout: BufferLayout, model: ModelSpec, costs:
     owners = assignment.owners
     if device is None:
         return DpAssignment(even_slices(instance, caps, owners, free), assignment.method)
-    tasks = {(b, i): param_task(model, costs, entry.param)
-             for b, bucket in enumerate(layout.buckets) for i, entry in enumerate(bucket.entries)}
+    tasks = {
+        (b, i): param_task(model, costs, entry.param)
+        for b, bucket in enumerate(layout.buckets)
+        for i, entry in enumerate(bucket.entries)
+    }
     moved = reown(instance, SliceState.of(instance, caps, owners, free), tasks, device)
     loads = rank_loads(instance, moved) != rank_loads(instance, owners)
     return DpAssignment(moved, assignment.method + ("+device" if loads else ""))
@@ -124,8 +144,13 @@ class Partitioned:
 
 
 def partition_buffer(
-    model: ModelSpec, layout: BufferLayout, costs: tuple[float, ...], num_ranks: int, request: PlanRequest,
-    base_loads: tuple[float, ...] = (), seeds: tuple[BufferPlan, ...] = (),
+    model: ModelSpec,
+    layout: BufferLayout,
+    costs: tuple[float, ...],
+    num_ranks: int,
+    request: PlanRequest,
+    base_loads: tuple[float, ...] = (),
+    seeds: tuple[BufferPlan, ...] = (),
 ) -> Partitioned:
     """Partition one buffer over `num_ranks` (refined by CP-SAT if asked). `seeds`: plans of
     the same buffer at coarser α (see `partition`)."""
@@ -139,8 +164,14 @@ def partition_buffer(
     return Partitioned(layout, instance, assignment, report)
 
 
-def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...], request: PlanRequest,
-                  link: Link, device: DeviceModel | None = None) -> BufferPlan:
+def finish_buffer(
+    model: ModelSpec,
+    part: Partitioned,
+    costs: tuple[float, ...],
+    request: PlanRequest,
+    link: Link,
+    device: DeviceModel | None = None,
+) -> BufferPlan:
     """The plan of a partitioned buffer: with `device`, owners moved to shorten the busiest
     device; slices evened out; laid out (free order: each owner's matrices together), cut, each
     bucket's collective chosen on `link` (its DP group's), and the baselines scored on it."""
@@ -163,8 +194,10 @@ def finish_buffer(model: ModelSpec, part: Partitioned, costs: tuple[float, ...],
     cost_by_param = {param: costs[param] for param in owners}
     names = {index: param.name for index, param in enumerate(model.params)}
     baselines = all_baselines(registration_layout, cost_by_param, names, num_ranks)
-    collectives = tuple(choose_collective(link, slice_sizes(bucket_cuts), param_bytes(model, bucket))
-                        for bucket, bucket_cuts in zip(layout.buckets, cuts))
+    collectives = tuple(
+        choose_collective(link, slice_sizes(bucket_cuts), param_bytes(model, bucket))
+        for bucket, bucket_cuts in zip(layout.buckets, cuts)
+    )
     return BufferPlan(layout, num_ranks, owners, cuts, assignment.method, loads, baselines, part.solver, collectives)
 
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from canzona.planner.buffers import BufferPlan
+from canzona.planner.devices import device_figures, tp_score
+from canzona.planner.fsdp import FsdpPlan, compile_fsdp
 from canzona.planner.partition.baselines import BaselineLoads
 from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_sizes
 from canzona.planner.partition.tp import MicroGroup, Task, group_stats
-from canzona.planner.fsdp import FsdpPlan, compile_fsdp
-from canzona.planner.buffers import BufferPlan
-from canzona.planner.devices import device_figures, tp_score
 from canzona.planner.plan import AutoSearch, Plan
 from canzona.planner.spec import MATRIX
+from canzona.schedules.costs import predicted_peak_bytes
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,
@@ -39,7 +40,6 @@ from canzona.schedules.format import (
     model_parameters,
     sealed,
 )
-from canzona.schedules.costs import predicted_peak_bytes
 
 
 def _ratio(numerator: float, denominator: float, empty: float) -> float:
@@ -186,8 +186,11 @@ def _tp_section(plan: Plan) -> TpSection:
                     host_bytes=list(stats.host_bytes),
                     makespan=stats.makespan,
                     saturation=stats.saturation,
-                    teams=[TeamEntry(param=tasks[t].name, hosts=list(team.hosts), load=team.cost)
-                           for t, team in zip(group.tasks, group.teams) if team is not None],
+                    teams=[
+                        TeamEntry(param=tasks[t].name, hosts=list(team.hosts), load=team.cost)
+                        for t, team in zip(group.tasks, group.teams)
+                        if team is not None
+                    ],
                 )
             )
         ranks.append(TpRankPlan(dp_rank=dp_rank, groups=entries))
@@ -210,8 +213,11 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
         num_groups=chosen.num_groups,
         critical_time=chosen.critical_time,
         critical_lower_bound=max(
-            (max(sum(t.cost for t in tasks) / plan.request.tp, max(_pieces_of(tasks, groups)))
-             for tasks, groups in zip(plan.tasks, plan.chosen_groups) if tasks),
+            (
+                max(sum(t.cost for t in tasks) / plan.request.tp, max(_pieces_of(tasks, groups)))
+                for tasks, groups in zip(plan.tasks, plan.chosen_groups)
+                if tasks
+            ),
             default=0.0,
         ),
         efficiency=chosen.efficiency,
@@ -231,12 +237,23 @@ def _searches(search: AutoSearch | None) -> dict[str, object]:
         return {}
     out: dict[str, object] = {}
     if search.alpha:
-        out["alpha_search"] = [AlphaTrial(alpha=t.value, predicted_step_s=t.step_s, predicted_iteration_s=t.iteration_s)
-                               for t in search.alpha]
+        out["alpha_search"] = [
+            AlphaTrial(alpha=t.value, predicted_step_s=t.step_s, predicted_iteration_s=t.iteration_s)
+            for t in search.alpha
+        ]
     if search.bucket:
-        out["bucket_search"] = BucketSearch(reason=search.bucket_reason, trials=[
-            BucketTrial(bucket_size=int(t.value), num_buckets=t.num_buckets, predicted_step_s=t.step_s,
-                        predicted_iteration_s=t.iteration_s) for t in search.bucket])
+        out["bucket_search"] = BucketSearch(
+            reason=search.bucket_reason,
+            trials=[
+                BucketTrial(
+                    bucket_size=int(t.value),
+                    num_buckets=t.num_buckets,
+                    predicted_step_s=t.step_s,
+                    predicted_iteration_s=t.iteration_s,
+                )
+                for t in search.bucket
+            ],
+        )
     return out
 
 
@@ -278,7 +295,11 @@ def _device_metrics(plan: Plan, buckets: list[Any]) -> list[DeviceMetrics]:
     bucket whole on every device)."""
     buffer, largest = sum(b.numel for b in buckets), max((b.numel for b in buckets), default=0)
     return [
-        DeviceMetrics(**vars(figure), peak_bytes=predicted_peak_bytes(
-            figure.state_bytes, buffer, largest, plan.request.group_bytes, plan.request.dp))
+        DeviceMetrics(
+            **vars(figure),
+            peak_bytes=predicted_peak_bytes(
+                figure.state_bytes, buffer, largest, plan.request.group_bytes, plan.request.dp
+            ),
+        )
         for figure in device_figures(plan, plan.chosen_groups)
     ]

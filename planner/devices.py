@@ -53,8 +53,9 @@ def _dp_traffic(
     traffic = [(0, 0)] * group
     for position, (bucket, cuts) in enumerate(zip(layout.buckets, cuts_of)):
         collective = collectives[position] if collectives else "ring"
-        for rank, (sent, received) in enumerate(bucket_traffic(bucket.numel, cuts, param_bytes(plan.model, bucket),
-                                                                  collective)):
+        for rank, (sent, received) in enumerate(
+            bucket_traffic(bucket.numel, cuts, param_bytes(plan.model, bucket), collective)
+        ):
             traffic[rank] = (traffic[rank][0] + sent, traffic[rank][1] + received)
     return traffic
 
@@ -77,8 +78,9 @@ def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[
     return traffic
 
 
-def _hosted(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...], dp_rank: int,
-            index_of: dict[str, int]) -> tuple[list[float], list[float]]:
+def _hosted(
+    plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...], dp_rank: int, index_of: dict[str, int]
+) -> tuple[list[float], list[float]]:
     """Per TP rank of one DP rank, the cost and optimizer state of what it hosts (a team member
     its share); `index_of`: each parameter's index by name."""
     tp = plan.request.tp
@@ -108,8 +110,9 @@ def device_figures(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> li
     adamw_bytes = adamw_slice_bytes_per_element(plan.model.params)
     matrix_traffic = _dp_traffic(plan, plan.dense.layout, list(plan.dense.cuts), req.dp, plan.dense.collectives)
     if plan.expert is not None:
-        expert = _dp_traffic(plan, plan.expert.layout, list(plan.expert.cuts), plan.expert.num_ranks,
-                             plan.expert.collectives)
+        expert = _dp_traffic(
+            plan, plan.expert.layout, list(plan.expert.cuts), plan.expert.num_ranks, plan.expert.collectives
+        )
         matrix_traffic = [
             (sent + expert[r // req.ep][0], received + expert[r // req.ep][1])
             for r, (sent, received) in enumerate(matrix_traffic)

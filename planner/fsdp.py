@@ -16,11 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_cost_model, param_cost, param_state_bytes
+from canzona.planner.partition.costs import (
+    adamw_slice_bytes_per_element,
+    make_cost_model,
+    param_cost,
+    param_state_bytes,
+)
 from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT
 from canzona.planner.partition.tp import MODES, MicroGroup, Task, group_stats, schedule_tasks
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, validate_model
-from canzona.schedules.fsdp import REDUNDANT, ROUND_ROBIN, FsdpLayout, dp_loads, fragment_traffic, padding_ratio, shard_elements
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     DeviceMetrics,
@@ -38,6 +42,15 @@ from canzona.schedules.format import (
     compute_fingerprint,
     model_parameters,
     sealed,
+)
+from canzona.schedules.fsdp import (
+    REDUNDANT,
+    ROUND_ROBIN,
+    FsdpLayout,
+    dp_loads,
+    fragment_traffic,
+    padding_ratio,
+    shard_elements,
 )
 
 if TYPE_CHECKING:
@@ -102,15 +115,23 @@ def _adamw_device_load(plan: FsdpPlan) -> list[float]:
 def _device_loads(plan: FsdpPlan, groups: tuple[MicroGroup, ...]) -> list[float]:
     """Per global rank: hosted matrices plus its AdamW pieces."""
     layout, hosted, adamw = plan.layout, _hosted(plan, groups, plan.costs), _adamw_device_load(plan)
-    return [hosted[layout.fragment_of(r)] + adamw[layout.shard_of(layout.fragment_of(r))]
-            for r in range(layout.dp * layout.tp)]
+    return [
+        hosted[layout.fragment_of(r)] + adamw[layout.shard_of(layout.fragment_of(r))]
+        for r in range(layout.dp * layout.tp)
+    ]
 
 
 def _score(loads: list[float], total: float, bound: float, padding: float | None) -> StrategyScore:
     maximum, mean = max(loads), sum(loads) / len(loads)
-    return StrategyScore(load=loads, max=maximum, mean=mean, imbalance=maximum / mean if mean else 1.0,
-                         gap=(maximum / bound if bound else 1.0) - 1.0, redundancy=sum(loads) / total if total else 1.0,
-                         padding_overhead=padding)
+    return StrategyScore(
+        load=loads,
+        max=maximum,
+        mean=mean,
+        imbalance=maximum / mean if mean else 1.0,
+        gap=(maximum / bound if bound else 1.0) - 1.0,
+        redundancy=sum(loads) / total if total else 1.0,
+        padding_overhead=padding,
+    )
 
 
 def _baselines(plan: FsdpPlan, total: float, bound: float) -> dict[str, StrategyScore]:
@@ -122,8 +143,10 @@ def _baselines(plan: FsdpPlan, total: float, bound: float) -> dict[str, Strategy
     hosted = [0.0] * layout.hosts
     for position, index in enumerate(sorted(plan.matrices)):
         hosted[position % layout.hosts] += plan.costs[index]
-    return {REDUNDANT: _score(redundant, total, bound, None),
-            ROUND_ROBIN: _score(dp_loads(hosted, layout), total, bound, None)}
+    return {
+        REDUNDANT: _score(redundant, total, bound, None),
+        ROUND_ROBIN: _score(dp_loads(hosted, layout), total, bound, None),
+    }
 
 
 def _dp_metrics(plan: FsdpPlan) -> DpMetrics:
@@ -140,11 +163,19 @@ def _dp_metrics(plan: FsdpPlan) -> DpMetrics:
     adamw_bytes = adamw_slice_bytes_per_element(params)
     elements, adamw = _adamw_elements(plan), _adamw_device_load(plan)
     real = sum(p.numel // (layout.tp if p.tp_dim is not None else 1) for p in matrices)
-    padded = sum(padding_ratio(p.shape, p.tp_dim, layout) * (p.numel // (layout.tp if p.tp_dim is not None else 1))
-                 for p in matrices)
+    padded = sum(
+        padding_ratio(p.shape, p.tp_dim, layout) * (p.numel // (layout.tp if p.tp_dim is not None else 1))
+        for p in matrices
+    )
     return DpMetrics(
-        method="fsdp", load=loads, max=score.max, mean=score.mean, imbalance=score.imbalance, lower_bound=bound,
-        gap=score.gap, slice_bytes=slice_bytes,
+        method="fsdp",
+        load=loads,
+        max=score.max,
+        mean=score.mean,
+        imbalance=score.imbalance,
+        lower_bound=bound,
+        gap=score.gap,
+        slice_bytes=slice_bytes,
         state_bytes=[hosted_state[d] + layout.tp * adamw_bytes * elements[d % layout.shards] for d in range(layout.dp)],
         adamw_load=[layout.tp * adamw[d % layout.shards] for d in range(layout.dp)],
         padding_overhead=padded / real if real else 1.0,
@@ -159,16 +190,25 @@ def _mode_score(plan: FsdpPlan, groups: tuple[MicroGroup, ...]) -> TpModeScore:
     span, work = sum(s.makespan for s in stats), sum(sum(s.host_loads) for s in stats)
     loads = _device_loads(plan, groups)
     mean = sum(loads) / len(loads)
-    return TpModeScore(num_groups=len(groups), critical_time=span, efficiency=work / (hosts * span) if span else 1.0,
-                       worst_device_load=max(loads), device_imbalance=max(loads) / mean if mean else 1.0,
-                       max_saturation=max((s.saturation for s in stats), default=0.0))
+    return TpModeScore(
+        num_groups=len(groups),
+        critical_time=span,
+        efficiency=work / (hosts * span) if span else 1.0,
+        worst_device_load=max(loads),
+        device_imbalance=max(loads) / mean if mean else 1.0,
+        max_saturation=max((s.saturation for s in stats), default=0.0),
+    )
 
 
 def _tp_metrics(plan: FsdpPlan) -> TpMetrics:
     chosen = _mode_score(plan, plan.chosen_groups)  # the only mode recorded (docs/schedule-format.md)
     costs = [task.cost for task in plan.tasks]
-    return TpMetrics(mode=plan.request.tp_mode, critical_lower_bound=max(sum(costs) / plan.layout.hosts, max(costs))
-                     if costs else 0.0, modes={plan.request.tp_mode: chosen}, **chosen.model_dump())
+    return TpMetrics(
+        mode=plan.request.tp_mode,
+        critical_lower_bound=max(sum(costs) / plan.layout.hosts, max(costs)) if costs else 0.0,
+        modes={plan.request.tp_mode: chosen},
+        **chosen.model_dump(),
+    )
 
 
 def _tp_section(plan: FsdpPlan) -> TpSection:
@@ -176,9 +216,17 @@ def _tp_section(plan: FsdpPlan) -> TpSection:
     entries = []
     for index, group in enumerate(plan.chosen_groups):
         stats = group_stats(plan.tasks, group, hosts, req.group_bytes)
-        entries.append(TpGroup(index=index, params=[plan.tasks[t].name for t in group.tasks], hosts=list(group.hosts),
-                               host_loads=list(stats.host_loads), host_bytes=list(stats.host_bytes),
-                               makespan=stats.makespan, saturation=stats.saturation))
+        entries.append(
+            TpGroup(
+                index=index,
+                params=[plan.tasks[t].name for t in group.tasks],
+                hosts=list(group.hosts),
+                host_loads=list(stats.host_loads),
+                host_bytes=list(stats.host_bytes),
+                makespan=stats.makespan,
+                saturation=stats.saturation,
+            )
+        )
     return TpSection(mode=req.tp_mode, group_bytes=req.group_bytes, ranks=[TpRankPlan(dp_rank=0, groups=entries)])
 
 
@@ -194,9 +242,17 @@ def _devices(plan: FsdpPlan) -> list[DeviceMetrics]:
     for rank in range(layout.dp * layout.tp):
         fragment = layout.fragment_of(rank)
         sent, received = traffic[fragment]
-        out.append(DeviceMetrics(rank=rank, dp_rank=rank // layout.tp, tp_rank=rank % layout.tp, load=loads[rank],
-                                 state_bytes=state[fragment] + adamw_state * elements[layout.shard_of(fragment)],
-                                 bytes_sent=sent, bytes_received=received))
+        out.append(
+            DeviceMetrics(
+                rank=rank,
+                dp_rank=rank // layout.tp,
+                tp_rank=rank % layout.tp,
+                load=loads[rank],
+                state_bytes=state[fragment] + adamw_state * elements[layout.shard_of(fragment)],
+                bytes_sent=sent,
+                bytes_received=received,
+            )
+        )
     return out
 
 
@@ -209,15 +265,27 @@ def _entries(plan: FsdpPlan) -> list[ParamEntry]:
     for index in order:
         p = params[index]
         matrix = p.optimizer == MATRIX
-        entries.append(ParamEntry(
-            name=p.name, index=index, shape=list(p.shape), tp_dim=p.tp_dim, dtype=p.dtype, optimizer=p.optimizer,
-            bucket=0, offset=0, numel=p.local_numel(tp), owner=0 if matrix else None, cost=plan.costs[index],
-            row_blocks=[[list(r) for r in block] for block in p.row_blocks] or None,
-            param=p.parent, slice=p.expert_index if p.parent is not None else None,
-            # FSDP2 redistributes every DTensor gradient to its parameter's placements before its
-            # reduce-scatter, which sums a gradient partial over TP: nothing is left to reduce.
-            grad_reduce=None,
-        ))
+        entries.append(
+            ParamEntry(
+                name=p.name,
+                index=index,
+                shape=list(p.shape),
+                tp_dim=p.tp_dim,
+                dtype=p.dtype,
+                optimizer=p.optimizer,
+                bucket=0,
+                offset=0,
+                numel=p.local_numel(tp),
+                owner=0 if matrix else None,
+                cost=plan.costs[index],
+                row_blocks=[[list(r) for r in block] for block in p.row_blocks] or None,
+                param=p.parent,
+                slice=p.expert_index if p.parent is not None else None,
+                # FSDP2 redistributes every DTensor gradient to its parameter's placements before its
+                # reduce-scatter, which sums a gradient partial over TP: nothing is left to reduce.
+                grad_reduce=None,
+            )
+        )
     return entries
 
 
@@ -226,8 +294,13 @@ def compile_fsdp(plan: FsdpPlan) -> Schedule:
     params = plan.model.params
     fingerprint = compute_fingerprint(model_parameters((p.name, p.shape, p.dtype, p.tp_dim, p.parent) for p in params))
     schedule = Schedule(
-        schema_version=SCHEMA_VERSION, request=plan.request.to_request(plan.model), fingerprint=fingerprint,
-        digest="", params=_entries(plan), dp=DpSection(buckets=[], adamw_buckets=[]), tp=_tp_section(plan),
+        schema_version=SCHEMA_VERSION,
+        request=plan.request.to_request(plan.model),
+        fingerprint=fingerprint,
+        digest="",
+        params=_entries(plan),
+        dp=DpSection(buckets=[], adamw_buckets=[]),
+        tp=_tp_section(plan),
         metrics=Metrics(dp=_dp_metrics(plan), tp=_tp_metrics(plan), device=_devices(plan)),
     )
     return sealed(schedule)

@@ -23,6 +23,9 @@ from canzona.planner.partition.device_aware import DeviceModel
 from canzona.planner.partition.dp import ALPHA_LADDER, DpInstance, Owners, lower_bound
 from canzona.planner.partition.layout import BufferLayout, adamw_loads, build_buffer, param_bytes
 from canzona.planner.partition.tp import MODES, MicroGroup, Task, schedule_tasks
+
+# The request lives in its own module; planner code and tests name it from here too.
+from canzona.planner.request import PlanRequest, TrainingSetup  # noqa: F401
 from canzona.planner.spec import (
     ADAMW,
     MATRIX,
@@ -31,8 +34,6 @@ from canzona.planner.spec import (
     validate_model,
 )
 from canzona.schedules.bounds import device_lower_bound, dp_lower_bound
-# The request lives in its own module; planner code and tests name it from here too.
-from canzona.planner.request import PlanRequest, TrainingSetup  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,14 @@ class _Parts:
     bound: float
 
 
-def _best_parts(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...], costs: tuple[float, ...],
-                slots: dict[int, int], done: dict[tuple[str, float], _Parts]) -> _Parts:
+def _best_parts(
+    model: ModelSpec,
+    request: PlanRequest,
+    seeds: tuple[Plan, ...],
+    costs: tuple[float, ...],
+    slots: dict[int, int],
+    done: dict[tuple[str, float], _Parts],
+) -> _Parts:
     """The partitions `make_plan` keeps, with those already made for other (order, α) of this
     request in `done` (the fallbacks reach the same coarser ones by several paths)."""
     key = (str(request.order), request.alpha)
@@ -186,8 +193,9 @@ def _best_parts(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...],
     return parts
 
 
-def _partitions(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...], costs: tuple[float, ...],
-                slots: dict[int, int]) -> _Parts:
+def _partitions(
+    model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...], costs: tuple[float, ...], slots: dict[int, int]
+) -> _Parts:
     """The expert partition (under expert parallelism), then the dense one around its loads."""
     ep, tp, dp = request.ep, request.tp, request.dp
     expert: Partitioned | None = None
@@ -203,8 +211,14 @@ def _partitions(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...],
     return _Parts(dense, expert, loads, lower_bound(dense.instance))
 
 
-def _finish(model: ModelSpec, request: PlanRequest, parts: _Parts, costs: tuple[float, ...],
-            slots: dict[int, int], cost_model: CostModel) -> Plan:
+def _finish(
+    model: ModelSpec,
+    request: PlanRequest,
+    parts: _Parts,
+    costs: tuple[float, ...],
+    slots: dict[int, int],
+    cost_model: CostModel,
+) -> Plan:
     """The plan of the chosen partitions: the device stage (TP > 1), even slices, layouts, TP
     micro-groups and teams, bounds and baselines."""
     ep, tp, dp = request.ep, request.tp, request.dp
@@ -217,8 +231,9 @@ def _finish(model: ModelSpec, request: PlanRequest, parts: _Parts, costs: tuple[
     experts = expert_tasks(model, expert, slots, costs, request)  # per DP rank
     device = None
     if tp > 1 and request.cost == "flops":  # FLOPs price the collectives too (at the reference throughput)
-        device = _device_model(model, request, experts, adamw, tp * device_bound,
-                               _comm_cost(model, parts.dense.layout, dp_link))
+        device = _device_model(
+            model, request, experts, adamw, tp * device_bound, _comm_cost(model, parts.dense.layout, dp_link)
+        )
     dense = finish_buffer(model, parts.dense, costs, request, dp_link, device)
     owners = dict(dense.owners)
     if expert is not None:
@@ -303,8 +318,13 @@ def refine_groups(
         for group in rank_groups:
             if len(group.tasks) > 1 and request.tp > 1:
                 hosts, report = refine_hosts(
-                    tuple(rank_tasks_[i].cost for i in group.tasks), tuple(rank_tasks_[i].size for i in group.tasks),
-                    group.hosts, request.tp, request.group_bytes, time_limit=share, seed=request.seed,
+                    tuple(rank_tasks_[i].cost for i in group.tasks),
+                    tuple(rank_tasks_[i].size for i in group.tasks),
+                    group.hosts,
+                    request.tp,
+                    request.group_bytes,
+                    time_limit=share,
+                    seed=request.seed,
                 )
                 improved += report.accepted
                 group = MicroGroup(group.tasks, hosts)
@@ -337,8 +357,9 @@ def validate_expert_parallel(model: ModelSpec, request: PlanRequest) -> None:
             raise PlanError(f"ep {ep} does not divide the {count} experts of {model.name!r}")
 
 
-def layout_device_bound(model: ModelSpec, request: PlanRequest, costs: tuple[float, ...], dp_bound: float,
-                        adamw: list[float]) -> float:
+def layout_device_bound(
+    model: ModelSpec, request: PlanRequest, costs: tuple[float, ...], dp_bound: float, adamw: list[float]
+) -> float:
     """The busiest device no plan of this model and layout can go below, whatever its owners,
     hosts and teams (`canzona.schedules.bounds.device_lower_bound`): teams allowed wherever one
     can host a matrix (Muon, tp > 1), each matrix's least piece its smallest team share;
@@ -347,18 +368,40 @@ def layout_device_bound(model: ModelSpec, request: PlanRequest, costs: tuple[flo
     matrices = [(param, cost) for param, cost in zip(model.params, costs) if param.optimizer == MATRIX]
     kinds = {(cost, shapes.get(param.name)) for param, cost in matrices}  # matrices alike share their pieces
     largest = max((smallest_share(cost, shape, request.optimizer.ns_steps, tp) for cost, shape in kinds), default=0.0)
-    return device_lower_bound(sum(cost for _, cost in matrices), tp * request.dp, dp_bound, tp, largest,
-                              [load for load in adamw for _ in range(tp)])
+    return device_lower_bound(
+        sum(cost for _, cost in matrices),
+        tp * request.dp,
+        dp_bound,
+        tp,
+        largest,
+        [load for load in adamw for _ in range(tp)],
+    )
 
 
-def _device_model(model: ModelSpec, request: PlanRequest, extra: tuple[tuple[Task, ...], ...],
-                  adamw: list[float], load_cap: float, comm: Callable[[DpInstance, Owners], float]) -> DeviceModel:
+def _device_model(
+    model: ModelSpec,
+    request: PlanRequest,
+    extra: tuple[tuple[Task, ...], ...],
+    adamw: list[float],
+    load_cap: float,
+    comm: Callable[[DpInstance, Owners], float],
+) -> DeviceModel:
     """The TP stage as the device-aware DP ownership scores it: this request's scheduler, group
     capacity and teams; `extra`: every DP rank's experts; `adamw`: its devices' AdamW cost;
     `load_cap`: the DP balance it keeps (P times the device lower bound); `comm`: the
     buffer's collectives."""
-    return DeviceModel(request.tp, request.group_bytes, request.tp_mode, team_shapes(model, request),
-                       request.optimizer.ns_steps, request.coop, extra, tuple(adamw), load_cap, comm)
+    return DeviceModel(
+        request.tp,
+        request.group_bytes,
+        request.tp_mode,
+        team_shapes(model, request),
+        request.optimizer.ns_steps,
+        request.coop,
+        extra,
+        tuple(adamw),
+        load_cap,
+        comm,
+    )
 
 
 def _comm_cost(model: ModelSpec, layout: BufferLayout, link: Link) -> Callable[[DpInstance, Owners], float]:
@@ -378,8 +421,9 @@ def _comm_cost(model: ModelSpec, layout: BufferLayout, link: Link) -> Callable[[
     return cost
 
 
-def expert_tasks(model: ModelSpec, expert: BufferPlan | None, slots: dict[int, int], costs: tuple[float, ...],
-                 request: PlanRequest) -> tuple[tuple[Task, ...], ...]:
+def expert_tasks(
+    model: ModelSpec, expert: BufferPlan | None, slots: dict[int, int], costs: tuple[float, ...], request: PlanRequest
+) -> tuple[tuple[Task, ...], ...]:
     """Per DP rank, the experts it updates as TP tasks, in buffer order (empty without EP)."""
     if expert is None:
         return ()
@@ -396,8 +440,9 @@ def expert_tasks(model: ModelSpec, expert: BufferPlan | None, slots: dict[int, i
     return tuple(tuple(rank) for rank in tasks)
 
 
-def rank_tasks(model: ModelSpec, dense: BufferPlan, experts: tuple[tuple[Task, ...], ...], costs: tuple[float, ...],
-               dp: int) -> tuple[tuple[Task, ...], ...]:
+def rank_tasks(
+    model: ModelSpec, dense: BufferPlan, experts: tuple[tuple[Task, ...], ...], costs: tuple[float, ...], dp: int
+) -> tuple[tuple[Task, ...], ...]:
     """Per DP rank, the matrices it owns as TP tasks, in buffer order: dense, then its
     `experts` (`expert_tasks`)."""
     tasks: list[list[Task]] = [[] for _ in range(dp)]

@@ -15,7 +15,15 @@ from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.partition.layout import DEFAULT_BUCKET_SIZE
 from canzona.planner.spec import DEFAULT_GLOBAL_BATCH, DEFAULT_SEQ_LEN, ModelOptions, ModelSpec, PlanError
 from canzona.schedules.format import ModelSource, OptimizerSettings, Request, TrainingSettings
-from canzona.schedules.limits import DEFAULT_GROUP_MB, FSDP, REPLICATED, recorded_settings, request_problem, settings_problem, sharding_problem
+from canzona.schedules.limits import (
+    DEFAULT_GROUP_MB,
+    FSDP,
+    REPLICATED,
+    recorded_settings,
+    request_problem,
+    settings_problem,
+    sharding_problem,
+)
 
 # PlanRequest fields a schedule records in sections of their own, or flattened (`options`).
 _NESTED = ("model", "optimizer", "options", "training")
@@ -44,7 +52,9 @@ class TrainingSetup:
     def check_values(self) -> None:
         """PlanError unless every value is a positive count (what needs no schedule to check)."""
         if self.global_batch < 1 or self.seq_len < 1:
-            raise PlanError(f"global batch and sequence length must be >= 1, got {self.global_batch} and {self.seq_len}")
+            raise PlanError(
+                f"global batch and sequence length must be >= 1, got {self.global_batch} and {self.seq_len}"
+            )
         if self.micro_batches is not None and self.micro_batches < 1:
             raise PlanError(f"micro-batches must be >= 1, got {self.micro_batches}")
 
@@ -53,9 +63,11 @@ class TrainingSetup:
         self.check_values()
         count = self.micro_batches if self.micro_batches is not None else self.global_batch // dp
         if count < 1 or self.global_batch % (dp * count):
-            raise PlanError(f"a global batch of {self.global_batch} sequences does not split into dp {dp} x "
-                            f"{count if count >= 1 else 'any'} micro-batches of whole sequences; give --global-batch "
-                            "(a multiple of dp) or --micro-batches")
+            raise PlanError(
+                f"a global batch of {self.global_batch} sequences does not split into dp {dp} x "
+                f"{count if count >= 1 else 'any'} micro-batches of whole sequences; give --global-batch "
+                "(a multiple of dp) or --micro-batches"
+            )
         return count
 
 
@@ -105,12 +117,23 @@ class PlanRequest:
         """Raise PlanError on a layout or setting no plan can have (canzona's limits)."""
         opt = self.optimizer
         problem = request_problem(
-            tp=self.tp, dp=self.dp, ep=self.ep, alpha=self.alpha, bucket_size=self.bucket_size,
-            group_bytes=self.group_bytes, tp_mode=self.tp_mode, solver=self.solver, time_limit=self.time_limit,
-            seed=self.seed, order=self.order,
-        ) or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim,
-                              opt.ns_coefficients)
-        problem = problem or sharding_problem(self.sharding, self.dp, self.dp_replicate, self.ep) or self._fsdp_problem()
+            tp=self.tp,
+            dp=self.dp,
+            ep=self.ep,
+            alpha=self.alpha,
+            bucket_size=self.bucket_size,
+            group_bytes=self.group_bytes,
+            tp_mode=self.tp_mode,
+            solver=self.solver,
+            time_limit=self.time_limit,
+            seed=self.seed,
+            order=self.order,
+        ) or settings_problem(
+            opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim, opt.ns_coefficients
+        )
+        problem = (
+            problem or sharding_problem(self.sharding, self.dp, self.dp_replicate, self.ep) or self._fsdp_problem()
+        )
         if problem:
             raise PlanError(problem)
         if self.coop not in COOP_MODES:
@@ -151,7 +174,9 @@ class PlanRequest:
         if not self.searching:
             return None
         setup = self.training or TrainingSetup()
-        return TrainingSettings(global_batch=setup.global_batch, seq_len=setup.seq_len, micro_batches=setup.micro_batches)
+        return TrainingSettings(
+            global_batch=setup.global_batch, seq_len=setup.seq_len, micro_batches=setup.micro_batches
+        )
 
     @classmethod
     def from_request(cls, request: Request, model_source: str | None = None) -> PlanRequest:

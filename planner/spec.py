@@ -11,25 +11,23 @@ from dataclasses import dataclass
 from math import prod
 
 from canzona.schedules.geometry import DTYPE_BYTES, tp_slot_shape  # noqa: F401 - DTYPE_BYTES re-exported for the planner
-from canzona.schedules.splits import fused_row_blocks  # noqa: F401 - the model sources build fc1's blocks with it
-
 from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedule file is checked against
     ADAMW,
-    GRAD_REDUCE_AXES,
-    MATRIX,
-    NAMING_CONVENTIONS,
-    OPTIMIZER_CLASSES,
-    QKV_SPLITS,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_PRECOND_DIM,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
     DEFAULT_PRECONDITION_FREQUENCY,
+    GRAD_REDUCE_AXES,
+    MATRIX,
+    NAMING_CONVENTIONS,
     NS_COEFFICIENT_NAMES,
+    OPTIMIZER_CLASSES,
+    QKV_SPLITS,
     choice_problem,
 )
 from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
-
+from canzona.schedules.splits import fused_row_blocks  # noqa: F401 - the model sources build fc1's blocks with it
 
 DEFAULT_GLOBAL_BATCH = 256  # sequences per optimizer step, over every DP rank (a training setup's default)
 DEFAULT_SEQ_LEN = 4096  # tokens per sequence
@@ -135,8 +133,10 @@ def validate_model(model: ModelSpec, tp: int) -> None:
         if param.row_blocks:
             _validate_row_blocks(param)
         if param.grad_reduce is not None and (param.grad_reduce not in GRAD_REDUCE_AXES or param.tp_dim is not None):
-            raise PlanError(f"parameter {param.name!r}: grad_reduce {param.grad_reduce!r} needs a parameter replicated over "
-                            f"TP (tp_dim null) and one of {', '.join(GRAD_REDUCE_AXES)}")
+            raise PlanError(
+                f"parameter {param.name!r}: grad_reduce {param.grad_reduce!r} needs a parameter replicated over "
+                f"TP (tp_dim null) and one of {', '.join(GRAD_REDUCE_AXES)}"
+            )
         if param.tp_dim is not None:
             if not 0 <= param.tp_dim < len(param.shape):
                 raise PlanError(f"parameter {param.name!r}: tp_dim {param.tp_dim} out of range")
@@ -154,7 +154,9 @@ def _validate_slices(params: tuple[ParamSpec, ...]) -> None:
     names = {param.name for param in params}
 
     def is_slice(position: int, parent: str, index: int) -> bool:
-        return 0 <= position < len(params) and params[position].parent == parent and params[position].expert_index == index
+        return (
+            0 <= position < len(params) and params[position].parent == parent and params[position].expert_index == index
+        )
 
     for position, param in enumerate(params):
         if param.parent is None:
@@ -222,7 +224,9 @@ class ModelOptions:
 def _validate_row_blocks(param: ParamSpec) -> None:
     """Row blocks must match the submatrices and cover every row exactly once."""
     if len(param.row_blocks) != len(param.submatrices):
-        raise PlanError(f"parameter {param.name!r}: {len(param.row_blocks)} row blocks for {len(param.submatrices)} submatrices")
+        raise PlanError(
+            f"parameter {param.name!r}: {len(param.row_blocks)} row blocks for {len(param.submatrices)} submatrices"
+        )
     ranges: list[tuple[int, int]] = []
     for block, (num_rows, num_cols) in zip(param.row_blocks, param.submatrices):
         if num_cols != param.shape[1] or sum(stop - start for start, stop in block) != num_rows:

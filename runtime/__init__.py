@@ -3,15 +3,15 @@
 Never imports the planner, typer or ortools: it reads the schedule file and nothing else.
 """
 
-from canzona.runtime.tools.baselines import DpScOptimizer, TpScOptimizer
-from canzona.runtime.state.checkpoint import load_checkpoint, merge_state_dicts, save_checkpoint
-from canzona.runtime.state.stateful import DcpState
 from canzona.runtime.faults import CheckpointError, CollectiveError, StepFailedError
 from canzona.runtime.fsdp.optimizer import FsdpOptimizer
 from canzona.runtime.optimizer import CanzonaOptimizer
 from canzona.runtime.process_groups import make_groups
 from canzona.runtime.rules.optimizers import Hyperparameters
 from canzona.runtime.schedule import ScheduleMismatchError, load_schedule
+from canzona.runtime.state.checkpoint import load_checkpoint, merge_state_dicts, save_checkpoint
+from canzona.runtime.state.stateful import DcpState
+from canzona.runtime.tools.baselines import DpScOptimizer, TpScOptimizer
 
 __all__ = [
     "CanzonaOptimizer",

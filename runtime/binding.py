@@ -68,8 +68,10 @@ def expert_count_problems(pairs: Iterable[tuple[str, Tensor]], held: Iterable[Pa
         count = local(tensor).shape[0] if tensor.ndim == 3 else None
         if name in slices and count is not None and count != len(slices[name]):
             mine = slices[name]
-            problems.append(f"{name}: a tensor of {count} experts, but this rank holds {len(mine)} (experts "
-                            f"{mine[0].slice}..{mine[-1].slice}): pass its EP rank's experts only, as one tensor")
+            problems.append(
+                f"{name}: a tensor of {count} experts, but this rank holds {len(mine)} (experts "
+                f"{mine[0].slice}..{mine[-1].slice}): pass its EP rank's experts only, as one tensor"
+            )
     return problems
 
 
@@ -94,9 +96,13 @@ def model_entries(entries: Iterable[ParamEntry]) -> dict[str, ParamEntry]:
         counts[entry.param] = counts.get(entry.param, 0) + 1
         if entry.param not in out:
             tp_dim = None if entry.tp_dim is None else entry.tp_dim + 1
-            out[entry.param] = entry.model_copy(update={"name": entry.param, "tp_dim": tp_dim, "param": None, "slice": None})
+            out[entry.param] = entry.model_copy(
+                update={"name": entry.param, "tp_dim": tp_dim, "param": None, "slice": None}
+            )
     for parent, count in counts.items():
-        out[parent] = out[parent].model_copy(update={"shape": [count, *out[parent].shape], "numel": count * out[parent].numel})
+        out[parent] = out[parent].model_copy(
+            update={"shape": [count, *out[parent].shape], "numel": count * out[parent].numel}
+        )
     return out
 
 
@@ -109,7 +115,9 @@ def slices_of(entries: Iterable[ParamEntry]) -> dict[str, list[ParamEntry]]:
     return out
 
 
-def bind(name: str, param: Tensor, entries: Mapping[str, ParamEntry], slices: Mapping[str, list[ParamEntry]]) -> list[tuple[int, Bound]]:
+def bind(
+    name: str, param: Tensor, entries: Mapping[str, ParamEntry], slices: Mapping[str, list[ParamEntry]]
+) -> list[tuple[int, Bound]]:
     """(schedule index, binding) of every schedule entry the model parameter `name` holds."""
     values = local(param)
     if name in slices:
@@ -139,18 +147,24 @@ def placement_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
         return []
     mesh, placements, problems = tensor.device_mesh, tensor.placements, []
     if tuple(tensor.shape) != tuple(entry.shape):  # a DTensor knows its full shape: a swapped tp_dim shows here
-        problems.append(f"{entry.name}: full shape {list(tensor.shape)}, the schedule says {list(entry.shape)} "
-                        f"(tp_dim {entry.tp_dim})")
+        problems.append(
+            f"{entry.name}: full shape {list(tensor.shape)}, the schedule says {list(entry.shape)} "
+            f"(tp_dim {entry.tp_dim})"
+        )
     axis = _tp_axis(tensor)
     for dim, placement in enumerate(placements):
         if dim != axis and not isinstance(placement, Replicate):
             label = (mesh.mesh_dim_names or ())[dim] if mesh.mesh_dim_names else str(dim)
-            problems.append(f"{entry.name}: a DTensor placed {placement!r} on mesh dim {label!r}; the runtime binds "
-                            f"DTensors split over the {TP_MESH_DIM!r} mesh dim only")
+            problems.append(
+                f"{entry.name}: a DTensor placed {placement!r} on mesh dim {label!r}; the runtime binds "
+                f"DTensors split over the {TP_MESH_DIM!r} mesh dim only"
+            )
     if axis is None:
         if entry.tp_dim is not None and tp > 1:
-            problems.append(f"{entry.name}: a DTensor on a mesh without a {TP_MESH_DIM!r} dim, the schedule splits it over "
-                            f"TP (tp_dim {entry.tp_dim})")
+            problems.append(
+                f"{entry.name}: a DTensor on a mesh without a {TP_MESH_DIM!r} dim, the schedule splits it over "
+                f"TP (tp_dim {entry.tp_dim})"
+            )
         return problems
     size = mesh.size(axis)
     if size != tp:
@@ -158,13 +172,17 @@ def placement_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
     placement = placements[axis]
     split = _split_dim(placement, tensor.ndim)
     if split is None and not isinstance(placement, Replicate):
-        problems.append(f"{entry.name}: placement {placement!r} on the {TP_MESH_DIM!r} mesh dim; parameters are Shard or "
-                        "Replicate there")
+        problems.append(
+            f"{entry.name}: placement {placement!r} on the {TP_MESH_DIM!r} mesh dim; parameters are Shard or "
+            "Replicate there"
+        )
     elif size > 1 and split != entry.tp_dim:
         found = f"Shard({split})" if split is not None else "Replicate()"
         wanted = f"Shard({entry.tp_dim})" if entry.tp_dim is not None else "Replicate()"
-        problems.append(f"{entry.name}: placed {found} over {TP_MESH_DIM}, the schedule says {wanted} (tp_dim "
-                        f"{entry.tp_dim}); a different TP plan?")
+        problems.append(
+            f"{entry.name}: placed {found} over {TP_MESH_DIM}, the schedule says {wanted} (tp_dim "
+            f"{entry.tp_dim}); a different TP plan?"
+        )
     return problems
 
 
@@ -185,26 +203,35 @@ def _local_dtensor_grad(bound: Bound, grad: DTensor) -> Tensor:
     partial = axis is not None and isinstance(grad.placements[axis], Partial)
     if bound.grad_reduce == PARTIAL_OVER_TP and axis is not None and grad.device_mesh.size(axis) > 1:
         if not partial:
-            raise ValueError(f"the gradient of {bound.name} is already whole over TP ({grad.placements[axis]!r}), but the "
-                             "schedule sums it over TP (grad_reduce: tp): plan without the partial-gradient flag")
+            raise ValueError(
+                f"the gradient of {bound.name} is already whole over TP ({grad.placements[axis]!r}), but the "
+                "schedule sums it over TP (grad_reduce: tp): plan without the partial-gradient flag"
+            )
         return grad.to_local()
     if partial:
-        raise ValueError(f"the gradient of {bound.name} is a partial sum over TP (Partial), but the schedule does not sum "
-                         "it: plan with --sequence-parallel (or mark it grad_reduce: tp)")
+        raise ValueError(
+            f"the gradient of {bound.name} is a partial sum over TP (Partial), but the schedule does not sum "
+            "it: plan with --sequence-parallel (or mark it grad_reduce: tp)"
+        )
     if not isinstance(param, DTensor) or tuple(grad.placements) == tuple(param.placements):
         return grad.to_local()
     if any(isinstance(p, Partial) for p in grad.placements):
-        raise ValueError(f"the gradient of {bound.name} has placements {list(grad.placements)}: a partial sum over "
-                         "a mesh dim the runtime does not reduce")
+        raise ValueError(
+            f"the gradient of {bound.name} has placements {list(grad.placements)}: a partial sum over "
+            "a mesh dim the runtime does not reduce"
+        )
     if any(_split_dim(p, grad.ndim) is not None for p in grad.placements):
-        raise ValueError(f"the gradient of {bound.name} is placed {list(grad.placements)}, the parameter "
-                         f"{list(param.placements)}: only a replicated gradient is re-split locally")
+        raise ValueError(
+            f"the gradient of {bound.name} is placed {list(grad.placements)}, the parameter "
+            f"{list(param.placements)}: only a replicated gradient is re-split locally"
+        )
     # Replicate -> the parameter's shards: a local chunk, no communication.
     return grad.redistribute(param.device_mesh, param.placements).to_local()
 
 
-def sum_partial_over_tp(spans: Sequence[tuple[int, int]], send: Tensor, tp_group: dist.ProcessGroup,
-                       timeout: timedelta | None) -> None:
+def sum_partial_over_tp(
+    spans: Sequence[tuple[int, int]], send: Tensor, tp_group: dist.ProcessGroup, timeout: timedelta | None
+) -> None:
     """Sum the DP-mean gradients at `spans` of `send` (those of `grad_reduce: tp` entries) over
     the TP group, in place (summing over TP commutes with the mean over DP). Collective over
     TP: every rank of a TP group calls it at the same point of the step, with the same spans,

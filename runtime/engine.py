@@ -41,18 +41,22 @@ from canzona.runtime.exchange.gradients import global_norm
 from canzona.runtime.exchange.pipeline import MicroGroupPipeline, TpGeometry, gather_replicated, replicated_updates
 from canzona.runtime.exchange.reduction import GradSource, Round
 from canzona.runtime.faults import CollectiveError, StepFailedError, fail_together, settle
-from canzona.schedules.layout import Task
 from canzona.runtime.plan import RankPlan
 from canzona.runtime.rules import cooperative, precision
 from canzona.runtime.state.store import OptimizerState, fresh_state
 from canzona.runtime.update import StepContext, Updater
+from canzona.schedules.layout import Task
 
 LOG = logging.getLogger("canzona")
-HYPERPARAMETERS_DIFFER = ("the groups' hyperparameters (lr, weight decay, betas, momentum, eps, ...) differ across ranks: "
-                          "every rank must step with the same values, or replicas diverge")
-SCALES_DIFFER = ("the loss scaler's scale differs across ranks (an overflow only some ranks saw changed theirs): use "
-                 "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler and call scaler.unscale_(optimizer) "
-                 "before scaler.step(optimizer): it agrees overflows across ranks")
+HYPERPARAMETERS_DIFFER = (
+    "the groups' hyperparameters (lr, weight decay, betas, momentum, eps, ...) differ across ranks: "
+    "every rank must step with the same values, or replicas diverge"
+)
+SCALES_DIFFER = (
+    "the loss scaler's scale differs across ranks (an overflow only some ranks saw changed theirs): use "
+    "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler and call scaler.unscale_(optimizer) "
+    "before scaler.step(optimizer): it agrees overflows across ranks"
+)
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,10 @@ def _scaling_flags(scaling: LossScaling | None, device: torch.device, digest: in
     the largest and the negated smallest: they match only if every rank's does); and the loss
     scaler's: any overflow, and the scale's bits both ways (a positive fp32's bits order like its
     value)."""
-    flags = {"hp_max": torch.tensor(digest, dtype=torch.int32, device=device),
-             "hp_min": torch.tensor(-digest, dtype=torch.int32, device=device)}
+    flags = {
+        "hp_max": torch.tensor(digest, dtype=torch.int32, device=device),
+        "hp_min": torch.tensor(-digest, dtype=torch.int32, device=device),
+    }
     if scaling is None:
         return flags
     flags["overflow"] = (scaling.found_inf.to(device) > 0).to(torch.int32)
@@ -115,22 +121,35 @@ def _global_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
 class Engine:
     """One rank's step machinery over a frozen `RankPlan` (module docstring)."""
 
-    def __init__(self, plan: RankPlan, groups: Groups, source: GradSource, dp_collectives: str,
-                 timeout: timedelta | None) -> None:
+    def __init__(
+        self, plan: RankPlan, groups: Groups, source: GradSource, dp_collectives: str, timeout: timedelta | None
+    ) -> None:
         self.plan, self.groups, self.source, self.timeout = plan, groups, source, timeout
         # NCCL's Work.wait(timeout) blocks the host until the collective finishes, which would
         # serialise the pipeline: on CUDA the waits inside a step are stream waits, bounded by
         # the process groups' own timeout (NCCL's watchdog); `timeout` bounds the safe points.
         self.wait_timeout = None if plan.device.type == "cuda" else timeout
-        self.comms = DpComms(groups.dp, _global_ranks(groups.dp), groups.expert_dp, _global_ranks(groups.expert_dp),
-                             dp_collectives, self.wait_timeout)
+        self.comms = DpComms(
+            groups.dp,
+            _global_ranks(groups.dp),
+            groups.expert_dp,
+            _global_ranks(groups.expert_dp),
+            dp_collectives,
+            self.wait_timeout,
+        )
         self.send = torch.zeros(plan.layout.total, dtype=torch.float32, device=plan.device)  # the bucket buffer
         self.state: OptimizerState = fresh_state(plan)
         place = plan.place
-        self.pipeline = (None if plan.strategy.tp_replicated else MicroGroupPipeline(
-            plan.groups, TpGeometry(place.tp_rank, place.tp_size), groups.tp, plan.device, self.wait_timeout))
-        team_groups = cooperative.make_team_groups([t for tasks in plan.groups for t in tasks], place.tp_rank, groups.tp,
-                                                   self.wait_timeout)
+        self.pipeline = (
+            None
+            if plan.strategy.tp_replicated
+            else MicroGroupPipeline(
+                plan.groups, TpGeometry(place.tp_rank, place.tp_size), groups.tp, plan.device, self.wait_timeout
+            )
+        )
+        team_groups = cooperative.make_team_groups(
+            [t for tasks in plan.groups for t in tasks], place.tp_rank, groups.tp, self.wait_timeout
+        )
         self.updater = Updater(plan, self.state, team_groups, self.wait_timeout)
         self.round: Round | None = None  # a reduction backward launched, not yet stepped
         self.reduced: list[bool] | None = None  # per entry: has a gradient somewhere (reduced, not yet stepped)
@@ -150,7 +169,9 @@ class Engine:
     def collectives(self) -> Iterator[None]:
         """Remember a failed collective: the groups cannot be trusted afterwards."""
         if self.broken:
-            raise CollectiveError(f"canzona: an earlier collective failed ({self.broken}); restart from the last checkpoint")
+            raise CollectiveError(
+                f"canzona: an earlier collective failed ({self.broken}); restart from the last checkpoint"
+            )
         try:
             yield
         except CollectiveError as error:
@@ -161,7 +182,9 @@ class Engine:
         """StepFailedError (on every rank alike: they all failed the same step) once a step
         failed after changing state."""
         if self.failed:
-            raise StepFailedError(f"canzona: {self.failed}; load a checkpoint (model and optimizer) before stepping again")
+            raise StepFailedError(
+                f"canzona: {self.failed}; load a checkpoint (model and optimizer) before stepping again"
+            )
 
     # -- stage 1 and 2: reduce, agree --------------------------------------------------------
 
@@ -224,17 +247,36 @@ class Engine:
                 self._unscale(scaling.scale)
             self.reduced = agreed.has_grad
 
-    def _agree(self, problem: str | None, step: int, done: Round, stale: Tensor, scaling: LossScaling | None,
-               digest: int, where: str = "before its first collective") -> Agreed:
+    def _agree(
+        self,
+        problem: str | None,
+        step: int,
+        done: Round,
+        stale: Tensor,
+        scaling: LossScaling | None,
+        digest: int,
+        where: str = "before its first collective",
+    ) -> Agreed:
         """The safe point of the reduction: every rank's problem, and agreed flags (a non-finite
         gradient somewhere, main copies to rebuild, a loss-scaler overflow and the scale, each
         bucket to reduce again, each entry's gradient); rebuilds stale main copies."""
         device, buckets = self.plan.device, len(self.plan.layout.buckets)
-        heads = {"nonfinite": done.nonfinite, "rebuild": self.state.main.stale, **_scaling_flags(scaling, device, digest)}
-        flags = torch.cat([*(torch.as_tensor(v, device=device).to(torch.int32).reshape(1) for v in heads.values()),
-                           stale.to(device=device, dtype=torch.int32),
-                           torch.tensor(done.has_grad, dtype=torch.int32, device=device)])
-        point, failure = f"the safe point of step {step} {where}", f"step {step} failed {where}, nothing was applied on any rank"
+        heads = {
+            "nonfinite": done.nonfinite,
+            "rebuild": self.state.main.stale,
+            **_scaling_flags(scaling, device, digest),
+        }
+        flags = torch.cat(
+            [
+                *(torch.as_tensor(v, device=device).to(torch.int32).reshape(1) for v in heads.values()),
+                stale.to(device=device, dtype=torch.int32),
+                torch.tensor(done.has_grad, dtype=torch.int32, device=device),
+            ]
+        )
+        point, failure = (
+            f"the safe point of step {step} {where}",
+            f"step {step} failed {where}, nothing was applied on any rank",
+        )
         values = settle(problem, self.safe_groups, self.timeout, point, failure, device, flags=flags).tolist()
         named = dict(zip(heads, values))
         if named["nonfinite"]:  # a rank saw a non-finite gradient (check_finite): every rank says which
@@ -244,9 +286,12 @@ class Engine:
             fail_together(disagreement, self.safe_groups, point, failure)
         if named["rebuild"]:
             precision.rebuild(self.plan, self.state.main, self.gather_full, self.state.main.stale)
-        rest = values[len(heads):]
-        return Agreed([b for b, flag in enumerate(rest[:buckets]) if flag], [bool(f) for f in rest[buckets:]],
-                      bool(named.get("overflow", 0)))
+        rest = values[len(heads) :]
+        return Agreed(
+            [b for b, flag in enumerate(rest[:buckets]) if flag],
+            [bool(f) for f in rest[buckets:]],
+            bool(named.get("overflow", 0)),
+        )
 
     def agree_scaling(self, problem: str | None, scaling: LossScaling | None, digest: int = 0) -> None:
         """When the gradients were reduced before the step (by `clip_grad_norm_`): one safe point
@@ -254,15 +299,25 @@ class Engine:
         (collective)."""
         step = self.state.step + 1
         heads = _scaling_flags(scaling, self.plan.device, digest)
-        flags = torch.cat([torch.as_tensor(v, device=self.plan.device).to(torch.int32).reshape(1) for v in heads.values()])
+        flags = torch.cat(
+            [torch.as_tensor(v, device=self.plan.device).to(torch.int32).reshape(1) for v in heads.values()]
+        )
         if scaling is not None and scaling.scale is not None:
-            problem = problem or ("clip_grad_norm_ ran on loss-scaled gradients: unscale them first "
-                                  "(scaler.unscale_(optimizer)), then clip")
+            problem = problem or (
+                "clip_grad_norm_ ran on loss-scaled gradients: unscale them first "
+                "(scaler.unscale_(optimizer)), then clip"
+            )
         point = f"the start of step {step}"
         failure = f"step {step} failed before applying its update, nothing was applied on any rank"
         with self.collectives():
-            named = dict(zip(heads, settle(problem, self.safe_groups, self.timeout, point, failure, self.plan.device,
-                                           flags=flags).tolist()))
+            named = dict(
+                zip(
+                    heads,
+                    settle(
+                        problem, self.safe_groups, self.timeout, point, failure, self.plan.device, flags=flags
+                    ).tolist(),
+                )
+            )
             disagreement = _disagreement(named, scaling)
             if disagreement:
                 fail_together(disagreement, self.safe_groups, point, failure)
@@ -278,16 +333,26 @@ class Engine:
             return
         self.warned = True
         if dist.get_rank() == 0:
-            LOG.warning("canzona: %d gradient bucket(s) changed after backward had reduced them (gradients edited, "
-                        "replaced or summed by a hook after backward); reduced again at the step, so the overlap with "
-                        "backward was lost for them (said once)", count)
+            LOG.warning(
+                "canzona: %d gradient bucket(s) changed after backward had reduced them (gradients edited, "
+                "replaced or summed by a hook after backward); reduced again at the step, so the overlap with "
+                "backward was lost for them (said once)",
+                count,
+            )
 
     def refresh_main_copies(self) -> None:
         """Rebuild stale fp32 main copies from the parameters now instead of at the next step
         (collective: every rank calls it, and they agree whether any rank's are stale)."""
         with self.collectives():
-            stale = settle(None, self.safe_groups, self.timeout, "refreshing the main copies", "",
-                           self.plan.device, flags=torch.tensor([int(self.state.main.stale)])).tolist()
+            stale = settle(
+                None,
+                self.safe_groups,
+                self.timeout,
+                "refreshing the main copies",
+                "",
+                self.plan.device,
+                flags=torch.tensor([int(self.state.main.stale)]),
+            ).tolist()
             if stale[0]:
                 precision.rebuild(self.plan, self.state.main, self.gather_full, self.state.main.stale)
 
@@ -320,8 +385,18 @@ class Engine:
         with self.collectives():
             if self.pipeline is None:
                 place = plan.place
-                replicated_updates(plan.groups[0], place.tp_rank, place.tp_size, self.groups.tp, grad_of, update_of,
-                                   apply, plan.device, self.wait_timeout, active)
+                replicated_updates(
+                    plan.groups[0],
+                    place.tp_rank,
+                    place.tp_size,
+                    self.groups.tp,
+                    grad_of,
+                    update_of,
+                    apply,
+                    plan.device,
+                    self.wait_timeout,
+                    active,
+                )
             else:
                 self.pipeline.run(grad_of, update_of, apply, active)
 
@@ -335,8 +410,14 @@ class Engine:
         counts advance."""
         try:
             with self.collectives():
-                settle(ctx.problem, self.safe_groups, self.timeout, f"the end of step {ctx.step}",
-                       f"step {ctx.step} failed while updating; state may have changed on some ranks", self.plan.device)
+                settle(
+                    ctx.problem,
+                    self.safe_groups,
+                    self.timeout,
+                    f"the end of step {ctx.step}",
+                    f"step {ctx.step} failed while updating; state may have changed on some ranks",
+                    self.plan.device,
+                )
         except StepFailedError as error:
             self.failed = f"step {ctx.step} failed while updating ({error})"
             raise

@@ -59,8 +59,10 @@ def foreign_experts(schedule: Schedule, names: list[str], dp_rank: int) -> str |
     if not wrong:
         return None
     more = f" (and {len(wrong) - MAX_LISTED} more)" if len(wrong) > MAX_LISTED else ""
-    return (f"experts on the wrong rank: this is EP rank {mine} (DP rank {dp_rank} = expert-DP rank {dp_rank // ep} "
-            f"x ep {ep} + EP rank {mine}), but it was given {', '.join(wrong[:MAX_LISTED])}{more}")
+    return (
+        f"experts on the wrong rank: this is EP rank {mine} (DP rank {dp_rank} = expert-DP rank {dp_rank // ep} "
+        f"x ep {ep} + EP rank {mine}), but it was given {', '.join(wrong[:MAX_LISTED])}{more}"
+    )
 
 
 def expert_group_problem(schedule: Schedule, dp_rank: int, dp_global: Sequence[int], expert_group: Any) -> str | None:
@@ -69,12 +71,16 @@ def expert_group_problem(schedule: Schedule, dp_rank: int, dp_global: Sequence[i
     dp, ep = schedule.request.dp, schedule.request.ep
     if ep == 1:
         if expert_group is not None and dist.get_world_size(expert_group) != dp:
-            return (f"an expert-DP group of {dist.get_world_size(expert_group)} ranks was given, but the schedule has "
-                    f"no expert parallelism (ep 1)")
+            return (
+                f"an expert-DP group of {dist.get_world_size(expert_group)} ranks was given, but the schedule has "
+                f"no expert parallelism (ep 1)"
+            )
         return None
     if expert_group is None:
-        return (f"the schedule is for expert parallelism (ep {ep}): pass expert_dp_group= (make_groups(dp, tp, ep={ep}) "
-                "returns it) or mesh= with dims ('edp', 'ep', 'tp')")
+        return (
+            f"the schedule is for expert parallelism (ep {ep}): pass expert_dp_group= (make_groups(dp, tp, ep={ep}) "
+            "returns it) or mesh= with dims ('edp', 'ep', 'tp')"
+        )
     size = dist.get_world_size(expert_group)
     if size != dp // ep:
         found = f"EP {dp // size}" if size and dp % size == 0 else "no EP size"
@@ -83,6 +89,8 @@ def expert_group_problem(schedule: Schedule, dp_rank: int, dp_global: Sequence[i
     expected = [dp_global[o * ep + mine] for o in range(size)]
     found_ranks = dist.get_process_group_ranks(expert_group)
     if found_ranks != expected:
-        return (f"the expert-DP group holds global ranks {found_ranks}, the schedule's EP layout needs {expected} "
-                f"(DP ranks expert_dp_rank x ep + ep_rank, EP rank {mine})")
+        return (
+            f"the expert-DP group holds global ranks {found_ranks}, the schedule's EP layout needs {expected} "
+            f"(DP ranks expert_dp_rank x ep + ep_rank, EP rank {mine})"
+        )
     return None

@@ -65,7 +65,7 @@ def wait(work: dist.Work | None, timeout: timedelta | None, what: str) -> None:
             work.wait()
         else:
             work.wait(timeout)
-    except Exception as error:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+    except Exception as error:
         raise collective_error(what, error, timeout) from error
 
 
@@ -80,7 +80,7 @@ def gather_objects(value: Any, groups: Sequence[dist.ProcessGroup], what: str) -
                 out: list[Any] = [None] * dist.get_world_size(group)
                 dist.all_gather_object(out, gathered, group=group)
                 gathered = [item for part in out for item in part]
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         raise collective_error(what, error) from error
     return gathered
 
@@ -108,8 +108,15 @@ def fail_together(problem: str | None, groups: Sequence[dist.ProcessGroup], poin
     raise StepFailedError(f"canzona: {failure}; " + describe([(r, p) for r, p in reports if p]))
 
 
-def settle(problem: str | None, groups: Sequence[dist.ProcessGroup], timeout: timedelta | None, point: str,
-           failure: str, device: torch.device, flags: torch.Tensor | None = None) -> torch.Tensor:
+def settle(
+    problem: str | None,
+    groups: Sequence[dist.ProcessGroup],
+    timeout: timedelta | None,
+    point: str,
+    failure: str,
+    device: torch.device,
+    flags: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A safe point (`point` names it): if any rank has a problem, every rank raises `StepFailedError`
     with `failure` and every rank's problem. One tiny all-reduce (MAX) per group when nobody
     failed, on `device` (NCCL takes no CPU tensors). `flags` (integers, on any device) ride

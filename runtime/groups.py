@@ -37,8 +37,8 @@ from canzona.runtime.binding import local, placement_problems
 from canzona.runtime.integrations import titan
 from canzona.runtime.rules.optimizers import Hyperparameters
 from canzona.runtime.schedule import tensor_problems
-from canzona.schedules.limits import ADAMW, MATRIX
 from canzona.schedules.format import ParamEntry
+from canzona.schedules.limits import ADAMW, MATRIX
 
 MATRIX_KNOBS: dict[str, tuple[str, ...]] = {
     "muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_dtype", "update_scale", "update_scale_factor"),
@@ -86,16 +86,26 @@ def _user_groups(params: list[Any]) -> tuple[list[dict[str, Any]], list[str]]:
 def _pairs(index: int, group: dict[str, Any], problems: list[str]) -> list[tuple[str, Tensor]]:
     items = group["params"]
     items = list(items) if not isinstance(items, (Tensor, dict, str)) else [items]
-    pairs = [item for item in items if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-             and isinstance(item[1], Tensor)]
+    pairs = [
+        item
+        for item in items
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Tensor)
+    ]
     if len(pairs) != len(items):
-        problems.append(f"param group {index}: parameters must be (name, tensor) pairs named as in the schedule "
-                        "(pass model.named_parameters(), or groups of such pairs)")
+        problems.append(
+            f"param group {index}: parameters must be (name, tensor) pairs named as in the schedule "
+            "(pass model.named_parameters(), or groups of such pairs)"
+        )
     return pairs
 
 
-def _check_names(index: int, pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry],
-                 seen: dict[Any, int], problems: list[str]) -> None:
+def _check_names(
+    index: int,
+    pairs: list[tuple[str, Tensor]],
+    entries: Mapping[str, ParamEntry],
+    seen: dict[Any, int],
+    problems: list[str],
+) -> None:
     """Unknown names, parameters listed twice (by name or tensor; `seen` maps both to the
     group), and an order the schedule does not have."""
     unknown = [name for name, _ in pairs if name not in entries]
@@ -110,8 +120,10 @@ def _check_names(index: int, pairs: list[tuple[str, Tensor]], entries: Mapping[s
     known = [(name, tensor) for name, tensor in pairs if name in entries]
     for (first, _), (second, _) in zip(known, known[1:]):
         if entries[first].index > entries[second].index:
-            problems.append(f"param group {index}: {second!r} follows {first!r}, but the schedule registers them "
-                            "the other way round (another model?)")
+            problems.append(
+                f"param group {index}: {second!r} follows {first!r}, but the schedule registers them "
+                "the other way round (another model?)"
+            )
             break
 
 
@@ -125,7 +137,11 @@ def _value(key: str, value: Any) -> Any:
         return _coefficients(value)
     if key in TUPLE_KNOBS:
         return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else value
-    if key in INT_KNOBS or key in ("nesterov", "update_scale", "ns_dtype") or (key == "update_scale_factor" and value is None):
+    if (
+        key in INT_KNOBS
+        or key in ("nesterov", "update_scale", "ns_dtype")
+        or (key == "update_scale_factor" and value is None)
+    ):
         return value
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
@@ -162,32 +178,52 @@ def group_hyperparameters(group: Mapping[str, Any], defaults: Hyperparameters, r
     return replace(hp, adamw_lr=hp.adamw_lr * ratio)
 
 
-def _check_group(index: int, group: dict[str, Any], pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry],
-                 rule: str, problems: list[str]) -> None:
+def _check_group(
+    index: int,
+    group: dict[str, Any],
+    pairs: list[tuple[str, Tensor]],
+    entries: Mapping[str, ParamEntry],
+    rule: str,
+    problems: list[str],
+) -> None:
     """Unknown keys, and keys that would apply to no parameter of the group."""
     has_matrix = any(entries[name].optimizer == MATRIX for name, _ in pairs)
     has_adamw = any(entries[name].optimizer == ADAMW for name, _ in pairs)
     allowed = set(matrix_keys(rule)) | set(ADAMW_KEYS) | {"params", "initial_lr"}
     unknown = sorted(set(group) - allowed)
     if unknown:
-        problems.append(f"param group {index}: unknown key(s) {', '.join(map(repr, unknown))}; a group takes "
-                        f"{', '.join(sorted(allowed - {'params'}))}")
-    unused = [key for key in group if (key in matrix_keys(rule) and not has_matrix) or (key in ADAMW_KEYS and not has_adamw)]
+        problems.append(
+            f"param group {index}: unknown key(s) {', '.join(map(repr, unknown))}; a group takes "
+            f"{', '.join(sorted(allowed - {'params'}))}"
+        )
+    unused = [
+        key for key in group if (key in matrix_keys(rule) and not has_matrix) or (key in ADAMW_KEYS and not has_adamw)
+    ]
     if unused and pairs:
         kind = "matrix" if not has_matrix else "AdamW"
-        problems.append(f"param group {index}: {', '.join(map(repr, unused))} would apply to its {kind} parameters, "
-                        f"but it has none" + ("; AdamW parameters take adamw_lr, adamw_weight_decay, adamw_betas, adamw_eps"
-                                              if not has_matrix else ""))
+        problems.append(
+            f"param group {index}: {', '.join(map(repr, unused))} would apply to its {kind} parameters, "
+            f"but it has none"
+            + ("; AdamW parameters take adamw_lr, adamw_weight_decay, adamw_betas, adamw_eps" if not has_matrix else "")
+        )
 
 
-def _group(group: dict[str, Any], pairs: list[tuple[str, Tensor]], rule: str, defaults: Hyperparameters) -> dict[str, Any]:
+def _group(
+    group: dict[str, Any], pairs: list[tuple[str, Tensor]], rule: str, defaults: Hyperparameters
+) -> dict[str, Any]:
     """One optimizer group: its parameters and every key, those left out from `defaults`."""
     values = {key: group.get(key, getattr(defaults, key)) for key in (*matrix_keys(rule), *ADAMW_KEYS)}
     return {"params": pairs, **values, "initial_lr": group.get("initial_lr", values["lr"])}
 
 
-def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, ParamEntry], tp: int, tp_rank: int,
-                    grad_attr: str, fsdp: bool) -> list[str]:
+def _model_problems(
+    pairs: list[tuple[str, Tensor]],
+    entries: Mapping[str, ParamEntry],
+    tp: int,
+    tp_rank: int,
+    grad_attr: str,
+    fsdp: bool,
+) -> list[str]:
     problems = []
     for name, tensor in pairs:
         if name not in entries:
@@ -211,9 +247,16 @@ def _model_problems(pairs: list[tuple[str, Tensor]], entries: Mapping[str, Param
     return problems
 
 
-def resolve_param_groups(params: list[Any], entries: Mapping[str, ParamEntry], tp: int, rule: str,
-                   defaults: Hyperparameters, grad_attr: str = "grad", fsdp: bool = False,
-                   tp_rank: int = 0) -> ResolvedGroups:
+def resolve_param_groups(
+    params: list[Any],
+    entries: Mapping[str, ParamEntry],
+    tp: int,
+    rule: str,
+    defaults: Hyperparameters,
+    grad_attr: str = "grad",
+    fsdp: bool = False,
+    tp_rank: int = 0,
+) -> ResolvedGroups:
     """Check what a script passed against the schedule (`entries` by name, TP size `tp`, this
     rank's TP rank `tp_rank`) and
     build one group per user group; every problem is returned, nothing raises. `fsdp`: the

@@ -19,8 +19,8 @@ refuses to step until a checkpoint is loaded. A collective that fails or times o
 from __future__ import annotations
 
 import os
-import zlib
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -42,7 +42,6 @@ from canzona.runtime.exchange.reduction import GradSource
 from canzona.runtime.faults import as_timedelta, first_line
 from canzona.runtime.fsdp.checks import fsdp_mismatch
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, listed, resolve_param_groups
-from canzona.schedules.layout import local_entries
 from canzona.runtime.plan import CANZONA, Place, RankPlan, Strategy, build_rank_plan
 from canzona.runtime.process_groups import resolve_process_groups
 from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, make_rule
@@ -51,6 +50,7 @@ from canzona.runtime.state import logical
 from canzona.runtime.state.logical import STATE_FORMAT, Destination, LogicalStateDict, LogicalTensor
 from canzona.runtime.update import StepContext
 from canzona.schedules.format import Schedule, ScheduleError
+from canzona.schedules.layout import local_entries
 from canzona.schedules.reshard import StateLayout, incompatibilities, state_layout
 
 PreHook = Callable[..., Any]
@@ -88,12 +88,24 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     strategy: Strategy = CANZONA
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands step() its scale and overflow flag
 
-    def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *,
-                 dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 mesh: Any = None, expert_dp_group: dist.ProcessGroup | None = None,
-                 timeout: float | timedelta | None = None, check_finite: bool = False,
-                 dp_collectives: str = comm.AS_SCHEDULED, grad_attr: str = "grad", overlap_grad_reduce: bool = True,
-                 overlap_param_gather: bool = False, model: torch.nn.Module | None = None, **defaults: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        schedule: Schedule | str | os.PathLike[str],
+        *,
+        dp_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        mesh: Any = None,
+        expert_dp_group: dist.ProcessGroup | None = None,
+        timeout: float | timedelta | None = None,
+        check_finite: bool = False,
+        dp_collectives: str = comm.AS_SCHEDULED,
+        grad_attr: str = "grad",
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = False,
+        model: torch.nn.Module | None = None,
+        **defaults: Any,
+    ) -> None:
         given = experts.materialized(list(params))
         _check_options(dp_collectives, grad_attr, overlap_grad_reduce, overlap_param_gather, model)
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -113,8 +125,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         super().__init__(resolved.groups, {"lr": hp.lr, "weight_decay": hp.weight_decay})
         place = Place(place.dp_rank, place.dp_size, place.tp_rank, place.tp_size, loaded.request.ep)
         self.plan: RankPlan = build_rank_plan(loaded, self.param_groups, place, self.strategy)
-        self.engine = Engine(self.plan, Groups(dp, tp, expert_dp), GradSource(grad_attr, check_finite), dp_collectives,
-                             timeout_delta)
+        self.engine = Engine(
+            self.plan, Groups(dp, tp, expert_dp), GradSource(grad_attr, check_finite), dp_collectives, timeout_delta
+        )
         self.state = StateView(self.plan, self.engine.state)  # type: ignore[assignment]
         self._pre_hooks: OrderedDict[int, PreHook] = OrderedDict()  # RemovableHandle needs a weak reference
         self._grad_hooks: list[RemovableHandle] = []
@@ -171,8 +184,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only at construction: the schedule fixes the parameters (NotImplementedError later)."""
         if getattr(self, "_ready", False):
-            raise NotImplementedError("canzona: the optimized parameters are fixed by the schedule at construction; "
-                                      "pass every group to CanzonaOptimizer(...)")
+            raise NotImplementedError(
+                "canzona: the optimized parameters are fixed by the schedule at construction; "
+                "pass every group to CanzonaOptimizer(...)"
+            )
         super().add_param_group(param_group)
 
     def register_step_pre_hook(self, hook: PreHook) -> RemovableHandle:
@@ -208,7 +223,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 result = hook(self, args, kwargs)
                 if result is not None:
                     args, kwargs = result
-        except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
+        except Exception as error:
             return closure, first_line(error)
         return kwargs.get("closure", args[1] if len(args) > 1 else None), None
 
@@ -216,11 +231,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         if closure is None:
             return None, problem
         if self.engine.reduced is not None:
-            return None, problem or "step(closure) after clip_grad_norm_/reduce_gradients: the gradients were already reduced"
+            return (
+                None,
+                problem or "step(closure) after clip_grad_norm_/reduce_gradients: the gradients were already reduced",
+            )
         try:
             with torch.enable_grad():
                 return closure(), problem
-        except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
+        except Exception as error:
             return None, problem or f"the closure raised {first_line(error)}"
 
     # -- the step ----------------------------------------------------------------------------
@@ -273,7 +291,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             assert active is not None
             if engine.skipped:  # a loss scaler saw an overflow on some rank: nothing to apply
                 return loss
-            rules: dict[int, MatrixRule] = {g: make_rule(self.schedule.request.optimizer.name, hp) for g, hp in enumerate(hps)}
+            rules: dict[int, MatrixRule] = {
+                g: make_rule(self.schedule.request.optimizer.name, hp) for g, hp in enumerate(hps)
+            }
             context = StepContext(engine.state.step + 1, active, hps, rules)
             engine.update_matrices(context)  # stage 3: the micro-group pipeline, in place
             engine.update_adamw(context)  # stage 4: AdamW on this rank's slices
@@ -295,7 +315,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         if not (self.overlap_param_gather and model is not None and not self.strategy.all_dp):
             return
         layout = self.plan.layout
-        bucket_of = {key: sorted({layout.bucket_of[i] for i in indices}) for key, indices in self.plan.tensor_entries.items()}
+        bucket_of = {
+            key: sorted({layout.bucket_of[i] for i in indices}) for key, indices in self.plan.tensor_entries.items()
+        }
         self._forward_hooks = ForwardHooks(weakref.ref(self), model, bucket_of)
 
     def grad_ready(self, param: Tensor) -> None:
@@ -381,10 +403,16 @@ class CanzonaOptimizer(torch.optim.Optimizer):
     def logical_record(self) -> dict[str, Any]:
         """What a state dict or checkpoint records beside the tensors."""
         return {
-            "format": STATE_FORMAT, "strategy": self.strategy.name, "layout": self.state_layout().to_json(),
-            "fingerprint": self.schedule.fingerprint, "digest": self.digest, "schedule": summary(self.schedule),
-            "step": self.step_count, "param_steps": logical.export_steps(self.plan, self.engine.state),
-            "hyperparameters": asdict(self.hp), "ep_experts": logical.ep_experts(self.plan),
+            "format": STATE_FORMAT,
+            "strategy": self.strategy.name,
+            "layout": self.state_layout().to_json(),
+            "fingerprint": self.schedule.fingerprint,
+            "digest": self.digest,
+            "schedule": summary(self.schedule),
+            "step": self.step_count,
+            "param_steps": logical.export_steps(self.plan, self.engine.state),
+            "hyperparameters": asdict(self.hp),
+            "ep_experts": logical.ep_experts(self.plan),
             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups],
         }
 
@@ -400,7 +428,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         schedule fingerprint. Any optimizer of the same model can load a set of these that
         covers what it holds (`load_state_dict`), whatever its schedule. Not torch.optim's
         format: checkpoint through `canzona.runtime.save_checkpoint`."""
-        return LogicalStateDict({**self.logical_record(), "tensors": self.export_logical(writers_only=False, clone=True)})
+        return LogicalStateDict(
+            {**self.logical_record(), "tensors": self.export_logical(writers_only=False, clone=True)}
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore logical state (one `state_dict()`, or several merged with
@@ -412,8 +442,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         state = state_dict
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a canzona optimizer state (format {found!r}, expected {STATE_FORMAT!r}); "
-                             f"{logical.UNSUPPORTED_STATE.removeprefix('canzona: ')}")
+            raise ValueError(
+                f"not a canzona optimizer state (format {found!r}, expected {STATE_FORMAT!r}); "
+                f"{logical.UNSUPPORTED_STATE.removeprefix('canzona: ')}"
+            )
         problems = incompatibilities(StateLayout.from_json(state["layout"]), self.state_layout())
         if problems:
             raise ValueError("the optimizer state does not fit this model: " + "; ".join(problems))
@@ -454,8 +486,9 @@ def hyperparameter_digest(hps: list[Hyperparameters]) -> int:
     return zlib.crc32(repr(hps).encode()) & 0x7FFFFFFF
 
 
-def _check_options(dp_collectives: str, grad_attr: str, overlap_grad_reduce: Any, overlap_param_gather: Any,
-                   model: Any) -> None:
+def _check_options(
+    dp_collectives: str, grad_attr: str, overlap_grad_reduce: Any, overlap_param_gather: Any, model: Any
+) -> None:
     if dp_collectives not in comm.DP_COLLECTIVES:
         raise ValueError(f"dp_collectives must be one of {', '.join(comm.DP_COLLECTIVES)}, got {dp_collectives!r}")
     if not isinstance(grad_attr, str) or not grad_attr.isidentifier():
@@ -470,8 +503,16 @@ def _check_options(dp_collectives: str, grad_attr: str, overlap_grad_reduce: Any
 Prepared = tuple[Schedule | None, ResolvedGroups | None, Hyperparameters | None, str | None]
 
 
-def _prepare(given: list[Any], schedule: Schedule | str | os.PathLike[str], defaults: dict[str, Any],
-             model: torch.nn.Module | None, place: Place, dp_group: Any, expert_group: Any, grad_attr: str) -> Prepared:
+def _prepare(
+    given: list[Any],
+    schedule: Schedule | str | os.PathLike[str],
+    defaults: dict[str, Any],
+    model: torch.nn.Module | None,
+    place: Place,
+    dp_group: Any,
+    expert_group: Any,
+    grad_attr: str,
+) -> Prepared:
     """Load and check locally; every failure becomes this rank's verdict, not an exception."""
     try:
         loaded = schedule if isinstance(schedule, Schedule) else load_schedule(schedule)
@@ -483,8 +524,11 @@ def _prepare(given: list[Any], schedule: Schedule | str | os.PathLike[str], defa
     ep = loaded.request.ep
     ep_rank = place.dp_rank % ep
     dp_ranks = dist.get_process_group_ranks(dp_group)
-    expert_problem = (experts.expert_group_problem(loaded, place.dp_rank, dp_ranks, expert_group)
-                      if place.dp_size == loaded.request.dp else None)
+    expert_problem = (
+        experts.expert_group_problem(loaded, place.dp_rank, dp_ranks, expert_group)
+        if place.dp_size == loaded.request.dp
+        else None
+    )
     expert_problem = expert_problem or experts.foreign_experts(loaded, experts.given_names(given), place.dp_rank)
     if expert_problem:
         return loaded, None, None, expert_problem
@@ -494,8 +538,9 @@ def _prepare(given: list[Any], schedule: Schedule | str | os.PathLike[str], defa
         return loaded, None, None, f"bad hyperparameters: {error}"
     held = local_entries(loaded, ep_rank)  # dense and this EP rank's experts
     entries = binding.model_entries(held)
-    resolved = resolve_param_groups(given, entries, loaded.request.tp, loaded.request.optimizer.name, hp, grad_attr,
-                                    tp_rank=place.tp_rank)
+    resolved = resolve_param_groups(
+        given, entries, loaded.request.tp, loaded.request.optimizer.name, hp, grad_attr, tp_rank=place.tp_rank
+    )
     problems = [p for p in [layout_problem(loaded, place.dp_size, place.tp_size)] if p]
     if ep > 1:
         pairs = [pair for group in resolved.groups for pair in group["params"]]
@@ -510,12 +555,22 @@ def _prepare(given: list[Any], schedule: Schedule | str | os.PathLike[str], defa
     return loaded, resolved, hp, None
 
 
-def _agree_on(loaded: Schedule | None, resolved: ResolvedGroups | None, problem: str | None, place: Place,
-              dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> None:
+def _agree_on(
+    loaded: Schedule | None,
+    resolved: ResolvedGroups | None,
+    problem: str | None,
+    place: Place,
+    dp_group: dist.ProcessGroup,
+    tp_group: dist.ProcessGroup,
+) -> None:
     """Every rank's verdict; the same ScheduleMismatchError on every rank if any is unfit."""
     placed = {e.name for e in loaded.params if e.ep_rank is not None} if loaded else set()
     verdict = verdict_on(
-        loaded, dist.get_rank(), place.dp_rank, place.tp_rank, problem,
+        loaded,
+        dist.get_rank(),
+        place.dp_rank,
+        place.tp_rank,
+        problem,
         frozen=", ".join(n for n in resolved.frozen if n not in placed) if resolved else None,
         frozen_experts=", ".join(n for n in resolved.frozen if n in placed) if resolved else None,
         ep=loaded.request.ep if loaded else 1,
@@ -527,7 +582,9 @@ def install_grad_hooks(plan: RankPlan, engine: Callable[[], Engine | None]) -> l
     """A post-accumulate-grad hook on every optimized model parameter: its gradient is final
     (for each schedule entry it holds: a grouped expert tensor holds several). `engine()` is
     the engine (held weakly: the hooks never keep it alive)."""
-    return [param.register_post_accumulate_grad_hook(_on_grad(engine, indices)) for param, indices in plan.model_params()]
+    return [
+        param.register_post_accumulate_grad_hook(_on_grad(engine, indices)) for param, indices in plan.model_params()
+    ]
 
 
 def _on_grad(engine: Callable[[], Engine | None], indices: tuple[int, ...]) -> Callable[[Tensor], None]:

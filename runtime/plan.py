@@ -28,8 +28,17 @@ from canzona.runtime import binding
 from canzona.runtime.binding import Bound
 from canzona.runtime.schedule import DTYPES
 from canzona.schedules.format import Schedule
-from canzona.schedules.layout import (DpLayout, Piece, Task, build_dp_layout, hosts_here, local_entries, local_shape,
-                                      micro_groups, owned_tasks)
+from canzona.schedules.layout import (
+    DpLayout,
+    Piece,
+    Task,
+    build_dp_layout,
+    hosts_here,
+    local_entries,
+    local_shape,
+    micro_groups,
+    owned_tasks,
+)
 from canzona.schedules.limits import ADAMW
 
 Span = tuple[int, int]  # [start, stop) of the bucket buffer
@@ -190,7 +199,9 @@ def _piece_span(piece: Piece) -> Span:
     return piece.pos, piece.pos + piece.length
 
 
-def _bind(schedule: Schedule, param_groups: list[dict[str, Any]], ep_rank: int) -> tuple[list[Bound | None], list[int], dict[int, tuple[int, ...]]]:
+def _bind(
+    schedule: Schedule, param_groups: list[dict[str, Any]], ep_rank: int
+) -> tuple[list[Bound | None], list[int], dict[int, tuple[int, ...]]]:
     """Every schedule entry bound to the model tensor holding it (`canzona.runtime.binding`)."""
     held = local_entries(schedule, ep_rank)
     by_name, slices = binding.model_entries(held), binding.slices_of(held)
@@ -206,8 +217,9 @@ def _bind(schedule: Schedule, param_groups: list[dict[str, Any]], ep_rank: int) 
     return bound, group_of, {key: tuple(value) for key, value in tensor_entries.items()}
 
 
-def _matrix_work(schedule: Schedule, place: Place, strategy: Strategy,
-                 ranks: tuple[int, ...]) -> tuple[tuple[tuple[Task, ...], ...], dict[int, Task]]:
+def _matrix_work(
+    schedule: Schedule, place: Place, strategy: Strategy, ranks: tuple[int, ...]
+) -> tuple[tuple[tuple[Task, ...], ...], dict[int, Task]]:
     """The micro-groups of this rank's TP group and the matrices this rank updates."""
     if strategy.tp_replicated:
         owned = tuple(owned_tasks(schedule, list(ranks), place.ep_rank))
@@ -229,13 +241,16 @@ def _adamw_pieces(layout: DpLayout, ranks: tuple[int, ...]) -> tuple[tuple[Adamw
             start, stop = span
             for piece in layout.rank_pieces[rank]:
                 if start <= piece.pos < stop:
-                    pieces.append(AdamwPiece(piece.param, piece.src, piece.pos, offset + piece.pos - start, piece.length))
+                    pieces.append(
+                        AdamwPiece(piece.param, piece.src, piece.pos, offset + piece.pos - start, piece.length)
+                    )
             offset += stop - start
     return tuple(pieces), offset
 
 
-def build_rank_plan(schedule: Schedule, param_groups: list[dict[str, Any]], place: Place,
-                    strategy: Strategy = CANZONA) -> RankPlan:
+def build_rank_plan(
+    schedule: Schedule, param_groups: list[dict[str, Any]], place: Place, strategy: Strategy = CANZONA
+) -> RankPlan:
     """This rank's plan: `param_groups` are the optimizer's groups ("params" and
     "param_names"), checked against the schedule beforehand."""
     entries = sorted(schedule.params, key=lambda e: e.index)
@@ -252,14 +267,27 @@ def build_rank_plan(schedule: Schedule, param_groups: list[dict[str, Any]], plac
     mine = [p for rank in ranks for p in layout.rank_pieces[rank]]
     device = next((b.value.device for b in bound if b is not None), torch.device("cpu"))
     return RankPlan(
-        schedule=schedule, place=place, strategy=strategy, device=device,
-        names=tuple(e.name for e in entries), tp_dims=tp_dims, dtypes=tuple(DTYPES[e.dtype] for e in entries),
+        schedule=schedule,
+        place=place,
+        strategy=strategy,
+        device=device,
+        names=tuple(e.name for e in entries),
+        tp_dims=tp_dims,
+        dtypes=tuple(DTYPES[e.dtype] for e in entries),
         shapes=tuple(tuple(e.shape) for e in entries),
-        numel=tuple(prod(local_shape(e, place.tp_size, place.tp_rank)) for e in entries), expert=tuple(e.ep_rank is not None for e in entries),
+        numel=tuple(prod(local_shape(e, place.tp_size, place.tp_rank)) for e in entries),
+        expert=tuple(e.ep_rank is not None for e in entries),
         # another EP rank's experts count too: the ranks agree which entries had a gradient
         counted=tuple(bound[i] is not None or i not in local for i in range(len(entries))),
-        bound=tuple(bound), group_of=tuple(group_of), tensor_entries=tensor_entries, layout=layout, ranks=ranks,
-        groups=groups, tasks=tasks, adamw=adamw, adamw_numel=adamw_numel,
+        bound=tuple(bound),
+        group_of=tuple(group_of),
+        tensor_entries=tensor_entries,
+        layout=layout,
+        ranks=ranks,
+        groups=groups,
+        tasks=tasks,
+        adamw=adamw,
+        adamw_numel=adamw_numel,
         update_spans=merged(_piece_span(p) for p in mine if bound[p.param] is not None),
         norm_spans=merged(_piece_span(p) for p in counted_once),
         partial_spans=merged(_piece_span(p) for p in mine if partial[p.param] and bound[p.param] is not None),

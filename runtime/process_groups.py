@@ -19,7 +19,9 @@ import torch.distributed as dist
 EDP, EP = "edp", "ep"
 
 
-def make_groups(dp: int, tp: int, timeout: timedelta | None = None, *, ep: int | None = None) -> tuple[dist.ProcessGroup, ...]:
+def make_groups(
+    dp: int, tp: int, timeout: timedelta | None = None, *, ep: int | None = None
+) -> tuple[dist.ProcessGroup, ...]:
     """This rank's (DP, TP) groups under canzona's layout, global rank = dp_rank · tp +
     tp_rank; with `ep` (expert parallelism) also its expert-DP group, (DP, TP, expert-DP):
     the DP ranks of its EP rank (dp_rank mod ep). Every rank must call it (new_group needs every
@@ -48,8 +50,9 @@ def make_groups(dp: int, tp: int, timeout: timedelta | None = None, *, ep: int |
     return dp_group, tp_group, expert_group
 
 
-def resolve_process_groups(dp_group: Any, tp_group: Any, mesh: Any,
-                           expert_dp_group: Any = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup, Any]:
+def resolve_process_groups(
+    dp_group: Any, tp_group: Any, mesh: Any, expert_dp_group: Any = None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, Any]:
     """The DP, TP and expert-DP process groups (the last None without expert parallelism),
     from explicit groups or a DeviceMesh: 2-D with dims (dp, tp), or 3-D with dims
     (edp, ep, tp), whose DP group is the flattened (edp, ep)."""
@@ -59,8 +62,10 @@ def resolve_process_groups(dp_group: Any, tp_group: Any, mesh: Any,
             return mesh.get_group("dp"), mesh.get_group("tp"), None
         if mesh.ndim == 3 and names == (EDP, EP, "tp"):
             return mesh[EDP, EP]._flatten().get_group(), mesh.get_group("tp"), mesh.get_group(EDP)
-        raise ValueError(f"the device mesh must be 2-D with dims ('dp', 'tp') or 3-D with dims ('edp', 'ep', 'tp'), "
-                         f"got {names or mesh.ndim}")
+        raise ValueError(
+            f"the device mesh must be 2-D with dims ('dp', 'tp') or 3-D with dims ('edp', 'ep', 'tp'), "
+            f"got {names or mesh.ndim}"
+        )
     if dp_group is None or tp_group is None:
         raise TypeError("CanzonaOptimizer needs dp_group and tp_group (or mesh=DeviceMesh with dims dp, tp)")
     return dp_group, tp_group, expert_dp_group

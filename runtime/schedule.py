@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from canzona.runtime.rules.optimizers import MATRIX_OPTIMIZERS
 from canzona.schedules.format import ParamEntry, Schedule, ScheduleError, read_schedule
 from canzona.schedules.geometry import chunk_bounds
 from canzona.schedules.layout import local_shape
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.text import printable
 from canzona.schedules.validate import schedule_problem
-from canzona.runtime.rules.optimizers import MATRIX_OPTIMIZERS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_LISTED = 4
@@ -80,14 +80,20 @@ def tensor_problems(entry: ParamEntry, tensor: Tensor, tp: int, tp_rank: int = 0
     problems = []
     shape = local_shape(entry, tp, tp_rank)
     if tuple(tensor.shape) != shape:
-        problems.append(f"{entry.name}: local shape {list(tensor.shape)}, schedule expects {list(shape)} "
-                        f"(full {entry.shape}, tp_dim {entry.tp_dim}, TP rank {tp_rank} of {tp})")
+        problems.append(
+            f"{entry.name}: local shape {list(tensor.shape)}, schedule expects {list(shape)} "
+            f"(full {entry.shape}, tp_dim {entry.tp_dim}, TP rank {tp_rank} of {tp})"
+        )
     if DTYPES.get(entry.dtype) != tensor.dtype:
         flag = next((name for name, dtype in DTYPES.items() if dtype == tensor.dtype), None)
         fix = f" (plan with --dtype {flag})" if flag else ""
         problems.append(f"{entry.name}: dtype {tensor.dtype}, schedule says {entry.dtype}{fix}")
-    if getattr(tensor, "tensor_model_parallel", False) and tp > 1 and getattr(tensor, "partition_dim", entry.tp_dim) != entry.tp_dim:
-        problems.append(f"{entry.name}: split along dim {getattr(tensor, 'partition_dim')}, schedule says tp_dim {entry.tp_dim}")
+    if (
+        getattr(tensor, "tensor_model_parallel", False)
+        and tp > 1
+        and getattr(tensor, "partition_dim", entry.tp_dim) != entry.tp_dim
+    ):
+        problems.append(f"{entry.name}: split along dim {tensor.partition_dim}, schedule says tp_dim {entry.tp_dim}")
     if not tensor.is_contiguous():
         problems.append(f"{entry.name}: the runtime needs contiguous parameters")
     return problems
@@ -124,11 +130,20 @@ class Verdict:
     ep: int = 1  # the EP size: experts' freezing must agree among the ranks of an EP rank
 
 
-def verdict_on(schedule: Schedule | None, rank: int, dp_rank: int, tp_rank: int, problem: str | None,
-               **more: Any) -> Verdict:
+def verdict_on(
+    schedule: Schedule | None, rank: int, dp_rank: int, tp_rank: int, problem: str | None, **more: Any
+) -> Verdict:
     """This rank's verdict on `schedule` (None: it could not be loaded); `more`: the other fields."""
-    return Verdict(rank, dp_rank, tp_rank, problem, schedule.fingerprint if schedule else None,
-                   plan_digest(schedule) if schedule else None, summary(schedule) if schedule else "no schedule", **more)
+    return Verdict(
+        rank,
+        dp_rank,
+        tp_rank,
+        problem,
+        schedule.fingerprint if schedule else None,
+        plan_digest(schedule) if schedule else None,
+        summary(schedule) if schedule else "no schedule",
+        **more,
+    )
 
 
 def raise_disagreement(grid: list[list[Verdict]]) -> None:

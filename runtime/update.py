@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import CollectiveError, first_line
-from canzona.schedules.layout import Task
 from canzona.runtime.plan import AdamwPiece, RankPlan
 from canzona.runtime.rules import cooperative
 from canzona.runtime.rules.optimizers import (
@@ -42,6 +41,7 @@ from canzona.runtime.rules.optimizers import (
     stack_limit,
 )
 from canzona.runtime.state.store import OptimizerState, matrix_template
+from canzona.schedules.layout import Task
 
 BatchKey = tuple[int, tuple[int, int], tuple[tuple[tuple[int, int], ...], ...] | None]
 
@@ -64,7 +64,9 @@ class StepContext:
 
 def batch_key(group: int, task: Task) -> BatchKey:
     """What the matrices updated as one batch share: param group `group`, shape and row blocks."""
-    blocks = tuple(tuple((start, stop) for start, stop in block) for block in task.row_blocks) if task.row_blocks else None
+    blocks = (
+        tuple(tuple((start, stop) for start, stop in block) for block in task.row_blocks) if task.row_blocks else None
+    )
     return group, task.shape, blocks
 
 
@@ -72,8 +74,13 @@ class Updater:
     """The update stage of one rank (module docstring). `team_groups`: the process groups of
     the teams this rank belongs to."""
 
-    def __init__(self, plan: RankPlan, state: OptimizerState, team_groups: dict[tuple[int, ...], dist.ProcessGroup],
-                 timeout: timedelta | None) -> None:
+    def __init__(
+        self,
+        plan: RankPlan,
+        state: OptimizerState,
+        team_groups: dict[tuple[int, ...], dist.ProcessGroup],
+        timeout: timedelta | None,
+    ) -> None:
         self.plan, self.state, self.team_groups, self.timeout = plan, state, team_groups, timeout
         self._batches: dict[tuple[int, ...], list[list[Task]]] = {}
 
@@ -87,7 +94,9 @@ class Updater:
         if found is None:
             grouped: dict[BatchKey | int, list[Task]] = {}
             for task in tasks:
-                grouped.setdefault(task.param if task.team else batch_key(self.plan.group_of[task.param], task), []).append(task)
+                grouped.setdefault(
+                    task.param if task.team else batch_key(self.plan.group_of[task.param], task), []
+                ).append(task)
             found = self._batches[memo] = list(grouped.values())
         return found
 
@@ -101,7 +110,7 @@ class Updater:
                 continue
             try:
                 results.update(self._batch_results(ctx, batch, full) if ctx.problem is None else self._neutral(batch))
-            except Exception as error:  # noqa: BLE001 - every rank fails the step at the next safe point
+            except Exception as error:
                 ctx.fail(f"updating {self.plan.names[batch[0].param]}: {first_line(error)}")
                 results.update(self._neutral(batch))
         return results
@@ -118,8 +127,9 @@ class Updater:
         states = [self._states(rule, task) for task in batch]
         steps = [self.state.param_steps[task.param] + 1 for task in batch]
         updates = [full[task.param] for task in batch]  # scratch: the gradients become the updates
-        matrix_update_batch(rule, states, updates, batch[0].row_blocks, steps,
-                            stack_limit(self.plan.schedule.request.group_bytes))
+        matrix_update_batch(
+            rule, states, updates, batch[0].row_blocks, steps, stack_limit(self.plan.schedule.request.group_bytes)
+        )
         if not self.plan.lowp(batch[0].param):
             return {task.param: update for task, update in zip(batch, updates)}
         mains = [self.state.main.matrices[task.param] for task in batch]
@@ -131,8 +141,12 @@ class Updater:
     def _neutral(self, batch: Sequence[Task]) -> dict[int, Tensor]:
         """Results that change nothing: the current main copy, or a zero update."""
         held = cooperative.held_shape
-        return {t.param: self.state.main.matrices[t.param] if self.plan.lowp(t.param) else
-                torch.zeros(held(t, self.plan.place.tp_rank), dtype=torch.float32, device=self.plan.device) for t in batch}
+        return {
+            t.param: self.state.main.matrices[t.param]
+            if self.plan.lowp(t.param)
+            else torch.zeros(held(t, self.plan.place.tp_rank), dtype=torch.float32, device=self.plan.device)
+            for t in batch
+        }
 
     def _team_result(self, ctx: StepContext, task: Task, grad: Tensor) -> Tensor:
         """A team member's slice of its matrix's result; after a failure it goes through the
@@ -142,8 +156,9 @@ class Updater:
         if ctx.problem is None:
             try:
                 states = self._states(ctx.rules[group], task)
-                update = cooperative.team_muon(hp, states[0], grad.float(), task, self.team_groups[task.team],
-                                               self.timeout, calls)
+                update = cooperative.team_muon(
+                    hp, states[0], grad.float(), task, self.team_groups[task.team], self.timeout, calls
+                )
                 if not self.plan.lowp(task.param):
                     return update
                 main = self.state.main.matrices[task.param]
@@ -151,9 +166,11 @@ class Updater:
                 return main
             except CollectiveError:
                 raise
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 ctx.fail(f"updating {self.plan.names[task.param]}: {first_line(error)}")
-        cooperative.idle(task, self.team_groups[task.team], hp.ns_steps or 0, self.plan.device, self.timeout, calls.count)
+        cooperative.idle(
+            task, self.team_groups[task.team], hp.ns_steps or 0, self.plan.device, self.timeout, calls.count
+        )
         return self._neutral([task])[task.param]
 
     def apply(self, ctx: StepContext, task: Task, shard: Tensor) -> None:
@@ -179,8 +196,14 @@ class Updater:
                 continue
             key = [plan.group_of[piece.param], self.state.param_steps[piece.param]]
             last = runs[-1] if runs else None
-            if (plan.lowp(piece.param) and last is not None and last[5] == -1 and last[:2] == key
-                    and last[2] + last[4] == piece.pos and last[3] + last[4] == piece.offset):
+            if (
+                plan.lowp(piece.param)
+                and last is not None
+                and last[5] == -1
+                and last[:2] == key
+                and last[2] + last[4] == piece.pos
+                and last[3] + last[4] == piece.offset
+            ):
                 last[4] += piece.length
             else:
                 runs.append([*key, piece.pos, piece.offset, piece.length, -1 if plan.lowp(piece.param) else number])
@@ -203,12 +226,19 @@ class Updater:
             for run in self._runs(ctx):
                 group, steps, position, offset, length, _ = run
                 grad = send[position : position + length]  # spent once the moments have it: the scratch
-                adamw_(self._values(run), grad, moments["exp_avg"][offset : offset + length],
-                       moments["exp_avg_sq"][offset : offset + length], steps + 1, ctx.hps[group], scratch=grad)
+                adamw_(
+                    self._values(run),
+                    grad,
+                    moments["exp_avg"][offset : offset + length],
+                    moments["exp_avg_sq"][offset : offset + length],
+                    steps + 1,
+                    ctx.hps[group],
+                    scratch=grad,
+                )
             for piece in self.plan.adamw:
                 if ctx.active[piece.param] and self.plan.optimized(piece.param) and self.plan.lowp(piece.param):
                     assert main is not None
                     flat = self.plan.value(piece.param).view(-1)
                     flat[piece.src : piece.src + piece.length].copy_(main[piece.offset : piece.offset + piece.length])
-        except Exception as error:  # noqa: BLE001 - every rank fails the step at the next safe point
+        except Exception as error:
             ctx.fail(f"AdamW: {first_line(error)}")

@@ -51,8 +51,9 @@ def dp_lower_bound(costs: Sequence[float], num_ranks: int, base: Sequence[float]
     return bound
 
 
-def device_lower_bound(total: float, devices: int, dp_bound: float, tp: int, largest_piece: float,
-                       adamw: Sequence[float]) -> float:
+def device_lower_bound(
+    total: float, devices: int, dp_bound: float, tp: int, largest_piece: float, adamw: Sequence[float]
+) -> float:
     """The busiest device no plan can go below: the mean ((`total` matrix work + every device's
     AdamW) / devices); a DP rank's share of the DP bound (its matrices stay in its TP group, and
     teams only add work) over its `tp` devices; the `largest_piece` no plan can split further (a

@@ -42,8 +42,9 @@ def dp_rank_of(entry: ParamEntry, ep: int) -> int:
     return entry.owner if entry.ep_rank is None else entry.owner * ep + entry.ep_rank
 
 
-def check_group(where: str, group: Any, entries: dict[str, ParamEntry], tp: int, capacity: int, mode: str,
-                optimizer: str) -> None:
+def check_group(
+    where: str, group: Any, entries: dict[str, ParamEntry], tp: int, capacity: int, mode: str, optimizer: str
+) -> None:
     """One micro-group of `tp` hosts: its teams, and its per-host loads and bytes, makespan and
     saturation recomputed from its matrices (`entries` by name; every one of the group's)."""
     if len(group.host_loads) != tp or len(group.host_bytes) != tp:
@@ -52,8 +53,11 @@ def check_group(where: str, group: Any, entries: dict[str, ParamEntry], tp: int,
     if len({team.param for team in group.teams}) != len(group.teams):
         fail(f"{where}: a matrix has two teams")
     for team in group.teams:
-        problem = (f"{team.param!r} is not in the group" if team.param not in host_of
-                   else team_problem(team, entries[team.param], host_of[team.param], tp, optimizer))
+        problem = (
+            f"{team.param!r} is not in the group"
+            if team.param not in host_of
+            else team_problem(team, entries[team.param], host_of[team.param], tp, optimizer)
+        )
         if problem:
             fail(f"{where}: team of {team.param!r}: {problem}")
     loads, sizes, counts = [0.0] * tp, [0] * tp, [0] * tp

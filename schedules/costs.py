@@ -125,8 +125,9 @@ def param_state_bytes(numel: int, dtype: str, submatrices: Sequence[tuple[int, i
 REDUCTION_BYTES_PER_ELEMENT = 4  # the runtime reduces gradients in an fp32 bucket buffer
 
 
-def predicted_peak_bytes(state_bytes: float, buffer_elements: int, largest_bucket: int, group_bytes: int,
-                         dp: int) -> float:
+def predicted_peak_bytes(
+    state_bytes: float, buffer_elements: int, largest_bucket: int, group_bytes: int, dp: int
+) -> float:
     """A device's predicted peak optimizer memory above its parameters and gradients under
     `CanzonaOptimizer`: the fp32 bucket buffer (every DP bucket whole, `buffer_elements`), its
     optimizer state (`state_bytes`: hosted matrices' state and main copies, its AdamW slices'),

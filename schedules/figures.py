@@ -24,7 +24,9 @@ Member = tuple[int, int, float, str]
 """A bucket member for the baselines: (offset, elements, cost, name)."""
 
 
-def bucket_traffic(numel: int, cuts: Sequence[int], param_bytes: int, collective: str = "all_to_all") -> list[tuple[int, int]]:
+def bucket_traffic(
+    numel: int, cuts: Sequence[int], param_bytes: int, collective: str = "all_to_all"
+) -> list[tuple[int, int]]:
     """(sent, received) bytes of one bucket's reduction (fp32 gradients) and gather
     (`param_bytes` per element) per rank of the len(cuts) - 1 ranks it is cut over, in the form
     `collective` the runtime issues (`limits.BUCKET_COLLECTIVES`): "all_to_all" moves every
@@ -35,8 +37,13 @@ def bucket_traffic(numel: int, cuts: Sequence[int], param_bytes: int, collective
     owns = [stop - start for start, stop in zip(cuts, cuts[1:])]
     per_element = grad + param_bytes
     if collective == "all_to_all":
-        return [(grad * (numel - own) + param_bytes * (ranks - 1) * own, grad * (ranks - 1) * own + param_bytes * (numel - own))
-                for own in owns]
+        return [
+            (
+                grad * (numel - own) + param_bytes * (ranks - 1) * own,
+                grad * (ranks - 1) * own + param_bytes * (numel - own),
+            )
+            for own in owns
+        ]
     if collective == "ring" or len(set(owns)) <= 1:
         volume = per_element * (ranks - 1) * max(owns, default=0)
         return [(volume, volume)] * ranks
@@ -109,5 +116,9 @@ def dp_sc(buckets: Sequence[tuple[int, Sequence[Member]]], ranks: int) -> list[f
 
 def baseline_loads(buckets: Sequence[tuple[int, Sequence[Member]]], ranks: int) -> dict[str, list[float]]:
     """Every baseline's per-rank loads on one buffer, in BASELINES order."""
-    return {DP_SC: dp_sc(buckets, ranks), ZERO1_GATHER: zero1_gather(buckets, ranks),
-            START_OWNER: start_owner(buckets, ranks), LAYER_WISE: layer_wise(buckets, ranks)}
+    return {
+        DP_SC: dp_sc(buckets, ranks),
+        ZERO1_GATHER: zero1_gather(buckets, ranks),
+        START_OWNER: start_owner(buckets, ranks),
+        LAYER_WISE: layer_wise(buckets, ranks),
+    }

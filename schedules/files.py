@@ -70,8 +70,9 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_output(path: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str] | None] = (),
-                 label: str = "output") -> Path:
+def check_output(
+    path: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str] | None] = (), label: str = "output"
+) -> Path:
     """Refuse, before any work, an output path that resolves to one of `inputs`, that is not a
     regular file, or whose folder cannot be made or written. Returns the file to replace."""
     target = write_target(path)

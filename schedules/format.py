@@ -24,9 +24,30 @@ from canzona.schedules.errors import ScheduleError
 from canzona.schedules.files import OutputError, write_atomic
 from canzona.schedules.limits import MAX_SCHEDULE_BYTES
 from canzona.schedules.models import (  # noqa: F401 - the data model, re-exported
-    SCHEMA_VERSION, ModelSource, OptimizerSettings, TrainingSettings, Request, ParamEntry, BucketEntry,
-    AdamwBucketEntry, DpSection, TeamEntry, TpGroup, TpRankPlan, TpSection, StrategyScore, DpMetrics, TpModeScore,
-    TpMetrics, DeviceMetrics, SolverMetrics, AlphaTrial, BucketTrial, BucketSearch, Metrics, Schedule,
+    SCHEMA_VERSION,
+    AdamwBucketEntry,
+    AlphaTrial,
+    BucketEntry,
+    BucketSearch,
+    BucketTrial,
+    DeviceMetrics,
+    DpMetrics,
+    DpSection,
+    Metrics,
+    ModelSource,
+    OptimizerSettings,
+    ParamEntry,
+    Request,
+    Schedule,
+    SolverMetrics,
+    StrategyScore,
+    TeamEntry,
+    TpGroup,
+    TpMetrics,
+    TpModeScore,
+    TpRankPlan,
+    TpSection,
+    TrainingSettings,
 )
 from canzona.schedules.writing import dump_schedule, flow_value  # noqa: F401 - the writer, re-exported
 
@@ -113,7 +134,9 @@ def check_version(version: Any, origin: str) -> None:
             "regenerate it with `canzona check --fix FILE` or `canzona plan`"
         )
     if version is None:
-        raise ScheduleError(f"{origin}: not a canzona schedule (it has no schema_version; make one with `canzona plan`)")
+        raise ScheduleError(
+            f"{origin}: not a canzona schedule (it has no schema_version; make one with `canzona plan`)"
+        )
     raise ScheduleError(f"{origin}: schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
 
 
@@ -172,7 +195,9 @@ def read_request(text: str, origin: str = "<text>") -> Request:
     except reading.UnsafeDocument as error:
         raise ScheduleError(f"{origin}: {error}") from None
     except ValidationError as error:
-        raise ScheduleError(f"{origin}: cannot read its request ({_one_line(error).replace('invalid schedule at ', 'request.')})") from None
+        raise ScheduleError(
+            f"{origin}: cannot read its request ({_one_line(error).replace('invalid schedule at ', 'request.')})"
+        ) from None
 
 
 def schedule_text(path: str | os.PathLike[str]) -> str:

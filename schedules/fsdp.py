@@ -125,7 +125,9 @@ def shard_elements(matrices: Iterable[tuple[Sequence[int], int | None]], layout:
     return _summed(differences)
 
 
-def fragment_traffic(matrices: Sequence[tuple[Sequence[int], int | None, int]], layout: FsdpLayout) -> list[tuple[int, int]]:
+def fragment_traffic(
+    matrices: Sequence[tuple[Sequence[int], int | None, int]], layout: FsdpLayout
+) -> list[tuple[int, int]]:
     """Per fragment rank, (sent, received) bytes per step of the gather and scatter all-to-alls
     (fp32 pieces) of `matrices`, each (full shape, tp_dim, host fragment rank): every other
     fragment rank sends its piece to the host (for a matrix replicated over TP only the host's
@@ -146,8 +148,10 @@ def fragment_traffic(matrices: Sequence[tuple[Sequence[int], int | None, int]], 
         received[host] += senders - 2 * own
     received_by, sent_by = _summed(received_all), _summed(sent_all)
     columns = [_summed(c) for c in sent_column]
-    return [(sent[f] + sent_by[f // tp] + columns[f % tp][f // tp], received[f] + received_by[f // tp])
-            for f in range(layout.hosts)]
+    return [
+        (sent[f] + sent_by[f // tp] + columns[f % tp][f // tp], received[f] + received_by[f // tp])
+        for f in range(layout.hosts)
+    ]
 
 
 def padding_ratio(shape: Sequence[int], tp_dim: int | None, layout: FsdpLayout) -> float:

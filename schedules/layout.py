@@ -171,18 +171,24 @@ def build_dp_layout(schedule: Schedule, ep_rank: int = 0, tp_rank: int = 0) -> D
         for where in range(first, last):
             low, high = max(entry.offset, cuts[where]), min(stop, cuts[where + 1])
             if low < high:
-                pieces[bucket.dp_ranks[where]].append(Piece(entry.index, low - entry.offset, bucket.base + low, high - low))
+                pieces[bucket.dp_ranks[where]].append(
+                    Piece(entry.index, low - entry.offset, bucket.base + low, high - low)
+                )
     for rank in pieces:
         rank.sort(key=lambda piece: piece.pos)
     return DpLayout(
-        buckets=buckets, flat=flat, bucket_of=bucket_of, rank_pieces=tuple(tuple(rank) for rank in pieces),
+        buckets=buckets,
+        flat=flat,
+        bucket_of=bucket_of,
+        rank_pieces=tuple(tuple(rank) for rank in pieces),
         reduce_order=tuple(sorted(range(len(buckets)), key=lambda b: buckets[b].reduce_key())),
         gather_order=tuple(sorted(range(len(buckets)), key=lambda b: buckets[b].gather_key())),
     )
 
 
-def _buckets(schedule: Schedule, entries: list[ParamEntry],
-             ep_rank: int) -> tuple[tuple[DpBucket, ...], tuple[int, ...], tuple[int, ...]]:
+def _buckets(
+    schedule: Schedule, entries: list[ParamEntry], ep_rank: int
+) -> tuple[tuple[DpBucket, ...], tuple[int, ...], tuple[int, ...]]:
     """Every DP bucket in buffer order, each parameter's start in the bucket buffer and the
     position of its bucket (0 for another EP rank's experts, which are not in the layout)."""
     buffers = {MATRIX: schedule.dp.buckets, EXPERT: schedule.dp.expert_buckets, ADAMW: schedule.dp.adamw_buckets}
@@ -198,9 +204,18 @@ def _buckets(schedule: Schedule, entries: list[ParamEntry],
         ranks = group_dp_ranks(schedule, kind, ep_rank)
         for index, bucket in enumerate(buffers[kind]):
             position[(kind, index)] = len(out)
-            out.append(DpBucket(kind, index, base, tuple(bucket.cuts), tuple(sorted(params.get((kind, index), []))), ranks,
-                                leads.get(index) if kind == EXPERT else None,
-                                "ring" if kind == ADAMW else bucket.collective))
+            out.append(
+                DpBucket(
+                    kind,
+                    index,
+                    base,
+                    tuple(bucket.cuts),
+                    tuple(sorted(params.get((kind, index), []))),
+                    ranks,
+                    leads.get(index) if kind == EXPERT else None,
+                    "ring" if kind == ADAMW else bucket.collective,
+                )
+            )
             base += bucket.cuts[-1]
     flat, bucket_of = [0] * len(schedule.params), [0] * len(schedule.params)
     for entry in entries:
@@ -228,8 +243,10 @@ class Task:
 
     def shard_box(self, tp_rank: int) -> tuple[tuple[int, int], ...]:
         """Per dim, the [start, stop) of TP rank `tp_rank`'s shard in the full matrix."""
-        return tuple(chunk_bounds(size, self.tp_size)[tp_rank] if dim == self.tp_dim else (0, size)
-                     for dim, size in enumerate(self.shape))
+        return tuple(
+            chunk_bounds(size, self.tp_size)[tp_rank] if dim == self.tp_dim else (0, size)
+            for dim, size in enumerate(self.shape)
+        )
 
     def shard_shape(self, tp_rank: int) -> tuple[int, ...]:
         """The shape of TP rank `tp_rank`'s shard (the full shape when replicated)."""
@@ -271,5 +288,8 @@ def owned_tasks(schedule: Schedule, dp_ranks: list[int], ep_rank: int = 0) -> li
     """Every matrix held at EP rank `ep_rank` and updated by one of `dp_ranks`, in buffer
     order (for the baselines)."""
     tasks, ep = matrix_tasks(schedule), schedule.request.ep
-    return [tasks[e.name] for e in local_entries(schedule, ep_rank)
-            if e.optimizer == MATRIX and e.owner is not None and dp_rank_of(e, ep) in dp_ranks]
+    return [
+        tasks[e.name]
+        for e in local_entries(schedule, ep_rank)
+        if e.optimizer == MATRIX and e.owner is not None and dp_rank_of(e, ep) in dp_ranks
+    ]

@@ -8,7 +8,6 @@ from importlib.resources import files
 from pathlib import Path
 
 
-
 def library_root() -> Path:
     """The folder holding the shipped schedules."""
     return Path(str(files("canzona.schedules")))

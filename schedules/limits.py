@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from canzona.schedules.coefficients import DEFAULT_NS_COEFFICIENTS, NS_COEFFICIENT_NAMES  # noqa: F401 - re-exported
+from canzona.schedules.coefficients import DEFAULT_NS_COEFFICIENTS, NS_COEFFICIENT_NAMES
 
 MATRIX = "matrix"  # optimizer class of parameters the matrix optimizer (Muon, Shampoo, SOAP) updates
 ADAMW = "adamw"  # optimizer class of parameters AdamW updates element-wise
@@ -104,7 +104,8 @@ def layout_problem(tp: object, dp: object, ep: object) -> str | None:
 def sharding_problem(sharding: object, dp: object, dp_replicate: object, ep: object) -> str | None:
     """A known sharding mode; FSDP's replicate size (HSDP) divides dp; no EP under FSDP."""
     problem = choice_problem("sharding", sharding, SHARDINGS) or bounded_int_problem(
-        "dp replicate", dp_replicate, MAX_DP, "DP ranks")
+        "dp replicate", dp_replicate, MAX_DP, "DP ranks"
+    )
     if problem:
         return problem
     if sharding == REPLICATED and dp_replicate != 1:
@@ -116,8 +117,14 @@ def sharding_problem(sharding: object, dp: object, dp_replicate: object, ep: obj
     return None
 
 
-def settings_problem(name: str, ns_steps: object, block_size: object, precondition_frequency: object,
-                     max_precond_dim: object, ns_coefficients: object = DEFAULT_NS_COEFFICIENTS) -> str | None:
+def settings_problem(
+    name: str,
+    ns_steps: object,
+    block_size: object,
+    precondition_frequency: object,
+    max_precond_dim: object,
+    ns_coefficients: object = DEFAULT_NS_COEFFICIENTS,
+) -> str | None:
     """A known matrix optimizer with settings in range."""
     if name not in MATRIX_OPTIMIZERS:
         return f"unknown matrix optimizer {name!r}; choose one of {', '.join(MATRIX_OPTIMIZERS)}"
@@ -132,8 +139,11 @@ def settings_problem(name: str, ns_steps: object, block_size: object, preconditi
 
 DEFAULT_NS_STEPS, DEFAULT_BLOCK_SIZE, DEFAULT_PRECONDITION_FREQUENCY, DEFAULT_MAX_PRECOND_DIM = 5, 1024, 10, 10000
 SETTING_DEFAULTS: dict[str, object] = {
-    "ns_steps": DEFAULT_NS_STEPS, "block_size": DEFAULT_BLOCK_SIZE, "precondition_frequency": DEFAULT_PRECONDITION_FREQUENCY,
-    "max_precond_dim": DEFAULT_MAX_PRECOND_DIM, "ns_coefficients": DEFAULT_NS_COEFFICIENTS,
+    "ns_steps": DEFAULT_NS_STEPS,
+    "block_size": DEFAULT_BLOCK_SIZE,
+    "precondition_frequency": DEFAULT_PRECONDITION_FREQUENCY,
+    "max_precond_dim": DEFAULT_MAX_PRECOND_DIM,
+    "ns_coefficients": DEFAULT_NS_COEFFICIENTS,
 }
 SETTING_USERS = {  # setting -> the matrix optimizers it changes
     "ns_steps": ("muon",),
@@ -154,8 +164,10 @@ def unused_settings_problem(name: str, values: dict[str, object]) -> str | None:
     """A setting optimizer `name` does not use, recorded at another value than its default."""
     for key, users in SETTING_USERS.items():
         if name not in users and values.get(key) != SETTING_DEFAULTS[key]:
-            return (f"{key} {values.get(key)} has no effect on {name} (only {' and '.join(users)} use it): "
-                    f"a schedule records it at its default {SETTING_DEFAULTS[key]}")
+            return (
+                f"{key} {values.get(key)} has no effect on {name} (only {' and '.join(users)} use it): "
+                f"a schedule records it at its default {SETTING_DEFAULTS[key]}"
+            )
     return None
 
 
@@ -168,7 +180,9 @@ def choice_problem(label: str, value: object, choices: tuple[str, ...]) -> str |
 
 def cost_problem(cost: object) -> str | None:
     """numel, flops, or profile:FILE."""
-    if isinstance(cost, str) and (cost in COST_MODELS or (cost.startswith(PROFILE_PREFIX) and len(cost) > len(PROFILE_PREFIX))):
+    if isinstance(cost, str) and (
+        cost in COST_MODELS or (cost.startswith(PROFILE_PREFIX) and len(cost) > len(PROFILE_PREFIX))
+    ):
         return None
     return f"unknown cost model {cost!r}; choose one of {', '.join(COST_MODELS)} or profile:FILE"
 
@@ -180,15 +194,29 @@ def alpha_problem(alpha: float) -> str | None:
     return None
 
 
-def request_problem(*, tp: object, dp: object, ep: object, alpha: float, bucket_size: object, group_bytes: object,
-                    tp_mode: object, solver: object, time_limit: float, seed: object,
-                    order: object = "registration") -> str | None:
+def request_problem(
+    *,
+    tp: object,
+    dp: object,
+    ep: object,
+    alpha: float,
+    bucket_size: object,
+    group_bytes: object,
+    tp_mode: object,
+    solver: object,
+    time_limit: float,
+    seed: object,
+    order: object = "registration",
+) -> str | None:
     """Every numeric and named setting of a planning request, as the planner accepts them."""
     return (
         layout_problem(tp, dp, ep)
         or choice_problem("order", order, ORDERS)
-        or ("--order free does not combine with --solver ilp (CP-SAT refines registration-order plans)"
-            if order == "free" and solver == "ilp" else None)
+        or (
+            "--order free does not combine with --solver ilp (CP-SAT refines registration-order plans)"
+            if order == "free" and solver == "ilp"
+            else None
+        )
         or alpha_problem(alpha)
         or bounded_int_problem("bucket size", bucket_size, MAX_BUCKET_SIZE, "elements")
         or bounded_int_problem("group capacity", group_bytes, MAX_GROUP_BYTES, "bytes")

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE, DEFAULT_NS_COEFFICIENTS, MAX_FILE_INT
 from pydantic import BaseModel, ConfigDict, Field
 
+from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE, DEFAULT_NS_COEFFICIENTS, MAX_FILE_INT
+
 SCHEMA_VERSION = 2
+
 
 class _Strict(BaseModel):
     # strict: a value of another type is refused, never converted ("16", 16.0 or true for an

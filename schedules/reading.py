@@ -234,7 +234,9 @@ class _Scanner:
     def __init__(self, allow_aliases: bool) -> None:
         self.allow_aliases = allow_aliases
         self.canonical = not allow_aliases  # schedules: numbers, booleans and null as canzona writes them
-        self.frames: list[list[Any]] = []  # [is mapping, expecting a key, keys, expanded count at start, anchor, last key]
+        self.frames: list[
+            list[Any]
+        ] = []  # [is mapping, expecting a key, keys, expanded count at start, anchor, last key]
         self.anchors: dict[str, int] = {}
         self.expanded = 0
 
@@ -299,8 +301,10 @@ def _check_spelling(value: str, where: str) -> None:
     if _CANONICAL.fullmatch(value):
         return
     if _RESOLVER.resolve(yaml.ScalarNode, value, (True, False)) in _TYPED_TAGS:
-        raise UnsafeDocument(f"{where}{value[:40]!r} is not spelled as canzona writes numbers, booleans and null "
-                             "(plain decimal, true, false, null)")
+        raise UnsafeDocument(
+            f"{where}{value[:40]!r} is not spelled as canzona writes numbers, booleans and null "
+            "(plain decimal, true, false, null)"
+        )
 
 
 def _not_json(value: Any) -> Any:

@@ -71,7 +71,9 @@ def _spans(size: int, block: int) -> list[int]:
     return [min(start + block, size) - start for start in range(0, size, block)]
 
 
-def state_fields(optimizer: str, rows: int, cols: int, block_size: int, max_precond_dim: int) -> list[tuple[str, Shape]]:
+def state_fields(
+    optimizer: str, rows: int, cols: int, block_size: int, max_precond_dim: int
+) -> list[tuple[str, Shape]]:
     """The fp32 tensors of one rows×cols submatrix's state, as (field, shape)."""
     if optimizer == "muon":
         return [("momentum", (rows, cols))]
@@ -79,7 +81,12 @@ def state_fields(optimizer: str, rows: int, cols: int, block_size: int, max_prec
         fields: list[tuple[str, Shape]] = [("momentum", (rows, cols))]
         blocks = [(m, n) for m in _spans(rows, block_size) for n in _spans(cols, block_size)]
         for b, (m, n) in enumerate(blocks):
-            fields += [(f"blocks/{b}/L", (m, m)), (f"blocks/{b}/R", (n, n)), (f"blocks/{b}/L_root", (m, m)), (f"blocks/{b}/R_root", (n, n))]
+            fields += [
+                (f"blocks/{b}/L", (m, m)),
+                (f"blocks/{b}/R", (n, n)),
+                (f"blocks/{b}/L_root", (m, m)),
+                (f"blocks/{b}/R_root", (n, n)),
+            ]
         return fields
     if optimizer == "soap":
         fields = [("exp_avg", (rows, cols)), ("exp_avg_sq", (rows, cols))]
@@ -152,28 +159,48 @@ class StateLayout:
         try:
             model = data["model"]
             params = tuple(
-                ParamState(str(name), str(kind), tuple(int(n) for n in shape), tuple((int(r), int(c)) for r, c in subs),
-                           str(dtype[0]) if dtype else "fp32")
+                ParamState(
+                    str(name),
+                    str(kind),
+                    tuple(int(n) for n in shape),
+                    tuple((int(r), int(c)) for r, c in subs),
+                    str(dtype[0]) if dtype else "fp32",
+                )
                 for name, kind, shape, subs, *dtype in data["params"]
             )
-            return cls((str(model["name"]), str(model["source"]), model["sha256"]), str(data["optimizer"]),
-                       int(data["block_size"]), int(data["max_precond_dim"]), params)
+            return cls(
+                (str(model["name"]), str(model["source"]), model["sha256"]),
+                str(data["optimizer"]),
+                int(data["block_size"]),
+                int(data["max_precond_dim"]),
+                params,
+            )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a state layout ({type(error).__name__}: {error})") from error
 
 
-def state_layout(schedule: Schedule, *, block_size: int | None = None, max_precond_dim: int | None = None) -> StateLayout:
+def state_layout(
+    schedule: Schedule, *, block_size: int | None = None, max_precond_dim: int | None = None
+) -> StateLayout:
     """The state layout of `schedule`, with the optimizer settings that shape the state taken
     from the schedule unless given (the runtime passes the ones it actually uses)."""
     request = schedule.request
     params = tuple(
-        ParamState(e.name, e.optimizer, tuple(e.shape),
-                   submatrix_shapes(tuple(e.shape), e.row_blocks) if e.optimizer == MATRIX else (), e.dtype)
+        ParamState(
+            e.name,
+            e.optimizer,
+            tuple(e.shape),
+            submatrix_shapes(tuple(e.shape), e.row_blocks) if e.optimizer == MATRIX else (),
+            e.dtype,
+        )
         for e in registration_order(schedule)
     )
     return StateLayout(
-        (request.model.name, request.model.source, request.model.sha256), request.optimizer.name,
-        block_size or request.optimizer.block_size, max_precond_dim or request.optimizer.max_precond_dim, params,
+        (request.model.name, request.model.source, request.model.sha256),
+        request.optimizer.name,
+        block_size or request.optimizer.block_size,
+        max_precond_dim or request.optimizer.max_precond_dim,
+        params,
     )
 
 
@@ -190,8 +217,12 @@ def _model_text(model: tuple[str, str, str | None]) -> str:
 
 def padded_rows(old: ParamState, new: ParamState) -> bool:
     """Whether two AdamW shapes differ only in their first dimension (vocab padding)."""
-    return (old.kind == new.kind == ADAMW and len(old.shape) == len(new.shape) >= 1
-            and old.shape[1:] == new.shape[1:] and old.shape[0] != new.shape[0])
+    return (
+        old.kind == new.kind == ADAMW
+        and len(old.shape) == len(new.shape) >= 1
+        and old.shape[1:] == new.shape[1:]
+        and old.shape[0] != new.shape[0]
+    )
 
 
 def _param_problem(old: StateLayout, new: StateLayout, a: ParamState, b: ParamState) -> str | None:
@@ -251,18 +282,30 @@ def fusion_notes(old: Schedule, new: Schedule) -> list[str]:
     `fused: 2`) keep their state in gathered order, which then changes if they are fused."""
     if old.request.tp == new.request.tp:
         return []
-    names = sorted({
-        e.name for s in (old, new) for e in s.params
-        if s.request.tp > 1 and e.optimizer == MATRIX and e.tp_dim == 0 and not e.row_blocks and "linear_fc1" in e.name
-    })
+    names = sorted(
+        {
+            e.name
+            for s in (old, new)
+            for e in s.params
+            if s.request.tp > 1
+            and e.optimizer == MATRIX
+            and e.tp_dim == 0
+            and not e.row_blocks
+            and "linear_fc1" in e.name
+        }
+    )
     if not names:
         return []
-    return [f"{_listed(names)}: no row blocks at TP > 1, so the state is kept in gathered order (TP shards "
-            "concatenated); if each shard is fused [gate; up] (Megatron's fc1), that order changes with TP: "
-            "declare it with `fused: 2` in the parameter list (or plan from a model config)"]
+    return [
+        f"{_listed(names)}: no row blocks at TP > 1, so the state is kept in gathered order (TP shards "
+        "concatenated); if each shard is fused [gate; up] (Megatron's fc1), that order changes with TP: "
+        "declare it with `fused: 2` in the parameter list (or plan from a model config)"
+    ]
 
 
-def full_runs(shape: Shape, tp_dim: int | None, tp: int, tp_rank: int, start: int, stop: int) -> list[tuple[int, int, int]]:
+def full_runs(
+    shape: Shape, tp_dim: int | None, tp: int, tp_rank: int, start: int, stop: int
+) -> list[tuple[int, int, int]]:
     """Where elements [start, stop) of TP rank `tp_rank`'s flattened shard (torch.chunk's
     rule, `geometry.tp_shard_shape`) lie in the flattened full tensor: (full offset, local
     offset, length) runs (one unless tp_dim > 0)."""
@@ -270,7 +313,7 @@ def full_runs(shape: Shape, tp_dim: int | None, tp: int, tp_rank: int, start: in
         return []
     if tp_dim is None or tp == 1:
         return [(start, start, stop - start)]
-    inner_full, tail = prod(shape[tp_dim:]), prod(shape[tp_dim + 1:])
+    inner_full, tail = prod(shape[tp_dim:]), prod(shape[tp_dim + 1 :])
     first, last = chunk_bounds(shape[tp_dim], tp)[tp_rank]
     inner_local = (last - first) * tail
     runs, index = [], start
@@ -297,7 +340,9 @@ def adamw_runs(schedule: Schedule, entry: ParamEntry, writers_only: bool) -> lis
         for tp_rank in tp_ranks:
             stop_offset = entry.offset + _local_numel(entry, tp, tp_rank)
             low, high = max(entry.offset, cuts[dp_rank]), min(stop_offset, cuts[dp_rank + 1])
-            for full, _, length in full_runs(tuple(entry.shape), entry.tp_dim, tp, tp_rank, low - entry.offset, high - entry.offset):
+            for full, _, length in full_runs(
+                tuple(entry.shape), entry.tp_dim, tp, tp_rank, low - entry.offset, high - entry.offset
+            ):
                 runs.append((full, full + length, dp_rank * tp + tp_rank))
     return sorted(runs)
 
@@ -372,7 +417,9 @@ def _check_structure(schedule: Schedule, which: str) -> None:
     buckets = schedule.dp.adamw_buckets
     for e in schedule.params:
         if e.optimizer != MATRIX and not (0 <= e.bucket < len(buckets) and len(buckets[e.bucket].cuts) == dp + 1):
-            raise ScheduleError(f"{which} schedule: {e.name} is in AdamW bucket {e.bucket}, which does not exist or lacks {dp + 1} cuts")
+            raise ScheduleError(
+                f"{which} schedule: {e.name} is in AdamW bucket {e.bucket}, which does not exist or lacks {dp + 1} cuts"
+            )
 
 
 def _main_per_element(a: ParamEntry, b: ParamEntry) -> tuple[int, int]:
@@ -434,13 +481,24 @@ def reshard_report(old: Schedule, new: Schedule) -> ReshardReport:
         a = entries[b.name]
         if b.optimizer == MATRIX:
             state, (written, read) = new_layout.state_nbytes(params[b.name]), _main_per_element(a, b)
-            _matrix_moves(ledger, old_hosts[a.name], new_hosts[b.name], state + written * prod(a.shape),
-                          state + read * prod(b.shape))
+            _matrix_moves(
+                ledger,
+                old_hosts[a.name],
+                new_hosts[b.name],
+                state + written * prod(a.shape),
+                state + read * prod(b.shape),
+            )
         else:
             _adamw_moves(old, new, a, b, ledger)
     return ReshardReport(
-        True, [], padding_notes(old_layout, new_layout) + fusion_notes(old, new) + expert_notes(old, new), sum(old_layout.nbytes(p) for p in old_layout.params),
-        ledger.loads, ledger.moved_in, ledger.writes, ledger.moved_out,
+        True,
+        [],
+        padding_notes(old_layout, new_layout) + fusion_notes(old, new) + expert_notes(old, new),
+        sum(old_layout.nbytes(p) for p in old_layout.params),
+        ledger.loads,
+        ledger.moved_in,
+        ledger.writes,
+        ledger.moved_out,
         sorted((s, t, n) for (s, t), n in ledger.flows.items()),
     )
 
@@ -456,11 +514,23 @@ def fsdp_report(old: Schedule, new: Schedule) -> ReshardReport:
     schedules (no resharding of FSDP optimizer state yet)."""
     modes = (old.request.sharding, new.request.sharding)
     if modes[0] != modes[1]:
-        return ReshardReport(False, [f"sharding differs: OLD {modes[0]}, NEW {modes[1]}; optimizer state does not move "
-                                     "between CanzonaOptimizer (replicated) and FsdpOptimizer (FSDP2) checkpoints"], [])
+        return ReshardReport(
+            False,
+            [
+                f"sharding differs: OLD {modes[0]}, NEW {modes[1]}; optimizer state does not move "
+                "between CanzonaOptimizer (replicated) and FsdpOptimizer (FSDP2) checkpoints"
+            ],
+            [],
+        )
     if _plan_of(old) != _plan_of(new):
-        return ReshardReport(False, ["both schedules are FSDP but differ; FsdpOptimizer loads optimizer state only under "
-                                     "the schedule it was saved under, on the same devices (no FSDP resharding yet)"], [])
+        return ReshardReport(
+            False,
+            [
+                "both schedules are FSDP but differ; FsdpOptimizer loads optimizer state only under "
+                "the schedule it was saved under, on the same devices (no FSDP resharding yet)"
+            ],
+            [],
+        )
     req, layout = new.request, state_layout(new)
     fsdp = FsdpLayout.of(req.tp, req.dp, req.dp_replicate)
     params = {p.name: p for p in layout.params}
@@ -477,5 +547,14 @@ def fsdp_report(old: Schedule, new: Schedule) -> ReshardReport:
     for rank in range(req.dp * req.tp):
         ledger.writes[rank] = per_fragment[fsdp.fragment_of(rank)]
         ledger.move(rank, rank, per_fragment[fsdp.fragment_of(rank)])
-    return ReshardReport(True, [], ["FSDP: every device loads the state it saved (same schedule, same devices)"],
-                         sum(ledger.writes), ledger.loads, ledger.moved_in, ledger.writes, ledger.moved_out, [])
+    return ReshardReport(
+        True,
+        [],
+        ["FSDP: every device loads the state it saved (same schedule, same devices)"],
+        sum(ledger.writes),
+        ledger.loads,
+        ledger.moved_in,
+        ledger.writes,
+        ledger.moved_out,
+        [],
+    )

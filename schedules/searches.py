@@ -43,7 +43,12 @@ def bucket_winner(sizes: Sequence[int], counts: Sequence[int], times: Sequence[f
     pool = overlapping or list(positions)
     fastest = min(times[p] for p in pool)
     chosen = min((p for p in pool if times[p] <= fastest * (1 + TIE_TOLERANCE)), key=lambda p: sizes[p])
-    scope = ("sizes that keep >= 2 matrix buckets to overlap with backward" if overlapping
-             else "every size (none keeps 2 matrix buckets)")
-    return chosen, (f"{size_label(sizes[chosen])} ({counts[chosen]} matrix buckets): the fastest predicted "
-                    f"iteration, {times[chosen] * 1e3:.3f} ms, among {scope}")
+    scope = (
+        "sizes that keep >= 2 matrix buckets to overlap with backward"
+        if overlapping
+        else "every size (none keeps 2 matrix buckets)"
+    )
+    return chosen, (
+        f"{size_label(sizes[chosen])} ({counts[chosen]} matrix buckets): the fastest predicted "
+        f"iteration, {times[chosen] * 1e3:.3f} ms, among {scope}"
+    )

@@ -121,17 +121,27 @@ def _head_form(blocks: Blocks, rows: int) -> bool:
 
 def _consecutive(blocks: Blocks) -> bool:
     return all(len(block) == 1 for block in blocks) and all(
-        blocks[i][0][1] == blocks[i + 1][0][0] for i in range(len(blocks) - 1))
+        blocks[i][0][1] == blocks[i + 1][0][0] for i in range(len(blocks) - 1)
+    )
 
 
 _MEGATRON_FC1 = re.compile(r"(?:^|\.)linear_fc1\.weight\d*$")
-_FC1 = {"megatron": _MEGATRON_FC1, "megatron-local": _MEGATRON_FC1, "hf": re.compile(r"(?:^|\.)mlp\.experts\.gate_up_proj\[\d+\]$")}
+_FC1 = {
+    "megatron": _MEGATRON_FC1,
+    "megatron-local": _MEGATRON_FC1,
+    "hf": re.compile(r"(?:^|\.)mlp\.experts\.gate_up_proj\[\d+\]$"),
+}
 # a fused QKV weight (rows grouped per KV head as [q heads, k, v]) and the output projection
 # whose input columns are its query rows, by naming convention
-_QKV = {"megatron": ("linear_qkv.weight", "linear_proj.weight"), "megatron-local": ("linear_qkv.weight", "linear_proj.weight"),
-        "torchtitan": ("qkv_linear.wqkv.weight", "wo.weight")}
-_PROJECTIONS = {"hf": re.compile(r"(?:^|\.)self_attn\.[qkv]_proj\.weight$"),
-                "torchtitan": re.compile(r"(?:^|\.)attention\.qkv_linear\.w[qkv]\.weight$")}  # fuse_qkv=False
+_QKV = {
+    "megatron": ("linear_qkv.weight", "linear_proj.weight"),
+    "megatron-local": ("linear_qkv.weight", "linear_proj.weight"),
+    "torchtitan": ("qkv_linear.wqkv.weight", "wo.weight"),
+}
+_PROJECTIONS = {
+    "hf": re.compile(r"(?:^|\.)self_attn\.[qkv]_proj\.weight$"),
+    "torchtitan": re.compile(r"(?:^|\.)attention\.qkv_linear\.w[qkv]\.weight$"),
+}  # fuse_qkv=False
 Lookup = Callable[[str], "Sequence[int] | None"]
 
 
@@ -170,8 +180,17 @@ def _derived(kind: str, rows: int, blocks: Blocks, tp: int, split_qkv: str, spli
     return (None if not blocks else f"split_qkv {split_qkv} and split_fc1 {str(split_fc1).lower()} give it none"), 0
 
 
-def derived_problem(name: str, shape: Sequence[int], blocks: Blocks, tp: int, names: str, split_qkv: str,
-                    split_fc1: bool, shape_of: Lookup, cache: dict[tuple[Any, ...], Any]) -> str | None:
+def derived_problem(
+    name: str,
+    shape: Sequence[int],
+    blocks: Blocks,
+    tp: int,
+    names: str,
+    split_qkv: str,
+    split_fc1: bool,
+    shape_of: Lookup,
+    cache: dict[tuple[Any, ...], Any],
+) -> str | None:
     """Why `blocks` are not what `split_qkv` / `split_fc1` give the matrix `name` of `shape`
     (a parameter canzona expanded under the `names` convention at TP size `tp`), or None.
     `shape_of` finds another parameter's shape (a grouped QKV matrix's query rows are its
@@ -201,10 +220,15 @@ def listed_problem(blocks: Blocks, rows: int, shards: int, split_qkv: str, live:
         return None
     split = _fused_form(blocks, rows, shards)
     if live:
-        return None if split is not None and split == split_fc1 else (
-            f"a live model's fused matrix, which split_fc1 {str(split_fc1).lower()} splits "
-            f"{'into its parts' if split_fc1 else 'into none'}, or fused QKV weight, which split_qkv "
-            f"{split_qkv} splits {'into none' if split_qkv == 'none' else 'into grouped Q, K, V blocks'}")
+        return (
+            None
+            if split is not None and split == split_fc1
+            else (
+                f"a live model's fused matrix, which split_fc1 {str(split_fc1).lower()} splits "
+                f"{'into its parts' if split_fc1 else 'into none'}, or fused QKV weight, which split_qkv "
+                f"{split_qkv} splits {'into none' if split_qkv == 'none' else 'into grouped Q, K, V blocks'}"
+            )
+        )
     if split is not None or _consecutive(blocks):
         return None
     return "not a form canzona writes (fused parts, grouped Q/K/V, or consecutive submatrices)"
@@ -213,5 +237,8 @@ def listed_problem(blocks: Blocks, rows: int, shards: int, split_qkv: str, live:
 def _spell(blocks: Blocks) -> str:
     if not blocks:
         return "no row blocks"
-    return f"{len(blocks)} row block{'s' if len(blocks) > 1 else ''} of {', '.join(str(len(b)) for b in blocks[:4])}" + (
-        " ..." if len(blocks) > 4 else "") + " ranges"
+    return (
+        f"{len(blocks)} row block{'s' if len(blocks) > 1 else ''} of {', '.join(str(len(b)) for b in blocks[:4])}"
+        + (" ..." if len(blocks) > 4 else "")
+        + " ranges"
+    )

@@ -9,6 +9,9 @@ def printable(text: str) -> str:
     """`text` with every character a terminal would not print as itself (control characters
     such as ESC, format characters such as bidirectional overrides, line separators) spelled as
     a Python escape, line breaks kept."""
-    return "\n".join(line if line.isprintable() else "".join(
-        char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in line)
-        for line in text.split("\n"))
+    return "\n".join(
+        line
+        if line.isprintable()
+        else "".join(char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in line)
+        for line in text.split("\n")
+    )

@@ -35,8 +35,8 @@ from canzona.schedules.geometry import (
 from canzona.schedules.limits import (
     ADAMW,
     BUCKET_COLLECTIVES,
-    FSDP,
     COOP_MODES,
+    FSDP,
     GRAD_REDUCE_AXES,
     MATRIX,
     MAX_PARAM_DIMS,
@@ -53,7 +53,14 @@ from canzona.schedules.limits import (
     unused_settings_problem,
 )
 from canzona.schedules.models import BucketEntry, ParamEntry, Schedule
-from canzona.schedules.splits import Blocks, as_blocks, derived_problem, expanded_by_canzona, listed_problem, submatrices
+from canzona.schedules.splits import (
+    Blocks,
+    as_blocks,
+    derived_problem,
+    expanded_by_canzona,
+    listed_problem,
+    submatrices,
+)
 from canzona.schedules.validate_fsdp import check_fsdp
 from canzona.schedules.validate_metrics import check_metrics
 
@@ -83,12 +90,21 @@ def _check_request(schedule: Schedule) -> None:
     req, opt = schedule.request, schedule.request.optimizer
     problem = (
         request_problem(
-            tp=req.tp, dp=req.dp, ep=req.ep, alpha=req.alpha, bucket_size=req.bucket_size,
-            group_bytes=req.group_bytes, tp_mode=req.tp_mode, solver=req.solver, time_limit=req.time_limit,
-            seed=req.seed, order=req.order,
+            tp=req.tp,
+            dp=req.dp,
+            ep=req.ep,
+            alpha=req.alpha,
+            bucket_size=req.bucket_size,
+            group_bytes=req.group_bytes,
+            tp_mode=req.tp_mode,
+            solver=req.solver,
+            time_limit=req.time_limit,
+            seed=req.seed,
+            order=req.order,
         )
-        or settings_problem(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim,
-                            opt.ns_coefficients)
+        or settings_problem(
+            opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim, opt.ns_coefficients
+        )
         or unused_settings_problem(opt.name, opt.model_dump(exclude={"name"}))
         or cost_problem(req.cost)
         or choice_problem("split_qkv", req.split_qkv, QKV_SPLITS)
@@ -108,7 +124,9 @@ def _check_request(schedule: Schedule) -> None:
     if (req.bucket_device is None) != (schedule.metrics.bucket_search is None):
         fail("request.bucket_device and metrics.bucket_search must be given together (bucket size auto)")
     if (req.training is None) != (req.alpha_device is None and req.bucket_device is None):
-        fail("request.training is what an automatic search (alpha_device, bucket_device) assumed: given exactly with one")
+        fail(
+            "request.training is what an automatic search (alpha_device, bucket_device) assumed: given exactly with one"
+        )
     if (req.solver == "ilp") != (schedule.metrics.solver is not None):
         fail("metrics.solver is what CP-SAT did: present exactly when request.solver is ilp")
 
@@ -144,7 +162,7 @@ def _first_repeat(names: Sequence[str]) -> str:
 def _check_shape(e: ParamEntry, tp: int) -> None:
     """Check the parameter's shape, element count and TP split."""
     if not 1 <= len(e.shape) <= MAX_PARAM_DIMS or min(e.shape) < 1 or max(e.shape) > MAX_PARAM_NUMEL:
-        fail(f"parameter {e.name!r}: invalid shape {e.shape[:MAX_PARAM_DIMS + 1]}")
+        fail(f"parameter {e.name!r}: invalid shape {e.shape[: MAX_PARAM_DIMS + 1]}")
     numel = prod(e.shape)
     if numel > MAX_PARAM_NUMEL:
         fail(f"parameter {e.name!r}: invalid shape {e.shape} (more than {MAX_PARAM_NUMEL} elements)")
@@ -165,8 +183,10 @@ def _check_entry(e: ParamEntry, tp: int, dp: int, ep: int) -> None:
     if e.cost < 0:
         fail(f"parameter {e.name!r}: negative cost {e.cost!r}")
     if e.grad_reduce is not None and (e.grad_reduce not in GRAD_REDUCE_AXES or e.tp_dim is not None or tp == 1):
-        fail(f"parameter {e.name!r}: grad_reduce {e.grad_reduce!r} is only for a parameter replicated over TP "
-             f"(tp_dim null) when tp > 1, reduced over one of {', '.join(GRAD_REDUCE_AXES)}")
+        fail(
+            f"parameter {e.name!r}: grad_reduce {e.grad_reduce!r} is only for a parameter replicated over TP "
+            f"(tp_dim null) when tp > 1, reduced over one of {', '.join(GRAD_REDUCE_AXES)}"
+        )
     if (e.param is None) != (e.slice is None):
         fail(f"parameter {e.name!r}: param and slice (an expert slice of a grouped tensor) go together")
     if e.optimizer == ADAMW:
@@ -200,13 +220,15 @@ def _check_row_blocks(schedule: Schedule) -> None:
         if e.optimizer != MATRIX:
             continue
         if derived:
-            problem = derived_problem(e.name, e.shape, blocks, req.tp, req.names, req.split_qkv, req.split_fc1,
-                                      shapes.get, verdicts)
+            problem = derived_problem(
+                e.name, e.shape, blocks, req.tp, req.names, req.split_qkv, req.split_fc1, shapes.get, verdicts
+            )
         else:
             key = ("listed", e.shape[0], req.tp if e.tp_dim == 0 else 1, blocks)
             if key not in verdicts:
-                verdicts[key] = listed_problem(blocks, key[1], key[2], req.split_qkv,
-                                               req.model.source.startswith("py:"), req.split_fc1)
+                verdicts[key] = listed_problem(
+                    blocks, key[1], key[2], req.split_qkv, req.model.source.startswith("py:"), req.split_fc1
+                )
             problem = verdicts[key]
         if problem:
             fail(f"parameter {e.name!r}: its row blocks are not what the request gives: {problem}")
@@ -224,14 +246,21 @@ def _check_costs(schedule: Schedule) -> None:
         blocks = as_blocks(e.row_blocks)
         key = (e.optimizer, tuple(e.shape), blocks)
         if key not in known:
-            known[key] = (adamw_cost(req.cost, prod(e.shape)) if e.optimizer == ADAMW else
-                          sum(matrix_cost(req.cost, rows, cols, req.optimizer) for rows, cols in submatrices(e.shape, blocks)))
+            known[key] = (
+                adamw_cost(req.cost, prod(e.shape))
+                if e.optimizer == ADAMW
+                else sum(
+                    matrix_cost(req.cost, rows, cols, req.optimizer) for rows, cols in submatrices(e.shape, blocks)
+                )
+            )
         if not close(e.cost, known[key]):
             opt = req.optimizer
-            fail(f"parameter {e.name!r}: cost {e.cost!r}, but the {req.cost} cost model gives {known[key]!r} for its "
-                 f"shape and row blocks under request.optimizer ({opt.name}, ns_steps {opt.ns_steps}, block_size "
-                 f"{opt.block_size}, precondition_frequency {opt.precondition_frequency}, max_precond_dim "
-                 f"{opt.max_precond_dim})")
+            fail(
+                f"parameter {e.name!r}: cost {e.cost!r}, but the {req.cost} cost model gives {known[key]!r} for its "
+                f"shape and row blocks under request.optimizer ({opt.name}, ns_steps {opt.ns_steps}, block_size "
+                f"{opt.block_size}, precondition_frequency {opt.precondition_frequency}, max_precond_dim "
+                f"{opt.max_precond_dim})"
+            )
 
 
 def _check_slices(schedule: Schedule) -> None:
@@ -304,7 +333,9 @@ def _check_buffers(schedule: Schedule) -> None:
             if e.ep_rank is not None:
                 by_rank[e.ep_rank].append(e)
         for ep_rank, experts in enumerate(by_rank):
-            _check_buffer(f"expert (EP rank {ep_rank})", experts, section.expert_buckets, req.dp // req.ep, req.bucket_size)
+            _check_buffer(
+                f"expert (EP rank {ep_rank})", experts, section.expert_buckets, req.dp // req.ep, req.bucket_size
+            )
             layouts.add(tuple(sorted((e.bucket, e.offset, e.numel) for e in experts)))
         if len(layouts) > 1:
             fail("the EP ranks' expert buffers are laid out differently")
@@ -316,12 +347,16 @@ def _check_order(kind: str, members: list[ParamEntry]) -> None:
     last: dict[int, int] = {}
     for e in sorted(members, key=lambda entry: -entry.index):
         if e.offset < last.get(e.bucket, -1):
-            fail(f"parameter {e.name!r}: {kind} bucket {e.bucket} is not in reverse registration order, "
-                  "which request.order registration requires")
+            fail(
+                f"parameter {e.name!r}: {kind} bucket {e.bucket} is not in reverse registration order, "
+                "which request.order registration requires"
+            )
         last[e.bucket] = e.offset
 
 
-def _check_buffer(kind: str, members: list[ParamEntry], buckets: Sequence[Any], num_ranks: int, bucket_size: int) -> None:
+def _check_buffer(
+    kind: str, members: list[ParamEntry], buckets: Sequence[Any], num_ranks: int, bucket_size: int
+) -> None:
     for position, bucket in enumerate(buckets):
         if bucket.index != position:
             fail(f"{kind} bucket {position}: index {bucket.index}")
@@ -342,7 +377,9 @@ def _check_buffer(kind: str, members: list[ParamEntry], buckets: Sequence[Any], 
         _check_packing(kind, position, bucket, bucket_members, num_ranks)
         if kind == "AdamW":
             if list(bucket.cuts) != list(equal_cuts(bucket.numel, num_ranks)):
-                fail(f"{kind} bucket {position}: cuts must be the stock equal split of {bucket.numel} over {num_ranks} ranks")
+                fail(
+                    f"{kind} bucket {position}: cuts must be the stock equal split of {bucket.numel} over {num_ranks} ranks"
+                )
         else:
             _check_cuts(kind, position, bucket, bucket_members, num_ranks)
 
@@ -353,7 +390,9 @@ def _check_bucket_close(kind: str, position: int, members: list[ParamEntry], buc
     if packed_fill(sizes[:-1]) >= bucket_size:
         fail(f"{kind} bucket {position} should have closed before {members[-1].name!r} (bucket_size {bucket_size})")
     if not last and packed_fill(sizes) < bucket_size:
-        fail(f"{kind} bucket {position} holds fewer than bucket_size {bucket_size} elements, yet another bucket follows")
+        fail(
+            f"{kind} bucket {position} holds fewer than bucket_size {bucket_size} elements, yet another bucket follows"
+        )
 
 
 def _check_packing(kind: str, position: int, bucket: Any, members: list[ParamEntry], num_ranks: int) -> None:
@@ -363,12 +402,16 @@ def _check_packing(kind: str, position: int, bucket: Any, members: list[ParamEnt
     for e in sorted(members, key=lambda entry: entry.offset):
         expected = round_up(end, PARAM_ALIGNMENT)
         if e.offset != expected:
-            fail(f"parameter {e.name!r}: offset {e.offset} in {kind} bucket {position}, but packing puts it at {expected}")
+            fail(
+                f"parameter {e.name!r}: offset {e.offset} in {kind} bucket {position}, but packing puts it at {expected}"
+            )
         end = e.offset + e.numel
     padded = padded_bucket_numel(end, num_ranks)
     if bucket.numel != padded:
-        fail(f"{kind} bucket {position}: numel {bucket.numel}, but its parameters end at {end}, padded to a multiple "
-              f"of lcm({num_ranks}, {BUCKET_END_ALIGNMENT}) = {lcm(num_ranks, BUCKET_END_ALIGNMENT)} that is {padded}")
+        fail(
+            f"{kind} bucket {position}: numel {bucket.numel}, but its parameters end at {end}, padded to a multiple "
+            f"of lcm({num_ranks}, {BUCKET_END_ALIGNMENT}) = {lcm(num_ranks, BUCKET_END_ALIGNMENT)} that is {padded}"
+        )
 
 
 def _check_cuts(kind: str, position: int, bucket: BucketEntry, members: list[ParamEntry], num_ranks: int) -> None:
@@ -384,7 +427,9 @@ def _check_cuts(kind: str, position: int, bucket: BucketEntry, members: list[Par
     for e in members:
         holder = slice_owner(cuts, e.offset)
         if e.owner != holder:
-            fail(f"parameter {e.name!r}: its shard is not inside its owner's slice (owner {e.owner}, slice of rank {holder})")
+            fail(
+                f"parameter {e.name!r}: its shard is not inside its owner's slice (owner {e.owner}, slice of rank {holder})"
+            )
     slices = slice_sizes(cuts)
     if list(bucket.slice_bytes) != [GRAD_BYTES_PER_ELEMENT * s for s in slices]:
         fail(f"{kind} bucket {position}: slice_bytes disagree with its cuts")
@@ -423,5 +468,12 @@ def _check_tp_section(schedule: Schedule) -> None:
         if len(listed) != len(set(listed)) or set(listed) != owned[plan.dp_rank]:
             fail(f"tp section, DP rank {plan.dp_rank}: groups must list exactly the matrices it owns, once each")
         for position, group in enumerate(plan.groups):
-            check_group(f"tp section, DP rank {plan.dp_rank} group {position}", group, entries, req.tp,
-                        req.group_bytes, req.tp_mode, req.optimizer.name)
+            check_group(
+                f"tp section, DP rank {plan.dp_rank} group {position}",
+                group,
+                entries,
+                req.tp,
+                req.group_bytes,
+                req.tp_mode,
+                req.optimizer.name,
+            )

@@ -38,8 +38,10 @@ def check_fsdp(schedule: Schedule) -> None:
         fail("an FSDP schedule has no DP buckets (FSDP2 shards and reduces every parameter itself)")
     for e in schedule.params:
         if e.bucket or e.offset or (e.optimizer == MATRIX and e.owner != 0):
-            fail(f"parameter {e.name!r}: in an FSDP schedule bucket and offset are 0 and a matrix's owner is 0 "
-                 "(its fragmentation group)")
+            fail(
+                f"parameter {e.name!r}: in an FSDP schedule bucket and offset are 0 and a matrix's owner is 0 "
+                "(its fragmentation group)"
+            )
         if e.grad_reduce is not None:
             fail(f"parameter {e.name!r}: FSDP schedules have no grad_reduce (FSDP2 sums TP-partial gradients itself)")
     req = schedule.request
@@ -76,7 +78,9 @@ def _check_groups(schedule: Schedule, layout: FsdpLayout) -> dict[str, int]:
     return hosts
 
 
-def _per_fragment(schedule: Schedule, layout: FsdpLayout, hosts: dict[str, int], values: dict[str, float]) -> list[float]:
+def _per_fragment(
+    schedule: Schedule, layout: FsdpLayout, hosts: dict[str, int], values: dict[str, float]
+) -> list[float]:
     """Per fragment rank, the sum of `values` of the matrices it hosts."""
     out = [0.0] * layout.hosts
     for e in schedule.params:
@@ -105,10 +109,15 @@ def _check_metrics(schedule: Schedule, layout: FsdpLayout, hosts: dict[str, int]
         fail("metrics.dp.slice_bytes disagree with the FSDP shards of the matrices")
     real = sum(e.numel for e in matrices)
     padded = sum(padding_ratio(e.shape, e.tp_dim, layout) * e.numel for e in matrices)
-    expect("metrics.dp.padding_overhead", m.padding_overhead, padded / real if real else 1.0,
-           "the matrices' FSDP2 padding")
-    expect("metrics.dp.max_padding_overhead", m.max_padding_overhead,
-           max((padding_ratio(e.shape, e.tp_dim, layout) for e in matrices), default=1.0), "the largest FSDP2 padding")
+    expect(
+        "metrics.dp.padding_overhead", m.padding_overhead, padded / real if real else 1.0, "the matrices' FSDP2 padding"
+    )
+    expect(
+        "metrics.dp.max_padding_overhead",
+        m.max_padding_overhead,
+        max((padding_ratio(e.shape, e.tp_dim, layout) for e in matrices), default=1.0),
+        "the largest FSDP2 padding",
+    )
     _check_tp_metrics(schedule, layout, costs)
     _check_devices(schedule, layout, hosts, hosted)
 
@@ -127,12 +136,15 @@ def _check_tp_metrics(schedule: Schedule, layout: FsdpLayout, costs: list[float]
     m, groups = schedule.metrics.tp, schedule.tp.ranks[0].groups
     span = sum(g.makespan for g in groups)
     work = sum(sum(g.host_loads) for g in groups)
-    check_modes(schedule, {
-        "num_groups": float(len(groups)),
-        "critical_time": span,
-        "efficiency": work / (layout.hosts * span) if span else 1.0,
-        "max_saturation": max((g.saturation for g in groups), default=0.0),
-    })
+    check_modes(
+        schedule,
+        {
+            "num_groups": float(len(groups)),
+            "critical_time": span,
+            "efficiency": work / (layout.hosts * span) if span else 1.0,
+            "max_saturation": max((g.saturation for g in groups), default=0.0),
+        },
+    )
     if m.cooperative:
         fail("metrics.tp.cooperative: FSDP plans have no cooperative teams")
     bound = max(sum(costs) / layout.hosts, max(costs)) if costs else 0.0
@@ -155,11 +167,17 @@ def _check_devices(schedule: Schedule, layout: FsdpLayout, hosts: dict[str, int]
     for d in devices:
         fragment = layout.fragment_of(d.rank)
         if req.cost in BUILT_IN_COSTS:
-            expect(f"metrics.device[{d.rank}].load", d.load, hosted[fragment] + adamw[d.dp_rank] / req.tp,
-                   "its hosted matrices plus its share of metrics.dp.adamw_load")
+            expect(
+                f"metrics.device[{d.rank}].load",
+                d.load,
+                hosted[fragment] + adamw[d.dp_rank] / req.tp,
+                "its hosted matrices plus its share of metrics.dp.adamw_load",
+            )
         if (d.bytes_sent, d.bytes_received) != traffic[fragment]:
-            fail(f"metrics.device[{d.rank}]: bytes sent and received are {d.bytes_sent} and {d.bytes_received}, but the "
-                 f"gather and scatter of its fragmentation group move {traffic[fragment][0]} and {traffic[fragment][1]}")
+            fail(
+                f"metrics.device[{d.rank}]: bytes sent and received are {d.bytes_sent} and {d.bytes_received}, but the "
+                f"gather and scatter of its fragmentation group move {traffic[fragment][0]} and {traffic[fragment][1]}"
+            )
     check_device_balance(schedule, [d.load for d in devices], max((e.cost for e in matrices), default=0.0))
 
 
@@ -173,13 +191,24 @@ def _check_memory(schedule: Schedule, layout: FsdpLayout, hosts: dict[str, int])
     dp_state = dp_loads(state, layout)
     for d in range(req.dp):
         shard = d % layout.shards
-        expect(f"metrics.dp.state_bytes[{d}]", m.state_bytes[d], dp_state[d] + layout.tp * per_element * elements[shard],
-               "the state of the matrices its devices host and of their AdamW pieces")
+        expect(
+            f"metrics.dp.state_bytes[{d}]",
+            m.state_bytes[d],
+            dp_state[d] + layout.tp * per_element * elements[shard],
+            "the state of the matrices its devices host and of their AdamW pieces",
+        )
         if req.cost in BUILT_IN_COSTS:
-            expect(f"metrics.dp.adamw_load[{d}]", m.adamw_load[d], layout.tp * adamw_cost(req.cost, elements[shard]),
-                   f"the {req.cost} cost of its devices' AdamW pieces")
+            expect(
+                f"metrics.dp.adamw_load[{d}]",
+                m.adamw_load[d],
+                layout.tp * adamw_cost(req.cost, elements[shard]),
+                f"the {req.cost} cost of its devices' AdamW pieces",
+            )
     for device in devices:
         fragment = layout.fragment_of(device.rank)
-        expect(f"metrics.device[{device.rank}].state_bytes", device.state_bytes,
-               state[fragment] + per_element * elements[layout.shard_of(fragment)],
-               "the state of its hosted matrices and of its AdamW pieces")
+        expect(
+            f"metrics.device[{device.rank}].state_bytes",
+            device.state_bytes,
+            state[fragment] + per_element * elements[layout.shard_of(fragment)],
+            "the state of its hosted matrices and of its AdamW pieces",
+        )

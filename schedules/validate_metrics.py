@@ -14,9 +14,22 @@ from typing import Any
 
 from canzona.schedules.bounds import dp_lower_bound
 from canzona.schedules.checks import REL_TOL, close, dp_rank_of, expect, fail
-from canzona.schedules.costs import BUILT_IN_COSTS, adamw_bytes_per_element, adamw_cost, param_state_bytes, predicted_peak_bytes
+from canzona.schedules.costs import (
+    BUILT_IN_COSTS,
+    adamw_bytes_per_element,
+    adamw_cost,
+    param_state_bytes,
+    predicted_peak_bytes,
+)
 from canzona.schedules.figures import BASELINE_PADDING, Member, baseline_loads, bucket_traffic, micro_group_traffic
-from canzona.schedules.geometry import DTYPE_BYTES, GRAD_BYTES_PER_ELEMENT, PARAM_ALIGNMENT, padded_bucket_numel, round_up, slice_sizes
+from canzona.schedules.geometry import (
+    DTYPE_BYTES,
+    GRAD_BYTES_PER_ELEMENT,
+    PARAM_ALIGNMENT,
+    padded_bucket_numel,
+    round_up,
+    slice_sizes,
+)
 from canzona.schedules.limits import ADAMW, MATRIX, TP_MODES
 from canzona.schedules.models import ParamEntry, Schedule, StrategyScore
 from canzona.schedules.searches import DEFAULT_ALPHAS, DEFAULT_BUCKET_SIZES, alpha_winner, bucket_winner
@@ -78,15 +91,21 @@ def _adamw_elements(schedule: Schedule) -> list[list[int]]:
 def check_lengths(schedule: Schedule) -> None:
     """Per-DP-rank figures hold one non-negative value per DP rank."""
     req, m = schedule.request, schedule.metrics.dp
-    for label, values in (("load", m.load), ("slice_bytes", m.slice_bytes), ("state_bytes", m.state_bytes),
-                          ("adamw_load", m.adamw_load)):
+    for label, values in (
+        ("load", m.load),
+        ("slice_bytes", m.slice_bytes),
+        ("state_bytes", m.state_bytes),
+        ("adamw_load", m.adamw_load),
+    ):
         if len(values) != req.dp or min(values) < 0:
             fail(f"metrics.dp.{label} must hold {req.dp} non-negative values, one per DP rank")
     if not _METHOD.fullmatch(m.method):
         fail(f"metrics.dp.method {m.method[:40]!r} is not a partition method's label")
 
 
-def _check_dp_metrics(schedule: Schedule, loads: list[float], dense_costs: list[float], expert_loads: list[float]) -> None:
+def _check_dp_metrics(
+    schedule: Schedule, loads: list[float], dense_costs: list[float], expert_loads: list[float]
+) -> None:
     req, m = schedule.request, schedule.metrics.dp
     check_lengths(schedule)
     for rank, (recorded, derived) in enumerate(zip(m.load, loads)):
@@ -97,8 +116,12 @@ def _check_dp_metrics(schedule: Schedule, loads: list[float], dense_costs: list[
         # Files written before the plan-independent bound recorded the partition's own one.
         base = expert_loads if req.ep > 1 else [0.0] * req.dp
         former = max(total / req.dp, max(dense_costs, default=0.0) + min(base), max(base))
-        expect("metrics.dp.lower_bound", m.lower_bound, former if close(m.lower_bound, former) else bound,
-               "the pairing bound of every matrix's cost over D ranks")
+        expect(
+            "metrics.dp.lower_bound",
+            m.lower_bound,
+            former if close(m.lower_bound, former) else bound,
+            "the pairing bound of every matrix's cost over D ranks",
+        )
     check_score("metrics.dp", m, m.lower_bound, total)
     section = schedule.dp
     slice_bytes = [0] * req.dp
@@ -113,10 +136,18 @@ def _check_dp_metrics(schedule: Schedule, loads: list[float], dense_costs: list[
     matrix_buckets = [(b, req.dp) for b in section.buckets] + [(b, req.dp // req.ep) for b in section.expert_buckets]
     padded = sum(b.numel for b, _ in matrix_buckets)
     worst = sum(ranks * max(slice_sizes(b.cuts)) for b, ranks in matrix_buckets)
-    expect("metrics.dp.padding_overhead", m.padding_overhead, (worst / padded if padded else 1.0) or 1.0,
-           "the buckets' D x largest slice / padded size")
-    expect("metrics.dp.max_padding_overhead", m.max_padding_overhead,
-           max((b.padding_overhead for b, _ in matrix_buckets), default=1.0), "the largest bucket padding_overhead")
+    expect(
+        "metrics.dp.padding_overhead",
+        m.padding_overhead,
+        (worst / padded if padded else 1.0) or 1.0,
+        "the buckets' D x largest slice / padded size",
+    )
+    expect(
+        "metrics.dp.max_padding_overhead",
+        m.max_padding_overhead,
+        max((b.padding_overhead for b, _ in matrix_buckets), default=1.0),
+        "the largest bucket padding_overhead",
+    )
 
 
 def _check_memory(schedule: Schedule, states: dict[str, float], adamw: list[list[int]]) -> None:
@@ -133,11 +164,19 @@ def _check_memory(schedule: Schedule, states: dict[str, float], adamw: list[list
             state[rank] += req.tp * per_element * elements
             work[rank] += req.tp * adamw_cost(req.cost, elements) if req.cost in BUILT_IN_COSTS else 0.0
     for rank in range(req.dp):
-        expect(f"metrics.dp.state_bytes[{rank}]", m.state_bytes[rank], state[rank],
-               "the optimizer state of the matrices it owns and of its TP group's AdamW slices")
+        expect(
+            f"metrics.dp.state_bytes[{rank}]",
+            m.state_bytes[rank],
+            state[rank],
+            "the optimizer state of the matrices it owns and of its TP group's AdamW slices",
+        )
         if req.cost in BUILT_IN_COSTS:
-            expect(f"metrics.dp.adamw_load[{rank}]", m.adamw_load[rank], work[rank],
-                   f"the {req.cost} cost of its TP group's AdamW slices")
+            expect(
+                f"metrics.dp.adamw_load[{rank}]",
+                m.adamw_load[rank],
+                work[rank],
+                f"the {req.cost} cost of its TP group's AdamW slices",
+            )
 
 
 def _registration_layout(members: list[ParamEntry], ranks: int) -> list[tuple[int, list[Member]]]:
@@ -167,11 +206,15 @@ def _baselines(schedule: Schedule) -> dict[str, list[float]]:
         return loads
     experts = [e for e in schedule.params if e.optimizer == MATRIX and e.ep_rank == 0]
     expert = baseline_loads(_registration_layout(experts, req.dp // req.ep), req.dp // req.ep)
-    return {name: [load + expert[name][rank // req.ep] for rank, load in enumerate(values)] for name, values in loads.items()}
+    return {
+        name: [load + expert[name][rank // req.ep] for rank, load in enumerate(values)]
+        for name, values in loads.items()
+    }
 
 
-def check_baselines(schedule: Schedule, derived: dict[str, list[float]],
-                    padding: dict[str, float | None] = BASELINE_PADDING) -> None:
+def check_baselines(
+    schedule: Schedule, derived: dict[str, list[float]], padding: dict[str, float | None] = BASELINE_PADDING
+) -> None:
     """The baselines are the strategies canzona is compared with, in order, with `derived`
     loads and `padding`; their figures follow from their loads."""
     m, dp = schedule.metrics.dp, schedule.request.dp
@@ -198,7 +241,9 @@ def check_score(label: str, score: StrategyScore | Any, bound: float, total: flo
         fail(f"{label}.imbalance {score.imbalance!r} is below 1")
     expect(f"{label}.gap", score.gap, (maximum / bound if bound else 1.0) - 1.0, "max / lower_bound - 1")
     if hasattr(score, "redundancy"):
-        expect(f"{label}.redundancy", score.redundancy, sum(score.load) / total if total else 1.0, "sum / canzona's sum")
+        expect(
+            f"{label}.redundancy", score.redundancy, sum(score.load) / total if total else 1.0, "sum / canzona's sum"
+        )
 
 
 def check_modes(schedule: Schedule, chosen: dict[str, float]) -> None:
@@ -211,13 +256,22 @@ def check_modes(schedule: Schedule, chosen: dict[str, float]) -> None:
     for key, derived in chosen.items():
         expect(f"metrics.tp.{key}", float(getattr(m, key)), derived, "the tp section")
     for key in (*(k for k in chosen if k != "cooperative"), "worst_device_load", "device_imbalance"):
-        expect(f"metrics.tp.modes.{req.tp_mode}.{key}", float(getattr(m.modes[req.tp_mode], key)), float(getattr(m, key)),
-               f"metrics.tp.{key}")
+        expect(
+            f"metrics.tp.modes.{req.tp_mode}.{key}",
+            float(getattr(m.modes[req.tp_mode], key)),
+            float(getattr(m, key)),
+            f"metrics.tp.{key}",
+        )
     for mode, score in m.modes.items():
-        if min(score.critical_time, score.worst_device_load, score.max_saturation) < 0 or score.device_imbalance < 1 - REL_TOL \
-                or not 0 <= score.efficiency <= 1 + REL_TOL:
-            fail(f"metrics.tp.modes.{mode}: times, loads and saturation must be >= 0, device_imbalance >= 1 and efficiency "
-                 "in [0, 1]")
+        if (
+            min(score.critical_time, score.worst_device_load, score.max_saturation) < 0
+            or score.device_imbalance < 1 - REL_TOL
+            or not 0 <= score.efficiency <= 1 + REL_TOL
+        ):
+            fail(
+                f"metrics.tp.modes.{mode}: times, loads and saturation must be >= 0, device_imbalance >= 1 and efficiency "
+                "in [0, 1]"
+            )
 
 
 def _check_tp_metrics(schedule: Schedule) -> None:
@@ -225,19 +279,34 @@ def _check_tp_metrics(schedule: Schedule) -> None:
     costs = {e.name: e.cost for e in schedule.params}
     spans = [sum(g.makespan for g in plan.groups) for plan in ranks]
     work = sum(costs[name] for plan in ranks for g in plan.groups for name in g.params)
-    check_modes(schedule, {
-        "num_groups": float(sum(len(plan.groups) for plan in ranks)),
-        "critical_time": max(spans, default=0.0),
-        "efficiency": work / (req.tp * sum(spans)) if sum(spans) else 1.0,
-        "max_saturation": max((g.saturation for plan in ranks for g in plan.groups), default=0.0),
-        "cooperative": float(sum(len(g.teams) for plan in ranks for g in plan.groups)),
-    })
+    check_modes(
+        schedule,
+        {
+            "num_groups": float(sum(len(plan.groups) for plan in ranks)),
+            "critical_time": max(spans, default=0.0),
+            "efficiency": work / (req.tp * sum(spans)) if sum(spans) else 1.0,
+            "max_saturation": max((g.saturation for plan in ranks for g in plan.groups), default=0.0),
+            "cooperative": float(sum(len(g.teams) for plan in ranks for g in plan.groups)),
+        },
+    )
     entries = {e.name: e for e in schedule.params}
-    bound = max((max(sum(costs[n] for g in plan.groups for n in g.params) / req.tp,
-                     max(cost for g in plan.groups for _, cost, _ in placements(g, entries))) for plan in ranks if plan.groups),
-                default=0.0)
-    expect("metrics.tp.critical_lower_bound", m.critical_lower_bound, bound,
-           "max over DP ranks of max(cost / P, largest piece: a task, or a team member's share)")
+    bound = max(
+        (
+            max(
+                sum(costs[n] for g in plan.groups for n in g.params) / req.tp,
+                max(cost for g in plan.groups for _, cost, _ in placements(g, entries)),
+            )
+            for plan in ranks
+            if plan.groups
+        ),
+        default=0.0,
+    )
+    expect(
+        "metrics.tp.critical_lower_bound",
+        m.critical_lower_bound,
+        bound,
+        "max over DP ranks of max(cost / P, largest piece: a task, or a team member's share)",
+    )
 
 
 def _hosted(schedule: Schedule, states: dict[str, float]) -> tuple[list[float], list[float]]:
@@ -269,10 +338,15 @@ def device_traffic(schedule: Schedule, legacy: bool = False) -> list[tuple[int, 
         if e.offset == 0 and kind:
             first[(kind, e.bucket)] = e.dtype
     sent, received = [0] * req.dp, [0] * req.dp
-    for kind, buckets in (("dense", section.buckets), ("expert", section.expert_buckets), ("adamw", section.adamw_buckets)):
+    for kind, buckets in (
+        ("dense", section.buckets),
+        ("expert", section.expert_buckets),
+        ("adamw", section.adamw_buckets),
+    ):
         for bucket in buckets:
-            pairs = bucket_traffic(bucket.numel, bucket.cuts, DTYPE_BYTES[first[(kind, bucket.index)]],
-                                   _collective(bucket, legacy))
+            pairs = bucket_traffic(
+                bucket.numel, bucket.cuts, DTYPE_BYTES[first[(kind, bucket.index)]], _collective(bucket, legacy)
+            )
             if kind == "expert":  # an expert-DP rank's share is that of each of its DP ranks (dp_rank // ep)
                 pairs = [pairs[rank // req.ep] for rank in range(req.dp)]
             sent = [a + b for a, (b, _) in zip(sent, pairs)]
@@ -285,7 +359,10 @@ def device_traffic(schedule: Schedule, legacy: bool = False) -> list[tuple[int, 
             teams = {team.param: team.hosts for team in group.teams}
             for name, host in zip(group.params, group.hosts):
                 members = teams.get(name, [host])
-                parts += [(member, GRAD_BYTES_PER_ELEMENT * shapes[name][0], len(members), shapes[name][1]) for member in members]
+                parts += [
+                    (member, GRAD_BYTES_PER_ELEMENT * shapes[name][0], len(members), shapes[name][1])
+                    for member in members
+                ]
         base = sent[plan.dp_rank], received[plan.dp_rank]
         out += [(base[0] + s, base[1] + r) for s, r in micro_group_traffic(parts, req.tp)]
     return out
@@ -303,7 +380,9 @@ def _collective(bucket: Any, legacy: bool) -> str:
 
 def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[list[int]]) -> None:
     req, devices = schedule.request, schedule.metrics.device
-    if [(d.rank, d.dp_rank, d.tp_rank) for d in devices] != [(r, r // req.tp, r % req.tp) for r in range(req.tp * req.dp)]:
+    if [(d.rank, d.dp_rank, d.tp_rank) for d in devices] != [
+        (r, r // req.tp, r % req.tp) for r in range(req.tp * req.dp)
+    ]:
         fail(f"metrics.device must list ranks 0..{req.tp * req.dp - 1} as dp_rank * tp + tp_rank, in order")
     if any(d.load < 0 or d.state_bytes < 0 for d in devices):
         fail("metrics.device: loads and state bytes must be non-negative")
@@ -321,23 +400,38 @@ def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[lis
     buffer, largest = sum(sizes), max(sizes, default=0)
     for d in devices:
         if req.cost in BUILT_IN_COSTS:
-            expect(f"metrics.device[{d.rank}].load", d.load, hosted[d.rank] + schedule.metrics.dp.adamw_load[d.dp_rank] / req.tp,
-                   "its hosted matrices plus its share of metrics.dp.adamw_load")
-        expect(f"metrics.device[{d.rank}].state_bytes", d.state_bytes, held[d.rank] + per_element * elements[d.dp_rank],
-               "the state of its hosted matrices (a team member: its share) and of its AdamW slice")
+            expect(
+                f"metrics.device[{d.rank}].load",
+                d.load,
+                hosted[d.rank] + schedule.metrics.dp.adamw_load[d.dp_rank] / req.tp,
+                "its hosted matrices plus its share of metrics.dp.adamw_load",
+            )
+        expect(
+            f"metrics.device[{d.rank}].state_bytes",
+            d.state_bytes,
+            held[d.rank] + per_element * elements[d.dp_rank],
+            "the state of its hosted matrices (a team member: its share) and of its AdamW slice",
+        )
         if d.peak_bytes is not None:
-            expect(f"metrics.device[{d.rank}].peak_bytes", d.peak_bytes, predicted_peak_bytes(
-                d.state_bytes, buffer, largest, req.group_bytes, req.dp), "the bucket buffer, its state and a step's transients")
+            expect(
+                f"metrics.device[{d.rank}].peak_bytes",
+                d.peak_bytes,
+                predicted_peak_bytes(d.state_bytes, buffer, largest, req.group_bytes, req.dp),
+                "the bucket buffer, its state and a step's transients",
+            )
         if (d.bytes_sent, d.bytes_received) != traffic[d.rank]:
-            fail(f"metrics.device[{d.rank}]: bytes sent and received are {d.bytes_sent} and {d.bytes_received}, but its "
-                 f"buckets' collectives and micro-groups move {traffic[d.rank][0]} and {traffic[d.rank][1]}")
+            fail(
+                f"metrics.device[{d.rank}]: bytes sent and received are {d.bytes_sent} and {d.bytes_received}, but its "
+                f"buckets' collectives and micro-groups move {traffic[d.rank][0]} and {traffic[d.rank][1]}"
+            )
     _check_device_bound(schedule, [d.load for d in devices])
 
 
 def _largest_piece(schedule: Schedule) -> float:
     entries = {e.name: e for e in schedule.params}
-    return max((cost for plan in schedule.tp.ranks for g in plan.groups for _, cost, _ in placements(g, entries)),
-               default=0.0)
+    return max(
+        (cost for plan in schedule.tp.ranks for g in plan.groups for _, cost, _ in placements(g, entries)), default=0.0
+    )
 
 
 def _device_figures(schedule: Schedule, loads: list[float]) -> bool:
@@ -372,10 +466,16 @@ def _check_device_bound(schedule: Schedule, loads: list[float]) -> None:
     if not floor * (1 - REL_TOL) <= bound <= m.worst_device_load * (1 + REL_TOL):
         former = max(mean, _largest_piece(schedule))
         if not close(bound, former):
-            fail(f"metrics.tp.device_lower_bound {bound!r} is not between the mean work per device {floor!r} and "
-                 f"the worst device load {m.worst_device_load!r}")
-    expect("metrics.tp.device_gap", m.device_gap, m.worst_device_load / bound - 1 if bound else 0.0,
-           "metrics.tp.worst_device_load / device_lower_bound - 1")
+            fail(
+                f"metrics.tp.device_lower_bound {bound!r} is not between the mean work per device {floor!r} and "
+                f"the worst device load {m.worst_device_load!r}"
+            )
+    expect(
+        "metrics.tp.device_gap",
+        m.device_gap,
+        m.worst_device_load / bound - 1 if bound else 0.0,
+        "metrics.tp.worst_device_load / device_lower_bound - 1",
+    )
 
 
 def check_device_balance(schedule: Schedule, loads: list[float], largest: float) -> None:
@@ -386,10 +486,18 @@ def check_device_balance(schedule: Schedule, loads: list[float], largest: float)
     if not _device_figures(schedule, loads):
         return
     bound = max(mean, largest)
-    expect("metrics.tp.device_lower_bound", m.device_lower_bound, bound,
-           "max(mean of metrics.device loads, largest piece hosted in the tp section)")
-    expect("metrics.tp.device_gap", m.device_gap, m.worst_device_load / bound - 1 if bound else 0.0,
-           "metrics.tp.worst_device_load / device_lower_bound - 1")
+    expect(
+        "metrics.tp.device_lower_bound",
+        m.device_lower_bound,
+        bound,
+        "max(mean of metrics.device loads, largest piece hosted in the tp section)",
+    )
+    expect(
+        "metrics.tp.device_gap",
+        m.device_gap,
+        m.worst_device_load / bound - 1 if bound else 0.0,
+        "metrics.tp.worst_device_load / device_lower_bound - 1",
+    )
 
 
 def check_records(schedule: Schedule) -> None:
@@ -429,9 +537,12 @@ def _check_alpha_search(schedule: Schedule) -> None:
     if trials is None:
         return
     if [t.alpha for t in trials] != list(DEFAULT_ALPHAS):
-        fail(f"metrics.alpha_search must hold the trials of alpha {', '.join(f'{a:g}' for a in DEFAULT_ALPHAS)}, in order")
+        fail(
+            f"metrics.alpha_search must hold the trials of alpha {', '.join(f'{a:g}' for a in DEFAULT_ALPHAS)}, in order"
+        )
     if len({t.predicted_iteration_s is None for t in trials}) > 1 or any(
-            t.predicted_step_s <= 0 or (t.predicted_iteration_s or 1.0) <= 0 for t in trials):
+        t.predicted_step_s <= 0 or (t.predicted_iteration_s or 1.0) <= 0 for t in trials
+    ):
         fail("metrics.alpha_search: every trial needs a positive step time, and all or none an iteration time")
     times = [t.predicted_step_s if t.predicted_iteration_s is None else t.predicted_iteration_s for t in trials]
     chosen = DEFAULT_ALPHAS[alpha_winner(times)]
@@ -465,5 +576,7 @@ def _check_bucket_search(schedule: Schedule) -> None:
         fail("metrics.bucket_search: every trial needs positive predicted times")
     chosen, reason = bucket_winner(sizes, counts, [t.predicted_iteration_s for t in search.trials])
     if req.bucket_size != sizes[chosen] or search.reason != reason:
-        fail(f"request.bucket_size and metrics.bucket_search.reason must be what the trials' predictions pick "
-             f"({sizes[chosen]}: {reason})")
+        fail(
+            f"request.bucket_size and metrics.bucket_search.reason must be what the trials' predictions pick "
+            f"({sizes[chosen]}: {reason})"
+        )

@@ -176,8 +176,11 @@ def layer_violations(edges: dict[Edge, str]) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("package", [canzona.planner, canzona.runtime, canzona.schedules, canzona.cli],
-                         ids=["planner", "runtime", "schedules", "cli"])
+@pytest.mark.parametrize(
+    "package",
+    [canzona.planner, canzona.runtime, canzona.schedules, canzona.cli],
+    ids=["planner", "runtime", "schedules", "cli"],
+)
 def test_no_import_circles(package: ModuleType) -> None:
     edges = import_graph(package.__name__, Path(package.__file__).parent)
     # The graph really covers the package: function-level and TYPE_CHECKING imports are edges.
@@ -211,25 +214,33 @@ def test_an_import_up_a_layer_is_reported() -> None:
 
 def test_every_kind_of_import_is_an_edge() -> None:
     known = {"p", "p.a", "p.b", "p.c", "p.sub", "p.sub.d", "p.sub.e"}
-    source = "\n".join([
-        "from typing import TYPE_CHECKING",
-        "import p.a",
-        "if TYPE_CHECKING:",
-        "    from p.b import Thing",
-        "def f():",
-        "    from ..c import g",
-        "from p.sub import d, helper",
-        "from . import e",
-        "from .. import a",
-    ])
+    source = "\n".join(
+        [
+            "from typing import TYPE_CHECKING",
+            "import p.a",
+            "if TYPE_CHECKING:",
+            "    from p.b import Thing",
+            "def f():",
+            "    from ..c import g",
+            "from p.sub import d, helper",
+            "from . import e",
+            "from .. import a",
+        ]
+    )
     found = imported_modules(source, "p.sub.x", False, known)
     assert found == {"p.a": 2, "p.b": 4, "p.c": 6, "p.sub.d": 7, "p.sub": 7, "p.sub.e": 8}
     assert imported_modules("from . import d", "p.sub", True, known) == {"p.sub.d": 1}
 
 
 def test_a_circle_is_found_and_printed() -> None:
-    edges = {("a", "b"): "a.py:1", ("b", "c"): "b.py:2", ("c", "a"): "c.py:3", ("c", "d"): "c.py:4",
-             ("d", "e"): "d.py:1", ("e", "d"): "e.py:1"}
+    edges = {
+        ("a", "b"): "a.py:1",
+        ("b", "c"): "b.py:2",
+        ("c", "a"): "c.py:3",
+        ("c", "d"): "c.py:4",
+        ("d", "e"): "d.py:1",
+        ("e", "d"): "e.py:1",
+    }
     assert strongly_connected(set(edges)) == [["a", "b", "c"], ["d", "e"]]
     assert describe_cycles(edges)[0] == (
         "circle among a, b, c:\n    a -> b  (a.py:1)\n    b -> c  (b.py:2)\n    c -> a  (c.py:3)"

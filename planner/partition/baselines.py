@@ -25,8 +25,10 @@ class BaselineLoads:
 
 def members(layout: BufferLayout, costs: dict[int, float], names: dict[int, str]) -> list[tuple[int, list[Member]]]:
     """Each bucket's padded size and its members as the baselines read them."""
-    return [(bucket.numel, [(e.offset, e.numel, costs[e.param], names[e.param]) for e in bucket.entries])
-            for bucket in layout.buckets]
+    return [
+        (bucket.numel, [(e.offset, e.numel, costs[e.param], names[e.param]) for e in bucket.entries])
+        for bucket in layout.buckets
+    ]
 
 
 def all_baselines(

@@ -108,6 +108,7 @@ def group_link(network: Network, name: str, ranks: Sequence[int]) -> Link:
 def layout_links(network: Network, tp: int, dp: int, ep: int) -> tuple[Link, Link, Link]:
     """The DP, expert-DP and TP links of a layout (global rank = dp_rank · tp + tp_rank): of
     each kind of group, the slowest decides."""
+
     def worst(name: str, groups: list[list[int]]) -> Link:
         return min((group_link(network, name, g) for g in groups), key=lambda link: link.bandwidth)
 
@@ -120,15 +121,23 @@ def layout_links(network: Network, tp: int, dp: int, ep: int) -> tuple[Link, Lin
 def reduce_scatter(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
     """Uneven reduce-scatter as one all-to-all: rank r gets slice r summed over the group."""
     total, n = sum(slices), link.size
-    return Exchange("reduce-scatter", link, tuple(float((total - s) * elem_bytes) for s in slices),
-                    tuple(float((n - 1) * s * elem_bytes) for s in slices))
+    return Exchange(
+        "reduce-scatter",
+        link,
+        tuple(float((total - s) * elem_bytes) for s in slices),
+        tuple(float((n - 1) * s * elem_bytes) for s in slices),
+    )
 
 
 def all_gather(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
     """Uneven all-gather as one all-to-all: every rank gets every slice."""
     total, n = sum(slices), link.size
-    return Exchange("all-gather", link, tuple(float((n - 1) * s * elem_bytes) for s in slices),
-                    tuple(float((total - s) * elem_bytes) for s in slices))
+    return Exchange(
+        "all-gather",
+        link,
+        tuple(float((n - 1) * s * elem_bytes) for s in slices),
+        tuple(float((total - s) * elem_bytes) for s in slices),
+    )
 
 
 def padded_ring(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
@@ -217,9 +226,13 @@ def phase_seconds(exchanges: Sequence[Exchange], fused: bool = False) -> float:
             rest.append(ex)
         elif key in merged:
             old = merged[key]
-            merged[key] = Exchange(ex.kind, ex.link, tuple(a + b for a, b in zip(old.sent, ex.sent)),
-                                   tuple(a + b for a, b in zip(old.received, ex.received)),
-                                   max(old.steps(), ex.steps()))
+            merged[key] = Exchange(
+                ex.kind,
+                ex.link,
+                tuple(a + b for a, b in zip(old.sent, ex.sent)),
+                tuple(a + b for a, b in zip(old.received, ex.received)),
+                max(old.steps(), ex.steps()),
+            )
         else:
             merged[key] = ex
     return sum(ex.seconds() for ex in (*merged.values(), *rest))

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from canzona.planner.partition.collectives import NS_BF16_FLOPS, REFERENCE_NETWORK, Link, all_reduce
 from canzona.planner.partition.costs import ELEMENTWISE_FLOPS_PER_ELEMENT
 from canzona.planner.partition.tp import MicroGroup, Task, Team
-from canzona.planner.partition.collectives import NS_BF16_FLOPS, REFERENCE_NETWORK, Link, all_reduce
 from canzona.schedules.limits import COOP_MODES  # noqa: F401 - the planner's vocabulary
 
 GRAM_BYTES = 4  # the Gram matrix is all-reduced in fp32
@@ -106,8 +106,9 @@ def _with_team(groups: list[MicroGroup], where: tuple[int, int], team: Team) -> 
     groups[group_index] = MicroGroup(group.tasks, group.hosts, tuple(teams))
 
 
-def _largest_single(tasks: Sequence[Task], groups: Sequence[MicroGroup], host: int | None,
-                    shapes: Mapping[str, Shape]) -> tuple[int, int] | None:
+def _largest_single(
+    tasks: Sequence[Task], groups: Sequence[MicroGroup], host: int | None, shapes: Mapping[str, Shape]
+) -> tuple[int, int] | None:
     """(group, position) of the costliest eligible single-hosted task (on `host` if given)."""
     best: tuple[float, str, tuple[int, int]] | None = None
     for g, group in enumerate(groups):
@@ -123,8 +124,9 @@ def _descending(loads: Sequence[float]) -> list[float]:
     return sorted(loads, reverse=True)
 
 
-def _best_team(task: Task, host: int, shape: Shape, loads: list[float], ns_steps: int,
-               sizes: Sequence[int]) -> tuple[list[float], Team] | None:
+def _best_team(
+    task: Task, host: int, shape: Shape, loads: list[float], ns_steps: int, sizes: Sequence[int]
+) -> tuple[list[float], Team] | None:
     """The team for `task` (now on `host`) whose host loads, busiest first, are smallest, with
     those loads."""
     tp = len(loads)
@@ -142,8 +144,9 @@ def _best_team(task: Task, host: int, shape: Shape, loads: list[float], ns_steps
     return best
 
 
-def _forced(tasks: Sequence[Task], groups: list[MicroGroup], num_hosts: int, shapes: Mapping[str, Shape],
-            ns_steps: int) -> tuple[MicroGroup, ...]:
+def _forced(
+    tasks: Sequence[Task], groups: list[MicroGroup], num_hosts: int, shapes: Mapping[str, Shape], ns_steps: int
+) -> tuple[MicroGroup, ...]:
     """Every eligible matrix on a team of all P ranks (whatever it costs: for tests)."""
     for g, group in enumerate(list(groups)):
         for position, index in enumerate(group.tasks):
@@ -195,15 +198,25 @@ def _group_loads(tasks: Sequence[Task], group: MicroGroup, num_hosts: int, cache
     return cache[group]
 
 
-def _score(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int, cache: Cache) -> tuple[float, list[float]]:
+def _score(
+    tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int, cache: Cache
+) -> tuple[float, list[float]]:
     """The rank's critical time (its groups' makespans summed: the pipeline's compute) and
     its hosts' loads, busiest first (several hosts may tie at the top, each needing a team)."""
     per_group = [_group_loads(tasks, group, num_hosts, cache) for group in groups]
     return sum(max(loads) for loads in per_group), _descending([sum(column) for column in zip(*per_group)])
 
 
-def _greedy(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int, shapes: Mapping[str, Shape],
-            ns_steps: int, sizes: Sequence[int], capacity: int, cache: Cache) -> list[MicroGroup]:
+def _greedy(
+    tasks: Sequence[Task],
+    groups: Sequence[MicroGroup],
+    num_hosts: int,
+    shapes: Mapping[str, Shape],
+    ns_steps: int,
+    sizes: Sequence[int],
+    capacity: int,
+    cache: Cache,
+) -> list[MicroGroup]:
     """Teams of sizes in `sizes`, one at a time (the other tasks placed again around them),
     while the score improves."""
     out = list(groups)
@@ -226,8 +239,15 @@ def _greedy(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int,
     return out
 
 
-def cooperate(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: int, shapes: Mapping[str, Shape],
-              ns_steps: int, mode: str, capacity: int) -> tuple[MicroGroup, ...]:
+def cooperate(
+    tasks: Sequence[Task],
+    groups: Sequence[MicroGroup],
+    num_hosts: int,
+    shapes: Mapping[str, Shape],
+    ns_steps: int,
+    mode: str,
+    capacity: int,
+) -> tuple[MicroGroup, ...]:
     """One DP rank's micro-groups with teams where they shorten its busiest host (see the
     module docstring); `shapes`: the matrices a team may host (Muon, one submatrix);
     `capacity`: the micro-groups' bytes per host."""

@@ -79,8 +79,9 @@ class DeviceModel:
 class _Search:
     """Owners, loads and rank times during the search (mutable, internal)."""
 
-    def __init__(self, instance: DpInstance, state: SliceState, tasks: dict[Item, Task], model: DeviceModel,
-                 load_cap: float) -> None:
+    def __init__(
+        self, instance: DpInstance, state: SliceState, tasks: dict[Item, Task], model: DeviceModel, load_cap: float
+    ) -> None:
         self.instance, self.state, self.tasks, self.model, self.load_cap = instance, state, tasks, model, load_cap
         self.members: list[set[Item]] = [set() for _ in range(instance.num_ranks)]
         for bucket, owners in enumerate(state.owners):
@@ -182,17 +183,26 @@ def _score(search: _Search, heavy: int, other: int, changes: list[tuple[Item, in
     return times[0], times[1]
 
 
-def _construct(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], model: DeviceModel,
-               load_cap: float) -> Owners | None:
+def _construct(
+    instance: DpInstance, state: SliceState, tasks: dict[Item, Task], model: DeviceModel, load_cap: float
+) -> Owners | None:
     """A fresh assignment (free order only): matrices costliest first, each to the rank whose
     busiest device it lengthens least (ties: the lighter rank), within the load cap and α's
     caps; None if some matrix fits nowhere or the instance is too large to build this way."""
-    items = sorted(((b, i) for b, costs in enumerate(instance.costs) for i in range(len(costs))),
-                   key=lambda item: (-instance.costs[item[0]][item[1]], instance.names[item[0]][item[1]]))
+    items = sorted(
+        ((b, i) for b, costs in enumerate(instance.costs) for i in range(len(costs))),
+        key=lambda item: (-instance.costs[item[0]][item[1]], instance.names[item[0]][item[1]]),
+    )
     if not state.free or len(items) * instance.num_ranks > MAX_CONSTRUCT_WORK:
         return None
-    empty = SliceState(instance, state.caps, True, [[0] * len(c) for c in instance.costs],
-                       [[0] * instance.num_ranks for _ in instance.costs], list(state.totals))
+    empty = SliceState(
+        instance,
+        state.caps,
+        True,
+        [[0] * len(c) for c in instance.costs],
+        [[0] * instance.num_ranks for _ in instance.costs],
+        list(state.totals),
+    )
     search = _Search(instance, empty, tasks, model, load_cap)
     search.members = [set() for _ in range(instance.num_ranks)]
     search.loads = instance.initial_loads()
@@ -236,7 +246,11 @@ def _improve(search: _Search) -> Owners:
         for other in _partners(search, heavy):
             for changes in _candidates(search, heavy, other):
                 score = _score(search, heavy, other, changes)
-                if score is not None and score[0] < search.times[heavy] * (1 - 1e-9) and (best is None or score < best[0]):
+                if (
+                    score is not None
+                    and score[0] < search.times[heavy] * (1 - 1e-9)
+                    and (best is None or score < best[0])
+                ):
                     best = (score, changes)
         if best is None:
             break
@@ -262,7 +276,9 @@ def reown(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], mode
     candidates = [original, _improve(start)]
     fresh = _construct(instance, state, tasks, model, load_cap)
     if fresh is not None:
-        candidates.append(_improve(_Search(instance, SliceState.of(instance, caps, fresh, True), tasks, model, load_cap)))
+        candidates.append(
+            _improve(_Search(instance, SliceState.of(instance, caps, fresh, True), tasks, model, load_cap))
+        )
     scored = []
     for position, owners in enumerate(dict.fromkeys(candidates)):
         evened = even_slices(instance, caps, owners, free)

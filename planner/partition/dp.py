@@ -76,8 +76,9 @@ def lower_bound(instance: DpInstance) -> float:
     """No partition of `instance` has a smaller max load: the mean, the largest item on the
     least loaded rank, and the pairing bounds of the largest items
     (`canzona.schedules.bounds.dp_lower_bound`; the base loads included)."""
-    return dp_lower_bound([cost for bucket in instance.costs for cost in bucket], instance.num_ranks,
-                          instance.base_loads)
+    return dp_lower_bound(
+        [cost for bucket in instance.costs for cost in bucket], instance.num_ranks, instance.base_loads
+    )
 
 
 def rank_loads(instance: DpInstance, owners: tuple[tuple[int, ...], ...]) -> list[float]:
@@ -108,9 +109,7 @@ def _fit_bucket(
     return owners
 
 
-def _earliest_fit(
-    instance: DpInstance, caps: tuple[int, ...], cost_limit: float
-) -> list[list[int]] | None:
+def _earliest_fit(instance: DpInstance, caps: tuple[int, ...], cost_limit: float) -> list[list[int]] | None:
     """Owners from a pass over the whole buffer, each item on the earliest rank that keeps the
     rank's load under `cost_limit` and its slice of the bucket under the bucket's cap.
 
@@ -273,9 +272,7 @@ def _place_greedy(search: _Search) -> bool:
     for item in items:
         low, high, target = search.interval(item)
         if high - low < NARROW_INTERVAL:
-            candidates = sorted(
-                range(low, high + 1), key=lambda r: (search.loads[r], abs(r - target), r)
-            )
+            candidates = sorted(range(low, high + 1), key=lambda r: (search.loads[r], abs(r - target), r))
         else:
             candidates = _ranks_by_load(by_load, low, high, target)
         for rank in candidates:
@@ -295,9 +292,7 @@ def _place_greedy(search: _Search) -> bool:
     return True
 
 
-def _ranks_by_load(
-    by_load: list[tuple[float, int]], low: int, high: int, target: float
-) -> Iterator[int]:
+def _ranks_by_load(by_load: list[tuple[float, int]], low: int, high: int, target: float) -> Iterator[int]:
     """Ranks in [low, high] by load; among those tied on the lowest load, nearest `target` first.
     `by_load` is sorted by (load, rank), so the tied ranks are one run sorted by rank: walked
     outward from the target, with no sort."""
@@ -449,7 +444,12 @@ def _resolve_bucket(search: _Search, bucket: int) -> bool:
 
 
 def _trace_segments(
-    table: list[list[float]], base: list[float], costs: tuple[float, ...], spans: tuple[int, ...], cap: int, limit: float
+    table: list[list[float]],
+    base: list[float],
+    costs: tuple[float, ...],
+    spans: tuple[int, ...],
+    cap: int,
+    limit: float,
 ) -> list[int]:
     """Owners of the bucket's items from the sum-of-squares table, walking back from the end."""
     owners = [0] * len(costs)
@@ -458,8 +458,10 @@ def _trace_segments(
         for j in range(i + 1):
             segment_cost, segment_span = sum(costs[j:i]), sum(spans[j:i])
             total = base[rank] + segment_cost
-            if segment_span <= cap and total <= limit and math.isclose(
-                table[rank][j] + total * total, table[rank + 1][i], rel_tol=1e-12, abs_tol=1e-300
+            if (
+                segment_span <= cap
+                and total <= limit
+                and math.isclose(table[rank][j] + total * total, table[rank + 1][i], rel_tol=1e-12, abs_tol=1e-300)
             ):
                 owners[j:i] = [rank] * (i - j)
                 i = j

@@ -102,7 +102,9 @@ class SliceState:
     def swap(self, x: tuple[int, int], y: tuple[int, int]) -> None:
         """Swap the owners of x and y."""
         (bx, ix), (by, iy) = x, y
-        self._apply(x, y, self.owners[bx][ix], self.owners[by][iy], self.instance.spans[bx][ix], self.instance.spans[by][iy])
+        self._apply(
+            x, y, self.owners[bx][ix], self.owners[by][iy], self.instance.spans[bx][ix], self.instance.spans[by][iy]
+        )
 
 
 def _excess(state: SliceState, bucket: int) -> int:
@@ -163,8 +165,10 @@ def _improve_bucket(state: SliceState, held: Held, bucket: int) -> bool:
         best: tuple[int, tuple[int, int], tuple[int, int]] | None = None
         for cost in kinds:
             # Partner buckets where `low` is fullest against `high` first: swapping there evens both.
-            others = sorted((b for b in held[(low, cost)] if b != bucket and held[(low, cost)][b]),
-                            key=lambda b: (state.fills[b][high] - state.fills[b][low], b))
+            others = sorted(
+                (b for b in held[(low, cost)] if b != bucket and held[(low, cost)][b]),
+                key=lambda b: (state.fills[b][high] - state.fills[b][low], b),
+            )
             for ix in _movable(state, held, high, cost, bucket):
                 for other in others:
                     for iy in _movable(state, held, low, cost, other):

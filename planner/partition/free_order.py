@@ -28,7 +28,7 @@ from canzona.planner.partition.dp import (
     rank_loads,
     slice_caps,
 )
-from canzona.planner.partition.layout import BufferEntry, BufferLayout, Bucket
+from canzona.planner.partition.layout import Bucket, BufferEntry, BufferLayout
 from canzona.schedules.geometry import PARAM_ALIGNMENT, padded_bucket_numel, round_up
 
 
@@ -46,8 +46,9 @@ def partition_free(
     return _partition_free(instance, alpha, seeds, ordered)
 
 
-def _partition_free(instance: DpInstance, alpha: float, seeds: tuple[Owners, ...],
-                    ordered: DpAssignment | None) -> DpAssignment:
+def _partition_free(
+    instance: DpInstance, alpha: float, seeds: tuple[Owners, ...], ordered: DpAssignment | None
+) -> DpAssignment:
     """`partition_free`, worked out."""
     ordered = ordered or partition(instance, alpha)
     if not any(instance.costs) or max(rank_loads(instance, ordered.owners)) <= lower_bound(instance) * (1 + 1e-12):

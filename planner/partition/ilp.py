@@ -137,7 +137,7 @@ def _interruptible(solver: Any, model: Any) -> int:
     def solve() -> None:
         try:
             result.append(solver.Solve(model))
-        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+        except BaseException as error:
             failure.append(error)
         finally:
             done.set()
@@ -164,7 +164,7 @@ def _wait_out(done: threading.Event) -> None:
         try:
             if done.wait(POLL_SECONDS):
                 return
-        except BaseException:  # noqa: BLE001 - a second Ctrl-C must not leave CP-SAT running
+        except BaseException:
             continue
 
 
@@ -358,9 +358,7 @@ def refine_dp(
         status = "FEASIBLE"
     bound = min(bound, hint_max)
     if _solved(status):
-        found = tuple(
-            tuple(encoding.owner(solver, b, i) for i in range(len(row))) for b, row in enumerate(owners)
-        )
+        found = tuple(tuple(encoding.owner(solver, b, i) for i in range(len(row))) for b, row in enumerate(owners))
         found_max = max(rank_loads(instance, found))
         if _dp_problem(instance, caps, found) is None and found_max < hint_max:
             return found, SolverReport(status, found_max, min(bound, found_max), seconds, True)

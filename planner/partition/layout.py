@@ -28,9 +28,22 @@ from canzona.schedules.geometry import (  # the one home of the geometry; re-exp
 )
 
 __all__ = [
-    "BUCKET_END_ALIGNMENT", "DEFAULT_BUCKET_SIZE", "GRAD_BYTES_PER_ELEMENT", "PARAM_ALIGNMENT", "Bucket",
-    "BufferEntry", "BufferLayout", "adamw_elements", "adamw_loads", "build_buffer", "build_layouts", "equal_cuts",
-    "owners_to_cuts", "param_bytes", "slice_owner", "slice_sizes",
+    "BUCKET_END_ALIGNMENT",
+    "DEFAULT_BUCKET_SIZE",
+    "GRAD_BYTES_PER_ELEMENT",
+    "PARAM_ALIGNMENT",
+    "Bucket",
+    "BufferEntry",
+    "BufferLayout",
+    "adamw_elements",
+    "adamw_loads",
+    "build_buffer",
+    "build_layouts",
+    "equal_cuts",
+    "owners_to_cuts",
+    "param_bytes",
+    "slice_owner",
+    "slice_sizes",
 ]
 
 
@@ -128,7 +141,9 @@ def adamw_loads(layout: BufferLayout, dp: int, cost: CostModel) -> list[float]:
     return [cost.adamw_cost(elements) for elements in adamw_elements(layout, dp)]
 
 
-def owners_to_cuts(owners: tuple[int, ...], offsets: tuple[int, ...], bucket_numel: int, num_ranks: int) -> tuple[int, ...]:
+def owners_to_cuts(
+    owners: tuple[int, ...], offsets: tuple[int, ...], bucket_numel: int, num_ranks: int
+) -> tuple[int, ...]:
     """Cut offsets (D + 1 of them) of one bucket from its items' owners."""
     cuts = [0]
     index = 0

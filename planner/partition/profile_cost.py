@@ -128,7 +128,9 @@ def _side_key(rows: int, cols: int) -> tuple[float, float]:
 
 
 def _config(settings: ProfileSettings, name: str) -> OptimizerConfig:
-    return OptimizerConfig(name, settings.ns_steps, settings.block_size, settings.precondition_frequency, settings.max_precond_dim)
+    return OptimizerConfig(
+        name, settings.ns_steps, settings.block_size, settings.precondition_frequency, settings.max_precond_dim
+    )
 
 
 @dataclass(frozen=True)

@@ -85,11 +85,13 @@ def search_device(name: str, request: PlanRequest) -> Device:
 def search_steps(request: PlanRequest) -> int:
     """How many candidates `plan_for_request` plans and simulates for `request` (0: none)."""
     return (len(DEFAULT_BUCKET_SIZES) if request.bucket_device is not None else 0) + (
-        len(DEFAULT_ALPHAS) if request.alpha_device is not None else 0)
+        len(DEFAULT_ALPHAS) if request.alpha_device is not None else 0
+    )
 
 
-def plan_for_request(model: ModelSpec, request: PlanRequest,
-                     progress: Callable[[str], None] | None = None) -> tuple[Plan, AutoSearch | None]:
+def plan_for_request(
+    model: ModelSpec, request: PlanRequest, progress: Callable[[str], None] | None = None
+) -> tuple[Plan, AutoSearch | None]:
     """The plan a request asks for: its fixed α and bucket size, or those the simulator
     predicts fastest (`bucket_device`, `alpha_device`); then what the searches tried.
     `progress` hears of each candidate the searches finish (`search_steps` of them)."""
@@ -103,14 +105,21 @@ def plan_for_request(model: ModelSpec, request: PlanRequest,
     if request.bucket_device is not None:
         device = search_device(request.bucket_device, request)
         start = replace(request, alpha=1.0) if request.alpha_device is not None else request
-        plan, trials, reason = choose_bucket_size(model, start, device.hardware, device.time_model(request.optimizer),
-                                                  training, progress=progress)
+        plan, trials, reason = choose_bucket_size(
+            model, start, device.hardware, device.time_model(request.optimizer), training, progress=progress
+        )
         request = replace(request, bucket_size=plan.request.bucket_size)
         search = replace(search, bucket=tuple(trials), bucket_reason=reason)
     if request.alpha_device is not None:
         device = search_device(request.alpha_device, request)
-        plan, alphas = choose_alpha(model, request, device.hardware, time_model=device.time_model(request.optimizer),
-                                    training=training, progress=progress)
+        plan, alphas = choose_alpha(
+            model,
+            request,
+            device.hardware,
+            time_model=device.time_model(request.optimizer),
+            training=training,
+            progress=progress,
+        )
         search = replace(search, alpha=tuple(alphas))
     assert plan is not None
     return plan, search

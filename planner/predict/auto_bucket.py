@@ -34,8 +34,9 @@ from canzona.schedules.searches import (  # noqa: F401 - the candidates and the 
 
 def pick(trials: Sequence[SearchTrial]) -> tuple[SearchTrial, str]:
     """The winning trial by the module's rule, and the reason, in one line."""
-    chosen, reason = bucket_winner([int(t.value) for t in trials], [t.num_buckets for t in trials],
-                                   [t.iteration_s for t in trials])
+    chosen, reason = bucket_winner(
+        [int(t.value) for t in trials], [t.num_buckets for t in trials], [t.iteration_s for t in trials]
+    )
     return trials[chosen], reason
 
 

@@ -82,8 +82,10 @@ class ThroughputCost:
 
 
 NS_BF16_SHARE = NS_BF16_FLOPS / 989e12  # of the H200's dense BF16 peak
-_NS = ("575 TFLOP/s, the runtime's default bf16 Newton-Schulz (bf16 operands, fp32 accumulation, fused "
-       "baddbmm form) measured on one H200 over qwen3-1.7b's matrices (586 TFLOP/s stacked by shape; 58% of peak)")
+_NS = (
+    "575 TFLOP/s, the runtime's default bf16 Newton-Schulz (bf16 operands, fp32 accumulation, fused "
+    "baddbmm form) measured on one H200 over qwen3-1.7b's matrices (586 TFLOP/s stacked by shape; 58% of peak)"
+)
 _NCCL = "NCCL α ≈ 5 µs per ring step (order of magnitude of published NCCL latencies)"
 TRAIN_MFU = 0.4
 _TRAIN = (
@@ -189,7 +191,9 @@ def shared_host(device: Device, ranks: int) -> Device:
         return device
     hw = device.hardware
     scaled = replace(
-        hw, matrix_flops=hw.matrix_flops / factor, memory_bandwidth=hw.memory_bandwidth / factor,
+        hw,
+        matrix_flops=hw.matrix_flops / factor,
+        memory_bandwidth=hw.memory_bandwidth / factor,
         train_flops=hw.train_flops / factor if hw.train_flops is not None else None,
         source=f"{hw.source}; {ranks} ranks sharing the host: compute x {factor:.2f} slower (measured)",
     )
@@ -204,8 +208,12 @@ def hardware_from_profile(profile: Profile, name: str, source: str, compute_shar
     if not names:
         raise PlanError(f"profile {name!r} has no matrix-optimizer rows")
     settings = profile.settings
-    cost = ProfileCost(profile, OptimizerConfig(names[0], settings.ns_steps, settings.block_size,
-                                                settings.precondition_frequency, settings.max_precond_dim))
+    cost = ProfileCost(
+        profile,
+        OptimizerConfig(
+            names[0], settings.ns_steps, settings.block_size, settings.precondition_frequency, settings.max_precond_dim
+        ),
+    )
     comm = profile.comm
     training = profile.training
     return Hardware(
@@ -229,8 +237,11 @@ def profile_device(path: str | Path, name: str | None = None) -> Device:
         f"measured by `canzona calibrate` on {profile.device_name} ({profile.device}, torch {profile.torch}, "
         f"{profile.threads} threads): {path}"
         + (f"; {profile.comm.backend} collectives fitted on {profile.comm.ranks} ranks" if profile.comm else "")
-        + (f"; training forward/backward timed on {profile.training.tokens} tokens" if profile.training
-           else "; no training calibration: forward/backward at the matrix optimizer's rate")
+        + (
+            f"; training forward/backward timed on {profile.training.tokens} tokens"
+            if profile.training
+            else "; no training calibration: forward/backward at the matrix optimizer's rate"
+        )
     )
     return Device(hardware_from_profile(profile, label, source), profile)
 

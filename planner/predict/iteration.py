@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from canzona.planner.request import PlanRequest, TrainingSetup
 from canzona.planner.partition.collectives import phase_seconds
 from canzona.planner.predict.hardware import Hardware
 from canzona.planner.predict.step import ADAMW_BUFFER, DENSE, EXPERT, BucketSync, StrategyTime
+from canzona.planner.request import PlanRequest, TrainingSetup
 from canzona.planner.sources.architecture import Architecture
 from canzona.planner.sources.catalog import PRESETS
 from canzona.planner.sources.hf_config import architecture_from_hf
@@ -144,8 +144,10 @@ def routing(schedule: Schedule, routed_fraction: float | None) -> tuple[float, f
     if routed_fraction is not None:
         return routed_fraction, experts
     if arch is None or not moe:
-        raise PlanError(f"cannot tell how many experts a token visits in {schedule.request.model.name!r}: "
-                        "give --routed-fraction (top_k / num_experts)")
+        raise PlanError(
+            f"cannot tell how many experts a token visits in {schedule.request.model.name!r}: "
+            "give --routed-fraction (top_k / num_experts)"
+        )
     return arch.top_k / arch.num_experts, experts
 
 
@@ -159,8 +161,9 @@ def _buffer_key(entry: ParamEntry) -> BufferKey:
     return (EXPERT if entry.ep_rank is not None else DENSE), entry.bucket
 
 
-def device_compute(schedule: Schedule, hardware: Hardware, training: TrainingSetup,
-                   routed_fraction: float | None = None) -> DeviceCompute:
+def device_compute(
+    schedule: Schedule, hardware: Hardware, training: TrainingSetup, routed_fraction: float | None = None
+) -> DeviceCompute:
     """Forward and backward seconds of one micro-batch on one device, and each bucket's
     position in them (see the module docstring)."""
     req = schedule.request
@@ -188,9 +191,13 @@ def device_compute(schedule: Schedule, hardware: Hardware, training: TrainingSet
     flops = 6.0 * total * tokens
     rate = hardware.training_flops()
     return DeviceCompute(
-        forward=flops * FORWARD_SHARE / 6.0 / rate, backward=flops * BACKWARD_SHARE / 6.0 / rate,
-        micro_batches=micro_batches, tokens_per_micro_batch=tokens, flops_per_micro_batch=flops,
-        ready=ready, needed=needed,
+        forward=flops * FORWARD_SHARE / 6.0 / rate,
+        backward=flops * BACKWARD_SHARE / 6.0 / rate,
+        micro_batches=micro_batches,
+        tokens_per_micro_batch=tokens,
+        flops_per_micro_batch=flops,
+        ready=ready,
+        needed=needed,
     )
 
 
@@ -222,8 +229,9 @@ def gather_head(units: Sequence[tuple[float, float]], forward: float, overlap: b
     return clock + (1.0 - position) * forward
 
 
-def _units(syncs: Sequence[BucketSync], where: dict[BufferKey, float], fused: bool, fallback: float,
-           latest: bool = False) -> list[tuple[float, float]]:
+def _units(
+    syncs: Sequence[BucketSync], where: dict[BufferKey, float], fused: bool, fallback: float, latest: bool = False
+) -> list[tuple[float, float]]:
     """(position, seconds) per collective, sorted by position (then buffer and bucket order);
     `fused`: one collective for all of them, at the earliest position (`latest`: the latest)."""
     if not syncs:
@@ -246,15 +254,25 @@ def iteration_time(strategy: StrategyTime, compute: DeviceCompute, fused: bool =
     forward_backward = compute.micro_batches * (compute.forward + compute.backward)
     exposed_reduce, exposed_gather = tail - compute.backward, head - compute.forward
     return IterationTime(
-        name=strategy.name, iteration=forward_backward + exposed_reduce + optimizer + exposed_gather,
-        forward_backward=forward_backward, exposed_reduce=exposed_reduce, optimizer=optimizer,
-        exposed_gather=exposed_gather, overlap_grad=phases.overlap_grad, overlap_param=phases.overlap_param,
+        name=strategy.name,
+        iteration=forward_backward + exposed_reduce + optimizer + exposed_gather,
+        forward_backward=forward_backward,
+        exposed_reduce=exposed_reduce,
+        optimizer=optimizer,
+        exposed_gather=exposed_gather,
+        overlap_grad=phases.overlap_grad,
+        overlap_param=phases.overlap_param,
     )
 
 
-def iteration_times(schedule: Schedule, hardware: Hardware, training: TrainingSetup,
-                    strategies: Sequence[StrategyTime], fused: bool = False,
-                    routed_fraction: float | None = None) -> tuple[IterationTime, ...]:
+def iteration_times(
+    schedule: Schedule,
+    hardware: Hardware,
+    training: TrainingSetup,
+    strategies: Sequence[StrategyTime],
+    fused: bool = False,
+    routed_fraction: float | None = None,
+) -> tuple[IterationTime, ...]:
     """Every strategy's iteration, in the order given."""
     compute = device_compute(schedule, hardware, training, routed_fraction)
     return tuple(iteration_time(strategy, compute, fused) for strategy in strategies)

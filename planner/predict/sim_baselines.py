@@ -31,14 +31,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from canzona.planner.partition.layout import equal_cuts, slice_owner
 from canzona.planner.partition.collectives import GRAD_BYTES, Exchange, all_gather, all_reduce, broadcast
+from canzona.planner.partition.layout import equal_cuts, slice_owner
 from canzona.planner.predict.step import (
     ADAMW_BUFFER,
     DENSE,
     EXPERT,
-    Buffer,
     BucketSync,
+    Buffer,
     DpPhases,
     Instance,
     Local,
@@ -120,11 +120,15 @@ def spill(buffer: Buffer, n: int, everyone: bool, back: bool = False, elem_bytes
                 else:
                     sent[rank] += part
         if any(sent):
-            out.append(Exchange("p2p", buffer.link, tuple(received if back else sent), tuple(sent if back else received)))
+            out.append(
+                Exchange("p2p", buffer.link, tuple(received if back else sent), tuple(sent if back else received))
+            )
     return out
 
 
-def sc_locals(inst: Instance, dense: Sequence[Work], experts: Sequence[Sequence[Work]], adamw: Callable[[int], int]) -> list[Local]:
+def sc_locals(
+    inst: Instance, dense: Sequence[Work], experts: Sequence[Sequence[Work]], adamw: Callable[[int], int]
+) -> list[Local]:
     """Every DP rank's local stage under TP-SC: one fused TP all-gather, every matrix on every
     TP rank, then AdamW."""
     locals_ = []
@@ -159,11 +163,16 @@ def _equal_sync(inst: Instance, gather: bool) -> list[BucketSync]:
 
 def _all_reduces(inst: Instance, adamw: bool) -> list[BucketSync]:
     """One ring all-reduce per matrix bucket (and per AdamW bucket when `adamw`)."""
-    out = [BucketSync(name, bucket, all_reduce(buffer.link, numel, GRAD_BYTES))
-           for name, buffer in _buffers(inst) for bucket, numel in enumerate(buffer.numel)]
+    out = [
+        BucketSync(name, bucket, all_reduce(buffer.link, numel, GRAD_BYTES))
+        for name, buffer in _buffers(inst)
+        for bucket, numel in enumerate(buffer.numel)
+    ]
     if adamw:
-        out += [BucketSync(ADAMW_BUFFER, bucket, all_reduce(inst.dp_link, numel, GRAD_BYTES))
-                for bucket, numel in enumerate(inst.adamw_numel)]
+        out += [
+            BucketSync(ADAMW_BUFFER, bucket, all_reduce(inst.dp_link, numel, GRAD_BYTES))
+            for bucket, numel in enumerate(inst.adamw_numel)
+        ]
     return out
 
 
@@ -171,12 +180,20 @@ def tp_sc(inst: Instance) -> StrategyTime:
     """canzona's DP partition with a synchronous (duplicated) TP update."""
     dense, experts = _per_buffer(inst, by_schedule)
     locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
-    return combine("tp-sc", "canzona's DP cuts; every TP rank all-gathers each owned matrix (one fused "
-                   "all-gather) and updates it redundantly", inst.tp, schedule_phases(inst), locals_, inst.fused)
+    return combine(
+        "tp-sc",
+        "canzona's DP cuts; every TP rank all-gathers each owned matrix (one fused "
+        "all-gather) and updates it redundantly",
+        inst.tp,
+        schedule_phases(inst),
+        locals_,
+        inst.fused,
+    )
 
 
 def dp_sc(inst: Instance) -> StrategyTime:
     """Plain data parallelism: all-reduce, everything updated everywhere."""
+
     def everything(buffer: Buffer, n: int) -> list[Work]:
         return [_work([m for bucket in buffer.entries for m in bucket])] * n
 
@@ -185,9 +202,15 @@ def dp_sc(inst: Instance) -> StrategyTime:
     total_adamw = sum(inst.adamw_numel)
     locals_ = sc_locals(inst, dense, experts, lambda rank: total_adamw)
     phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=True)), overlap_grad=inst.overlap_grad)
-    return combine("dp-sc", "all-reduce of every bucket; every DP rank updates every "
-                   "matrix (TP-SC under TP) and the whole AdamW buffer; no all-gather", inst.tp, phases, locals_,
-                   inst.fused)
+    return combine(
+        "dp-sc",
+        "all-reduce of every bucket; every DP rank updates every "
+        "matrix (TP-SC under TP) and the whole AdamW buffer; no all-gather",
+        inst.tp,
+        phases,
+        locals_,
+        inst.fused,
+    )
 
 
 def zero1_gather(inst: Instance) -> StrategyTime:
@@ -195,12 +218,22 @@ def zero1_gather(inst: Instance) -> StrategyTime:
     dense, experts = _per_buffer(inst, by_touch)
     locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
     fetch = tuple(ex for _, b in _buffers(inst) for ex in spill(b, b.link.size, everyone=True))
-    phases = DpPhases(reduce=tuple(_equal_sync(inst, gather=False)), fetch=fetch,
-                      gather=tuple(_equal_sync(inst, gather=True)), overlap_grad=inst.overlap_grad,
-                      overlap_param=inst.overlap_param)
-    return combine("zero1-gather", "equal reduce-scatter; each rank fetches the rest of every matrix touching its "
-                   "slice and updates them all (TP-SC under TP); equal all-gather", inst.tp, phases, locals_,
-                   inst.fused)
+    phases = DpPhases(
+        reduce=tuple(_equal_sync(inst, gather=False)),
+        fetch=fetch,
+        gather=tuple(_equal_sync(inst, gather=True)),
+        overlap_grad=inst.overlap_grad,
+        overlap_param=inst.overlap_param,
+    )
+    return combine(
+        "zero1-gather",
+        "equal reduce-scatter; each rank fetches the rest of every matrix touching its "
+        "slice and updates them all (TP-SC under TP); equal all-gather",
+        inst.tp,
+        phases,
+        locals_,
+        inst.fused,
+    )
 
 
 def start_owner(inst: Instance) -> StrategyTime:
@@ -208,28 +241,63 @@ def start_owner(inst: Instance) -> StrategyTime:
     dense, experts = _per_buffer(inst, by_start)
     locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
     fetch = tuple(ex for _, b in _buffers(inst) for ex in spill(b, b.link.size, everyone=False))
-    back = tuple(ex for _, b in _buffers(inst) for ex in spill(
-        b, b.link.size, everyone=False, back=True, elem_bytes=inst.gather_bytes(b.param_bytes[0] if b.param_bytes else 2)))
-    phases = DpPhases(reduce=tuple(_equal_sync(inst, gather=False)), fetch=fetch, publish=back,
-                      gather=tuple(_equal_sync(inst, gather=True)), overlap_grad=inst.overlap_grad,
-                      overlap_param=inst.overlap_param)
-    return combine("start-owner", "equal reduce-scatter; the rank where a matrix starts fetches its spill-over, "
-                   "updates it (TP-SC under TP) and returns the spilled part; equal all-gather", inst.tp, phases,
-                   locals_, inst.fused)
+    back = tuple(
+        ex
+        for _, b in _buffers(inst)
+        for ex in spill(
+            b,
+            b.link.size,
+            everyone=False,
+            back=True,
+            elem_bytes=inst.gather_bytes(b.param_bytes[0] if b.param_bytes else 2),
+        )
+    )
+    phases = DpPhases(
+        reduce=tuple(_equal_sync(inst, gather=False)),
+        fetch=fetch,
+        publish=back,
+        gather=tuple(_equal_sync(inst, gather=True)),
+        overlap_grad=inst.overlap_grad,
+        overlap_param=inst.overlap_param,
+    )
+    return combine(
+        "start-owner",
+        "equal reduce-scatter; the rank where a matrix starts fetches its spill-over, "
+        "updates it (TP-SC under TP) and returns the spilled part; equal all-gather",
+        inst.tp,
+        phases,
+        locals_,
+        inst.fused,
+    )
 
 
 def layer_wise(inst: Instance) -> StrategyTime:
     """Whole matrices balanced by LPT; all-reduce, then a broadcast per matrix."""
     dense, experts = _per_buffer(inst, by_lpt)
     locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
-    casts = tuple(broadcast(b.link, m.numel * inst.gather_bytes(m.param_bytes))
-                  for _, b in _buffers(inst) for bucket in b.entries for m in bucket)
-    phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=False) + adamw_sync(inst, gather=False)), publish=casts,
-                      gather=tuple(adamw_sync(inst, gather=True)), overlap_grad=inst.overlap_grad,
-                      overlap_param=inst.overlap_param)
-    return combine("layer-wise", "all-reduce of every matrix bucket; whole matrices "
-                   "to ranks by LPT on predicted seconds (TP-SC under TP); each updated matrix broadcast from "
-                   "its owner; AdamW on equal slices", inst.tp, phases, locals_, inst.fused)
+    casts = tuple(
+        broadcast(b.link, m.numel * inst.gather_bytes(m.param_bytes))
+        for _, b in _buffers(inst)
+        for bucket in b.entries
+        for m in bucket
+    )
+    phases = DpPhases(
+        reduce=tuple(_all_reduces(inst, adamw=False) + adamw_sync(inst, gather=False)),
+        publish=casts,
+        gather=tuple(adamw_sync(inst, gather=True)),
+        overlap_grad=inst.overlap_grad,
+        overlap_param=inst.overlap_param,
+    )
+    return combine(
+        "layer-wise",
+        "all-reduce of every matrix bucket; whole matrices "
+        "to ranks by LPT on predicted seconds (TP-SC under TP); each updated matrix broadcast from "
+        "its owner; AdamW on equal slices",
+        inst.tp,
+        phases,
+        locals_,
+        inst.fused,
+    )
 
 
 def ddp_adamw(inst: Instance) -> StrategyTime:
@@ -238,8 +306,15 @@ def ddp_adamw(inst: Instance) -> StrategyTime:
     seconds = inst.time_model.adamw_cost(local_elements)
     locals_ = [Local(seconds, (seconds,) * inst.tp, 0.0)] * inst.dp
     phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=True)), overlap_grad=inst.overlap_grad)
-    return combine("ddp-adamw", "reference, not a matrix optimizer: DDP all-reduce of every bucket and AdamW on "
-                   "every parameter of every device", inst.tp, phases, locals_, inst.fused)
+    return combine(
+        "ddp-adamw",
+        "reference, not a matrix optimizer: DDP all-reduce of every bucket and AdamW on "
+        "every parameter of every device",
+        inst.tp,
+        phases,
+        locals_,
+        inst.fused,
+    )
 
 
 def baseline_times(inst: Instance) -> tuple[StrategyTime, ...]:

@@ -81,10 +81,19 @@ class Simulation:
         return {it.name: it.iteration / base for it in self.iterations}
 
 
-def simulate(schedule: Schedule, hardware: Hardware, time_model: CostModel | None = None, *,
-             fused: bool = False, publish_bytes: int | None = None, dp_collectives: str = AS_SCHEDULED,
-             training: TrainingSetup | None = None, overlap_grad_reduce: bool = True,
-             overlap_param_gather: bool = False, routed_fraction: float | None = None) -> Simulation:
+def simulate(
+    schedule: Schedule,
+    hardware: Hardware,
+    time_model: CostModel | None = None,
+    *,
+    fused: bool = False,
+    publish_bytes: int | None = None,
+    dp_collectives: str = AS_SCHEDULED,
+    training: TrainingSetup | None = None,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = False,
+    routed_fraction: float | None = None,
+) -> Simulation:
     """Predict one optimizer step of the schedule and of every baseline on `hardware`, and with
     a `training` setup also one training iteration of each.
 
@@ -99,20 +108,39 @@ def simulate(schedule: Schedule, hardware: Hardware, time_model: CostModel | Non
     `--overlap-param-gather` for the baselines). `routed_fraction`: MoE top-k / experts
     (default: from the model's preset or config)."""
     model = time_model or default_time_model(schedule, hardware)
-    inst = build_instance(schedule, hardware, model, fused, publish_bytes, dp_collectives, overlap_grad_reduce,
-                          overlap_param_gather)
+    inst = build_instance(
+        schedule, hardware, model, fused, publish_bytes, dp_collectives, overlap_grad_reduce, overlap_param_gather
+    )
     strategies = (canzona_time(inst, schedule), canzona_time(inst, schedule, overlap=False), *baseline_times(inst))
     iterations: tuple[IterationTime, ...] = ()
     if training is not None:
         iterations = iteration_times(schedule, hardware, training, strategies, fused, routed_fraction)
     req = schedule.request
-    return Simulation(req.model.name, req.tp, req.dp, req.ep, req.optimizer.name, hardware,
-                      getattr(model, "name", "seconds"), fused, dp_collectives, strategies, training, iterations)
+    return Simulation(
+        req.model.name,
+        req.tp,
+        req.dp,
+        req.ep,
+        req.optimizer.name,
+        hardware,
+        getattr(model, "name", "seconds"),
+        fused,
+        dp_collectives,
+        strategies,
+        training,
+        iterations,
+    )
 
 
-def predicted_ratios(schedule: Schedule, hardware: Hardware, time_model: CostModel | None = None, *,
-                     fused: bool = True, publish_bytes: int | None = 4,
-                     names: Sequence[str] = ("canzona", "dp-sc", "tp-sc")) -> dict[str, float]:
+def predicted_ratios(
+    schedule: Schedule,
+    hardware: Hardware,
+    time_model: CostModel | None = None,
+    *,
+    fused: bool = True,
+    publish_bytes: int | None = 4,
+    names: Sequence[str] = ("canzona", "dp-sc", "tp-sc"),
+) -> dict[str, float]:
     """Predicted step seconds of `names` with a runtime's execution choices (here: one fused
     DP exchange, fp32 parameter all-gather): the simulator side of the CPU cross-check."""
     sim = simulate(schedule, hardware, time_model, fused=fused, publish_bytes=publish_bytes)

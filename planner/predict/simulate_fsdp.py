@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canzona.planner.partition.costs import CostModel
 from canzona.planner.partition.collectives import GRAD_BYTES, Exchange, Link, all_gather, group_link
+from canzona.planner.partition.costs import CostModel
 from canzona.planner.predict.hardware import Hardware
 from canzona.planner.predict.step import GroupTimes, default_time_model, pipeline_seconds, submatrices
 from canzona.schedules.format import ParamEntry, Schedule
-from canzona.schedules.limits import MATRIX
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel
+from canzona.schedules.limits import MATRIX
+
 
 @dataclass(frozen=True)
 class FsdpStrategy:
@@ -68,8 +69,9 @@ def _exchange(pieces: list[tuple[int, int, int]], link: Link, hosts: int) -> Exc
     return Exchange("all-to-all", link, tuple(sent), tuple(received))
 
 
-def _group_times(entries: list[tuple[ParamEntry, int]], layout: FsdpLayout, link: Link,
-                 time_model: CostModel) -> GroupTimes:
+def _group_times(
+    entries: list[tuple[ParamEntry, int]], layout: FsdpLayout, link: Link, time_model: CostModel
+) -> GroupTimes:
     gather, scatter, loads = [], [], [0.0] * layout.hosts
     for entry, host in entries:
         loads[host] += _seconds(entry, time_model)
@@ -78,8 +80,9 @@ def _group_times(entries: list[tuple[ParamEntry, int]], layout: FsdpLayout, link
             if sends_to_host(entry.tp_dim, fragment, host, layout.tp):
                 gather.append((fragment, host, numel))
             scatter.append((host, fragment, numel))
-    return GroupTimes(_exchange(gather, link, layout.hosts).seconds(), max(loads),
-                      _exchange(scatter, link, layout.hosts).seconds())
+    return GroupTimes(
+        _exchange(gather, link, layout.hosts).seconds(), max(loads), _exchange(scatter, link, layout.hosts).seconds()
+    )
 
 
 def simulate_fsdp(schedule: Schedule, hardware: Hardware, time_model: CostModel | None = None) -> FsdpSimulation:
@@ -88,8 +91,10 @@ def simulate_fsdp(schedule: Schedule, hardware: Hardware, time_model: CostModel 
     layout = FsdpLayout.of(schedule.request.tp, schedule.request.dp, schedule.request.dp_replicate)
     link = group_link(hardware.network, "fsdp", range(layout.hosts))
     entries = {e.name: e for e in schedule.params}
-    groups = [_group_times([(entries[n], h) for n, h in zip(g.params, g.hosts)], layout, link, model)
-              for g in schedule.tp.ranks[0].groups]
+    groups = [
+        _group_times([(entries[n], h) for n, h in zip(g.params, g.hosts)], layout, link, model)
+        for g in schedule.tp.ranks[0].groups
+    ]
     matrices = [e for e in schedule.params if e.optimizer == MATRIX]
     others = [e for e in schedule.params if e.optimizer != MATRIX]
 
@@ -107,12 +112,19 @@ def simulate_fsdp(schedule: Schedule, hardware: Hardware, time_model: CostModel 
     redundant = sum(gathered(e) + _seconds(e, model) for e in matrices) + adamw(others)
     req = schedule.request
     strategies = (
-        FsdpStrategy("canzona", pipeline_seconds(groups) + adamw(others),
-                     "micro-groups over DP shard x TP, next gather in flight"),
-        FsdpStrategy("canzona (no overlap)", pipeline_seconds(groups, overlap=False) + adamw(others),
-                     "the same micro-groups one after another"),
+        FsdpStrategy(
+            "canzona",
+            pipeline_seconds(groups) + adamw(others),
+            "micro-groups over DP shard x TP, next gather in flight",
+        ),
+        FsdpStrategy(
+            "canzona (no overlap)",
+            pipeline_seconds(groups, overlap=False) + adamw(others),
+            "the same micro-groups one after another",
+        ),
         FsdpStrategy("redundant", redundant, "every device gathers and updates every matrix"),
         FsdpStrategy("adamw", adamw(matrices + others), "AdamW on every shard (element-wise floor)"),
     )
-    return FsdpSimulation(req.model.name, req.tp, req.dp, req.dp_replicate, req.optimizer.name, hardware, len(groups),
-                          strategies)
+    return FsdpSimulation(
+        req.model.name, req.tp, req.dp, req.dp_replicate, req.optimizer.name, hardware, len(groups), strategies
+    )

@@ -13,9 +13,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from canzona.planner.partition.cooperative import Shape, team_flops
-from canzona.planner.partition.costs import CostModel, OptimizerConfig, muon_flops
-from canzona.planner.partition.layout import slice_sizes
 from canzona.planner.partition.collectives import (
     GRAD_BYTES,
     Exchange,
@@ -27,6 +24,9 @@ from canzona.planner.partition.collectives import (
     phase_seconds,
     reduce_scatter,
 )
+from canzona.planner.partition.cooperative import Shape, team_flops
+from canzona.planner.partition.costs import CostModel, OptimizerConfig, muon_flops
+from canzona.planner.partition.layout import slice_sizes
 from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.spec import DTYPE_BYTES, PlanError
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule, TeamEntry
@@ -92,7 +92,6 @@ def pipeline_seconds(groups: Sequence[GroupTimes], overlap: bool = True) -> floa
     if not overlap:
         return sum(g.gather + g.compute + g.scatter for g in groups)
     return max((event.end for event in pipeline_events(groups)), default=0.0)
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,9 +207,16 @@ def _buffer(link: Link, buckets: Sequence[BucketEntry], matrices: Sequence[Matri
     )
 
 
-def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel, fused: bool = False,
-                   publish_bytes: int | None = None, dp_collectives: str = AS_SCHEDULED, overlap_grad: bool = True,
-                   overlap_param: bool = False) -> Instance:
+def build_instance(
+    schedule: Schedule,
+    hardware: Hardware,
+    time_model: CostModel,
+    fused: bool = False,
+    publish_bytes: int | None = None,
+    dp_collectives: str = AS_SCHEDULED,
+    overlap_grad: bool = True,
+    overlap_param: bool = False,
+) -> Instance:
     """The simulator's view of a schedule on a hardware model (options as `simulate` takes them)."""
     req = schedule.request
     if dp_collectives not in DP_COLLECTIVE_MODES:
@@ -218,19 +224,33 @@ def build_instance(schedule: Schedule, hardware: Hardware, time_model: CostModel
     dp_link, expert_link, tp_link = layout_links(hardware.network, req.tp, req.dp, req.ep)
     matrices = [_matrix(e, time_model) for e in schedule.params if e.optimizer == MATRIX]
     dense = _buffer(dp_link, schedule.dp.buckets, [m for m in matrices if m.ep_rank is None], dp_collectives)
-    experts = tuple(
-        _buffer(expert_link, schedule.dp.expert_buckets, [m for m in matrices if m.ep_rank == e], dp_collectives)
-        for e in range(req.ep)
-    ) if schedule.dp.expert_buckets else ()
+    experts = (
+        tuple(
+            _buffer(expert_link, schedule.dp.expert_buckets, [m for m in matrices if m.ep_rank == e], dp_collectives)
+            for e in range(req.ep)
+        )
+        if schedule.dp.expert_buckets
+        else ()
+    )
     adamw = [e for e in schedule.params if e.optimizer != MATRIX]
     return Instance(
-        tp=req.tp, dp=req.dp, ep=req.ep, dp_link=dp_link, expert_link=expert_link, tp_link=tp_link,
-        dense=dense, experts=experts,
+        tp=req.tp,
+        dp=req.dp,
+        ep=req.ep,
+        dp_link=dp_link,
+        expert_link=expert_link,
+        tp_link=tp_link,
+        dense=dense,
+        experts=experts,
         adamw_numel=tuple(b.numel for b in schedule.dp.adamw_buckets),
         adamw_cuts=tuple(tuple(b.cuts) for b in schedule.dp.adamw_buckets),
         adamw_param_bytes=DTYPE_BYTES[adamw[0].dtype] if adamw else 2,
-        matrices={m.name: m for m in matrices}, time_model=time_model, fused=fused, publish_bytes=publish_bytes,
-        overlap_grad=overlap_grad, overlap_param=overlap_param,
+        matrices={m.name: m for m in matrices},
+        time_model=time_model,
+        fused=fused,
+        publish_bytes=publish_bytes,
+        overlap_grad=overlap_grad,
+        overlap_param=overlap_param,
         ns_steps=req.optimizer.ns_steps,
     )
 
@@ -311,8 +331,9 @@ class StrategyTime:
         return self.step - self.dp_comm
 
 
-def combine(name: str, description: str, tp: int, phases: DpPhases, locals_: Sequence[Local],
-            fused: bool = False) -> StrategyTime:
+def combine(
+    name: str, description: str, tp: int, phases: DpPhases, locals_: Sequence[Local], fused: bool = False
+) -> StrategyTime:
     """Step time from the DP collectives and every DP rank's local stage."""
     best = (-1.0, -1.0, 0, 0)
     for dp_rank, local in enumerate(locals_):
@@ -325,9 +346,16 @@ def combine(name: str, description: str, tp: int, phases: DpPhases, locals_: Seq
     step = before + seconds + after
     tp_comm = locals_[dp_rank].tp_comm if locals_ else 0.0
     return StrategyTime(
-        name=name, description=description, step=step, compute=compute, comm=before + after + tp_comm,
-        exposed_comm=step - compute, dp_comm=before + after, tp_comm=tp_comm,
-        critical_device=dp_rank * tp + tp_rank, phases=phases,
+        name=name,
+        description=description,
+        step=step,
+        compute=compute,
+        comm=before + after + tp_comm,
+        exposed_comm=step - compute,
+        dp_comm=before + after,
+        tp_comm=tp_comm,
+        critical_device=dp_rank * tp + tp_rank,
+        phases=phases,
     )
 
 
@@ -347,8 +375,9 @@ def team_seconds(inst: Instance, matrix: Matrix, k: int) -> float:
     return matrix.seconds * share + inst.ns_steps * gram + all_reduce(link, 1, GRAD_BYTES).seconds()
 
 
-def micro_group_times(inst: Instance, names: Sequence[str], hosts: Sequence[int],
-                      teams: Sequence[TeamEntry] = ()) -> tuple[GroupTimes, list[float]]:
+def micro_group_times(
+    inst: Instance, names: Sequence[str], hosts: Sequence[int], teams: Sequence[TeamEntry] = ()
+) -> tuple[GroupTimes, list[float]]:
     """One micro-group's gather, compute and scatter, and each TP rank's compute in it. A
     team member receives (sends back) 1/k of every other rank's shard."""
     p = inst.tp
@@ -376,8 +405,14 @@ def micro_group_times(inst: Instance, names: Sequence[str], hosts: Sequence[int]
     return GroupTimes(gather, max(loads), scatter), loads
 
 
-def dp_sync(inst: Instance, cuts_of: Sequence[tuple[int, ...]], buffer: Buffer, gather: bool,
-            name: str = DENSE, equal: bool = False) -> list[BucketSync]:
+def dp_sync(
+    inst: Instance,
+    cuts_of: Sequence[tuple[int, ...]],
+    buffer: Buffer,
+    gather: bool,
+    name: str = DENSE,
+    equal: bool = False,
+) -> list[BucketSync]:
     """Reduce-scatter (gather=False) or all-gather of one matrix buffer at the given cuts, one
     collective per bucket (the buffer's; `equal`: stock equal cuts, a native ring)."""
     out = []
@@ -394,8 +429,11 @@ def adamw_sync(inst: Instance, gather: bool) -> list[BucketSync]:
     out = []
     for bucket, cuts in enumerate(inst.adamw_cuts):
         slices = slice_sizes(cuts)
-        exchange = (all_gather(inst.dp_link, slices, inst.gather_bytes(inst.adamw_param_bytes)) if gather
-                    else reduce_scatter(inst.dp_link, slices, GRAD_BYTES))
+        exchange = (
+            all_gather(inst.dp_link, slices, inst.gather_bytes(inst.adamw_param_bytes))
+            if gather
+            else reduce_scatter(inst.dp_link, slices, GRAD_BYTES)
+        )
         out.append(BucketSync(ADAMW_BUFFER, bucket, exchange))
     return out
 
@@ -411,8 +449,12 @@ def schedule_sync(inst: Instance, gather: bool) -> list[BucketSync]:
 def schedule_phases(inst: Instance) -> DpPhases:
     """The DP collectives of canzona's geometry, overlapped as the caller asked (the runtime's
     `overlap_grad_reduce` and `overlap_param_gather`)."""
-    return DpPhases(reduce=tuple(schedule_sync(inst, gather=False)), gather=tuple(schedule_sync(inst, gather=True)),
-                    overlap_grad=inst.overlap_grad, overlap_param=inst.overlap_param)
+    return DpPhases(
+        reduce=tuple(schedule_sync(inst, gather=False)),
+        gather=tuple(schedule_sync(inst, gather=True)),
+        overlap_grad=inst.overlap_grad,
+        overlap_param=inst.overlap_param,
+    )
 
 
 def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> StrategyTime:
@@ -430,15 +472,30 @@ def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> St
         locals_.append(Local(phase + adamw, tuple(c + adamw for c in compute), tp_comm))
     phases = schedule_phases(inst)
     if overlap:
-        return combine("canzona", "uneven reduce-scatter at the schedule's cuts; TP micro-groups (fused "
-                       "all-to-all gather, host update, fused all-to-all scatter) pipelined as the runtime "
-                       "issues them; AdamW on equal slices; uneven all-gather", inst.tp, phases, locals_, inst.fused)
-    return combine("canzona-no-overlap", "canzona with each micro-group's gather, compute and scatter run "
-                   "back to back (no pipelining)", inst.tp, phases, locals_, inst.fused)
+        return combine(
+            "canzona",
+            "uneven reduce-scatter at the schedule's cuts; TP micro-groups (fused "
+            "all-to-all gather, host update, fused all-to-all scatter) pipelined as the runtime "
+            "issues them; AdamW on equal slices; uneven all-gather",
+            inst.tp,
+            phases,
+            locals_,
+            inst.fused,
+        )
+    return combine(
+        "canzona-no-overlap",
+        "canzona with each micro-group's gather, compute and scatter run back to back (no pipelining)",
+        inst.tp,
+        phases,
+        locals_,
+        inst.fused,
+    )
 
 
 def default_time_model(schedule: Schedule, hardware: Hardware) -> CostModel:
     """Throughput-based seconds for the schedule's optimizer on `hardware`."""
     opt = schedule.request.optimizer
-    return ThroughputCost(hardware, OptimizerConfig(opt.name, opt.ns_steps, opt.block_size,
-                                                    opt.precondition_frequency, opt.max_precond_dim))
+    return ThroughputCost(
+        hardware,
+        OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim),
+    )

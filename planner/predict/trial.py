@@ -10,8 +10,9 @@ from canzona.planner.predict.hardware import Hardware
 from canzona.planner.predict.simulate import simulate
 
 
-def trial(plan: Plan, value: float, hardware: Hardware, time_model: CostModel | None,
-          training: TrainingSetup | None) -> SearchTrial:
+def trial(
+    plan: Plan, value: float, hardware: Hardware, time_model: CostModel | None, training: TrainingSetup | None
+) -> SearchTrial:
     """Compile and simulate one candidate plan: canzona's predicted step and iteration (the
     step again when there is no training setup)."""
     sim = simulate(compile_schedule(plan), hardware, time_model, training=training)

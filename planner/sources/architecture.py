@@ -78,11 +78,7 @@ class Architecture:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a routed-expert MLP."""
-        return (
-            self.num_experts > 0
-            and layer >= self.first_dense_layers
-            and layer not in self.dense_layers
-        )
+        return self.num_experts > 0 and layer >= self.first_dense_layers and layer not in self.dense_layers
 
     @property
     def has_dense_layer(self) -> bool:

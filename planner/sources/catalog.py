@@ -42,8 +42,18 @@ def _qwen3(h: int, ffn: int, layers: int, heads: int, tied: bool) -> Architectur
 
 def _qwen3_moe(h: int, ffn: int, layers: int, heads: int, expert_ffn: int) -> Architecture:
     return Architecture(
-        h, ffn, layers, heads, 4, 128, 151936, qk_norm=True,
-        num_experts=128, top_k=8, expert_ffn=expert_ffn, family="qwen3_moe",
+        h,
+        ffn,
+        layers,
+        heads,
+        4,
+        128,
+        151936,
+        qk_norm=True,
+        num_experts=128,
+        top_k=8,
+        expert_ffn=expert_ffn,
+        family="qwen3_moe",
     )
 
 
@@ -65,10 +75,25 @@ PRESETS: dict[str, Architecture] = {
     "llama3.1-70b": _llama3(8192, 28672, 80, 64),
     "llama3.1-405b": _llama3(16384, 53248, 126, 128),
     "deepseek-v3": Architecture(
-        7168, 18432, 61, 128, 128, 192, 129280,
-        num_experts=256, top_k=8, expert_ffn=2048,
-        num_shared_experts=1, shared_expert_ffn=2048, first_dense_layers=3,
-        q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64, v_head=128, family="deepseek_v3",
+        7168,
+        18432,
+        61,
+        128,
+        128,
+        192,
+        129280,
+        num_experts=256,
+        top_k=8,
+        expert_ffn=2048,
+        num_shared_experts=1,
+        shared_expert_ffn=2048,
+        first_dense_layers=3,
+        q_lora=1536,
+        kv_lora=512,
+        qk_nope=128,
+        qk_rope=64,
+        v_head=128,
+        family="deepseek_v3",
     ),
     "mixtral-8x7b": Architecture(
         4096, 14336, 32, 32, 8, 128, 32000, num_experts=8, top_k=2, expert_ffn=14336, family="mixtral"
@@ -97,11 +122,15 @@ def enumerate_params(
     if options.names in MEGATRON_NAMES:
         _check_tp(name, arch, tp)
     if options.names == MEGATRON_LOCAL and arch.is_mla:
-        raise PlanError(f"{name}: megatron-local names of multi-latent attention are not in the catalog (Megatron's "
-                        "local spec builds it on CUDA only); plan the live model, or --names megatron for TE's spec")
+        raise PlanError(
+            f"{name}: megatron-local names of multi-latent attention are not in the catalog (Megatron's "
+            "local spec builds it on CUDA only); plan the live model, or --names megatron for TE's spec"
+        )
     count = num_param_entries(arch, options)
     if count > MAX_PARAMS:
-        raise PlanError(f"{name}: {count} parameters ({arch.num_layers} layers) is above canzona's maximum of {MAX_PARAMS}")
+        raise PlanError(
+            f"{name}: {count} parameters ({arch.num_layers} layers) is above canzona's maximum of {MAX_PARAMS}"
+        )
     if options.names not in MEGATRON_NAMES:
         return tuple(expand_named(arch, options, tp))
     return _expand(arch, options, tp, padded_vocab(arch.vocab, tp))
@@ -149,21 +178,16 @@ def _check_tp(name: str, arch: Architecture, tp: int) -> None:
 
 def _check_options(options: ModelOptions) -> None:
     if options.split_qkv not in QKV_SPLITS:
-        raise PlanError(
-            f"unknown split_qkv {options.split_qkv!r}; expected one of {', '.join(QKV_SPLITS)}"
-        )
+        raise PlanError(f"unknown split_qkv {options.split_qkv!r}; expected one of {', '.join(QKV_SPLITS)}")
     if options.names not in NAMING_CONVENTIONS:
         raise PlanError(f"unknown naming convention {options.names!r}; expected one of {', '.join(NAMING_CONVENTIONS)}")
     if options.router_optimizer not in OPTIMIZER_CLASSES:
         raise PlanError(
-            f"unknown router_optimizer {options.router_optimizer!r}; expected one of "
-            f"{', '.join(OPTIMIZER_CLASSES)}"
+            f"unknown router_optimizer {options.router_optimizer!r}; expected one of {', '.join(OPTIMIZER_CLASSES)}"
         )
 
 
-def _expand(
-    arch: Architecture, options: ModelOptions, tp: int, vocab_rows: int
-) -> tuple[ParamSpec, ...]:
+def _expand(arch: Architecture, options: ModelOptions, tp: int, vocab_rows: int) -> tuple[ParamSpec, ...]:
     params = [_adamw("embedding.word_embeddings.weight", (vocab_rows, arch.h), 0)]
     local = options.names == MEGATRON_LOCAL
     for layer in range(arch.num_layers):
@@ -201,7 +225,11 @@ def _local_mlp(params: list[ParamSpec]) -> list[ParamSpec]:
         if experts:
             out += sorted(experts, key=lambda p: p.expert_index or 0)  # stable: fc1 before fc2 of each expert
             experts = []
-        out.append(replace(param, name="pre_mlp_layernorm.weight") if param.name == "mlp.linear_fc1.layer_norm_weight" else param)
+        out.append(
+            replace(param, name="pre_mlp_layernorm.weight")
+            if param.name == "mlp.linear_fc1.layer_norm_weight"
+            else param
+        )
     return out + sorted(experts, key=lambda p: p.expert_index or 0)
 
 
@@ -223,7 +251,13 @@ def _matrix(
 ) -> ParamSpec:
     index, count = expert if expert is not None else (None, 0)
     return ParamSpec(
-        name, shape, tp_dim, MATRIX, submatrices or (shape,), expert_index=index, num_experts=count,
+        name,
+        shape,
+        tp_dim,
+        MATRIX,
+        submatrices or (shape,),
+        expert_index=index,
+        num_experts=count,
         row_blocks=row_blocks,
     )
 
@@ -286,9 +320,7 @@ def _mla_attention(arch: Architecture) -> list[ParamSpec]:
     else:
         params.append(_matrix("self_attention.linear_q_proj.weight", (q_rows, arch.h), 0))
     params += [
-        _matrix(
-            "self_attention.linear_kv_down_proj.weight", (arch.kv_lora + arch.qk_rope, arch.h), None
-        ),
+        _matrix("self_attention.linear_kv_down_proj.weight", (arch.kv_lora + arch.qk_rope, arch.h), None),
         _adamw("self_attention.linear_kv_up_proj.layer_norm_weight", (arch.kv_lora,), None),
         _matrix(
             "self_attention.linear_kv_up_proj.weight",
@@ -300,7 +332,12 @@ def _mla_attention(arch: Architecture) -> list[ParamSpec]:
 
 
 def _fc_pair(
-    prefix: str, h: int, ffn: int, options: ModelOptions, tp: int, suffix: str = "",
+    prefix: str,
+    h: int,
+    ffn: int,
+    options: ModelOptions,
+    tp: int,
+    suffix: str = "",
     expert: tuple[int, int] | None = None,
 ) -> tuple[ParamSpec, ParamSpec]:
     """fc1 [2F, h] (gate rows then up rows) and fc2 [h, F] of one gated MLP."""

@@ -40,7 +40,9 @@ def expand_named(arch: Architecture, options: ModelOptions, tp: int) -> list[Par
     the stack has no such model (other dims TP may shard unevenly)."""
     check_named(arch, options, tp)
     layer_params = _hf_layer if options.names == HF else _torchtitan_layer
-    params = [_adamw("model.embed_tokens.weight" if options.names == HF else "tok_embeddings.weight", (arch.vocab, arch.h), 0)]
+    params = [
+        _adamw("model.embed_tokens.weight" if options.names == HF else "tok_embeddings.weight", (arch.vocab, arch.h), 0)
+    ]
     prefix = "model.layers." if options.names == HF else "layers."
     for layer in range(arch.num_layers):
         params += [_prefixed(f"{prefix}{layer}.", p) for p in layer_params(arch, options, tp, arch.is_moe_layer(layer))]
@@ -60,18 +62,24 @@ def check_named(arch: Architecture, options: ModelOptions, tp: int) -> None:
     """PlanError unless `arch` exists in the stack and TP divides its attention heads."""
     stack = options.names
     if options.split_qkv == "none" and stack == HF:
-        raise PlanError(f"split_qkv none updates a fused QKV weight, which {stack} models do not have "
-                        "(their Q, K and V are separate parameters); use qkv or head")
+        raise PlanError(
+            f"split_qkv none updates a fused QKV weight, which {stack} models do not have "
+            "(their Q, K and V are separate parameters); use qkv or head"
+        )
     if stack == TORCHTITAN and (arch.is_mla or arch.qkv_bias):
         feature = "multi-head latent attention" if arch.is_mla else "QKV biases"
-        raise PlanError(f"torchtitan names: the catalog has no torchtitan model with {feature}; use --names hf or megatron")
+        raise PlanError(
+            f"torchtitan names: the catalog has no torchtitan model with {feature}; use --names hf or megatron"
+        )
     if arch.is_mla:  # transformers' plan for DeepSeek-V3 leaves attention replicated
         return
     # DTensor shards every other dim unevenly (torch.chunk), but attention splits whole heads
     for field_name, size in (("num_heads", arch.num_heads), ("num_kv_groups", arch.num_kv_groups)):
         if size % tp:
-            raise PlanError(f"{stack} names: tp {tp} does not divide {field_name} {size} "
-                            "(each TP rank computes whole attention heads)")
+            raise PlanError(
+                f"{stack} names: tp {tp} does not divide {field_name} {size} "
+                "(each TP rank computes whole attention heads)"
+            )
 
 
 def mark_partial_norms(params: list[ParamSpec]) -> list[ParamSpec]:
@@ -93,8 +101,13 @@ def _adamw(name: str, shape: Shape, tp_dim: int | None) -> ParamSpec:
     return ParamSpec(name, shape, tp_dim, ADAMW)
 
 
-def _matrix(name: str, shape: tuple[int, int], tp_dim: int | None, submatrices: tuple[tuple[int, int], ...] = (),
-            row_blocks: RowBlocks = ()) -> ParamSpec:
+def _matrix(
+    name: str,
+    shape: tuple[int, int],
+    tp_dim: int | None,
+    submatrices: tuple[tuple[int, int], ...] = (),
+    row_blocks: RowBlocks = (),
+) -> ParamSpec:
     return ParamSpec(name, shape, tp_dim, MATRIX, submatrices or (shape,), row_blocks=row_blocks)
 
 
@@ -105,8 +118,10 @@ def _prefixed(prefix: str, param: ParamSpec) -> ParamSpec:
 
 def _grouped(name: str, num_experts: int, template: ParamSpec) -> list[ParamSpec]:
     """A grouped expert tensor [E, *template.shape] as its E expert slices."""
-    return [replace(template, name=f"{name}[{e}]", parent=name, expert_index=e, num_experts=num_experts)
-            for e in range(num_experts)]
+    return [
+        replace(template, name=f"{name}[{e}]", parent=name, expert_index=e, num_experts=num_experts)
+        for e in range(num_experts)
+    ]
 
 
 def _projection(name: str, rows: int, cols: int, head_dim: int, split: str) -> ParamSpec:
@@ -145,7 +160,9 @@ def _head(arch: Architecture, stack: str) -> list[ParamSpec]:
 
 def _router(name: str, arch: Architecture, options: ModelOptions) -> ParamSpec:
     shape = (arch.num_experts, arch.h)
-    return ParamSpec(name, shape, None, options.router_optimizer, (shape,) if options.router_optimizer == MATRIX else ())
+    return ParamSpec(
+        name, shape, None, options.router_optimizer, (shape,) if options.router_optimizer == MATRIX else ()
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +172,10 @@ def _router(name: str, arch: Architecture, options: ModelOptions) -> ParamSpec:
 def _hf_layer(arch: Architecture, options: ModelOptions, tp: int, moe: bool) -> list[ParamSpec]:
     attention = _hf_mla(arch) if arch.is_mla else _hf_attention(arch, options)
     mlp = _hf_moe(arch, options, tp) if moe else _hf_mlp("mlp.", arch.h, arch.ffn)
-    norms = [_adamw("input_layernorm.weight", (arch.h,), None), _adamw("post_attention_layernorm.weight", (arch.h,), None)]
+    norms = [
+        _adamw("input_layernorm.weight", (arch.h,), None),
+        _adamw("post_attention_layernorm.weight", (arch.h,), None),
+    ]
     return attention + mlp + norms
 
 
@@ -221,8 +241,10 @@ def _torchtitan_layer(arch: Architecture, options: ModelOptions, tp: int, moe: b
     heads_per_group = arch.num_heads // arch.num_kv_groups
     rows = (arch.num_heads + 2 * arch.num_kv_groups) * d
     blocks = qkv_row_blocks(arch.num_kv_groups, heads_per_group, d, options.split_qkv)
-    attention = [_matrix("attention.qkv_linear.wqkv.weight", (rows, h), 0, tuple(submatrices((rows, h), blocks)), blocks),
-                 _matrix("attention.wo.weight", (h, arch.num_heads * d), 1)]
+    attention = [
+        _matrix("attention.qkv_linear.wqkv.weight", (rows, h), 0, tuple(submatrices((rows, h), blocks)), blocks),
+        _matrix("attention.wo.weight", (h, arch.num_heads * d), 1),
+    ]
     if arch.qk_norm:
         attention += [_adamw("attention.q_norm.weight", (d,), None), _adamw("attention.k_norm.weight", (d,), None)]
     mlp = _torchtitan_moe(arch, options) if moe else _torchtitan_ffn("feed_forward.", h, arch.ffn)

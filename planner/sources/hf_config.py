@@ -44,26 +44,20 @@ class _Config:
         """The boolean at `key`, or `default` when absent."""
         value = self._get(key, default)
         if not isinstance(value, bool):
-            raise PlanError(
-                f"{self.architecture} config: {key} must be true or false, got {value!r}"
-            )
+            raise PlanError(f"{self.architecture} config: {key} must be true or false, got {value!r}")
         return value
 
     def integer_list(self, key: str) -> tuple[int, ...]:
         """The list of integers at `key`, empty when absent or null."""
         value = self.config.get(key) or []
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
-        ):
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise PlanError(f"{self.architecture} config: {key} must be a list of integers")
         return tuple(value)
 
     def reject(self, key: str) -> None:
         """Refuse a feature whose parameters the catalog does not model."""
         if self.config.get(key):
-            raise PlanError(
-                f"{self.architecture} config: {key}={self.config[key]!r} is not supported"
-            )
+            raise PlanError(f"{self.architecture} config: {key}={self.config[key]!r} is not supported")
 
     def _get(self, key: str, default: Any) -> Any:
         if key in self.config and self.config[key] is not None:
@@ -119,11 +113,13 @@ def _qwen3_moe(cfg: _Config) -> Architecture:
         raise PlanError(f"{cfg.architecture} config: decoder_sparse_step must be >= 1, got {step}")
     mlp_only = set(cfg.integer_list("mlp_only_layers"))
     # Hugging Face: layer n is sparse iff n not in mlp_only_layers and (n + 1) % step == 0.
-    dense = tuple(
-        n for n in range(fields["num_layers"]) if n in mlp_only or (n + 1) % step != 0
-    )
+    dense = tuple(n for n in range(fields["num_layers"]) if n in mlp_only or (n + 1) % step != 0)
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; published configs say num_experts.
-    experts = "num_local_experts" if cfg.config.get("num_experts") is None and "num_local_experts" in cfg.config else "num_experts"
+    experts = (
+        "num_local_experts"
+        if cfg.config.get("num_experts") is None and "num_local_experts" in cfg.config
+        else "num_experts"
+    )
     return Architecture(
         **fields,
         qk_norm=True,
@@ -198,8 +194,7 @@ def _architecture_name(config: dict[str, Any]) -> str:
         name = repr(architectures)
     if name not in _BUILDERS:
         raise PlanError(
-            f"unsupported Hugging Face architecture {name}; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported Hugging Face architecture {name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return name
 

@@ -20,8 +20,16 @@ from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import params_from_data, read_structured_file
 from canzona.planner.spec import DTYPE_BYTES, ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
 
-__all__ = ["NAMES_AUTO", "count_params", "list_presets", "load_model", "model_from_data", "names_apply", "own_names",
-           "undeclared_dtype"]
+__all__ = [
+    "NAMES_AUTO",
+    "count_params",
+    "list_presets",
+    "load_model",
+    "model_from_data",
+    "names_apply",
+    "own_names",
+    "undeclared_dtype",
+]
 
 _FILE_SUFFIXES = (".json", ".yaml", ".yml")
 DEFAULT_DTYPE = "bf16"  # presets, and configs that declare no dtype, train in bf16
@@ -71,7 +79,10 @@ def built_with_effect(build: Callable[[ModelOptions], ModelSpec], options: Model
     default = ModelOptions()
     for field, needs in SPLIT_OPTIONS.items():
         value = getattr(options, field)
-        if value != getattr(default, field) and build(replace(options, **{field: getattr(default, field)})).params == model.params:
+        if (
+            value != getattr(default, field)
+            and build(replace(options, **{field: getattr(default, field)})).params == model.params
+        ):
             spelled = str(value).lower() if isinstance(value, bool) else value
             raise PlanError(f"{field} {spelled} has no effect on {model.name}: it needs {needs}")
     return model
@@ -147,15 +158,19 @@ def config_dtype(config: dict[str, Any]) -> str:
         return DEFAULT_DTYPE
     name = str(declared).removeprefix("torch.")
     if name not in HF_DTYPES:
-        raise PlanError(f"config.json: dtype {str(declared)[:40]!r} is not one canzona plans ({', '.join(HF_DTYPES)}); "
-                        "give --dtype bf16, fp16 or fp32")
+        raise PlanError(
+            f"config.json: dtype {str(declared)[:40]!r} is not one canzona plans ({', '.join(HF_DTYPES)}); "
+            "give --dtype bf16, fp16 or fp32"
+        )
     return HF_DTYPES[name]
 
 
 def _check_parameter_list_names(options: ModelOptions) -> None:
     if options.names not in (NAMES_AUTO, MEGATRON):
-        raise PlanError(f"--names {options.names} applies to presets and Hugging Face configs; a parameter list "
-                        "(or a live model) names its parameters itself")
+        raise PlanError(
+            f"--names {options.names} applies to presets and Hugging Face configs; a parameter list "
+            "(or a live model) names its parameters itself"
+        )
 
 
 def list_presets() -> list[tuple[str, Architecture]]:

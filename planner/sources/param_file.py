@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
-from pydantic import model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from canzona.planner.spec import ADAMW, DTYPE_BYTES, MATRIX, ParamSpec, PlanError, fused_row_blocks
 from canzona.schedules.limits import MAX_MODEL_FILE_BYTES, MAX_PARAM_DIMS, MAX_PARAMS
@@ -73,7 +72,9 @@ class _Entry(BaseModel):
         if not self.name:
             raise ValueError("name must not be empty")
         if not self.shape or min(self.shape) < 1 or len(self.shape) > MAX_PARAM_DIMS:
-            raise ValueError(f"shape {self.shape[:MAX_PARAM_DIMS + 1]} must be a non-empty list of at most {MAX_PARAM_DIMS} positive sizes")
+            raise ValueError(
+                f"shape {self.shape[: MAX_PARAM_DIMS + 1]} must be a non-empty list of at most {MAX_PARAM_DIMS} positive sizes"
+            )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         if self.tp_dim is not None and not 0 <= self.tp_dim < len(self.shape):
@@ -96,11 +97,15 @@ class _Entry(BaseModel):
 
     def _check_grouped(self) -> None:
         if len(self.shape) != 3 or self.optimizer == ADAMW or self.expert is not None:
-            raise ValueError(f"grouped_experts needs a 3-D shape [experts, rows, cols] updated by the matrix optimizer, "
-                             f"without expert, got shape {self.shape}")
+            raise ValueError(
+                f"grouped_experts needs a 3-D shape [experts, rows, cols] updated by the matrix optimizer, "
+                f"without expert, got shape {self.shape}"
+            )
         if self.tp_dim == 0:
-            raise ValueError("tp_dim 0 of grouped experts would split the experts: that is expert parallelism (--ep); "
-                             "TP splits dim 1 or 2")
+            raise ValueError(
+                "tp_dim 0 of grouped experts would split the experts: that is expert parallelism (--ep); "
+                "TP splits dim 1 or 2"
+            )
 
     @property
     def matrix_shape(self) -> list[int]:
@@ -116,8 +121,10 @@ class _Entry(BaseModel):
         if self.fused is None or self.fused < 2:
             raise ValueError("fused (the number of equal row parts each TP shard holds) must be >= 2")
         if self.resolved_optimizer != MATRIX or self.tp_dim not in (self.row_dim, None) or self.submatrices is not None:
-            raise ValueError("fused needs a matrix-optimizer parameter split on dim 0 (dim 1 for grouped experts) or "
-                             "replicated, without submatrices")
+            raise ValueError(
+                "fused needs a matrix-optimizer parameter split on dim 0 (dim 1 for grouped experts) or "
+                "replicated, without submatrices"
+            )
         if self.matrix_shape[0] % self.fused:
             raise ValueError(f"fused {self.fused} does not divide the {self.matrix_shape[0]} rows")
 
@@ -132,8 +139,10 @@ class _Entry(BaseModel):
             raise ValueError(f"qkv: {layout.query_groups} query groups do not divide {layout.heads} heads")
         rows = (layout.heads + 2 * layout.query_groups) * layout.head_dim
         if self.shape[0] != rows:
-            raise ValueError(f"qkv: (heads {layout.heads} + 2 x query_groups {layout.query_groups}) x head_dim "
-                             f"{layout.head_dim} = {rows} rows, but the shape has {self.shape[0]}")
+            raise ValueError(
+                f"qkv: (heads {layout.heads} + 2 x query_groups {layout.query_groups}) x head_dim "
+                f"{layout.head_dim} = {rows} rows, but the shape has {self.shape[0]}"
+            )
 
     def _check_submatrices(self) -> None:
         if self.resolved_optimizer != MATRIX:
@@ -180,8 +189,10 @@ class _Entry(BaseModel):
             submatrices = (part,) * self.fused if split else (shape,)  # type: ignore[assignment]
         elif self.qkv is not None:
             if tp_dim == 0 and self.qkv.query_groups % tp:
-                raise ValueError(f"tp {tp} does not divide its {self.qkv.query_groups} query groups (each TP rank "
-                                 "holds whole groups)")
+                raise ValueError(
+                    f"tp {tp} does not divide its {self.qkv.query_groups} query groups (each TP rank "
+                    "holds whole groups)"
+                )
             row_blocks = list(self.qkv.row_blocks(split_qkv))
             submatrices = tuple(splits_submatrices(shape, tuple(row_blocks)))  # type: ignore[arg-type]
         elif len(submatrices) > 1:
@@ -190,7 +201,12 @@ class _Entry(BaseModel):
                 row_blocks.append(((start, start + rows),))
                 start += rows
         spec = ParamSpec(
-            self.name, shape, tp_dim, optimizer, submatrices, self.dtype,
+            self.name,
+            shape,
+            tp_dim,
+            optimizer,
+            submatrices,
+            self.dtype,
             expert_index=self.expert[0] if self.expert else None,
             num_experts=self.expert[1] if self.expert else 0,
             row_blocks=tuple(row_blocks),
@@ -199,8 +215,10 @@ class _Entry(BaseModel):
         if not self.grouped_experts:
             return [spec]
         count = self.shape[0]
-        return [replace(spec, name=f"{self.name}[{e}]", parent=self.name, expert_index=e, num_experts=count)
-                for e in range(count)]
+        return [
+            replace(spec, name=f"{self.name}[{e}]", parent=self.name, expert_index=e, num_experts=count)
+            for e in range(count)
+        ]
 
 
 class _Document(BaseModel):
@@ -231,9 +249,7 @@ def read_structured_file(path: str | Path) -> tuple[Any, str]:
     except UnsafeDocument as err:
         raise PlanError(f"cannot parse {str(path)!r}: {err}") from None
     except json.JSONDecodeError as err:
-        raise PlanError(
-            f"cannot parse {str(path)!r}: {err.msg} at line {err.lineno} column {err.colno}"
-        ) from err
+        raise PlanError(f"cannot parse {str(path)!r}: {err.msg} at line {err.lineno} column {err.colno}") from err
     except RecursionError:
         raise PlanError(f"cannot parse {str(path)!r}: nested too deeply") from None
     except ValueError as err:  # e.g. an integer past Python's digit limit
@@ -241,8 +257,9 @@ def read_structured_file(path: str | Path) -> tuple[Any, str]:
     return data, hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def params_from_data(data: Any, default_name: str, tp: int = 1, split_qkv: str = "qkv",
-                     split_fc1: bool = False) -> tuple[str, tuple[ParamSpec, ...]]:
+def params_from_data(
+    data: Any, default_name: str, tp: int = 1, split_qkv: str = "qkv", split_fc1: bool = False
+) -> tuple[str, tuple[ParamSpec, ...]]:
     """The model name and parameters of a parsed parameter-list file, at TP size `tp`, fused
     QKV weights split as `split_qkv` says and fused entries into their parts under `split_fc1`.
 
@@ -256,8 +273,10 @@ def params_from_data(data: Any, default_name: str, tp: int = 1, split_qkv: str =
             raise PlanError(f"parameter file: {_first_error(err)}") from None
         name, entries = document.name, document.params
         if document.tp is not None and document.tp != tp:
-            raise PlanError(f"parameter file for {name!r} was read from a model at TP {document.tp} (its 'tp' key); "
-                            f"plan it with --tp {document.tp}, not {tp}")
+            raise PlanError(
+                f"parameter file for {name!r} was read from a model at TP {document.tp} (its 'tp' key); "
+                f"plan it with --tp {document.tp}, not {tp}"
+            )
     elif isinstance(data, list):
         name, entries = default_name, data
     else:
@@ -268,11 +287,17 @@ def params_from_data(data: Any, default_name: str, tp: int = 1, split_qkv: str =
     if not entries:
         raise PlanError(f"parameter file for {name!r} lists no parameters")
     if len(entries) > MAX_PARAMS:
-        raise PlanError(f"parameter file for {name!r} lists {len(entries)} parameters, above canzona's maximum of {MAX_PARAMS}")
-    specs = tuple(spec for index, raw in enumerate(entries) for spec in _parse_entry(index, raw, tp, split_qkv, split_fc1))
+        raise PlanError(
+            f"parameter file for {name!r} lists {len(entries)} parameters, above canzona's maximum of {MAX_PARAMS}"
+        )
+    specs = tuple(
+        spec for index, raw in enumerate(entries) for spec in _parse_entry(index, raw, tp, split_qkv, split_fc1)
+    )
     if len(specs) > MAX_PARAMS:
-        raise PlanError(f"parameter file for {name!r} lists {len(specs)} matrices and parameters (grouped experts counted "
-                        f"one per expert), above canzona's maximum of {MAX_PARAMS}")
+        raise PlanError(
+            f"parameter file for {name!r} lists {len(specs)} matrices and parameters (grouped experts counted "
+            f"one per expert), above canzona's maximum of {MAX_PARAMS}"
+        )
     return name, specs
 
 

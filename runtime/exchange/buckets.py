@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.exchange import comm
-from canzona.schedules.layout import EXPERT, DpBucket
 from canzona.runtime.plan import RankPlan
+from canzona.schedules.layout import EXPERT, DpBucket
 
 
 @dataclass(frozen=True)

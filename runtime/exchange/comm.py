@@ -65,8 +65,16 @@ class Pending:
         self.keep.clear()
 
 
-def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: dist.ProcessGroup,
-                 ranks: Sequence[int], kept: Sequence[int], divisor: int | None = None) -> Pending:
+def start_reduce(
+    send: Tensor,
+    bucket: DpBucket,
+    mode: str,
+    rank: int,
+    group: dist.ProcessGroup,
+    ranks: Sequence[int],
+    kept: Sequence[int],
+    divisor: int | None = None,
+) -> Pending:
     """Launch the DP mean of one bucket of the bucket buffer `send`, in place: once landed, the
     slices of the group ranks `kept` (this rank's own; every slice for DP-SC's `all_reduce`)
     hold the sum over `group` divided by `divisor` (default: the group's size; an expert
@@ -95,8 +103,9 @@ def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: di
         return _padded_reduce(chunk, bucket, rank, group, scale)
     if mode == "all_to_all":
         received = torch.empty(world * mine.numel(), dtype=send.dtype, device=send.device)
-        work = dist.all_to_all_single(received, chunk, [mine.numel()] * world, list(bucket.slices), group=group,
-                                      async_op=True)
+        work = dist.all_to_all_single(
+            received, chunk, [mine.numel()] * world, list(bucket.slices), group=group, async_op=True
+        )
 
         def land_sum() -> None:
             mine.copy_(received.view(world, mine.numel()).sum(0)).div_(scale)
@@ -110,13 +119,17 @@ def start_reduce(send: Tensor, bucket: DpBucket, mode: str, rank: int, group: di
             mine.copy_(out).div_(scale)
 
         return Pending([work], land_mean, [out])
-    works = [dist.reduce(chunk[cuts[r] : cuts[r + 1]], dst=ranks[r], group=group, async_op=True)
-             for r in range(world) if cuts[r + 1] > cuts[r]]
+    works = [
+        dist.reduce(chunk[cuts[r] : cuts[r + 1]], dst=ranks[r], group=group, async_op=True)
+        for r in range(world)
+        if cuts[r + 1] > cuts[r]
+    ]
     return Pending(works, scale_kept)
 
 
-def start_gather(gathered: Tensor, bucket: DpBucket, mode: str, rank: int, group: dist.ProcessGroup,
-                 ranks: Sequence[int]) -> Pending:
+def start_gather(
+    gathered: Tensor, bucket: DpBucket, mode: str, rank: int, group: dist.ProcessGroup, ranks: Sequence[int]
+) -> Pending:
     """Launch the gather of one bucket of the buffer `gathered`, whose slice `rank` already
     holds this rank's values: afterwards every slice holds its owner's. `ring`: one native
     all-gather of the slices padded to the largest; `rooted`: one broadcast from each non-empty
@@ -133,10 +146,15 @@ def start_gather(gathered: Tensor, bucket: DpBucket, mode: str, rank: int, group
         if mode != "all_to_all":
             return Pending([dist.all_gather_single(chunk, mine, group=group, async_op=True)], keep=[mine])
         send = mine.repeat(world)
-        work = dist.all_to_all_single(chunk, send, list(bucket.slices), [mine.numel()] * world, group=group, async_op=True)
+        work = dist.all_to_all_single(
+            chunk, send, list(bucket.slices), [mine.numel()] * world, group=group, async_op=True
+        )
         return Pending([work], keep=[send])
-    works = [dist.broadcast(chunk[cuts[r] : cuts[r + 1]], src=ranks[r], group=group, async_op=True)
-             for r in range(world) if cuts[r + 1] > cuts[r]]
+    works = [
+        dist.broadcast(chunk[cuts[r] : cuts[r + 1]], src=ranks[r], group=group, async_op=True)
+        for r in range(world)
+        if cuts[r + 1] > cuts[r]
+    ]
     return Pending(works)
 
 
@@ -191,8 +209,14 @@ class InFlight:
         return self.received
 
 
-def start_all_to_all(send: Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup,
-                     timeout: timedelta | None, what: str) -> InFlight:
+def start_all_to_all(
+    send: Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: dist.ProcessGroup,
+    timeout: timedelta | None,
+    what: str,
+) -> InFlight:
     """Launch `all_to_all_single` asynchronously (a group of two or more ranks)."""
     received = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(received, send, recv_splits, send_splits, group=group, async_op=True)

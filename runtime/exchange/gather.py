@@ -48,7 +48,9 @@ class ParamGather:
                 start = layout.flat[piece.param] + piece.src
                 values = plan.value(piece.param).reshape(-1)[piece.src : piece.src + piece.length]
                 self.gathered[start : start + piece.length].copy_(values)
-        self.pending: dict[int, Pending] = {b: start_bucket_gather(plan, comms, self.gathered, b) for b in layout.gather_order}
+        self.pending: dict[int, Pending] = {
+            b: start_bucket_gather(plan, comms, self.gathered, b) for b in layout.gather_order
+        }
 
     @property
     def done(self) -> bool:

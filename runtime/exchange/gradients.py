@@ -18,8 +18,9 @@ from canzona.runtime.faults import wait
 from canzona.runtime.plan import RankPlan
 
 
-def global_norm(plan: RankPlan, send: Tensor, norm_type: float, groups: tuple[dist.ProcessGroup, ...],
-                timeout: timedelta | None) -> Tensor:
+def global_norm(
+    plan: RankPlan, send: Tensor, norm_type: float, groups: tuple[dist.ProcessGroup, ...], timeout: timedelta | None
+) -> Tensor:
     """The norm of the whole DP-mean gradient (every element once), on every rank of `groups`."""
     norms = [torch.linalg.vector_norm(send[start:stop], norm_type) for start, stop in plan.norm_spans]
     zero = torch.zeros((), dtype=torch.float32, device=plan.device)
@@ -36,6 +37,7 @@ def global_norm(plan: RankPlan, send: Tensor, norm_type: float, groups: tuple[di
 
 def clip_problem(max_norm: float, norm_type: float) -> str | None:
     """Why clip_grad_norm_'s arguments are unusable, or None."""
+
     def number(value: object) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 

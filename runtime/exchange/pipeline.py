@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from canzona.runtime.rules import cooperative
 from canzona.runtime.exchange.comm import InFlight, all_gather_equal, start_all_to_all
-from canzona.schedules.layout import Task, hosts_here
+from canzona.runtime.rules import cooperative
 from canzona.runtime.schedule import DTYPES, tp_shard
+from canzona.schedules.layout import Task, hosts_here
 
 GradOf = Callable[[Task], Tensor]
 UpdateOf = Callable[[Sequence[Task], dict[int, Tensor]], dict[int, Tensor]]
@@ -80,8 +80,9 @@ class Geometry(Protocol):
     def gather_piece(self, task: Task, grad: Tensor, receiver: int) -> Tensor:
         """What this rank sends `receiver` of its gradient piece `grad`."""
 
-    def assemble(self, task: Task, pieces: Sequence[Tensor], grad_of: GradOf, dtype: torch.dtype,
-                 device: torch.device) -> Tensor:
+    def assemble(
+        self, task: Task, pieces: Sequence[Tensor], grad_of: GradOf, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
         """On a rank that updates `task`: the gradient it updates from (the full matrix, or a
         team member's slice), from the pieces received and, where needed, its own piece
         `grad_of(task)`."""
@@ -111,14 +112,17 @@ class TpGeometry:
         """A shard, or a team member's piece of it (a replicated matrix: none, every rank has it)."""
         if task.tp_dim is None or not hosts_here(task, receiver):
             return 0
-        return cooperative.piece_numel(task, sender, task.team.index(receiver)) if task.team else task.shard_numel(sender)
+        return (
+            cooperative.piece_numel(task, sender, task.team.index(receiver)) if task.team else task.shard_numel(sender)
+        )
 
     def gather_piece(self, task: Task, grad: Tensor, receiver: int) -> Tensor:
         """The shard, or the receiving member's piece of it."""
         return cooperative.shard_piece(task, grad, self.rank, task.team.index(receiver)) if task.team else grad
 
-    def assemble(self, task: Task, pieces: Sequence[Tensor], grad_of: GradOf, dtype: torch.dtype,
-                 device: torch.device) -> Tensor:
+    def assemble(
+        self, task: Task, pieces: Sequence[Tensor], grad_of: GradOf, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
         """The full matrix on its host, the slice on a team member (a replicated matrix: from
         this rank's own copy)."""
         if task.tp_dim is None:
@@ -132,7 +136,11 @@ class TpGeometry:
         """The receiver's shard, or the part of it in the sending member's slice."""
         if not hosts_here(task, sender):
             return 0
-        return cooperative.piece_numel(task, receiver, task.team.index(sender)) if task.team else task.shard_numel(receiver)
+        return (
+            cooperative.piece_numel(task, receiver, task.team.index(sender))
+            if task.team
+            else task.shard_numel(receiver)
+        )
 
     def scatter_piece(self, task: Task, result: Tensor, receiver: int) -> Tensor:
         """The receiver's shard of the result (of this member's slice, in a team)."""
@@ -151,15 +159,24 @@ class TpGeometry:
 class MicroGroupPipeline:
     """Executes micro-groups over `group`, whose pieces `geometry` places (module docstring)."""
 
-    def __init__(self, groups: Sequence[tuple[Task, ...]], geometry: Geometry, group: dist.ProcessGroup,
-                 device: torch.device, timeout: timedelta | None = None, label: str = "TP micro-group") -> None:
+    def __init__(
+        self,
+        groups: Sequence[tuple[Task, ...]],
+        geometry: Geometry,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        timeout: timedelta | None = None,
+        label: str = "TP micro-group",
+    ) -> None:
         self.groups, self.geometry, self.group = list(groups), geometry, group
         self.device, self.timeout, self.label = device, timeout, label
 
     def _hosted(self, tasks: Sequence[Task], rank: int) -> list[Task]:
         return [t for t in tasks if self.geometry.updates(t, rank)]
 
-    def _split(self, tasks: Sequence[Task], numel: Callable[[Task, int, int], int], received: Tensor) -> dict[int, list[Tensor]]:
+    def _split(
+        self, tasks: Sequence[Task], numel: Callable[[Task, int, int], int], received: Tensor
+    ) -> dict[int, list[Tensor]]:
         """Per task, the piece each sender sent this rank (in the order senders pack them)."""
         pieces: dict[int, list[Tensor]] = {t.param: [] for t in tasks}
         offset, none = 0, received[:0]  # one empty view for every pair that moves nothing (most, at large TP)
@@ -187,8 +204,10 @@ class MicroGroupPipeline:
     def _full_grads(self, tasks: Sequence[Task], received: Tensor, grad_of: GradOf) -> dict[int, Tensor]:
         """The gradient of every task this rank updates, from the gathered pieces."""
         pieces = self._split(tasks, self.geometry.gather_numel, received)
-        return {t.param: self.geometry.assemble(t, pieces[t.param], grad_of, received.dtype, self.device)
-                for t in self._hosted(tasks, self.geometry.rank)}
+        return {
+            t.param: self.geometry.assemble(t, pieces[t.param], grad_of, received.dtype, self.device)
+            for t in self._hosted(tasks, self.geometry.rank)
+        }
 
     def _start_scatter(self, tasks: Sequence[Task], updates: dict[int, Tensor]) -> InFlight:
         geometry, me = self.geometry, self.geometry.rank
@@ -238,8 +257,13 @@ class MicroGroupPipeline:
         return self._full_grads(chosen, self._start_gather(chosen, shard_of).wait(), shard_of)
 
 
-def gather_replicated(tasks: Sequence[Task], tp_group: dist.ProcessGroup, grad_of: GradOf, device: torch.device,
-                      timeout: timedelta | None = None) -> dict[int, Tensor]:
+def gather_replicated(
+    tasks: Sequence[Task],
+    tp_group: dist.ProcessGroup,
+    grad_of: GradOf,
+    device: torch.device,
+    timeout: timedelta | None = None,
+) -> dict[int, Tensor]:
     """Every task's full fp32 matrix on every TP rank: one fused all-gather of the sharded ones."""
     sharded = [t for t in tasks if t.tp_dim is not None]
     # every rank sends its shards padded to the largest (TP rank 0's), for one equal all-gather
@@ -256,9 +280,18 @@ def gather_replicated(tasks: Sequence[Task], tp_group: dist.ProcessGroup, grad_o
     return full
 
 
-def replicated_updates(tasks: Sequence[Task], tp_rank: int, tp_size: int, tp_group: dist.ProcessGroup,
-                       grad_of: GradOf, update_of: UpdateOf, apply: Apply, device: torch.device,
-                       timeout: timedelta | None, active: Active) -> None:
+def replicated_updates(
+    tasks: Sequence[Task],
+    tp_rank: int,
+    tp_size: int,
+    tp_group: dist.ProcessGroup,
+    grad_of: GradOf,
+    update_of: UpdateOf,
+    apply: Apply,
+    device: torch.device,
+    timeout: timedelta | None,
+    active: Active,
+) -> None:
     """TP-SC: one fused all-gather of every sharded task's gradient; every TP rank updates every
     full matrix and applies its own shard (P-fold redundant compute and state)."""
     chosen = [t for t in tasks if active(t)]

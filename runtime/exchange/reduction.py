@@ -86,7 +86,9 @@ class Round:
             self.missing[plan.layout.bucket_of[index]] += 1
         self.packed = [False] * count
         self.has_grad = [False] * count
-        self.referents: list[Callable[[], Tensor | None] | None] = [None] * count  # the gradient each entry was packed from
+        self.referents: list[Callable[[], Tensor | None] | None] = [
+            None
+        ] * count  # the gradient each entry was packed from
         self.packed_none = [False] * count  # packed from no gradient (zeros)
         self.versions: list[int | None] = [None] * count  # the packed gradient's in-place version counter
         self.fingerprints = torch.zeros(count, 2, dtype=torch.float32, device=plan.device)
@@ -125,7 +127,9 @@ class Round:
             return None
         local = binding.local_grad(bound, grad)
         if tuple(local.shape) != tuple(bound.value.shape):
-            raise ValueError(f"the gradient of {name} has shape {list(local.shape)}, the parameter {list(bound.value.shape)}")
+            raise ValueError(
+                f"the gradient of {name} has shape {list(local.shape)}, the parameter {list(bound.value.shape)}"
+            )
         if local.device != plan.device:
             raise ValueError(f"the gradient of {name} is on {local.device}, the parameter on {plan.device}")
         if not local.is_floating_point():
@@ -140,9 +144,12 @@ class Round:
         grad, flat = self.current(index), None
         try:
             flat = self.read(index, grad)
-        except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
-            self.fail(str(error) if isinstance(error, ValueError) else
-                      f"packing the gradient of {self.plan.names[index]}: {first_line(error)}")
+        except Exception as error:
+            self.fail(
+                str(error)
+                if isinstance(error, ValueError)
+                else f"packing the gradient of {self.plan.names[index]}: {first_line(error)}"
+            )
         if flat is None:
             target.zero_()
         else:
@@ -203,9 +210,10 @@ class Round:
             return
         try:
             self.pending.append(start_bucket_reduce(self.plan, self.comms, self.send, bucket))
-        except Exception as error:  # noqa: BLE001 - a broken group: raised at the step
-            self.failure = CollectiveError(f"canzona: launching {WHAT} failed ({first_line(error)}); "
-                                           "restart from the last checkpoint")
+        except Exception as error:
+            self.failure = CollectiveError(
+                f"canzona: launching {WHAT} failed ({first_line(error)}); restart from the last checkpoint"
+            )
 
     def _launch_ready(self) -> None:
         order = self.plan.layout.reduce_order
@@ -255,7 +263,7 @@ class Round:
             grad, referent = self.current(index), self.referents[index]
             try:
                 flat = self.read(index, grad)
-            except Exception as error:  # noqa: BLE001 - reported to every rank at the safe point
+            except Exception as error:
                 self.fail(str(error) if isinstance(error, ValueError) else first_line(error))
                 flat = None
             self.has_grad[index] = flat is not None

@@ -9,8 +9,8 @@ from typing import Any
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from canzona.schedules.format import Schedule
 from canzona.runtime.binding import TP_MESH_DIM
+from canzona.schedules.format import Schedule
 from canzona.schedules.limits import FSDP
 
 
@@ -36,11 +36,15 @@ def _pairs(given: list[Any]) -> list[tuple[str, Tensor]]:
 def fsdp_mismatch(schedule: Schedule, given: list[Any]) -> str | None:
     """Why `CanzonaOptimizer` cannot execute this schedule on these parameters (FSDP), or None."""
     if schedule.request.sharding == FSDP:
-        return ("the schedule was planned with --fsdp (parameters sharded by FSDP2): execute it with "
-                "canzona.runtime.FsdpOptimizer, not CanzonaOptimizer")
+        return (
+            "the schedule was planned with --fsdp (parameters sharded by FSDP2): execute it with "
+            "canzona.runtime.FsdpOptimizer, not CanzonaOptimizer"
+        )
     for name, tensor in _pairs(given):
         dim = dp_sharded_dim(tensor)
         if dim is not None:
-            return (f"{name} is sharded by FSDP2 over mesh dim {dim!r}, but the schedule was planned without --fsdp "
-                    "(replicated parameters): plan with `canzona plan ... --fsdp` and use canzona.runtime.FsdpOptimizer")
+            return (
+                f"{name} is sharded by FSDP2 over mesh dim {dim!r}, but the schedule was planned without --fsdp "
+                "(replicated parameters): plan with `canzona plan ... --fsdp` and use canzona.runtime.FsdpOptimizer"
+            )
     return None

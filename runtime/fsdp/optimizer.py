@@ -86,8 +86,14 @@ class FragmentGeometry:
         """This device's whole piece."""
         return grad
 
-    def assemble(self, task: Task, pieces: Sequence[Tensor], grad_of: Callable[[Task], Tensor], dtype: torch.dtype,
-                 device: torch.device) -> Tensor:
+    def assemble(
+        self,
+        task: Task,
+        pieces: Sequence[Tensor],
+        grad_of: Callable[[Task], Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Tensor:
         """The FSDP rows of each TP shard stacked, the TP shards concatenated (a replicated
         matrix: the host's TP column only)."""
         layout = self.layout
@@ -125,18 +131,27 @@ def mesh_place(mesh: Any, schedule: Schedule) -> tuple[Place | None, str | None]
     does not have the schedule's sizes."""
     req = schedule.request
     layout = FsdpLayout.of(req.tp, req.dp, req.dp_replicate)
-    expected = [size for size, kept in ((layout.replicas, layout.replicas > 1), (layout.shards, True),
-                                        (layout.tp, layout.tp > 1)) if kept]
+    expected = [
+        size
+        for size, kept in ((layout.replicas, layout.replicas > 1), (layout.shards, True), (layout.tp, layout.tp > 1))
+        if kept
+    ]
     if mesh is None:
-        return None, ("no parameter is a DTensor: shard the model with FSDP2's fully_shard first (a replicated model "
-                      "takes CanzonaOptimizer and a schedule planned without --fsdp)")
+        return None, (
+            "no parameter is a DTensor: shard the model with FSDP2's fully_shard first (a replicated model "
+            "takes CanzonaOptimizer and a schedule planned without --fsdp)"
+        )
     if mesh.mesh.numel() != dist.get_world_size():
-        return None, (f"the parameters' device mesh holds {mesh.mesh.numel()} ranks, but FsdpOptimizer needs one that "
-                      f"spans every rank of the job ({dist.get_world_size()})")
+        return None, (
+            f"the parameters' device mesh holds {mesh.mesh.numel()} ranks, but FsdpOptimizer needs one that "
+            f"spans every rank of the job ({dist.get_world_size()})"
+        )
     if list(mesh.shape) != expected:
         names = f" {tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
-        return None, (f"the parameters' device mesh{names} has shape {list(mesh.shape)}, but the schedule is for "
-                      f"{_layout_text(layout)}: mesh (replicate, shard, tp) {expected}")
+        return None, (
+            f"the parameters' device mesh{names} has shape {list(mesh.shape)}, but the schedule is for "
+            f"{_layout_text(layout)}: mesh (replicate, shard, tp) {expected}"
+        )
     coordinate = list(mesh.get_coordinate())
     replica = coordinate[0] if layout.replicas > 1 else 0
     shard = coordinate[1 if layout.replicas > 1 else 0]
@@ -155,8 +170,10 @@ def _tensor_problem(entry: ParamEntry, tensor: Tensor, place: Place) -> str | No
     expected = shard_shape(entry.shape, entry.tp_dim, place.layout, place.fragment)
     local = tuple(tensor.to_local().shape)
     if tuple(tensor.shape) != tuple(entry.shape) or local != expected:
-        return (f"{entry.name}: global shape {list(tensor.shape)}, local shard {list(local)}; the schedule expects "
-                f"{entry.shape} with local shard {list(expected)} (tp_dim {entry.tp_dim}, {_layout_text(place.layout)})")
+        return (
+            f"{entry.name}: global shape {list(tensor.shape)}, local shard {list(local)}; the schedule expects "
+            f"{entry.shape} with local shard {list(expected)} (tp_dim {entry.tp_dim}, {_layout_text(place.layout)})"
+        )
     return None
 
 
@@ -164,8 +181,10 @@ def local_problems(schedule: Schedule, pairs: list[tuple[str, Tensor]], place: P
     """What does not fit on this rank: the sharding mode, unsupported entries, the tensors."""
     req = schedule.request
     if req.sharding != FSDP:
-        return [f"the schedule was planned without --fsdp (sharding {req.sharding}), but FsdpOptimizer executes FSDP2 "
-                "schedules: plan with `canzona plan ... --fsdp` (or use CanzonaOptimizer for replicated parameters)"]
+        return [
+            f"the schedule was planned without --fsdp (sharding {req.sharding}), but FsdpOptimizer executes FSDP2 "
+            "schedules: plan with `canzona plan ... --fsdp` (or use CanzonaOptimizer for replicated parameters)"
+        ]
     unsupported = next((e for e in schedule.params if e.param is not None or e.grad_reduce is not None), None)
     if unsupported is not None:
         what = "grouped expert tensors" if unsupported.param is not None else "gradients partial over TP (grad_reduce)"
@@ -199,8 +218,15 @@ class FsdpOptimizer(torch.optim.Optimizer):
     for `CanzonaOptimizer`. A mismatch between model, mesh and schedule raises the same
     ScheduleMismatchError on every rank."""
 
-    def __init__(self, params: Iterable[Any], schedule: Schedule | str | os.PathLike[str], *, mesh: Any = None,
-                 timeout: float | timedelta | None = None, **defaults: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        schedule: Schedule | str | os.PathLike[str],
+        *,
+        mesh: Any = None,
+        timeout: float | timedelta | None = None,
+        **defaults: Any,
+    ) -> None:
         self.timeout = as_timedelta(timeout)
         try:
             self.schedule = schedule if isinstance(schedule, Schedule) else load_schedule(schedule)
@@ -214,7 +240,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
         pairs = [pair for group in resolved.groups for pair in group["params"]]
         mesh = mesh if mesh is not None else _mesh_of(pairs)
         place, mesh_problem = mesh_place(mesh, self.schedule)
-        problems = resolved.problems + ([mesh_problem] if mesh_problem else []) + local_problems(self.schedule, pairs, place)
+        problems = (
+            resolved.problems + ([mesh_problem] if mesh_problem else []) + local_problems(self.schedule, pairs, place)
+        )
         _agree_on(self.schedule, listed(problems, "; ") or None, ", ".join(resolved.frozen) or None)
         assert place is not None
         self.place = place
@@ -227,11 +255,24 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self.group_of = [index for index, group in enumerate(self.param_groups) for _ in group["params"]]
         self.matrix = [entries[name].optimizer == MATRIX for name in self.names]
         layout = place.layout
-        micro_groups = [tuple(Task(position[n], h, tuple(entries[n].shape), entries[n].tp_dim, layout.tp,  # type: ignore[arg-type]
-                                   entries[n].row_blocks) for n, h in zip(group.params, group.hosts) if n in position)
-                        for group in self.schedule.tp.ranks[0].groups]
-        self.pipeline = MicroGroupPipeline(micro_groups, FragmentGeometry(layout, place.fragment), self.group, self.device,
-                                           self.timeout, "FSDP")
+        micro_groups = [
+            tuple(
+                Task(
+                    position[n],
+                    h,
+                    tuple(entries[n].shape),
+                    entries[n].tp_dim,
+                    layout.tp,  # type: ignore[arg-type]
+                    entries[n].row_blocks,
+                )
+                for n, h in zip(group.params, group.hosts)
+                if n in position
+            )
+            for group in self.schedule.tp.ranks[0].groups
+        ]
+        self.pipeline = MicroGroupPipeline(
+            micro_groups, FragmentGeometry(layout, place.fragment), self.group, self.device, self.timeout, "FSDP"
+        )
         self._problem: str | None = None  # the first failure of the step in progress
         self._failed: str | None = None  # a step failed after hosts changed state: load a state first
         for tensor in self.tensors:
@@ -267,9 +308,15 @@ class FsdpOptimizer(torch.optim.Optimizer):
         self._problem = None
         received = self._step_matrices(active, hps)
         try:
-            settle(self._problem, [dist.group.WORLD], self.timeout, "the end of the FSDP step",
-                   "an FSDP optimizer step failed on some ranks, and no rank applied it (hosted matrices' state may "
-                   "have changed)", self.device)
+            settle(
+                self._problem,
+                [dist.group.WORLD],
+                self.timeout,
+                "the end of the FSDP step",
+                "an FSDP optimizer step failed on some ranks, and no rank applied it (hosted matrices' state may "
+                "have changed)",
+                self.device,
+            )
         except StepFailedError as error:
             self._failed = str(error).removeprefix("canzona: ")
             raise
@@ -282,13 +329,17 @@ class FsdpOptimizer(torch.optim.Optimizer):
     def _active(self) -> list[bool]:
         """Which parameters have a gradient, agreed by every rank (FSDP2 gives every rank the
         same ones; a disagreement raises on every rank instead of hanging)."""
-        flags = torch.tensor([tensor.grad is not None for tensor in self.tensors], dtype=torch.int32, device=self.device)
+        flags = torch.tensor(
+            [tensor.grad is not None for tensor in self.tensors], dtype=torch.int32, device=self.device
+        )
         total = flags.clone()
         wait(dist.all_reduce(total, group=dist.group.WORLD, async_op=True), self.timeout, "the FSDP gradient check")
         world = dist.get_world_size()
         if bool(((total != 0) & (total != world)).any()):
             split = [self.names[i] for i in range(len(self.names)) if 0 < int(total[i]) < world]
-            raise StepFailedError(f"canzona: some ranks have gradients of {', '.join(split[:3])} and others not; no rank stepped")
+            raise StepFailedError(
+                f"canzona: some ranks have gradients of {', '.join(split[:3])} and others not; no rank stepped"
+            )
         return [bool(flag) for flag in total.tolist()]
 
     def _value(self, position: int) -> Tensor:
@@ -316,8 +367,14 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros(value.numel(), dtype=torch.float32, device=self.device)
                 state["exp_avg_sq"] = torch.zeros(value.numel(), dtype=torch.float32, device=self.device)
             if value.numel():
-                adamw_(value.view(-1), self._grad(position).reshape(-1), state["exp_avg"], state["exp_avg_sq"],
-                       state["step"], hps[self.group_of[position]])
+                adamw_(
+                    value.view(-1),
+                    self._grad(position).reshape(-1),
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    state["step"],
+                    hps[self.group_of[position]],
+                )
                 self._commit(position)
 
     def _step_matrices(self, active: list[bool], hps: list[Hyperparameters]) -> list[tuple[Task, Tensor]]:
@@ -326,12 +383,17 @@ class FsdpOptimizer(torch.optim.Optimizer):
         received: list[tuple[Task, Tensor]] = []
         # on one device the pipeline hands the gradient itself to the update, which uses it as scratch
         copy = self.pipeline.geometry.size == 1
-        self.pipeline.run(lambda task: self._grad(task.param).clone() if copy else self._grad(task.param),
-                          lambda tasks, full: self._host_updates(tasks, full, hps),
-                          lambda task, piece: received.append((task, piece)), lambda task: active[task.param])
+        self.pipeline.run(
+            lambda task: self._grad(task.param).clone() if copy else self._grad(task.param),
+            lambda tasks, full: self._host_updates(tasks, full, hps),
+            lambda task, piece: received.append((task, piece)),
+            lambda task: active[task.param],
+        )
         return received
 
-    def _host_updates(self, tasks: Sequence[Task], full: dict[int, Tensor], hps: list[Hyperparameters]) -> dict[int, Tensor]:
+    def _host_updates(
+        self, tasks: Sequence[Task], full: dict[int, Tensor], hps: list[Hyperparameters]
+    ) -> dict[int, Tensor]:
         """The update of every matrix this device hosts, from its whole gradient (scratch):
         matrices of one param group, shape and row blocks updated as one batch
         (`matrix_update_batch`), their state in place."""
@@ -350,10 +412,11 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 rule: MatrixRule = make_rule(self.rule_name, hp)
                 states = [self._matrix_state(task, rule) for task in batch]
                 steps = [self.state[self.tensors[task.param]]["step"] + 1 for task in batch]
-                matrix_update_batch(rule, states, grads, batch[0].row_blocks, steps,
-                                    stack_limit(self.schedule.request.group_bytes))
+                matrix_update_batch(
+                    rule, states, grads, batch[0].row_blocks, steps, stack_limit(self.schedule.request.group_bytes)
+                )
                 return
-            except Exception as error:  # noqa: BLE001 - reported on every rank by the step's settle
+            except Exception as error:
                 self._problem = f"updating {self.names[batch[0].param]}: {first_line(error)}"
         for grad in grads:
             grad.zero_()
@@ -388,8 +451,10 @@ class FsdpOptimizer(torch.optim.Optimizer):
         tag = state_dict.pop("canzona_fsdp", None)
         expected = {"digest": plan_digest(self.schedule), "fragment": self.place.fragment}
         if tag != expected:
-            raise ValueError("canzona: this optimizer state was saved under another FSDP schedule or by another device "
-                             "(FsdpOptimizer loads only the layout it saved; resharding FSDP optimizer state is not supported)")
+            raise ValueError(
+                "canzona: this optimizer state was saved under another FSDP schedule or by another device "
+                "(FsdpOptimizer loads only the layout it saved; resharding FSDP optimizer state is not supported)"
+            )
         problem = self._unsteppable(state_dict)
         if problem:
             raise ValueError(f"canzona: this optimizer state cannot be stepped: {problem} (nothing was loaded)")
@@ -406,11 +471,21 @@ class FsdpOptimizer(torch.optim.Optimizer):
         indices = [index for group in groups if isinstance(group, dict) for index in group.get("params", ())]
         stray = [key for key in state if key not in indices]
         if len(indices) != len(self.tensors) or stray:
-            return (f"its state is keyed by {', '.join(map(repr, stray[:3]))}, not by the indices of its param groups "
-                    "(a state dict another tool rewrote?)") if stray else f"it lists {len(indices)} parameters, not {len(self.tensors)}"
+            return (
+                (
+                    f"its state is keyed by {', '.join(map(repr, stray[:3]))}, not by the indices of its param groups "
+                    "(a state dict another tool rewrote?)"
+                )
+                if stray
+                else f"it lists {len(indices)} parameters, not {len(self.tensors)}"
+            )
         for index, (name, tensor) in zip(indices, zip(self.names, self.tensors)):
             entry = state.get(index)
-            if not isinstance(entry, dict) or isinstance(entry.get("step"), bool) or not isinstance(entry.get("step"), int):
+            if (
+                not isinstance(entry, dict)
+                or isinstance(entry.get("step"), bool)
+                or not isinstance(entry.get("step"), int)
+            ):
                 return f"{name} has no integer 'step'"
             if tensor.dtype != torch.float32 and "main" not in entry:
                 return f"{name} has no fp32 main copy ('main')"

@@ -47,8 +47,10 @@ def canzona_optimizer(optimizer: Any) -> CanzonaOptimizer | FsdpOptimizer:
     if not isinstance(inner, (CanzonaOptimizer, FsdpOptimizer)):
         inner = None
     if inner is None:
-        raise TypeError(f"the optimizer is {type(optimizer).__name__}, not canzona's: canzona takes DDP's place, so "
-                        "training with another optimizer here would not reduce the gradients over DP")
+        raise TypeError(
+            f"the optimizer is {type(optimizer).__name__}, not canzona's: canzona takes DDP's place, so "
+            "training with another optimizer here would not reduce the gradients over DP"
+        )
     return inner
 
 
@@ -59,7 +61,9 @@ class CanzonaOptimizerFactory:
     1); `weight_decay` follows the Trainer's rule: matrices take it, and so do the AdamW
     parameters the Trainer decays (not biases or norms), as `adamw_weight_decay`."""
 
-    def __call__(self, model: nn.Module, *, schedule: Any, weight_decay: float = 0.0, **kwargs: Any) -> CanzonaOptimizer:
+    def __call__(
+        self, model: nn.Module, *, schedule: Any, weight_decay: float = 0.0, **kwargs: Any
+    ) -> CanzonaOptimizer:
         """The optimizer of `model`'s named parameters."""
         if "dp_group" not in kwargs and "tp_group" not in kwargs and "mesh" not in kwargs:
             kwargs["dp_group"], kwargs["tp_group"] = make_groups(dp=dist.get_world_size(), tp=1)
@@ -73,8 +77,10 @@ def trainer_param_groups(model: nn.Module) -> list[dict[str, Any]]:
     transformers: `Trainer.get_decay_parameter_names`, which reads nothing of the Trainer)."""
     decayed = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
     named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
-    groups = [{"params": [(n, p) for n, p in named if n in decayed]},
-              {"params": [(n, p) for n, p in named if n not in decayed], "adamw_weight_decay": 0.0}]
+    groups = [
+        {"params": [(n, p) for n, p in named if n in decayed]},
+        {"params": [(n, p) for n, p in named if n not in decayed], "adamw_weight_decay": 0.0},
+    ]
     return [group for group in groups if group["params"]]
 
 
@@ -193,8 +199,10 @@ def _checkpoint_through_canzona(accelerator: Any, wrapped: Any, optimizer: Canzo
 
     def load_state_dict(state_dict: dict[str, Any]) -> None:
         if state_dict != MARKER:
-            raise ValueError(f"not a canzona checkpoint marker ({MARKER}): canzona's state is loaded from its "
-                             f"{CHECKPOINT} folder by load_state")
+            raise ValueError(
+                f"not a canzona checkpoint marker ({MARKER}): canzona's state is loaded from its "
+                f"{CHECKPOINT} folder by load_state"
+            )
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)

@@ -84,17 +84,23 @@ def tp_size(model: nn.Module) -> int:
     config, or its experts are split otherwise than its dense layers)."""
     config = model_config(model)
     if config is None:
-        raise MegatronConfigError("the model's parameters carry Megatron's tensor_model_parallel attributes but no "
-                                  "module carries a TransformerConfig to read the TP size from")
+        raise MegatronConfigError(
+            "the model's parameters carry Megatron's tensor_model_parallel attributes but no "
+            "module carries a TransformerConfig to read the TP size from"
+        )
     size = int(config.tensor_model_parallel_size)
     expert_tp = getattr(config, "expert_tensor_parallel_size", None)
     if getattr(config, "num_moe_experts", None) and expert_tp not in (None, size):
-        raise MegatronConfigError(f"expert_tensor_parallel_size {expert_tp} differs from tensor_model_parallel_size "
-                                  f"{size}: canzona plans experts at the model's TP size")
+        raise MegatronConfigError(
+            f"expert_tensor_parallel_size {expert_tp} differs from tensor_model_parallel_size "
+            f"{size}: canzona plans experts at the model's TP size"
+        )
     if getattr(config, "expert_model_parallel_size", 1) > 1:
-        raise MegatronConfigError("a live model under expert parallelism holds only its own experts: describe it at "
-                                  "expert_model_parallel_size 1, or plan a preset or config.json with --names megatron "
-                                  "and --ep")
+        raise MegatronConfigError(
+            "a live model under expert parallelism holds only its own experts: describe it at "
+            "expert_model_parallel_size 1, or plan a preset or config.json with --names megatron "
+            "and --ep"
+        )
     return size
 
 
@@ -116,7 +122,7 @@ def qkv_layout(name: str, owner: nn.Module, config: Any) -> dict[str, int] | Non
     if not heads or getattr(config, "multi_latent_attention", False):
         return None
     groups = getattr(config, "num_query_groups", None) or heads
-    head_dim = getattr(config, "kv_channels", None) or getattr(config, "hidden_size") // heads
+    head_dim = getattr(config, "kv_channels", None) or config.hidden_size // heads
     return {"query_groups": int(groups), "heads": int(heads), "head_dim": int(head_dim)}
 
 
@@ -131,7 +137,7 @@ def is_embedding_or_output(param: torch.Tensor) -> bool:
 
 
 def _needs_tp_sum(name: str, param: torch.Tensor, config: Any) -> str | None:
-    """"avg" or "sum" when Megatron all-reduces this parameter's gradient over TP in
+    """ "avg" or "sum" when Megatron all-reduces this parameter's gradient over TP in
     `finalize_model_grads` (sequence-parallel norms, qk-layernorms, parameters averaged across
     the TP domain), else None."""
     if getattr(param, "average_gradients_across_tp_domain", False):
@@ -153,13 +159,19 @@ def _megatron_groups(pg_collection: Any) -> tuple[dist.ProcessGroup, dist.Proces
         return pg_collection.tp, pg_collection.dp_cp, dist.get_world_size(pg_collection.pp)
     from megatron.core import parallel_state
 
-    return (parallel_state.get_tensor_model_parallel_group(),
-            parallel_state.get_data_parallel_group(with_context_parallel=True),
-            parallel_state.get_pipeline_model_parallel_world_size())
+    return (
+        parallel_state.get_tensor_model_parallel_group(),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
 
 
-def finalize_model_grads(model: list[nn.Module], num_tokens: torch.Tensor | None = None,
-                         pg_collection: Any = None, force_all_reduce: bool | None = False) -> None:
+def finalize_model_grads(
+    model: list[nn.Module],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool | None = False,
+) -> None:
     """Megatron's `finalize_model_grads` without its data-parallel reduction, which canzona does
     at its schedule's cuts: the TP sums Megatron runs (sequence-parallel norms, qk-layernorms,
     parameters it averages over the TP domain), on `.main_grad` (Megatron's DDP) or `.grad`;
@@ -227,14 +239,16 @@ def _check_config(config: Any, tp: int) -> None:
         raise MegatronConfigError(
             "muon_tp_mode 'blockwise' orthogonalises each TP shard on its own, so its update depends on the TP size; "
             "canzona updates every matrix whole, as Megatron's 'duplicated' and 'distributed' modes do: set "
-            "muon_tp_mode='duplicated' (at TP 1 the modes agree)")
+            "muon_tp_mode='duplicated' (at TP 1 the modes agree)"
+        )
     if getattr(config, "muon_fp32_matmul_prec", "medium") not in NS_PRECISION:
         raise MegatronConfigError(f"unknown muon_fp32_matmul_prec {config.muon_fp32_matmul_prec!r}")
     if getattr(config, "muon_scale_mode", "spectral") not in SCALE_MODES:
         raise MegatronConfigError(f"unknown muon_scale_mode {config.muon_scale_mode!r}")
     if not getattr(config, "decoupled_weight_decay", True):
-        raise MegatronConfigError("decoupled_weight_decay=False (Adam with L2): canzona's AdamW decays decoupled, as "
-                                  "Megatron's default")
+        raise MegatronConfigError(
+            "decoupled_weight_decay=False (Adam with L2): canzona's AdamW decays decoupled, as Megatron's default"
+        )
     if getattr(config, "fp16", False):
         raise MegatronConfigError("fp16: Megatron's Muon refuses it too; train bf16 (canzona keeps fp32 main copies)")
 
@@ -251,25 +265,34 @@ def plan_options(config: Any) -> dict[str, Any]:
     matrix whole). MegatronConfigError for coefficients canzona does not have."""
     coefficients = getattr(config, "muon_coefficient_type", MEGATRON_COEFFICIENTS)
     if coefficients not in NS_COEFFICIENT_NAMES:
-        raise MegatronConfigError(f"muon_coefficient_type {coefficients!r}: canzona has the {', '.join(NS_COEFFICIENT_NAMES)} "
-                                  "coefficients")
-    return {"ns_steps": int(getattr(config, "muon_num_ns_steps", 5)), "ns_coefficients": coefficients,
-            "split_qkv": "qkv" if getattr(config, "muon_split_qkv", True) else "none"}
+        raise MegatronConfigError(
+            f"muon_coefficient_type {coefficients!r}: canzona has the {', '.join(NS_COEFFICIENT_NAMES)} coefficients"
+        )
+    return {
+        "ns_steps": int(getattr(config, "muon_num_ns_steps", 5)),
+        "ns_coefficients": coefficients,
+        "split_qkv": "qkv" if getattr(config, "muon_split_qkv", True) else "none",
+    }
 
 
 def _plan_problem(config: Any, schedule: Schedule) -> str | None:
     req = schedule.request
     wanted = plan_options(config)
-    found = {"ns_steps": req.optimizer.ns_steps, "ns_coefficients": req.optimizer.ns_coefficients,
-             "split_qkv": req.split_qkv}
+    found = {
+        "ns_steps": req.optimizer.ns_steps,
+        "ns_coefficients": req.optimizer.ns_coefficients,
+        "split_qkv": req.split_qkv,
+    }
     if req.optimizer.name != "muon":
         return f"the schedule is planned for {req.optimizer.name}, not Muon"
     wrong = [key for key in wanted if found[key] != wanted[key]]
     if not wrong:
         return None
     flags = " ".join(f"--{key.replace('_', '-')} {wanted[key]}" for key in wanted)
-    return (f"the schedule's {', '.join(f'{k} {found[k]}' for k in wrong)} differ from Megatron's "
-            f"{', '.join(f'{k} {wanted[k]}' for k in wrong)}: plan it with {flags}")
+    return (
+        f"the schedule's {', '.join(f'{k} {found[k]}' for k in wrong)} differ from Megatron's "
+        f"{', '.join(f'{k} {wanted[k]}' for k in wrong)}: plan it with {flags}"
+    )
 
 
 def optimizer_kwargs(config: Any, schedule: Schedule) -> dict[str, Any]:
@@ -285,13 +308,15 @@ def optimizer_kwargs(config: Any, schedule: Schedule) -> dict[str, Any]:
         raise MegatronConfigError(problem)
     lr, weight_decay = float(config.lr), float(getattr(config, "weight_decay", 0.0))
     return {
-        "lr": lr, "weight_decay": weight_decay,
+        "lr": lr,
+        "weight_decay": weight_decay,
         "momentum": float(getattr(config, "muon_momentum", 0.95)),
         "nesterov": _nesterov(config),
         "ns_dtype": NS_PRECISION[getattr(config, "muon_fp32_matmul_prec", "medium")],
         "update_scale": SCALE_MODES[getattr(config, "muon_scale_mode", "spectral")],
         "update_scale_factor": float(getattr(config, "muon_extra_scale_factor", 1.0)),
-        "adamw_lr": lr, "adamw_weight_decay": weight_decay,
+        "adamw_lr": lr,
+        "adamw_weight_decay": weight_decay,
         "adamw_betas": (float(getattr(config, "adam_beta1", 0.9)), float(getattr(config, "adam_beta2", 0.999))),
         "adamw_eps": float(getattr(config, "adam_eps", 1e-8)),
     }

@@ -83,8 +83,10 @@ def spmd_tp_axis(model: nn.Module, tp_mesh_dim: str = "tp") -> Any | None:
     if not sharding:
         return None  # nothing is split: no TP to read
     names = ", ".join(sorted(_axis_name(spmd, key) for key in axes))
-    raise TitanLayoutError(f"the model's spmd_types axes ({names}) have none named {tp_mesh_dim!r} or "
-                           f"mesh_{tp_mesh_dim}: cannot tell which is TP")
+    raise TitanLayoutError(
+        f"the model's spmd_types axes ({names}) have none named {tp_mesh_dim!r} or "
+        f"mesh_{tp_mesh_dim}: cannot tell which is TP"
+    )
 
 
 def spmd_placement(param: torch.Tensor, axis: Any) -> SpmdPlacement | None:
@@ -97,8 +99,12 @@ def spmd_placement(param: torch.Tensor, axis: Any) -> SpmdPlacement | None:
         return None
     size = key.size()
     spec = spmd.get_partition_spec(param)
-    dims = [d for d, entry in enumerate(spec or ()) if entry is not None and key in
-            {spmd.normalize_axis(a) for a in (entry if isinstance(entry, tuple) else (entry,))}]
+    dims = [
+        d
+        for d, entry in enumerate(spec or ())
+        if entry is not None
+        and key in {spmd.normalize_axis(a) for a in (entry if isinstance(entry, tuple) else (entry,))}
+    ]
     if local == spmd.V:
         if len(dims) != 1:
             raise TitanLayoutError(f"a parameter varies over TP without one dim split on it (partition spec {spec})")
@@ -150,11 +156,14 @@ def spmd_problems(name: str, tensor: torch.Tensor, tp_dim: int | None, partial: 
     problems = []
     if placement.tp_dim != tp_dim:
         found = f"split on dim {placement.tp_dim}" if placement.tp_dim is not None else "replicated"
-        problems.append(f"{name}: spmd_types has it {found} over TP, the schedule says tp_dim {tp_dim}; plan the live "
-                        "model")
+        problems.append(
+            f"{name}: spmd_types has it {found} over TP, the schedule says tp_dim {tp_dim}; plan the live model"
+        )
     if placement.partial != partial:
         how = "partial over TP (R)" if placement.partial else "whole over TP"
         fix = "plan the live model or with --sequence-parallel" if placement.partial else "plan the live model"
-        problems.append(f"{name}: spmd_types makes its gradient {how}, the schedule "
-                        f"{'does not sum' if placement.partial else 'sums'} it over TP; {fix}")
+        problems.append(
+            f"{name}: spmd_types makes its gradient {how}, the schedule "
+            f"{'does not sum' if placement.partial else 'sums'} it over TP; {fix}"
+        )
     return problems

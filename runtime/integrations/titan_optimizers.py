@@ -55,8 +55,12 @@ class CanzonaOptimizersContainer(OptimizersContainer):
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         _check_config(config, model_parts)
         model = model_parts[0]
-        optimizer = FsdpOptimizer(model.named_parameters(), config.schedule,
-                                  timeout=timedelta(seconds=config.timeout_seconds), **config.hyperparameters)
+        optimizer = FsdpOptimizer(
+            model.named_parameters(),
+            config.schedule,
+            timeout=timedelta(seconds=config.timeout_seconds),
+            **config.hyperparameters,
+        )
         self.optimizers = [optimizer]
         self.model_parts = model_parts
         # torch.optim.Optimizer's own set-up (hooks such as torchtitan's MoE load balancing step
@@ -81,9 +85,11 @@ class CanzonaOptimizersContainer(OptimizersContainer):
         data = state_dict.get(_rank_key())
         if not isinstance(data, bytes) or not data:
             saved = sorted(k for k in state_dict if k.startswith(STATE_KEY)) or ["none"]
-            raise ValueError(f"canzona: the checkpoint has no optimizer state for {_rank_key()} (it holds {saved[0]}"
-                             f"{' ...' if len(saved) > 1 else ''}): FSDP optimizer state resumes on the layout it was "
-                             "saved with")
+            raise ValueError(
+                f"canzona: the checkpoint has no optimizer state for {_rank_key()} (it holds {saved[0]}"
+                f"{' ...' if len(saved) > 1 else ''}): FSDP optimizer state resumes on the layout it was "
+                "saved with"
+            )
         state = torch.load(io.BytesIO(data), map_location=self.canzona.device, weights_only=True)
         self.canzona.load_state_dict(state)
 
@@ -97,8 +103,12 @@ def _check_config(config: CanzonaOptimizersContainer.Config, model_parts: list[n
     if not config.schedule:
         raise ValueError("canzona: set optimizer.schedule to the schedule file (canzona plan ... --fsdp)")
     if config.param_groups:
-        raise ValueError("canzona: optimizer.param_groups must be empty: the schedule says which parameters are "
-                         "matrices; set the learning rates in optimizer.hyperparameters (lr, adamw_lr)")
+        raise ValueError(
+            "canzona: optimizer.param_groups must be empty: the schedule says which parameters are "
+            "matrices; set the learning rates in optimizer.hyperparameters (lr, adamw_lr)"
+        )
     if len(model_parts) != 1:
-        raise ValueError(f"canzona: the model is in {len(model_parts)} pipeline stages; canzona plans one model "
-                         "(pipeline parallelism is not supported)")
+        raise ValueError(
+            f"canzona: the model is in {len(model_parts)} pipeline stages; canzona plans one model "
+            "(pipeline parallelism is not supported)"
+        )

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import wait
-from canzona.schedules.layout import Task
 from canzona.runtime.rules.optimizers import (
     Hyperparameters,
     NsCoefficients,
@@ -42,6 +41,7 @@ from canzona.runtime.rules.optimizers import (
     muon_scale,
     resolve_ns_dtype,
 )
+from canzona.schedules.layout import Task
 from canzona.schedules.teams import long_dim
 
 Box = tuple[tuple[int, int], ...]  # per dim: [start, stop)
@@ -106,14 +106,18 @@ def _fill(out: Tensor, frame: Box, parts: Iterable[tuple[Box | None, Tensor]]) -
     return out
 
 
-def assemble_slice(task: Task, member: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+def assemble_slice(
+    task: Task, member: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device
+) -> Tensor:
     """Member `member`'s slice from every TP rank's piece (flat, in TP-rank order)."""
     frame = slice_box(task, member)
     out = torch.empty(slice_shape(task, member), dtype=dtype, device=device)
     return _fill(out, frame, ((_meet(task.shard_box(tp_rank), frame), piece) for tp_rank, piece in enumerate(pieces)))
 
 
-def assemble_shard(task: Task, tp_rank: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+def assemble_shard(
+    task: Task, tp_rank: int, pieces: Sequence[Tensor], dtype: torch.dtype, device: torch.device
+) -> Tensor:
     """Rank `tp_rank`'s shard (local shape) from every member's piece (flat, in team order)."""
     frame = task.shard_box(tp_rank)
     out = torch.empty(task.shard_shape(tp_rank), dtype=dtype, device=device)
@@ -134,8 +138,9 @@ def canonical_chunks(task: Task, member: int, tensor: Tensor) -> list[tuple[tupl
     return chunks
 
 
-def make_team_groups(tasks: Sequence[Task], tp_rank: int, tp_group: dist.ProcessGroup,
-                     timeout: timedelta | None) -> dict[tuple[int, ...], dist.ProcessGroup]:
+def make_team_groups(
+    tasks: Sequence[Task], tp_rank: int, tp_group: dist.ProcessGroup, timeout: timedelta | None
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """A process group per distinct team of this TP group that this rank belongs to.
 
     Only a team's members create its group (`use_local_synchronization`); torch names such a
@@ -168,9 +173,17 @@ def _all_reduce(tensor: Tensor, group: dist.ProcessGroup, timeout: timedelta | N
     wait(dist.all_reduce(tensor, group=group, async_op=True), timeout, "a cooperative Newton-Schulz all-reduce")
 
 
-def team_newton_schulz(part: Tensor, dim: int, steps: int, coefficients: NsCoefficients,
-                       group: dist.ProcessGroup, timeout: timedelta | None, calls: Calls | None = None,
-                       eps: float = 1e-7, precision: str = "fp32") -> Tensor:
+def team_newton_schulz(
+    part: Tensor,
+    dim: int,
+    steps: int,
+    coefficients: NsCoefficients,
+    group: dist.ProcessGroup,
+    timeout: timedelta | None,
+    calls: Calls | None = None,
+    eps: float = 1e-7,
+    precision: str = "fp32",
+) -> Tensor:
     """`newton_schulz` of the matrix whose slices along `dim` (its long side) the team's
     members hold; `part` is this member's, and so is the result (steps + 1 all-reduces). The
     products run in `precision` (a resolved `ns_dtype`), the norm and the summed Gram X·Xᵀ in
@@ -195,8 +208,9 @@ def team_newton_schulz(part: Tensor, dim: int, steps: int, coefficients: NsCoeff
     return x.T.contiguous() if dim == 0 else x
 
 
-def idle(task: Task, group: dist.ProcessGroup, steps: int, device: torch.device, timeout: timedelta | None,
-         done: int = 0) -> None:
+def idle(
+    task: Task, group: dist.ProcessGroup, steps: int, device: torch.device, timeout: timedelta | None, done: int = 0
+) -> None:
     """Take part, with zeros, in the team update's all-reduces after the first `done` (this
     rank's step failed: the other members still complete theirs, and every rank refuses the
     step at the safe point)."""
@@ -207,8 +221,15 @@ def idle(task: Task, group: dist.ProcessGroup, steps: int, device: torch.device,
         _all_reduce(torch.zeros(rows, rows, device=device), group, timeout, calls)
 
 
-def team_muon(hp: Hyperparameters, state: State, grad: Tensor, task: Task, group: dist.ProcessGroup,
-              timeout: timedelta | None, calls: Calls | None = None) -> Tensor:
+def team_muon(
+    hp: Hyperparameters,
+    state: State,
+    grad: Tensor,
+    task: Task,
+    group: dist.ProcessGroup,
+    timeout: timedelta | None,
+    calls: Calls | None = None,
+) -> Tensor:
     """Muon's update of this member's slice (`Muon.update` with the Newton–Schulz shared by
     the team, the scale of the full matrix)."""
     buf = state["momentum"]
@@ -216,6 +237,7 @@ def team_muon(hp: Hyperparameters, state: State, grad: Tensor, task: Task, group
     direction = grad.add(buf, alpha=hp.momentum) if hp.nesterov else buf
     precision = resolve_ns_dtype(hp.ns_dtype, grad.device)
     schedule = hp.ns_schedule
-    ortho = team_newton_schulz(direction, long_dim(task.shape), len(schedule), schedule, group, timeout, calls,
-                               precision=precision)
+    ortho = team_newton_schulz(
+        direction, long_dim(task.shape), len(schedule), schedule, group, timeout, calls, precision=precision
+    )
     return ortho.mul_(muon_scale(task.shape[0], task.shape[1], hp.update_scale, hp.update_scale_factor))

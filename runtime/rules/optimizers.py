@@ -32,7 +32,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from canzona.schedules.coefficients import DEFAULT_NS_COEFFICIENTS, NS_COEFFICIENT_NAMES, Coefficients, coefficient_steps
+from canzona.schedules.coefficients import (
+    DEFAULT_NS_COEFFICIENTS,
+    NS_COEFFICIENT_NAMES,
+    Coefficients,
+    coefficient_steps,
+)
 from canzona.schedules.reshard import submatrix_shapes
 
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
@@ -131,10 +136,17 @@ class Hyperparameters:
 
 # (name, low, high, high included): every scalar knob must be a finite number in [low, high].
 _RANGES = (
-    ("lr", 0.0, math.inf, False), ("weight_decay", 0.0, math.inf, False), ("momentum", 0.0, 1.0, False),
-    ("shampoo_beta2", 0.0, 1.0, True), ("graft_rms", 0.0, math.inf, False), ("matrix_eps", 0.0, math.inf, False),
-    ("soap_shampoo_beta", 0.0, 1.0, False), ("soap_eps", 0.0, math.inf, False), ("adamw_lr", 0.0, math.inf, False),
-    ("adamw_eps", 0.0, math.inf, False), ("adamw_weight_decay", 0.0, math.inf, False),
+    ("lr", 0.0, math.inf, False),
+    ("weight_decay", 0.0, math.inf, False),
+    ("momentum", 0.0, 1.0, False),
+    ("shampoo_beta2", 0.0, 1.0, True),
+    ("graft_rms", 0.0, math.inf, False),
+    ("matrix_eps", 0.0, math.inf, False),
+    ("soap_shampoo_beta", 0.0, 1.0, False),
+    ("soap_eps", 0.0, math.inf, False),
+    ("adamw_lr", 0.0, math.inf, False),
+    ("adamw_eps", 0.0, math.inf, False),
+    ("adamw_weight_decay", 0.0, math.inf, False),
 )
 
 
@@ -161,16 +173,19 @@ def coefficient_schedule(value: NsCoefficients, steps: int) -> tuple[Coefficient
     iteration, the last repeated). ValueError for anything else."""
     if isinstance(value, str):
         if value not in NS_COEFFICIENT_NAMES:
-            raise ValueError(f"ns_coefficients must be one of {', '.join(NS_COEFFICIENT_NAMES)}, three numbers or a "
-                             f"list of such triples, got {value!r}")
+            raise ValueError(
+                f"ns_coefficients must be one of {', '.join(NS_COEFFICIENT_NAMES)}, three numbers or a "
+                f"list of such triples, got {value!r}"
+            )
         return coefficient_steps(value, steps)
     single = _triple(value)
     if single is not None:
         return (single,) * steps
     triples = [_triple(item) for item in value] if isinstance(value, (tuple, list)) else [None]
     if not triples or any(t is None for t in triples):
-        raise ValueError(f"ns_coefficients must be a schedule's name, three finite numbers or a list of such triples, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"ns_coefficients must be a schedule's name, three finite numbers or a list of such triples, got {value!r}"
+        )
     return tuple(triples[min(i, len(triples) - 1)] for i in range(steps))  # type: ignore[misc]
 
 
@@ -222,8 +237,9 @@ def _iterate(x: Tensor, schedule: Sequence[Coefficients], precision: str) -> Ten
     return x
 
 
-def orthogonalize_(matrices: Sequence[Tensor], steps: int, coefficients: NsCoefficients,
-                   precision: str = "fp32", eps: float = 1e-7) -> None:
+def orthogonalize_(
+    matrices: Sequence[Tensor], steps: int, coefficients: NsCoefficients, precision: str = "fp32", eps: float = 1e-7
+) -> None:
     """Replace each of `matrices` (same shape, fp32 or fp64) by its approximate
     orthogonalisation (Muon's Newton–Schulz, `steps` iterations of the `coefficients`
     schedule), in place. Each is normalised by its Frobenius norm where it lies; then all are
@@ -248,8 +264,9 @@ def orthogonalize_(matrices: Sequence[Tensor], steps: int, coefficients: NsCoeff
         torch._foreach_copy_(matrices, list(result.unbind(0)))
 
 
-def newton_schulz(grad: Tensor, steps: int, coefficients: NsCoefficients, eps: float = 1e-7,
-                  precision: str = "fp32") -> Tensor:
+def newton_schulz(
+    grad: Tensor, steps: int, coefficients: NsCoefficients, eps: float = 1e-7, precision: str = "fp32"
+) -> Tensor:
     """`orthogonalize_` of one matrix (the same numbers as inside a batch), in fp32 (fp64 for
     fp64 input); `grad` is left as it is."""
     x = grad.to(compute_dtype(grad), copy=True)
@@ -307,7 +324,9 @@ def muon_update_(hp: Hyperparameters, momenta: Sequence[Tensor], grads: Sequence
     precision = resolve_ns_dtype(hp.ns_dtype, grads[0].device)
     schedule = hp.ns_schedule
     orthogonalize_(grads, len(schedule), schedule, precision)
-    torch._foreach_mul_(grads, muon_scale(grads[0].size(-2), grads[0].size(-1), hp.update_scale, hp.update_scale_factor))
+    torch._foreach_mul_(
+        grads, muon_scale(grads[0].size(-2), grads[0].size(-1), hp.update_scale, hp.update_scale_factor)
+    )
 
 
 @dataclass(frozen=True)
@@ -347,10 +366,14 @@ class Shampoo:
         for r0, r1 in _spans(rows, self.hp.block_size):
             for c0, c1 in _spans(cols, self.hp.block_size):
                 m, n = r1 - r0, c1 - c0
-                blocks.append({
-                    "L": torch.zeros(m, m, dtype=dtype, device=device), "R": torch.zeros(n, n, dtype=dtype, device=device),
-                    "L_root": torch.eye(m, dtype=dtype, device=device), "R_root": torch.eye(n, dtype=dtype, device=device),
-                })
+                blocks.append(
+                    {
+                        "L": torch.zeros(m, m, dtype=dtype, device=device),
+                        "R": torch.zeros(n, n, dtype=dtype, device=device),
+                        "L_root": torch.eye(m, dtype=dtype, device=device),
+                        "R_root": torch.eye(n, dtype=dtype, device=device),
+                    }
+                )
         return {"blocks": blocks, "momentum": torch.zeros(rows, cols, dtype=dtype, device=device)}
 
     def update(self, state: State, grad: Tensor, step: int) -> Tensor:
@@ -442,8 +465,13 @@ def make_rule(name: str, hp: Hyperparameters) -> MatrixRule:
     return rules[name](hp)  # type: ignore[no-any-return]
 
 
-def init_matrix_state(rule: MatrixRule, shape: tuple[int, int], row_blocks: list[RowBlock] | None,
-                      device: torch.device, dtype: torch.dtype = torch.float32) -> list[State]:
+def init_matrix_state(
+    rule: MatrixRule,
+    shape: tuple[int, int],
+    row_blocks: list[RowBlock] | None,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+) -> list[State]:
     """Fresh state of every submatrix of one matrix, on `device`, in `dtype`."""
     return [rule.init_state(rows, cols, device, dtype) for rows, cols in submatrix_shapes(shape, row_blocks)]
 
@@ -469,8 +497,14 @@ def stack_limit(group_bytes: int) -> int:
     return max(1, group_bytes // 32)
 
 
-def matrix_update_batch(rule: MatrixRule, states: Sequence[list[State]], grads: Sequence[Tensor],
-                        row_blocks: list[RowBlock] | None, steps: Sequence[int], stack_limit: int | None = None) -> None:
+def matrix_update_batch(
+    rule: MatrixRule,
+    states: Sequence[list[State]],
+    grads: Sequence[Tensor],
+    row_blocks: list[RowBlock] | None,
+    steps: Sequence[int],
+    stack_limit: int | None = None,
+) -> None:
     """Update k same-shape matrices with the same row blocks, in place: each of `grads` (fp32 or
     fp64 scratch) becomes its matrix's update; `states[i]` are the i-th matrix's submatrix
     states and `steps[i]` its step (from 1). Muon updates each submatrix position of the
@@ -495,7 +529,9 @@ def matrix_update_batch(rule: MatrixRule, states: Sequence[list[State]], grads: 
                     put_rows(grad, block, sub)
 
 
-def matrix_update(rule: MatrixRule, states: list[State], grad: Tensor, row_blocks: list[RowBlock] | None, step: int) -> Tensor:
+def matrix_update(
+    rule: MatrixRule, states: list[State], grad: Tensor, row_blocks: list[RowBlock] | None, step: int
+) -> Tensor:
     """The update of a whole matrix: each submatrix (its rows gathered from `row_blocks`, in
     order) is updated on its own and the result written back to the same rows. Muon goes
     through `matrix_update_batch` as a batch of one (so batched and single updates agree);
@@ -520,8 +556,15 @@ def apply_update(param: Tensor, update: Tensor, lr: float, weight_decay: float) 
     param.add_(update, alpha=-lr)
 
 
-def adamw_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, hp: Hyperparameters,
-           scratch: Tensor | None = None) -> None:
+def adamw_(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step: int,
+    hp: Hyperparameters,
+    scratch: Tensor | None = None,
+) -> None:
     """One AdamW step on fp32 vectors, in place (torch.optim.AdamW's formula). `scratch` (the
     size of `grad`; `grad` itself when the caller no longer needs it) holds the denominator, so
     the step allocates nothing."""

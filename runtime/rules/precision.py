@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from canzona.schedules.layout import Task
 from canzona.runtime.plan import RankPlan
 from canzona.runtime.rules.cooperative import held_shape
 from canzona.runtime.rules.optimizers import put_rows
+from canzona.schedules.layout import Task
 
 GatherFull = Callable[[Sequence[Task], Callable[[Task], Tensor]], dict[int, Tensor]]
 
@@ -47,8 +47,11 @@ def main_tasks(plan: RankPlan) -> list[Task]:
 def allocate(plan: RankPlan) -> MainCopies:
     """Buffers for every main copy this rank keeps (filled at the next step: stale)."""
     matrices = {
-        t.param: torch.empty(held_shape(plan.tasks[t.param], plan.place.tp_rank), dtype=torch.float32, device=plan.device)
-        for t in main_tasks(plan) if t.param in plan.tasks
+        t.param: torch.empty(
+            held_shape(plan.tasks[t.param], plan.place.tp_rank), dtype=torch.float32, device=plan.device
+        )
+        for t in main_tasks(plan)
+        if t.param in plan.tasks
     }
     lowp = any(plan.optimized(piece.param) and plan.lowp(piece.param) for piece in plan.adamw)
     adamw = torch.empty(plan.adamw_numel, dtype=torch.float32, device=plan.device) if lowp else None

@@ -20,8 +20,8 @@ import hashlib
 import json
 import os
 import pickle
-import sys
 import shutil
+import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,10 +87,15 @@ class _SavePlanner(DefaultSavePlanner):
             for offsets, data in tensor.chunks:
                 self._chunks[(key, offsets)] = data
                 chunk = ChunkStorageMetadata(torch.Size(offsets), data.size())
-                items.append(WriteItem(
-                    index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(data), torch.Size(tensor.size)),
-                ))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(key, torch.Size(offsets)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk, TensorProperties.create_from_tensor(data), torch.Size(tensor.size)
+                        ),
+                    )
+                )
         self.plan = SavePlan(items)
         return self.plan
 
@@ -149,14 +154,16 @@ def _one_line(error: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}" if not isinstance(error, CheckpointError) else lines[0]
+    return (
+        f"{type(error).__name__}: {lines[0] if lines else ''}" if not isinstance(error, CheckpointError) else lines[0]
+    )
 
 
 def _attempt(call: Any, *args: Any) -> tuple[Any, str | None]:
     """(result, None), or (None, the error as one line)."""
     try:
         return call(*args), None
-    except Exception as error:  # noqa: BLE001 - becomes this rank's verdict
+    except Exception as error:
         return None, _one_line(error)
 
 
@@ -198,7 +205,9 @@ def _check_group(opt: Checkpointable, group: dist.ProcessGroup | None) -> dist.P
     group = group if group is not None else dist.group.WORLD
     assert group is not None, "torch.distributed is not initialised"
     if dist.get_world_size(group) != opt.dp_size * opt.tp_size:
-        raise ValueError(f"the checkpoint process group has {dist.get_world_size(group)} ranks, the optimizer runs on DP {opt.dp_size} x TP {opt.tp_size}")
+        raise ValueError(
+            f"the checkpoint process group has {dist.get_world_size(group)} ranks, the optimizer runs on DP {opt.dp_size} x TP {opt.tp_size}"
+        )
     return group
 
 
@@ -224,10 +233,19 @@ def _manifest(opt: Checkpointable, folder: str, files: dict[str, str]) -> dict[s
     record = opt.logical_record()
     groups = [{key: _json_value(value) for key, value in group.items()} for group in record["param_groups"]]
     return {
-        "format": CHECKPOINT_FORMAT, "state_format": record["format"], "data": folder, "step": record["step"],
-        "param_steps": record["param_steps"], "strategy": record["strategy"], "layout": record["layout"],
-        "fingerprint": record["fingerprint"], "digest": record["digest"], "world": opt.dp_size * opt.tp_size,
-        "hyperparameters": record["hyperparameters"], "param_groups": groups, "files": files,
+        "format": CHECKPOINT_FORMAT,
+        "state_format": record["format"],
+        "data": folder,
+        "step": record["step"],
+        "param_steps": record["param_steps"],
+        "strategy": record["strategy"],
+        "layout": record["layout"],
+        "fingerprint": record["fingerprint"],
+        "digest": record["digest"],
+        "world": opt.dp_size * opt.tp_size,
+        "hyperparameters": record["hyperparameters"],
+        "param_groups": groups,
+        "files": files,
         "ep_experts": record["ep_experts"],
     }
 
@@ -241,7 +259,9 @@ def _write(opt: Checkpointable, folder: Path, group: dist.ProcessGroup) -> dict[
     return {name: _sha256(folder / name) for name in _my_files(opt, names)}
 
 
-def save_checkpoint(opt: Checkpointable, path: str | os.PathLike[str], *, process_group: dist.ProcessGroup | None = None) -> Path:
+def save_checkpoint(
+    opt: Checkpointable, path: str | os.PathLike[str], *, process_group: dist.ProcessGroup | None = None
+) -> Path:
     """Save `opt`'s logical state to the folder `path` (collective; every rank passes the same
     path on a shared file system). Atomic: until it returns, `path` holds the previous
     checkpoint. Returns the data folder written. CheckpointError on every rank on failure."""
@@ -294,10 +314,14 @@ def _check_record(opt: Checkpointable, root: Path, param_groups: bool) -> dict[s
         raise CheckpointError("the checkpoint does not fit this optimizer: " + "; ".join(problems))
     if param_groups:
         try:
-            manifest["param_groups"] = opt.check_saved_groups(manifest.get("param_groups"), manifest.get("ep_experts", ()))
+            manifest["param_groups"] = opt.check_saved_groups(
+                manifest.get("param_groups"), manifest.get("ep_experts", ())
+            )
         except ValueError as error:
-            raise CheckpointError(f"the checkpoint's param groups do not fit ({error}); load with param_groups=False "
-                                  "to keep this optimizer's") from error
+            raise CheckpointError(
+                f"the checkpoint's param groups do not fit ({error}); load with param_groups=False "
+                "to keep this optimizer's"
+            ) from error
     return manifest
 
 
@@ -324,8 +348,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         dtype = module == "torch" and isinstance(found, torch.dtype)
         if own or dtype or name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
-        raise CheckpointError(f"the checkpoint's DCP metadata names {module}.{name}, which DCP never writes: "
-                              "refusing to unpickle it (load checkpoints only from sources you trust)")
+        raise CheckpointError(
+            f"the checkpoint's DCP metadata names {module}.{name}, which DCP never writes: "
+            "refusing to unpickle it (load checkpoints only from sources you trust)"
+        )
 
 
 class _SafeReader(dcp.FileSystemReader):
@@ -349,7 +375,9 @@ def _verify(opt: Checkpointable, folder: Path, files: dict[str, str]) -> None:
         if not (folder / name).is_file():
             raise CheckpointError(f"checkpoint file {str(folder / name)!r} is missing")
         if _sha256(folder / name) != files[name]:
-            raise CheckpointError(f"checkpoint file {str(folder / name)!r} is corrupt (sha256 mismatch: truncated or modified)")
+            raise CheckpointError(
+                f"checkpoint file {str(folder / name)!r} is corrupt (sha256 mismatch: truncated or modified)"
+            )
 
 
 def _plan(opt: Checkpointable, folder: Path) -> Destination:
@@ -358,8 +386,14 @@ def _plan(opt: Checkpointable, folder: Path) -> Destination:
     return opt.logical_destination(available)
 
 
-def load_checkpoint(opt: Checkpointable, path: str | os.PathLike[str], *, verify: bool = True,
-                    param_groups: bool = True, process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    opt: Checkpointable,
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    param_groups: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
     """Load the checkpoint at `path` into `opt` (collective), whatever schedule of the same model
     saved it: every rank reads the state it holds under `opt`'s schedule (fp32 main copies
     included; a checkpoint without them has them rebuilt from the parameters at the next step).
@@ -378,7 +412,9 @@ def load_checkpoint(opt: Checkpointable, path: str | os.PathLike[str], *, verify
     dest, problem = _attempt(_plan, opt, folder)
     _exchange(opt, problem, None, what)
     reader = _SafeReader(folder)
-    _, problem = _attempt(lambda: dcp.load(dest.tensors, storage_reader=reader, planner=_LoadPlanner(), process_group=group))
+    _, problem = _attempt(
+        lambda: dcp.load(dest.tensors, storage_reader=reader, planner=_LoadPlanner(), process_group=group)
+    )
     _exchange(opt, problem, None, what)
     opt.install_logical(dest, int(manifest["step"]), manifest.get("param_steps", {}))
     if param_groups:
@@ -393,7 +429,11 @@ def merge_state_dicts(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("nothing to merge")
     merged = dict(states[0], tensors={})
     for state in states:
-        if state.get("format") != STATE_FORMAT or state["layout"] != states[0]["layout"] or state["step"] != states[0]["step"]:
+        if (
+            state.get("format") != STATE_FORMAT
+            or state["layout"] != states[0]["layout"]
+            or state["step"] != states[0]["step"]
+        ):
             raise ValueError("the state dicts come from different models, formats or steps")
         for key, tensor in state["tensors"].items():
             merged["tensors"].setdefault(key, LogicalTensor(tensor.size)).chunks.extend(tensor.chunks)

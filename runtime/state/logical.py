@@ -123,8 +123,14 @@ def adamw_runs(plan: RankPlan) -> list[AdamwRun]:
     runs = []
     for piece in plan.adamw:
         entry = entries[piece.param]
-        for full, local, length in full_runs(tuple(entry.shape), entry.tp_dim, plan.place.tp_size, plan.place.tp_rank,
-                                             piece.src, piece.src + piece.length):
+        for full, local, length in full_runs(
+            tuple(entry.shape),
+            entry.tp_dim,
+            plan.place.tp_size,
+            plan.place.tp_rank,
+            piece.src,
+            piece.src + piece.length,
+        ):
             runs.append(AdamwRun(piece.param, full, piece.offset + local - piece.src, length))
     return runs
 
@@ -139,8 +145,9 @@ def _logical(plan: RankPlan, param: int, tensor: Tensor, clone: bool) -> Logical
     return LogicalTensor(task.shape, [(offsets, data.clone() if clone else data) for offsets, data in chunks])
 
 
-def _add_run(out: dict[str, LogicalTensor], key: str, plan: RankPlan, run: AdamwRun, buffer: Tensor,
-             clone: bool = False) -> None:
+def _add_run(
+    out: dict[str, LogicalTensor], key: str, plan: RankPlan, run: AdamwRun, buffer: Tensor, clone: bool = False
+) -> None:
     """Add an AdamW run of `buffer` (a state vector indexed like the AdamW moments) to the flat
     logical tensor `key` of its parameter."""
     data = buffer[run.local : run.local + run.length]
@@ -155,8 +162,9 @@ def _main_runs(plan: RankPlan, state: OptimizerState) -> list[AdamwRun]:
     return [run for run in adamw_runs(plan) if plan.optimized(run.param) and plan.lowp(run.param)]
 
 
-def _export_main(plan: RankPlan, state: OptimizerState, writers_only: bool, clone: bool,
-                 out: dict[str, LogicalTensor]) -> None:
+def _export_main(
+    plan: RankPlan, state: OptimizerState, writers_only: bool, clone: bool, out: dict[str, LogicalTensor]
+) -> None:
     """The main copies (none while stale: they equal the parameters, which a loader rebuilds
     them from)."""
     main = state.main
@@ -174,8 +182,9 @@ def _export_main(plan: RankPlan, state: OptimizerState, writers_only: bool, clon
         _add_run(out, main_key(plan.names[run.param]), plan, run, main.adamw, clone)
 
 
-def export_state(plan: RankPlan, state: OptimizerState, rule: MatrixRule, writers_only: bool,
-                 clone: bool) -> dict[str, LogicalTensor]:
+def export_state(
+    plan: RankPlan, state: OptimizerState, rule: MatrixRule, writers_only: bool, clone: bool
+) -> dict[str, LogicalTensor]:
     """The logical state this rank holds (`writers_only`: one copy of every redundant replica,
     as a checkpoint saves it). Matrices not yet stepped export their initial state."""
     out: dict[str, LogicalTensor] = {}
@@ -201,7 +210,9 @@ def export_steps(plan: RankPlan, state: OptimizerState) -> dict[str, int]:
     return {name: count for name, count in zip(plan.names, state.param_steps) if count != state.step}
 
 
-def _plan_main(plan: RankPlan, state: OptimizerState, available: Mapping[str, tuple[int, ...]], dest: Destination) -> None:
+def _plan_main(
+    plan: RankPlan, state: OptimizerState, available: Mapping[str, tuple[int, ...]], dest: Destination
+) -> None:
     """Destinations for the main copies the saved state has; `main_complete` if it has all."""
     complete = True
     for param, current in state.main.matrices.items():
@@ -227,8 +238,9 @@ def _plan_main(plan: RankPlan, state: OptimizerState, available: Mapping[str, tu
     dest.main_complete = complete
 
 
-def plan_import(plan: RankPlan, state: OptimizerState, rule: MatrixRule,
-                available: Mapping[str, tuple[int, ...]]) -> Destination:
+def plan_import(
+    plan: RankPlan, state: OptimizerState, rule: MatrixRule, available: Mapping[str, tuple[int, ...]]
+) -> Destination:
     """Fresh state buffers for everything this rank holds, and the logical chunks that fill
     them; ValueError naming what `available` (key -> full size) lacks."""
     tensors: dict[str, LogicalTensor] = {}
@@ -245,7 +257,11 @@ def plan_import(plan: RankPlan, state: OptimizerState, rule: MatrixRule,
                 continue
             wanted = _logical(plan, param, tensor, clone=False)
             if available.get(key) != wanted.size:
-                missing.append(key if key not in available else f"{key} (shape {list(available[key])}, expected {list(wanted.size)})")
+                missing.append(
+                    key
+                    if key not in available
+                    else f"{key} (shape {list(available[key])}, expected {list(wanted.size)})"
+                )
                 continue
             tensors[key] = wanted
     adamw = {name: torch.zeros_like(buffer) for name, buffer in state.adamw.items()}
@@ -275,7 +291,9 @@ def _fill_run(key: str, offset: int, target: Tensor, sources: LogicalTensor) -> 
             covered[low - offset : high - offset] = True
     needed = max(0, min(target.numel(), sources.size[0] - offset))
     if not bool(covered[:needed].all()):
-        raise ValueError(f"the saved state of {key} does not cover the elements this rank needs (a state_dict of another rank?)")
+        raise ValueError(
+            f"the saved state of {key} does not cover the elements this rank needs (a state_dict of another rank?)"
+        )
 
 
 def _fill_box(key: str, offsets: Offsets, target: Tensor, sources: LogicalTensor, size: tuple[int, ...]) -> None:
@@ -293,7 +311,9 @@ def _fill_box(key: str, offsets: Offsets, target: Tensor, sources: LogicalTensor
             into.copy_(out_of)
             covered += into.numel()
     if covered < target.numel():
-        raise ValueError(f"the saved state of {key} is not whole (expected chunks covering [{', '.join(map(str, size))}])")
+        raise ValueError(
+            f"the saved state of {key} is not whole (expected chunks covering [{', '.join(map(str, size))}])"
+        )
 
 
 def fill_from(dest: Destination, tensors: Mapping[str, LogicalTensor]) -> None:
@@ -307,7 +327,9 @@ def fill_from(dest: Destination, tensors: Mapping[str, LogicalTensor]) -> None:
                 _fill_box(key, offsets, target, source, wanted.size)
 
 
-def install(plan: RankPlan, state: OptimizerState, dest: Destination, step: int, param_steps: Mapping[str, int]) -> None:
+def install(
+    plan: RankPlan, state: OptimizerState, dest: Destination, step: int, param_steps: Mapping[str, int]
+) -> None:
     """Make the imported state the optimizer's own (main copies missing from it are rebuilt
     from the parameters at the next step)."""
     state.matrix = dest.matrix
@@ -332,8 +354,9 @@ def ep_experts(plan: RankPlan) -> list[str]:
     return [e.name for e in plan.schedule.params if e.ep_rank is not None]
 
 
-def check_groups(plan: RankPlan, groups: list[dict[str, Any]], defaults: Hyperparameters, saved: Any,
-                 saved_experts: Any = ()) -> list[dict[str, Any]] | None:
+def check_groups(
+    plan: RankPlan, groups: list[dict[str, Any]], defaults: Hyperparameters, saved: Any, saved_experts: Any = ()
+) -> list[dict[str, Any]] | None:
     """The saved groups' hyperparameters, checked against the optimizer's `groups` (the same
     parameters, group by group, leaving out the experts placed by expert parallelism on either
     side, `saved_experts` and this schedule's; and usable values); ValueError if they do not
@@ -350,7 +373,9 @@ def check_groups(plan: RankPlan, groups: list[dict[str, Any]], defaults: Hyperpa
 
     for position, (group, old) in enumerate(zip(groups, saved)):
         if members(old.get("param_names", [])) != members(group["param_names"]):
-            raise ValueError(f"param_groups[{position}] holds other parameters in the saved state (the groups must be built the same way)")
+            raise ValueError(
+                f"param_groups[{position}] holds other parameters in the saved state (the groups must be built the same way)"
+            )
         try:
             group_hyperparameters({**group, **old}, defaults, rule)
         except ValueError as error:

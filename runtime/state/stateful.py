@@ -40,7 +40,9 @@ class LogicalChunks(torch.Tensor):
     @staticmethod
     def __new__(cls, logical: LogicalTensor, written: frozenset[tuple[int, ...]]) -> LogicalChunks:
         first = logical.chunks[0][1] if logical.chunks else torch.empty(0)
-        made = torch.Tensor._make_wrapper_subclass(cls, torch.Size(logical.size), dtype=first.dtype, device=first.device)
+        made = torch.Tensor._make_wrapper_subclass(
+            cls, torch.Size(logical.size), dtype=first.dtype, device=first.device
+        )
         made.logical, made.written = logical, written
         return made  # type: ignore[no-any-return]
 
@@ -54,10 +56,19 @@ class LogicalChunks(torch.Tensor):
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         """One shard write item per chunk this rank writes."""
         size = torch.Size(self.logical.size)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(offsets), data.size()),
-                                                      TensorProperties.create_from_tensor(data), size))
-                for offsets, data in self.logical.chunks if offsets in self.written]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    ChunkStorageMetadata(torch.Size(offsets), data.size()),
+                    TensorProperties.create_from_tensor(data),
+                    size,
+                ),
+            )
+            for offsets, data in self.logical.chunks
+            if offsets in self.written
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         """Every chunk this rank holds (what a load fills)."""
@@ -86,13 +97,17 @@ class DcpState:
         optimizer = self.optimizer
         optimizer.refresh_main_copies()
         held = optimizer.export_logical(writers_only=False, clone=True)
-        writers = {key: frozenset(offsets for offsets, _ in tensor.chunks)
-                   for key, tensor in optimizer.export_logical(writers_only=True, clone=False).items()}
+        writers = {
+            key: frozenset(offsets for offsets, _ in tensor.chunks)
+            for key, tensor in optimizer.export_logical(writers_only=True, clone=False).items()
+        }
         absent = {key: size for key, size in layout_sizes(optimizer.state_layout()).items() if key not in held}
         if absent:
             planned = optimizer.logical_destination({**{key: t.size for key, t in held.items()}, **absent}).tensors
             for key in absent.keys() & planned.keys():
-                held[key] = LogicalTensor(planned[key].size, [(offsets, data.zero_()) for offsets, data in planned[key].chunks])
+                held[key] = LogicalTensor(
+                    planned[key].size, [(offsets, data.zero_()) for offsets, data in planned[key].chunks]
+                )
                 writers[key] = frozenset(offsets for offsets, _ in planned[key].chunks)
         tensors = {key: LogicalChunks(tensor, writers.get(key, frozenset())) for key, tensor in held.items()}
         record = {key: value for key, value in optimizer.logical_record().items() if key != TENSORS}

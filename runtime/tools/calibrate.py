@@ -80,13 +80,18 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, warmup: int, rep
 
 
 def _hyperparameters(settings: Settings) -> Hyperparameters:
-    return Hyperparameters(ns_steps=settings.ns_steps, block_size=settings.block_size,
-                           precondition_frequency=settings.precondition_frequency,
-                           max_precond_dim=settings.max_precond_dim, ns_dtype=settings.ns_dtype)
+    return Hyperparameters(
+        ns_steps=settings.ns_steps,
+        block_size=settings.block_size,
+        precondition_frequency=settings.precondition_frequency,
+        max_precond_dim=settings.max_precond_dim,
+        ns_dtype=settings.ns_dtype,
+    )
 
 
-def matrix_row(optimizer: str, rows: int, cols: int, settings: Settings, device: torch.device,
-               warmup: int, repeats: int) -> dict[str, Any]:
+def matrix_row(
+    optimizer: str, rows: int, cols: int, settings: Settings, device: torch.device, warmup: int, repeats: int
+) -> dict[str, Any]:
     """One profile row: the per-step seconds of `optimizer` on a rows x cols matrix."""
     rule = make_rule(optimizer, _hyperparameters(settings))
     with torch.device(device):
@@ -99,8 +104,15 @@ def matrix_row(optimizer: str, rows: int, cols: int, settings: Settings, device:
     plain = median_seconds(lambda: matrix_update(rule, states, grad, None, 2), device, warmup, repeats)
     frequency = settings.precondition_frequency
     amortised = refresh if frequency == 1 else plain + max(refresh - plain, 0.0) / frequency
-    return {"optimizer": optimizer, "rows": rows, "cols": cols, "seconds": amortised, "repeats": repeats,
-            "step_seconds": plain, "refresh_seconds": refresh}
+    return {
+        "optimizer": optimizer,
+        "rows": rows,
+        "cols": cols,
+        "seconds": amortised,
+        "repeats": repeats,
+        "step_seconds": plain,
+        "refresh_seconds": refresh,
+    }
 
 
 def adamw_row(numel: int, device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
@@ -113,8 +125,9 @@ def adamw_row(numel: int, device: torch.device, warmup: int, repeats: int) -> di
     return {"optimizer": "adamw", "rows": numel, "cols": 1, "seconds": seconds, "repeats": repeats}
 
 
-def training_fit(shapes: Sequence[tuple[int, int]], tokens: int, device: torch.device, warmup: int,
-                 repeats: int) -> dict[str, Any]:
+def training_fit(
+    shapes: Sequence[tuple[int, int]], tokens: int, device: torch.device, warmup: int, repeats: int
+) -> dict[str, Any]:
     """Achieved training FLOP/s: for each rows x cols weight, forward y = x·Wᵀ on `tokens` rows
     and its backward (input and weight gradients), timed together; 6·rows·cols·tokens FLOPs."""
     if tokens < 1 or not shapes:
@@ -149,12 +162,20 @@ def device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
-def calibrate(shapes: Sequence[tuple[int, int]], settings: Settings = Settings(), device: str = "cpu",
-              repeats: int = 5, warmup: int = 2,
-              optimizers: Sequence[str] | Mapping[str, Sequence[tuple[int, int]]] = MATRIX_OPTIMIZERS,
-              adamw_sizes: Sequence[int] = DEFAULT_ADAMW_SIZES, threads: int | None = None,
-              comm_ranks: int = 0, progress: Callable[[str], None] | None = None,
-              train_shapes: Sequence[tuple[int, int]] = (), train_tokens: int = 0) -> dict[str, Any]:
+def calibrate(
+    shapes: Sequence[tuple[int, int]],
+    settings: Settings = Settings(),
+    device: str = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    optimizers: Sequence[str] | Mapping[str, Sequence[tuple[int, int]]] = MATRIX_OPTIMIZERS,
+    adamw_sizes: Sequence[int] = DEFAULT_ADAMW_SIZES,
+    threads: int | None = None,
+    comm_ranks: int = 0,
+    progress: Callable[[str], None] | None = None,
+    train_shapes: Sequence[tuple[int, int]] = (),
+    train_tokens: int = 0,
+) -> dict[str, Any]:
     """Time every (optimizer, shape) and AdamW size on `device`; returns the profile dict.
 
     `optimizers` names the optimizers timed on every shape, or maps names to their own shapes
@@ -181,9 +202,13 @@ def calibrate(shapes: Sequence[tuple[int, int]], settings: Settings = Settings()
         if progress:
             progress(f"adamw {numel}: {rows[-1]['seconds'] * 1e3:.3f} ms")
     profile: dict[str, Any] = {
-        "format": PROFILE_FORMAT, "device": target.type, "device_name": device_name(target),
-        "torch": torch.__version__, "dtype": resolve_ns_dtype(settings.ns_dtype, target),
-        "threads": torch.get_num_threads(), "settings": {k: v for k, v in asdict(settings).items() if k != "ns_dtype"},
+        "format": PROFILE_FORMAT,
+        "device": target.type,
+        "device_name": device_name(target),
+        "torch": torch.__version__,
+        "dtype": resolve_ns_dtype(settings.ns_dtype, target),
+        "threads": torch.get_num_threads(),
+        "settings": {k: v for k, v in asdict(settings).items() if k != "ns_dtype"},
         "rows": rows,
     }
     if train_tokens >= 1:
@@ -201,21 +226,31 @@ def calibrate(shapes: Sequence[tuple[int, int]], settings: Settings = Settings()
 # Processes sharing the host
 
 
-def _contention_worker(shape: tuple[int, int], settings: Settings, warmup: int, repeats: int, start: Any, out: Any) -> None:
+def _contention_worker(
+    shape: tuple[int, int], settings: Settings, warmup: int, repeats: int, start: Any, out: Any
+) -> None:
     torch.set_num_threads(1)
     start.wait()
     out.put(matrix_row("muon", shape[0], shape[1], settings, torch.device("cpu"), warmup, repeats)["seconds"])
 
 
-def measure_contention(process_counts: Sequence[int] = (2, 4), shape: tuple[int, int] = (512, 512),
-                       settings: Settings = Settings(), warmup: int = 1, repeats: int = 5) -> list[dict[str, Any]]:
+def measure_contention(
+    process_counts: Sequence[int] = (2, 4),
+    shape: tuple[int, int] = (512, 512),
+    settings: Settings = Settings(),
+    warmup: int = 1,
+    repeats: int = 5,
+) -> list[dict[str, Any]]:
     """How much slower a single-threaded Muon kernel runs when `n` processes run it at once
     (the median process's time over the time alone): what ranks sharing a host's cores pay."""
+
     def run(count: int) -> float:
         context = mp.get_context("fork")
         start, out = context.Barrier(count), context.Queue()
-        workers = [context.Process(target=_contention_worker, args=(shape, settings, warmup, repeats, start, out))
-                   for _ in range(count)]
+        workers = [
+            context.Process(target=_contention_worker, args=(shape, settings, warmup, repeats, start, out))
+            for _ in range(count)
+        ]
         for worker in workers:
             worker.start()
         times = [out.get(timeout=600) for _ in workers]
@@ -233,8 +268,9 @@ def measure_contention(process_counts: Sequence[int] = (2, 4), shape: tuple[int,
 
 def _comm_worker(rank: int, world: int, init_file: str, sizes: Sequence[int], repeats: int, out: Any) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     results = []
     for size in sizes:
         send, received = torch.randn(size * world), torch.empty(size * world)
@@ -264,8 +300,10 @@ def fit_collectives(ranks: int = 2, sizes: Sequence[int] = DEFAULT_COMM_SIZES, r
     queue = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "rendezvous")
-        workers = [context.Process(target=_comm_worker, args=(r, ranks, init_file, sizes, repeats, queue))
-                   for r in range(ranks)]
+        workers = [
+            context.Process(target=_comm_worker, args=(r, ranks, init_file, sizes, repeats, queue))
+            for r in range(ranks)
+        ]
         for worker in workers:
             worker.start()
         seconds = queue.get(timeout=600)

@@ -86,8 +86,13 @@ class ParamDescription:
 
     def to_entry(self) -> dict[str, Any]:
         """The parameter-list entry (optional keys only when set)."""
-        entry: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "tp_dim": self.tp_dim,
-                                 "dtype": self.dtype, "optimizer": self.optimizer}
+        entry: dict[str, Any] = {
+            "name": self.name,
+            "shape": list(self.shape),
+            "tp_dim": self.tp_dim,
+            "dtype": self.dtype,
+            "optimizer": self.optimizer,
+        }
         if self.fused is not None:
             entry["fused"] = self.fused
         if self.qkv is not None:
@@ -166,8 +171,15 @@ def describe_module(
     over TP. DescribeError on anything that cannot be described."""
     if probe is not None:
         probe(model)
-    context = _Context(model, _owning_modules(model), _output_heads(model), tp_mesh_dim, sequence_parallel,
-                       _megatron_tp_size(model), _spmd_axis(model, tp_mesh_dim))
+    context = _Context(
+        model,
+        _owning_modules(model),
+        _output_heads(model),
+        tp_mesh_dim,
+        sequence_parallel,
+        _megatron_tp_size(model),
+        _spmd_axis(model, tp_mesh_dim),
+    )
     params, tp_sizes = [], set()
     for param_name, param in model.named_parameters():
         described, tp_size = _describe_param(param_name, param, context)
@@ -179,7 +191,9 @@ def describe_module(
     if not params:
         raise DescribeError(f"model {name or type(model).__name__!r} has no parameters")
     if len(tp_sizes) > 1:
-        raise DescribeError(f"the model's parameters live on {tp_mesh_dim!r} mesh dims of different sizes {sorted(tp_sizes)}")
+        raise DescribeError(
+            f"the model's parameters live on {tp_mesh_dim!r} mesh dims of different sizes {sorted(tp_sizes)}"
+        )
     described = _with_partial_patterns(params, list(partial_grads))
     return ModuleDescription(name or _class_name(model), next(iter(tp_sizes), None), tuple(described))
 
@@ -196,13 +210,25 @@ def _describe_param(name: str, param: torch.Tensor, context: _Context) -> tuple[
         tp_dim, tp_size, partial, shape = _spmd_placement(name, param, context.spmd_axis)
     qkv = _fused_qkv(name, shape, owner, context)
     grouped = param.ndim == 3 and "expert" in name.lower()
-    adamw_2d = megatron.is_embedding_or_output(param) if context.megatron_tp is not None else _adamw_2d(
-        name, owner, context.heads)
+    adamw_2d = (
+        megatron.is_embedding_or_output(param)
+        if context.megatron_tp is not None
+        else _adamw_2d(name, owner, context.heads)
+    )
     optimizer = "matrix" if grouped or (param.ndim == 2 and not adamw_2d) else "adamw"
     norm = tp_dim is None and param.ndim == 1 and _is_norm(name, owner)
     partial = partial or (context.sequence_parallel and norm)
-    return ParamDescription(name, shape, _dtype_name(name, param), tp_dim, optimizer, fused, grouped,
-                            PARTIAL_OVER_TP if partial else None, qkv), tp_size
+    return ParamDescription(
+        name,
+        shape,
+        _dtype_name(name, param),
+        tp_dim,
+        optimizer,
+        fused,
+        grouped,
+        PARTIAL_OVER_TP if partial else None,
+        qkv,
+    ), tp_size
 
 
 def _spmd_axis(model: nn.Module, tp_mesh_dim: str) -> Any:
@@ -240,8 +266,10 @@ def _fused_qkv(name: str, shape: tuple[int, ...], owner: nn.Module, context: _Co
         return None
     groups, heads, head_dim = layout["query_groups"], layout["heads"], layout["head_dim"]
     if shape[0] != (heads + 2 * groups) * head_dim:
-        raise DescribeError(f"parameter {name!r} has {shape[0]} rows, but its {heads} heads in {groups} query groups "
-                            f"of {head_dim} make {(heads + 2 * groups) * head_dim}: not a fused QKV layout canzona knows")
+        raise DescribeError(
+            f"parameter {name!r} has {shape[0]} rows, but its {heads} heads in {groups} query groups "
+            f"of {head_dim} make {(heads + 2 * groups) * head_dim}: not a fused QKV layout canzona knows"
+        )
     return groups, heads, head_dim
 
 
@@ -267,7 +295,7 @@ def _class_name(model: nn.Module) -> str:
     """The model's class name (FSDP2's `fully_shard` renames the class `FSDP<name>`)."""
     name = type(model).__name__
     bases = {cls.__name__ for cls in type(model).__mro__[1:]}
-    return name[len("FSDP"):] if name.startswith("FSDP") and name[len("FSDP"):] in bases else name
+    return name[len("FSDP") :] if name.startswith("FSDP") and name[len("FSDP") :] in bases else name
 
 
 def _owning_modules(model: nn.Module) -> dict[int, nn.Module]:
@@ -285,7 +313,7 @@ def _output_heads(model: nn.Module) -> list[nn.Module]:
     if callable(getter):
         try:
             head = getter()
-        except Exception:  # noqa: BLE001 - a model whose head getter fails simply has none to offer
+        except Exception:
             head = None
         if isinstance(head, nn.Module):
             heads.append(head)
@@ -294,7 +322,11 @@ def _output_heads(model: nn.Module) -> list[nn.Module]:
 
 def _adamw_2d(name: str, owner: nn.Module, heads: list[nn.Module]) -> bool:
     lowered = name.lower()
-    return isinstance(owner, nn.Embedding) or any(owner is head for head in heads) or any(h in lowered for h in ADAMW_NAME_HINTS)
+    return (
+        isinstance(owner, nn.Embedding)
+        or any(owner is head for head in heads)
+        or any(h in lowered for h in ADAMW_NAME_HINTS)
+    )
 
 
 def _is_norm(name: str, owner: nn.Module) -> bool:
@@ -325,8 +357,10 @@ def _tp_placement(name: str, param: torch.Tensor, mesh_dim: str) -> tuple[int | 
     split = getattr(placement, "split_factor", None)
     if isinstance(placement, Shard) or (split is not None and hasattr(placement, "dim")):
         return placement.dim % param.ndim, split if split and split > 1 else None, mesh.size(axis), False
-    raise DescribeError(f"parameter {name!r} has placement {placement} on mesh dim {mesh_dim!r}; parameters are "
-                        "Shard or Replicate there")
+    raise DescribeError(
+        f"parameter {name!r} has placement {placement} on mesh dim {mesh_dim!r}; parameters are "
+        "Shard or Replicate there"
+    )
 
 
 def _with_partial_patterns(params: list[ParamDescription], patterns: list[str]) -> list[ParamDescription]:
@@ -338,8 +372,10 @@ def _with_partial_patterns(params: list[ParamDescription], patterns: list[str]) 
             raise DescribeError(f"partial-gradient pattern {pattern!r} matches no parameter")
         for i in hits:
             if out[i].tp_dim is not None:
-                raise DescribeError(f"parameter {out[i].name!r} is split over TP (dim {out[i].tp_dim}); only "
-                                    "replicated parameters have partial gradients")
+                raise DescribeError(
+                    f"parameter {out[i].name!r} is split over TP (dim {out[i].tp_dim}); only "
+                    "replicated parameters have partial gradients"
+                )
             out[i] = ParamDescription(**{**vars(out[i]), "grad_reduce": PARTIAL_OVER_TP})
     return out
 
@@ -354,13 +390,15 @@ def load_factory(source: str) -> Callable[[], Any]:
     body = source.removeprefix(PY_PREFIX)
     module_name, _, attribute = body.rpartition(":")
     if not source.startswith(PY_PREFIX) or not module_name or not attribute:
-        raise DescribeError(f"a live model is py:MODULE:FACTORY (e.g. py:mypkg.models:make_model or "
-                            f"py:models.py:make_model), got {source!r}")
+        raise DescribeError(
+            f"a live model is py:MODULE:FACTORY (e.g. py:mypkg.models:make_model or "
+            f"py:models.py:make_model), got {source!r}"
+        )
     try:
         module = _import(module_name)
     except DescribeError:
         raise
-    except (Exception, SystemExit) as error:  # noqa: BLE001 - whatever the user's module raises on import
+    except (Exception, SystemExit) as error:
         raise DescribeError(f"importing {module_name!r} raised {type(error).__name__}: {_first_line(error)}") from error
     factory = getattr(module, attribute, None)
     if factory is None:
@@ -398,10 +436,12 @@ def build_on_meta(factory: Callable[[], Any], label: str) -> nn.Module:
     try:
         with torch.device("meta"):
             model = factory()
-    except (Exception, SystemExit) as error:  # noqa: BLE001 - whatever the user's factory raises
+    except (Exception, SystemExit) as error:
         raise DescribeError(f"model factory {label} raised {type(error).__name__}: {_first_line(error)}") from error
     if not isinstance(model, nn.Module):
-        raise DescribeError(f"model factory {label} returned a value of type {type(model).__name__}, not a torch.nn.Module")
+        raise DescribeError(
+            f"model factory {label} returned a value of type {type(model).__name__}, not a torch.nn.Module"
+        )
     return model
 
 

@@ -30,8 +30,8 @@ from canzona.runtime.rules.optimizers import (
     make_rule,
     matrix_update,
 )
-from canzona.schedules.limits import MATRIX
 from canzona.schedules.format import Schedule
+from canzona.schedules.limits import MATRIX
 
 
 class ReferenceOptimizer(torch.optim.Optimizer):
@@ -44,9 +44,14 @@ class ReferenceOptimizer(torch.optim.Optimizer):
     tensor is passed whole, as the model registers it, and updated as its E slices, each with
     its own state, as the schedule lists them."""
 
-    def __init__(self, params: Iterable[Any], schedule: Schedule,
-                 row_blocks: Mapping[str, list[RowBlock] | None] | None = None, dtype: torch.dtype = torch.float32,
-                 **defaults: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        schedule: Schedule,
+        row_blocks: Mapping[str, list[RowBlock] | None] | None = None,
+        dtype: torch.dtype = torch.float32,
+        **defaults: Any,
+    ) -> None:
         entries = {e.name: e for e in schedule.params}
         self.slices = {name: [e.name for e in group] for name, group in slices_of(schedule.params).items()}
         self.rule_name = schedule.request.optimizer.name
@@ -78,8 +83,9 @@ class ReferenceOptimizer(torch.optim.Optimizer):
         return {name: tensor.grad for _, name, tensor in self._named() if tensor.grad is not None}
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, grads: MutableMapping[str, Tensor] | None = None,
-                        norm_type: float = 2.0) -> Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, grads: MutableMapping[str, Tensor] | None = None, norm_type: float = 2.0
+    ) -> Tensor:
         """torch's clip_grad_norm_ over `grads` (by name, scaled in place) or the `.grad`s."""
         found = self._grads(grads)
         norms = [torch.linalg.vector_norm(g.to(self.dtype), norm_type) for g in found.values()]
@@ -113,8 +119,13 @@ class ReferenceOptimizer(torch.optim.Optimizer):
                 states = state.setdefault("matrix", {})
                 for piece, piece_value, piece_grad in targets:
                     if piece not in states:
-                        states[piece] = init_matrix_state(rule, (piece_value.shape[0], piece_value.shape[1]), self.blocks[piece],
-                                                          tensor.device, self.dtype)
+                        states[piece] = init_matrix_state(
+                            rule,
+                            (piece_value.shape[0], piece_value.shape[1]),
+                            self.blocks[piece],
+                            tensor.device,
+                            self.dtype,
+                        )
                     update = matrix_update(rule, states[piece], piece_grad, self.blocks[piece], state["step"])
                     apply_update(piece_value, update, hp.lr, hp.weight_decay)
             else:

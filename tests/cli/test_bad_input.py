@@ -4,7 +4,7 @@ that reads a schedule refuses a bad one with one line and exit 2 (never a traceb
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import pytest
 
 from canzona.schedules.format import Schedule, dump_schedule, read_schedule, sealed
 from canzona.schedules.library import library_root
+
 from cli_run import PLANNING, refused, run
 
 SIMULATING = ("canzona.cli.simulate_cmd:load_schedule",)  # reading the schedule: the command's work
@@ -62,8 +63,12 @@ def test_model_sizes_fail_fast(tmp_path: Path, capsys: pytest.CaptureFixture[str
         path = tmp_path / f"l{layers}" / "config.json"
         path.parent.mkdir()
         path.write_text(json.dumps({**config, "num_hidden_layers": layers, "mlp_only_layers": []}))
-        refused(["plan", "--model", str(path), "-o", str(tmp_path / "o.yaml")], capsys, "maximum of 65536",
-                before=PLANNING[1:])
+        refused(
+            ["plan", "--model", str(path), "-o", str(tmp_path / "o.yaml")],
+            capsys,
+            "maximum of 65536",
+            before=PLANNING[1:],
+        )
     digits = tmp_path / "digits.json"
     digits.write_text('{"name": "d", "params": [{"name": "w", "shape": [' + "1" * 5000 + ', 8], "tp_dim": 0}]}')
     refused(["plan", "--model", str(digits), "-o", str(tmp_path / "o.yaml")], capsys, "4300 digits")
@@ -85,20 +90,24 @@ def test_simulate_refuses_non_finite_network_figures(capsys: pytest.CaptureFixtu
         refused(["simulate", str(LIBRARY), *option], capsys, "finite", before=SIMULATING)
 
 
-@pytest.mark.parametrize("option, needle", [
-    (["--routed-fraction", "2"], "routed fraction must be in (0, 1]"),
-    (["--routed-fraction", "nan"], "routed fraction must be in (0, 1]"),
-    (["--global-batch", "0"], "global batch and sequence length must be >= 1"),
-    (["--seq-len", "0"], "global batch and sequence length must be >= 1"),
-    (["--micro-batches", "0"], "micro-batches must be >= 1"),
-    (["--dp-collectives", "magic"], "--dp-collectives must be one of"),
-])
-def test_simulate_checks_every_option_before_reading_the_schedule(option: list[str], needle: str,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "option, needle",
+    [
+        (["--routed-fraction", "2"], "routed fraction must be in (0, 1]"),
+        (["--routed-fraction", "nan"], "routed fraction must be in (0, 1]"),
+        (["--global-batch", "0"], "global batch and sequence length must be >= 1"),
+        (["--seq-len", "0"], "global batch and sequence length must be >= 1"),
+        (["--micro-batches", "0"], "micro-batches must be >= 1"),
+        (["--dp-collectives", "magic"], "--dp-collectives must be one of"),
+    ],
+)
+def test_simulate_checks_every_option_before_reading_the_schedule(
+    option: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     refused(["simulate", str(LIBRARY), *option], capsys, needle, before=SIMULATING)
 
 
-@lru_cache(maxsize=None)
+@cache
 def library() -> Schedule:
     return read_schedule(LIBRARY)
 
@@ -142,12 +151,20 @@ def unknown_optimizer(data: dict[str, Any]) -> None:
 )
 @pytest.mark.parametrize(
     "command",
-    [["show"], ["show", "--rank", "3"], ["simulate"], ["render", "-o", "{tmp}/x.png"], ["diff", str(LIBRARY)],
-     ["reshard-check", str(LIBRARY)], ["table"]],
+    [
+        ["show"],
+        ["show", "--rank", "3"],
+        ["simulate"],
+        ["render", "-o", "{tmp}/x.png"],
+        ["diff", str(LIBRARY)],
+        ["reshard-check", str(LIBRARY)],
+        ["table"],
+    ],
     ids=["show", "show-rank", "simulate", "render", "diff", "reshard-check", "table"],
 )
-def test_every_command_refuses_a_bad_schedule(make: Any, needle: str, command: list[str], tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_command_refuses_a_bad_schedule(
+    make: Any, needle: str, command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "lib").mkdir()
     bad = make(tmp_path / "lib" / "bad.yaml")
     name, *options = [part.replace("{tmp}", str(tmp_path)) for part in command]
@@ -166,14 +183,18 @@ def test_check_flags_the_bad_schedule_and_fixes_it(tmp_path: Path, capsys: pytes
     assert bad.read_bytes() == LIBRARY.read_bytes()
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--optimizer", "adam"], ["--optimizer 'adam' is not one of muon, shampoo, soap"]),
-    (["--dtype=fp64"], ["--dtype 'fp64' is not one of bf16, fp16, fp32"]),
-    (["--tp", "two"], ["--tp 'two' is not a whole number"]),
-    (["--ns-steps", "1.5"], ["--ns-steps '1.5' is not a whole number"]),
-])
-def test_bad_option_values_are_named_in_canzonas_words(args: list[str], needles: list[str],
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["--optimizer", "adam"], ["--optimizer 'adam' is not one of muon, shampoo, soap"]),
+        (["--dtype=fp64"], ["--dtype 'fp64' is not one of bf16, fp16, fp32"]),
+        (["--tp", "two"], ["--tp 'two' is not a whole number"]),
+        (["--ns-steps", "1.5"], ["--ns-steps '1.5' is not a whole number"]),
+    ],
+)
+def test_bad_option_values_are_named_in_canzonas_words(
+    args: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     """The option, the value given and what it must be, whatever click or typer say about it."""
     err = refused([*PLAN, *args, "-o", "never-written.yaml"], capsys, *needles, before=PLANNING)
     assert "Value error" not in err and "Input should" not in err, err

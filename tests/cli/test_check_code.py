@@ -18,6 +18,7 @@ import pytest
 
 from canzona.cli.main import main
 from canzona.schedules.format import read_schedule, sealed, write_schedule
+
 from cli_run import run
 
 HOSTILE = """
@@ -36,7 +37,9 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("planned") / "s.yaml"
     # No row blocks (tp 1, QKV as one matrix): a file a live model's plan could be, so that a
     # re-sealed source is a consistent file and only the code gate stands in the way.
-    assert main(["plan", "--model", "qwen3-0.6b", "--tp", "1", "--dp", "4", "--split-qkv", "none", "-o", str(target)]) == 0
+    assert (
+        main(["plan", "--model", "qwen3-0.6b", "--tp", "1", "--dp", "4", "--split-qkv", "none", "-o", str(target)]) == 0
+    )
     return target
 
 
@@ -55,8 +58,10 @@ def with_source(planned: Path, target: Path, source: str, valid_digest: bool) ->
     if valid_digest:
         schedule = read_schedule(planned)
         model = schedule.request.model.model_copy(update={"source": source})
-        write_schedule(sealed(schedule.model_copy(update={"request": schedule.request.model_copy(update={"model": model})})),
-                       target)
+        write_schedule(
+            sealed(schedule.model_copy(update={"request": schedule.request.model_copy(update={"model": model})})),
+            target,
+        )
     else:
         lines = planned.read_text().splitlines(keepends=True)
         lines = [f"    source: {source}\n" if line.startswith("    source: ") else line for line in lines]
@@ -73,8 +78,9 @@ def one_line_refusal(code: int, out: str, err: str, *needles: str) -> None:
 
 @pytest.mark.parametrize("valid_digest", [True, False], ids=["resealed", "hand-edited"])
 @pytest.mark.parametrize("where", ["beside", "elsewhere"])
-def test_check_runs_no_module_a_file_names(planned: Path, tmp_path: Path, valid_digest: bool, where: str,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_runs_no_module_a_file_names(
+    planned: Path, tmp_path: Path, valid_digest: bool, where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "marker"
     library = tmp_path / "lib"
     module = hostile_module(library if where == "beside" else tmp_path / "elsewhere", marker)
@@ -89,8 +95,9 @@ def test_check_runs_no_module_a_file_names(planned: Path, tmp_path: Path, valid_
         assert not marker.exists()
 
 
-def test_allow_code_runs_a_module_beside_the_schedule(planned: Path, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_allow_code_runs_a_module_beside_the_schedule(
+    planned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The opt-in does what it says (so the refusals above are the gate's, not an accident)."""
     marker = tmp_path / "marker"
     library = tmp_path / "lib"
@@ -107,8 +114,9 @@ def test_check_never_calls_os_abort(planned: Path, tmp_path: Path, valid_digest:
     """`py:os:abort` would kill the process (exit 134): a subprocess, so a failure cannot kill pytest."""
     schedule = with_source(planned, tmp_path / "lib" / "s.yaml", "py:os:abort", valid_digest)
     command = [sys.executable, "-m", "canzona.cli", "check", *(["--allow-code"] if allow_code else []), str(schedule)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                            env={**os.environ, "CANZONA_DEBUG": "0"})
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "CANZONA_DEBUG": "0"}
+    )
     assert result.returncode == 2 and result.stdout == "", (result.returncode, result.stdout, result.stderr)
     assert result.stderr.startswith("canzona: error: ") and result.stderr.count("\n") == 1, result.stderr
 
@@ -119,8 +127,13 @@ def test_issue_reproduction_exits_2_and_runs_nothing(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
     evil.write_text(HOSTILE.replace("MARKER", repr(str(marker))))
     cli = [sys.executable, "-m", "canzona.cli"]
-    subprocess.run([*cli, "plan", "--model", "qwen3-0.6b", "--tp", "1", "--dp", "4", "-o", "lib/s.yaml"],
-                   cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [*cli, "plan", "--model", "qwen3-0.6b", "--tp", "1", "--dp", "4", "-o", "lib/s.yaml"],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     subprocess.run(["sed", "-i", f"s#source: .*#source: py:{evil}:make#", "lib/s.yaml"], cwd=tmp_path, check=True)
     result = subprocess.run([*cli, "check", "lib"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result
@@ -128,14 +141,20 @@ def test_issue_reproduction_exits_2_and_runs_nothing(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["show", "diff", "simulate", "reshard-check", "table"])
-def test_other_readers_never_run_code(planned: Path, tmp_path: Path, command: str,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_other_readers_never_run_code(
+    planned: Path, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "marker"
     library = tmp_path / "lib"
     module = hostile_module(library, marker)
     schedule = with_source(planned, library / "s.yaml", f"py:{module}:make", valid_digest=True)
-    args = {"show": [str(schedule)], "diff": [str(planned), str(schedule)], "simulate": [str(schedule)],
-            "reshard-check": [str(planned), str(schedule)], "table": [str(library)]}[command]
+    args = {
+        "show": [str(schedule)],
+        "diff": [str(planned), str(schedule)],
+        "simulate": [str(schedule)],
+        "reshard-check": [str(planned), str(schedule)],
+        "table": [str(library)],
+    }[command]
     code, _, err = run([command, *args], capsys)
     assert code == (1 if command == "reshard-check" else 0), err  # reshard-check: "different models"
     assert not marker.exists()

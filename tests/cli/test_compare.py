@@ -11,6 +11,7 @@ import pytest
 from canzona.cli.compare import TABLE_BEGIN, TABLE_END
 from canzona.cli.main import main
 from canzona.schedules.format import SCHEMA_VERSION, dump_schedule, read_schedule, sealed, write_schedule
+
 from cli_run import run
 
 
@@ -18,11 +19,27 @@ from cli_run import run
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("plans")
     paths = {}
-    for key, extra in {"a1": [], "a0": ["--alpha", "0"], "tp1": ["--tp", "1"], "other": ["--model", "qwen3-0.6b"]}.items():
+    for key, extra in {
+        "a1": [],
+        "a0": ["--alpha", "0"],
+        "tp1": ["--tp", "1"],
+        "other": ["--model", "qwen3-0.6b"],
+    }.items():
         model = [] if "--model" in extra else ["--model", "qwen3-8b"]
         # registration order: there α trades padding for balance (free order balances at α 0 too)
-        args = ["plan", *model, "--tp", "2", "--dp", "4", "--order", "registration", *extra,
-                "-o", str(folder / f"{key}.yaml")]
+        args = [
+            "plan",
+            *model,
+            "--tp",
+            "2",
+            "--dp",
+            "4",
+            "--order",
+            "registration",
+            *extra,
+            "-o",
+            str(folder / f"{key}.yaml"),
+        ]
         assert main(args) == 0
         paths[key] = folder / f"{key}.yaml"
     return paths
@@ -41,8 +58,19 @@ def test_diff_regression_names_each_failing_metric(plans: dict[str, Path], capsy
     assert all(line.startswith("canzona: regression: ") for line in err.splitlines())
     # Within generous thresholds the same change passes.
     code, _, err = run(
-        ["diff", str(plans["a1"]), str(plans["a0"]), "--max-imbalance-increase", "0.1",
-         "--max-gap-increase", "0.1", "--max-memory-increase", "0.5"], capsys)
+        [
+            "diff",
+            str(plans["a1"]),
+            str(plans["a0"]),
+            "--max-imbalance-increase",
+            "0.1",
+            "--max-gap-increase",
+            "0.1",
+            "--max-memory-increase",
+            "0.5",
+        ],
+        capsys,
+    )
     assert code == 0 and err == ""
 
 
@@ -53,8 +81,9 @@ def test_diff_improvement_is_exit_0(plans: dict[str, Path], capsys: pytest.Captu
     assert rows["dp imbalance"]["verdict"] == "better" and rows["dp imbalance"]["delta"] < 0
 
 
-def test_diff_and_show_report_the_device_gap(plans: dict[str, Path], tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff_and_show_report_the_device_gap(
+    plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, _ = run(["diff", str(plans["a0"]), str(plans["a1"]), "--json"], capsys)
     rows = {row["name"]: row for row in json.loads(out)}
     new = read_schedule(plans["a1"]).metrics.tp
@@ -63,8 +92,13 @@ def test_diff_and_show_report_the_device_gap(plans: dict[str, Path], tmp_path: P
     assert code == 0 and "above the device lower bound" in out
     # A file written before the device bound was recorded: the row has no old value.
     old = read_schedule(plans["a1"])
-    stripped = old.model_copy(update={"metrics": old.metrics.model_copy(
-        update={"tp": old.metrics.tp.model_copy(update={"device_lower_bound": None, "device_gap": None})})})
+    stripped = old.model_copy(
+        update={
+            "metrics": old.metrics.model_copy(
+                update={"tp": old.metrics.tp.model_copy(update={"device_lower_bound": None, "device_gap": None})}
+            )
+        }
+    )
     write_schedule(sealed(stripped), tmp_path / "old.yaml")
     code, out, _ = run(["diff", str(tmp_path / "old.yaml"), str(plans["a1"]), "--json"], capsys)
     rows = {row["name"]: row for row in json.loads(out)}
@@ -73,16 +107,33 @@ def test_diff_and_show_report_the_device_gap(plans: dict[str, Path], tmp_path: P
     assert code == 0 and "device lower bound" not in out
 
 
-def test_diff_different_layouts_of_one_model_and_same_model_flag(plans: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, _ = run(["diff", str(plans["a1"]), str(plans["tp1"]), "--same-model",
-                      "--max-imbalance-increase", "9", "--max-gap-increase", "9", "--max-memory-increase", "9"], capsys)
+def test_diff_different_layouts_of_one_model_and_same_model_flag(
+    plans: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, _ = run(
+        [
+            "diff",
+            str(plans["a1"]),
+            str(plans["tp1"]),
+            "--same-model",
+            "--max-imbalance-increase",
+            "9",
+            "--max-gap-increase",
+            "9",
+            "--max-memory-increase",
+            "9",
+        ],
+        capsys,
+    )
     assert code == 0  # one model at two TP sizes (their fingerprints differ: padded vocab)
     code, _, err = run(["diff", str(plans["a1"]), str(plans["other"]), "--same-model"], capsys)
     assert code == 2 and err.startswith("canzona: error: different models: qwen3-8b")
 
 
 @pytest.mark.parametrize("problem", ["missing", "garbage", "version", "negative", "nan", "inf", "-inf"])
-def test_diff_bad_input_is_exit_2(problem: str, plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff_bad_input_is_exit_2(
+    problem: str, plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.yaml"
     args = ["diff", str(plans["a1"]), str(bad)]
     if problem == "garbage":
@@ -99,7 +150,9 @@ def test_diff_bad_input_is_exit_2(problem: str, plans: dict[str, Path], tmp_path
         assert "schema_version 99" in err
 
 
-def test_check_fresh_stale_tampered_and_fix(plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_fresh_stale_tampered_and_fix(
+    plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     library = tmp_path / "lib" / "qwen3-8b"
     library.mkdir(parents=True)
     fresh, stale = library / "fresh.yaml", library / "stale.yaml"
@@ -142,7 +195,9 @@ def test_check_unreadable_or_missing_files_are_bad_input(tmp_path: Path, capsys:
 
 def test_check_stale_model_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "m.yaml"
-    model.write_text("name: m\nparams:\n- {name: w1, shape: [64, 64], tp_dim: 0}\n- {name: w2, shape: [64, 128], tp_dim: 1}\n")
+    model.write_text(
+        "name: m\nparams:\n- {name: w1, shape: [64, 64], tp_dim: 0}\n- {name: w2, shape: [64, 128], tp_dim: 1}\n"
+    )
     target = tmp_path / "s.yaml"
     assert main(["plan", "--model", str(model), "--dp", "2", "-o", str(target)]) == 0
     capsys.readouterr()
@@ -191,18 +246,46 @@ def test_diff_shows_predicted_step_when_both_files_have_it(tmp_path: Path, capsy
     chosen = read_schedule(paths[0])
     expected = next(t.predicted_step_s for t in chosen.metrics.alpha_search if t.alpha == chosen.request.alpha)
     assert code == 0 and rows["predicted step s"]["old"] == expected
-    code, out, _ = run(["diff", str(paths[0]), str(paths[1]), "--json", "--max-imbalance-increase", "1",
-                        "--max-gap-increase", "1", "--max-memory-increase", "1"], capsys)
+    code, out, _ = run(
+        [
+            "diff",
+            str(paths[0]),
+            str(paths[1]),
+            "--json",
+            "--max-imbalance-increase",
+            "1",
+            "--max-gap-increase",
+            "1",
+            "--max-memory-increase",
+            "1",
+        ],
+        capsys,
+    )
     rows = {row["name"]: row for row in json.loads(out)}
     assert code == 0 and rows["predicted step s"]["verdict"] == "missing"  # regression: never "better"
     assert rows["predicted step s"]["new"] is None and rows["predicted step s"]["delta"] is None
-    code, out, _ = run(["diff", str(paths[1]), str(paths[0]), "--max-imbalance-increase", "1",
-                        "--max-gap-increase", "1", "--max-memory-increase", "1"], capsys)
-    assert code == 0 and any(line.split()[-1] == "missing" and line.startswith("predicted step s") for line in out.splitlines())
+    code, out, _ = run(
+        [
+            "diff",
+            str(paths[1]),
+            str(paths[0]),
+            "--max-imbalance-increase",
+            "1",
+            "--max-gap-increase",
+            "1",
+            "--max-memory-increase",
+            "1",
+        ],
+        capsys,
+    )
+    assert code == 0 and any(
+        line.split()[-1] == "missing" and line.startswith("predicted step s") for line in out.splitlines()
+    )
 
 
-def test_diff_refuses_a_non_finite_metric(plans: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff_refuses_a_non_finite_metric(
+    plans: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from canzona.cli import compare
 
     broken = compare.Metric("dp imbalance", lambda s: float("nan"), True, "imbalance", False)
@@ -211,7 +294,9 @@ def test_diff_refuses_a_non_finite_metric(plans: dict[str, Path], monkeypatch: p
     assert code == 2 and out == "" and err == "canzona: error: dp imbalance is nan, not a finite number\n"
 
 
-def test_check_regenerates_an_older_schema_version(plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_regenerates_an_older_schema_version(
+    plans: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     old = tmp_path / "old.yaml"
     lines = [line for line in plans["a1"].read_text().splitlines() if not line.startswith("digest: ")]
     old.write_text("\n".join(lines).replace(f"schema_version: {SCHEMA_VERSION}", "schema_version: 1", 1) + "\n")
@@ -243,10 +328,24 @@ def test_check_compares_bytes_and_names_the_kind_of_difference(
 def test_diff_across_models_says_so_first(plans: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["diff", str(plans["a1"]), str(plans["other"]), "--json"], capsys)
     lines = err.splitlines()
-    assert lines[0] == ("canzona: note: the schedules are for different models (OLD qwen3-8b, NEW qwen3-0.6b): every "
-                        "figure compares two models, not two plans of one model (--same-model refuses such a pair)")
+    assert lines[0] == (
+        "canzona: note: the schedules are for different models (OLD qwen3-8b, NEW qwen3-0.6b): every "
+        "figure compares two models, not two plans of one model (--same-model refuses such a pair)"
+    )
     assert all(line.startswith("canzona: regression: ") for line in lines[1:])
     assert code == (1 if lines[1:] else 0) and {row["name"] for row in json.loads(out)} >= {"dp imbalance"}
-    code, _, err = run(["diff", str(plans["a1"]), str(plans["tp1"]), "--max-imbalance-increase", "9",
-                        "--max-gap-increase", "9", "--max-memory-increase", "9"], capsys)
+    code, _, err = run(
+        [
+            "diff",
+            str(plans["a1"]),
+            str(plans["tp1"]),
+            "--max-imbalance-increase",
+            "9",
+            "--max-gap-increase",
+            "9",
+            "--max-memory-increase",
+            "9",
+        ],
+        capsys,
+    )
     assert code == 0 and err == ""  # one model at two layouts: nothing to say

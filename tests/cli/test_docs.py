@@ -27,11 +27,24 @@ def project_files() -> list[Path]:
     """Every file of the project as a clone has it (tracked and new, not ignored), or, outside
     a git checkout, every file below the root but build output and caches."""
     if shutil.which("git") and (ROOT / ".git").exists():
-        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
-                                capture_output=True, check=True).stdout.decode().split("\0")
+        listed = (
+            subprocess.run(
+                ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                cwd=ROOT,
+                capture_output=True,
+                check=True,
+            )
+            .stdout.decode()
+            .split("\0")
+        )
         return [ROOT / name for name in listed if name and (ROOT / name).is_file()]
-    return [p for p in ROOT.rglob("*") if p.is_file() and not SKIPPED_DIRS & set(p.relative_to(ROOT).parts)
-            and not any(part.endswith(".egg-info") for part in p.parts)]
+    return [
+        p
+        for p in ROOT.rglob("*")
+        if p.is_file()
+        and not SKIPPED_DIRS & set(p.relative_to(ROOT).parts)
+        and not any(part.endswith(".egg-info") for part in p.parts)
+    ]
 
 
 def test_nothing_cites_background_the_user_does_not_have() -> None:
@@ -41,8 +54,10 @@ def test_nothing_cites_background_the_user_does_not_have() -> None:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue  # images and other binary files
-        hits += [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
-                 for m in OUTSIDE.finditer(text)]
+        hits += [
+            f"{path.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)}"
+            for m in OUTSIDE.finditer(text)
+        ]
     assert hits == []
 
 
@@ -59,10 +74,17 @@ def heading_anchors(markdown: str) -> set[str]:
 
 
 def test_heading_anchors_follow_github() -> None:
-    page = "# The runtime: `CanzonaOptimizer`\n## What α means\n## Free order (`--order free`, the default)\n" \
-           "## Notes\n## Notes\n```python\n# a comment, not a heading\n```\n"
-    assert heading_anchors(page) == {"the-runtime-canzonaoptimizer", "what-α-means",
-                                     "free-order---order-free-the-default", "notes", "notes-1"}
+    page = (
+        "# The runtime: `CanzonaOptimizer`\n## What α means\n## Free order (`--order free`, the default)\n"
+        "## Notes\n## Notes\n```python\n# a comment, not a heading\n```\n"
+    )
+    assert heading_anchors(page) == {
+        "the-runtime-canzonaoptimizer",
+        "what-α-means",
+        "free-order---order-free-the-default",
+        "notes",
+        "notes-1",
+    }
 
 
 def test_the_docs_index_lists_every_page_and_every_link_resolves() -> None:
@@ -77,8 +99,9 @@ def test_the_docs_index_lists_every_page_and_every_link_resolves() -> None:
             linked = document.parent / target if target else document
             assert linked.exists(), f"{document.name} links to missing {target}"
             if anchor and linked.suffix == ".md":
-                assert anchor in heading_anchors(linked.read_text(encoding="utf-8")), \
+                assert anchor in heading_anchors(linked.read_text(encoding="utf-8")), (
                     f"{document.name} links to {target or document.name}#{anchor}, which has no such heading"
+                )
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "docs/concepts.md" in readme and "docs/README.md" in readme
 
@@ -116,8 +139,9 @@ def test_package_metadata_takes_a_torch_range() -> None:
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(), reason="needs a git checkout")
-def test_readme_main_job_leaves_a_fresh_clone_clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_readme_main_job_leaves_a_fresh_clone_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The README's plan command (and its larger example) in a fresh clone of the committed
     project: the schedules they write are the checked-in bytes, so nothing shows as changed."""
     clone = tmp_path / "clone"
@@ -142,7 +166,7 @@ def test_simulate_example_is_what_the_command_prints(capsys: pytest.CaptureFixtu
     printed = capsys.readouterr().out.splitlines()
     assert all(line in printed for line in shown), [line for line in shown if line not in printed]
     start = printed.index("optimizer step (nothing overlapped):") + 2
-    table = printed[start:printed.index("", start)]
+    table = printed[start : printed.index("", start)]
     step = {line.split()[0]: float(line.split()[1]) for line in table}
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     assert f"canzona's Muon step at {step['canzona']:.2f} s, against {step['zero1-gather']:.2f} s for ZeRO-1" in readme
@@ -157,13 +181,16 @@ def readme_training_script() -> tuple[str, list[str]]:
     after = readme.split(blocks[0])[1]
     console = re.search(r"```console\n(.*?)```", after, re.S)
     assert console is not None
-    return blocks[0], [line.removeprefix("$ ").strip() for line in console.group(1).splitlines() if line.startswith("$ ")]
+    return blocks[0], [
+        line.removeprefix("$ ").strip() for line in console.group(1).splitlines() if line.startswith("$ ")
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_readme_training_script_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_readme_training_script_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The README's script, saved as train.py, planned and launched with the README's two
     commands, word for word (torchrun on gloo here): every rank trains, and the loss, about 1
     at the start (E[x²] of the untrained autoencoder's target), falls well below it."""
@@ -174,8 +201,14 @@ def test_readme_training_script_runs_as_written(tmp_path: Path, monkeypatch: pyt
     monkeypatch.chdir(tmp_path)
     assert main(shlex.split(plan)[1:]) == 0, capsys.readouterr().err
     torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run([str(torchrun), *shlex.split(launch)[1:]], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [str(torchrun), *shlex.split(launch)[1:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     losses = {int(rank): float(loss) for rank, loss in re.findall(r"rank (\d+): loss ([\d.]+)", result.stdout)}
     processes = int(shlex.split(launch)[shlex.split(launch).index("--nproc-per-node") + 1])

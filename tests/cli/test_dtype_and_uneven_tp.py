@@ -9,14 +9,22 @@ from typing import Any
 import pytest
 
 from canzona.schedules.format import read_schedule
+
 from cli_run import refused, run
 
 # A Qwen3 config whose heads (24), KV heads (6) and FFN (9216) divide by 3 and whose
 # vocabulary (151936 = 3 x 50645 + 1) does not.
 QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "hidden_size": 3072,
-    "intermediate_size": 9216, "num_attention_heads": 24, "num_key_value_heads": 6, "num_hidden_layers": 4,
-    "tie_word_embeddings": False, "vocab_size": 151936,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "head_dim": 128,
+    "hidden_size": 3072,
+    "intermediate_size": 9216,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 6,
+    "num_hidden_layers": 4,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
 }
 
 
@@ -52,8 +60,12 @@ def test_a_config_plans_in_its_dtype_and_dtype_overrides_it(tmp_path: Path, caps
 
 
 def test_a_dtype_canzona_does_not_plan_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    refused(["plan", "--model", config(tmp_path, torch_dtype="float64"), "-o", str(tmp_path / "s.yaml")], capsys,
-            "float64", "--dtype")
+    refused(
+        ["plan", "--model", config(tmp_path, torch_dtype="float64"), "-o", str(tmp_path / "s.yaml")],
+        capsys,
+        "float64",
+        "--dtype",
+    )
     refused(["plan", "--model", "qwen3-0.6b", "--dtype", "fp8", "-o", str(tmp_path / "s.yaml")], capsys, "fp8")
     assert not (tmp_path / "s.yaml").exists()
 
@@ -77,5 +89,7 @@ def test_a_config_without_a_dtype_says_which_it_planned(tmp_path: Path, capsys: 
     assert {e.dtype for e in read_schedule(tmp_path / "a.yaml").params} == {"bf16"}
     for extra in (["--dtype", "fp32"], []):
         source = config(tmp_path, torch_dtype="float32") if not extra else source
-        code, _, err = run(["plan", "--model", source, "--dp", "2", *extra, "-o", str(tmp_path / f"b{len(extra)}.yaml")], capsys)
+        code, _, err = run(
+            ["plan", "--model", source, "--dp", "2", *extra, "-o", str(tmp_path / f"b{len(extra)}.yaml")], capsys
+        )
         assert code == 0 and "declares no dtype" not in err

@@ -18,6 +18,7 @@ from canzona.cli.main import main
 from canzona.schedules import files
 from canzona.schedules.files import TEMP_SUFFIX, write_atomic
 from canzona.schedules.library import library_root
+
 from cli_run import run
 
 PLAN = ["plan", "--model", "qwen3-0.6b", "--dp", "2"]
@@ -118,8 +119,9 @@ def test_an_output_that_is_an_input_is_refused(tmp_path: Path, capsys: pytest.Ca
     one_line_error(err, "is also an input")
 
 
-def test_calibrate_checks_its_output_before_timing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibrate_checks_its_output_before_timing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from canzona.cli import calibrate_cmd
 
     def never(*args: object, **kwargs: object) -> None:
@@ -132,8 +134,15 @@ def test_calibrate_checks_its_output_before_timing(tmp_path: Path, capsys: pytes
         code, _, err = run(["calibrate", "--shapes", str(shapes), "-o", str(output)], capsys)
         assert code == 2
         one_line_error(err, needle)
-    for option in (["--ns-steps", "0"], ["--precondition-frequency", "0"], ["--max-precond-dim", "0"],
-                   ["--threads", "100000"], ["--block-size", "0"], ["--repeats", "0"], ["--comm-ranks", "1"]):
+    for option in (
+        ["--ns-steps", "0"],
+        ["--precondition-frequency", "0"],
+        ["--max-precond-dim", "0"],
+        ["--threads", "100000"],
+        ["--block-size", "0"],
+        ["--repeats", "0"],
+        ["--comm-ranks", "1"],
+    ):
         code, _, err = run(["calibrate", "--shapes", str(shapes), "-o", str(tmp_path / "p.yaml"), *option], capsys)
         assert code == 2
         one_line_error(err)
@@ -147,7 +156,9 @@ def test_stale_temporaries_are_cleaned_and_live_ones_kept(tmp_path: Path) -> Non
     stale = tmp_path / f".s.yaml.{dead.pid}.abc{TEMP_SUFFIX}"
     live = tmp_path / f".s.yaml.{os.getppid()}.def{TEMP_SUFFIX}"
     old = tmp_path / f".s.yaml.{os.getppid()}.ghi{TEMP_SUFFIX}"
-    other = tmp_path / f".t.yaml.{dead.pid}.jkl{TEMP_SUFFIX}"  # another file's, its writer killed: the folder's write cleans it
+    other = (
+        tmp_path / f".t.yaml.{dead.pid}.jkl{TEMP_SUFFIX}"
+    )  # another file's, its writer killed: the folder's write cleans it
     other_live = tmp_path / f".t.yaml.{os.getppid()}.mno{TEMP_SUFFIX}"
     for path in (stale, live, old, other, other_live):
         path.write_text("partial")
@@ -158,7 +169,9 @@ def test_stale_temporaries_are_cleaned_and_live_ones_kept(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
-def test_a_failed_write_leaves_no_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException) -> None:
+def test_a_failed_write_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
     target = tmp_path / "s.yaml"
     target.write_text("good\n")
 
@@ -190,9 +203,13 @@ def test_a_signal_during_the_write_removes_the_temporary(tmp_path: Path, signum:
     target.write_text("good\n")
     # The command as a terminal starts it: a suite launched in the background (`cmd &` in a
     # script, nohup) hands its children SIGINT ignored, and Python then leaves it ignored.
-    process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, *PLAN, "--force", "-o", str(target)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITE, *PLAN, "--force", "-o", str(target)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert process.stdout is not None
     assert process.stdout.readline() == "writing\n"  # the temporary file exists now
     assert any(p.name.endswith(TEMP_SUFFIX) for p in tmp_path.iterdir())
@@ -203,8 +220,9 @@ def test_a_signal_during_the_write_removes_the_temporary(tmp_path: Path, signum:
     assert os.listdir(tmp_path) == ["s.yaml"] and target.read_text() == "good\n"
 
 
-def test_readme_main_job_command_leaves_the_library_untouched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_readme_main_job_command_leaves_the_library_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`canzona plan --model qwen3-8b --tp 2 --dp 4` in a clone rewrites nothing."""
     library = tmp_path / "schedules" / "qwen3-8b"
     library.mkdir(parents=True)

@@ -17,16 +17,23 @@ def planned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     smaller groups, HSDP."""
     make_checkout(tmp_path)
     monkeypatch.chdir(tmp_path)
-    for args in (["--dp", "4"], ["--dp", "4", "--fsdp"], ["--dp", "4", "--fsdp", "--group-mb", "512", "-o", "small.yaml"],
-                 ["--tp", "2", "--dp", "8", "--fsdp", "--dp-replicate", "2"]):
+    for args in (
+        ["--dp", "4"],
+        ["--dp", "4", "--fsdp"],
+        ["--dp", "4", "--fsdp", "--group-mb", "512", "-o", "small.yaml"],
+        ["--tp", "2", "--dp", "8", "--fsdp", "--dp-replicate", "2"],
+    ):
         code, _, err = run(["plan", "--model", "qwen3-8b", *args], capsys)
         assert code == 0, err
     return tmp_path / "schedules" / "qwen3-8b"
 
 
 def test_plan_names_the_mode_and_reports_the_hosts(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert sorted(p.name for p in planned.iterdir()) == ["muon-tp1-dp4-fsdp.yaml", "muon-tp1-dp4.yaml",
-                                                          "muon-tp2-dp8-hsdp2.yaml"]
+    assert sorted(p.name for p in planned.iterdir()) == [
+        "muon-tp1-dp4-fsdp.yaml",
+        "muon-tp1-dp4.yaml",
+        "muon-tp2-dp8-hsdp2.yaml",
+    ]
     code, out, _ = run(["show", str(planned / "muon-tp2-dp8-hsdp2.yaml")], capsys)
     assert code == 0 and "HSDP 2 replicas x 4 shards: hosts over DP shard x TP = 8 devices" in out.splitlines()[0]
     code, out, _ = run(["show", str(planned / "muon-tp2-dp8-hsdp2.yaml"), "--rank", "9"], capsys)
@@ -37,17 +44,21 @@ def test_plan_names_the_mode_and_reports_the_hosts(planned: Path, capsys: pytest
     assert (summary["sharding"], summary["dp_replicate"], summary["num_buckets"]) == ("fsdp", 1, 0)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--dp", "4", "--dp-replicate", "2"], "--dp-replicate has no effect here"),
-    (["--dp", "4", "--fsdp", "--alpha", "0.5"], "which FSDP plans do not have"),
-    (["--dp", "4", "--fsdp", "--bucket-size", "auto"], "--bucket-size auto search"),
-    (["--dp", "4", "--fsdp", "--solver", "ilp"], "--solver ilp is not supported with --fsdp"),
-    (["--dp", "4", "--fsdp", "--dp-replicate", "3"], "dp replicate 3 does not divide dp 4"),
-    (["--dp", "4", "--fsdp", "--order", "free"], "FSDP plans have no buckets to order"),
-    (["--tp", "2", "--dp", "4", "--fsdp", "--coop", "force"], "without --fsdp"),
-])
-def test_plan_refusals(args: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                       capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--dp", "4", "--dp-replicate", "2"], "--dp-replicate has no effect here"),
+        (["--dp", "4", "--fsdp", "--alpha", "0.5"], "which FSDP plans do not have"),
+        (["--dp", "4", "--fsdp", "--bucket-size", "auto"], "--bucket-size auto search"),
+        (["--dp", "4", "--fsdp", "--solver", "ilp"], "--solver ilp is not supported with --fsdp"),
+        (["--dp", "4", "--fsdp", "--dp-replicate", "3"], "dp replicate 3 does not divide dp 4"),
+        (["--dp", "4", "--fsdp", "--order", "free"], "FSDP plans have no buckets to order"),
+        (["--tp", "2", "--dp", "4", "--fsdp", "--coop", "force"], "without --fsdp"),
+    ],
+)
+def test_plan_refusals(
+    args: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     refused(["plan", "--model", "qwen3-8b", *args], capsys, needle)
 
@@ -67,7 +78,9 @@ def test_check_regenerates_fsdp_files(planned: Path, capsys: pytest.CaptureFixtu
 def test_diff_says_when_the_modes_differ(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(["diff", str(planned / "muon-tp1-dp4.yaml"), str(planned / "muon-tp1-dp4-fsdp.yaml")], capsys)
     assert code == 0 and "the sharding modes differ (OLD replicated, NEW fsdp)" in err and "tp groups" in out
-    code, out, err = run(["diff", str(planned / "muon-tp1-dp4-fsdp.yaml"), str(planned.parents[1] / "small.yaml")], capsys)
+    code, out, err = run(
+        ["diff", str(planned / "muon-tp1-dp4-fsdp.yaml"), str(planned.parents[1] / "small.yaml")], capsys
+    )
     assert code == 0 and err == "" and "tp groups" in out
 
 
@@ -85,8 +98,11 @@ def test_simulate_prices_the_fsdp_step(planned: Path, capsys: pytest.CaptureFixt
         assert steps["adamw"] < steps["canzona"] <= steps["canzona (no overlap)"] < steps["redundant"]
     code, out, _ = run(["simulate", str(planned / "muon-tp1-dp4-fsdp.yaml")], capsys)
     assert code == 0 and "FSDP tp 1 x dp 4" in out and "redundant" in out
-    refused(["simulate", str(planned / "muon-tp1-dp4-fsdp.yaml"), "--global-batch", "64"], capsys,
-            "--global-batch has no effect here: FSDP schedules are simulated for the optimizer step only")
+    refused(
+        ["simulate", str(planned / "muon-tp1-dp4-fsdp.yaml"), "--global-batch", "64"],
+        capsys,
+        "--global-batch has no effect here: FSDP schedules are simulated for the optimizer step only",
+    )
 
 
 def test_reshard_check_reports_the_modes(planned: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ import pytest
 from canzona.cli.main import app, main
 from canzona.schedules.format import read_schedule, sealed, write_schedule
 from canzona.schedules.library import library_root
+
 from cli_run import refused, run
 
 NAME = "qwen3-8b/muon-tp2-dp4"
@@ -33,8 +34,28 @@ def test_bare_canzona_prints_help_not_an_empty_error(capsys: pytest.CaptureFixtu
     assert out.startswith("Usage: canzona") and "plan" in out and "--version" in out
 
 
-@pytest.mark.parametrize("command", [[], *([name] for name in ("models", "plan", "show", "diff", "check", "table",
-                                                                "render", "simulate", "calibrate", "reshard-check", "describe"))])
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        *(
+            [name]
+            for name in (
+                "models",
+                "plan",
+                "show",
+                "diff",
+                "check",
+                "table",
+                "render",
+                "simulate",
+                "calibrate",
+                "reshard-check",
+                "describe",
+            )
+        ),
+    ],
+)
 def test_h_and_help_everywhere(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, short, _ = run([*command, "-h"], capsys)
     assert code == 0 and short.startswith("Usage: canzona")
@@ -43,8 +64,21 @@ def test_h_and_help_everywhere(command: list[str], capsys: pytest.CaptureFixture
 
 
 def test_every_command_is_covered_by_the_help_test() -> None:
-    assert command_names() == sorted(["models", "plan", "show", "diff", "check", "table", "render", "simulate",
-                                      "calibrate", "reshard-check", "describe"])
+    assert command_names() == sorted(
+        [
+            "models",
+            "plan",
+            "show",
+            "diff",
+            "check",
+            "table",
+            "render",
+            "simulate",
+            "calibrate",
+            "reshard-check",
+            "describe",
+        ]
+    )
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,17 +111,25 @@ def test_boolean_flags_take_the_spelling_the_help_shows(tmp_path: Path, capsys: 
 # A path or a library name, in every command that reads a schedule
 
 
-@pytest.mark.parametrize("args", [
-    ["show", NAME], ["show", NAME, "--rank", "1"], ["simulate", NAME, "--step-only"], ["diff", NAME, OTHER, "--json"],
-    ["check", NAME], ["reshard-check", NAME, OTHER],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["show", NAME],
+        ["show", NAME, "--rank", "1"],
+        ["simulate", NAME, "--step-only"],
+        ["diff", NAME, OTHER, "--json"],
+        ["check", NAME],
+        ["reshard-check", NAME, OTHER],
+    ],
+)
 def test_library_names_work_like_paths(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     by_name = run(args, capsys)
     path = [str(library_root() / f"{a}.yaml") if a in (NAME, OTHER) else a for a in args]
     by_path = run(path, capsys)
     assert by_name[0] in (0, 1) and by_name[0] == by_path[0], by_name
-    assert by_name[1].replace(str(library_root()) + "/", "").replace(".yaml", "") == \
-        by_path[1].replace(str(library_root()) + "/", "").replace(".yaml", "")
+    assert by_name[1].replace(str(library_root()) + "/", "").replace(".yaml", "") == by_path[1].replace(
+        str(library_root()) + "/", ""
+    ).replace(".yaml", "")
 
 
 def test_render_takes_a_library_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,7 +141,9 @@ def test_render_takes_a_library_name(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_an_unknown_name_suggests_library_names(capsys: pytest.CaptureFixture[str]) -> None:
     for command in (["show"], ["simulate"], ["render"], ["diff", NAME], ["reshard-check", NAME]):
-        refused([*command, "qwen3-8b/muon-tp2-dp5"], capsys, "no library schedule", "did you mean: qwen3-8b/muon-tp2-dp4")
+        refused(
+            [*command, "qwen3-8b/muon-tp2-dp5"], capsys, "no library schedule", "did you mean: qwen3-8b/muon-tp2-dp4"
+        )
     refused(["check", "qwen3-8b/muon-tp2-dp5"], capsys, "no such schedule", "did you mean")
 
 
@@ -107,7 +151,9 @@ def test_one_resolver() -> None:
     """Names resolve in one place: `canzona.cli.options.schedule_path` (over the library's
     `resolve_schedule`, which the runtime uses too); `check` adds folders on top of it."""
     root = Path(__file__).resolve().parents[2] / "cli"
-    users = sorted(module.name for module in root.glob("*.py") if "resolve_schedule" in module.read_text(encoding="utf-8"))
+    users = sorted(
+        module.name for module in root.glob("*.py") if "resolve_schedule" in module.read_text(encoding="utf-8")
+    )
     assert users == ["compare.py", "options.py"]
 
 
@@ -115,16 +161,35 @@ def test_one_resolver() -> None:
 # --device: a hardware model everywhere; a profile is profile:FILE
 
 
-def test_device_means_a_hardware_model_and_a_profile_is_spelled_profile(tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_device_means_a_hardware_model_and_a_profile_is_spelled_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     profile = library_root() / "profiles" / "cpu-dev.yaml"
     code, out, err = run(["simulate", NAME, "--device", f"profile:{profile}", "--step-only", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["hardware"]["name"] == "cpu-dev"
     refused(["simulate", NAME, "--device", str(profile)], capsys, "unknown device", f"profile:{profile}")
     target = tmp_path / "auto.yaml"
-    code, _, err = run(["plan", "--model", "qwen3-0.6b", "--dp", "2", "--alpha", "auto", "--device", f"profile:{profile}",
-                        "--global-batch", "8", "--seq-len", "64", "-o", str(target)], capsys)
+    code, _, err = run(
+        [
+            "plan",
+            "--model",
+            "qwen3-0.6b",
+            "--dp",
+            "2",
+            "--alpha",
+            "auto",
+            "--device",
+            f"profile:{profile}",
+            "--global-batch",
+            "8",
+            "--seq-len",
+            "64",
+            "-o",
+            str(target),
+        ],
+        capsys,
+    )
     assert code == 0, err
     from canzona.schedules.format import read_schedule
 
@@ -144,33 +209,51 @@ def test_calibrate_names_its_torch_device_otherwise(capsys: pytest.CaptureFixtur
 # Options that would have no effect are refused
 
 
-@pytest.mark.parametrize(("args", "needle"), [
-    (["plan", "--model", "qwen3-0.6b", "--device", "h800"], "--device has no effect here"),
-    (["plan", "--model", "qwen3-0.6b", "--device", "h100"], "--device has no effect here"),
-    (["plan", "--model", "qwen3-0.6b", "--global-batch", "64"], "--global-batch has no effect here"),
-    (["plan", "--model", "qwen3-0.6b", "--seq-len", "64"], "--seq-len has no effect here"),
-    (["plan", "--model", "qwen3-0.6b", "--micro-batches", "2"], "--micro-batches has no effect here"),
-    (["plan", "--model", "qwen3-0.6b", "--time-limit", "5"], "--time-limit has no effect here: it applies to --solver ilp"),
-    (["plan", "--model", "qwen3-0.6b", "--seed", "3"], "--seed has no effect here"),
-    (["plan", "--model", "qwen3-0.6b", "--block-size", "512"], "--block-size has no effect here: it only changes shampoo"),
-    (["plan", "--model", "qwen3-0.6b", "--optimizer", "soap", "--ns-steps", "3"], "--ns-steps has no effect here"),
-    (["plan", "--model", "qwen3-0.6b", "--optimizer", "shampoo", "--ns-coefficients", "quintic"],
-     "--ns-coefficients has no effect here: it only changes muon"),
-    (["plan", "--model", "qwen3-0.6b", "--max-precond-dim", "100"], "--max-precond-dim has no effect here"),
-    (["plan", "--model", "qwen3-0.6b", "--precondition-frequency", "5"], "--precondition-frequency has no effect"),
-    (["plan", "--model", "qwen3-0.6b", "--alpha", "auto", "--device", "h800"], "unknown device 'h800'"),
-    (["simulate", NAME, "--step-only", "--global-batch", "64"], "--global-batch has no effect here: --step-only"),
-    (["simulate", NAME, "--step-only", "--no-overlap-grad-reduce"], "--overlap-grad-reduce has no effect here"),
-    (["simulate", NAME, "--step-only", "--train-tflops", "100"], "--train-tflops has no effect here"),
-    (["simulate", NAME, "--routed-fraction", "0.5"], "--routed-fraction has no effect here: qwen3-8b has no MoE"),
-    (["simulate", "qwen3-30b-a3b/muon-tp2-dp16-ep8", "--routed-fraction", "2"], "routed fraction must be in (0, 1]"),
-    (["calibrate", "--quick", "--repeats", "3", "-o", "x.yaml"], "--repeats has no effect here: --quick sets it"),
-    (["calibrate", "--model", "qwen3-0.6b", "--max-side", "256", "-o", "x.yaml"], "--max-side has no effect here"),
-    (["calibrate", "--optimizer", "muon", "--block-size", "256", "-o", "x.yaml"], "--block-size has no effect here"),
-    (["table", "schedules", "--update", "--json"], "give one"),
-])
-def test_options_without_effect_are_refused(args: list[str], needle: str, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["plan", "--model", "qwen3-0.6b", "--device", "h800"], "--device has no effect here"),
+        (["plan", "--model", "qwen3-0.6b", "--device", "h100"], "--device has no effect here"),
+        (["plan", "--model", "qwen3-0.6b", "--global-batch", "64"], "--global-batch has no effect here"),
+        (["plan", "--model", "qwen3-0.6b", "--seq-len", "64"], "--seq-len has no effect here"),
+        (["plan", "--model", "qwen3-0.6b", "--micro-batches", "2"], "--micro-batches has no effect here"),
+        (
+            ["plan", "--model", "qwen3-0.6b", "--time-limit", "5"],
+            "--time-limit has no effect here: it applies to --solver ilp",
+        ),
+        (["plan", "--model", "qwen3-0.6b", "--seed", "3"], "--seed has no effect here"),
+        (
+            ["plan", "--model", "qwen3-0.6b", "--block-size", "512"],
+            "--block-size has no effect here: it only changes shampoo",
+        ),
+        (["plan", "--model", "qwen3-0.6b", "--optimizer", "soap", "--ns-steps", "3"], "--ns-steps has no effect here"),
+        (
+            ["plan", "--model", "qwen3-0.6b", "--optimizer", "shampoo", "--ns-coefficients", "quintic"],
+            "--ns-coefficients has no effect here: it only changes muon",
+        ),
+        (["plan", "--model", "qwen3-0.6b", "--max-precond-dim", "100"], "--max-precond-dim has no effect here"),
+        (["plan", "--model", "qwen3-0.6b", "--precondition-frequency", "5"], "--precondition-frequency has no effect"),
+        (["plan", "--model", "qwen3-0.6b", "--alpha", "auto", "--device", "h800"], "unknown device 'h800'"),
+        (["simulate", NAME, "--step-only", "--global-batch", "64"], "--global-batch has no effect here: --step-only"),
+        (["simulate", NAME, "--step-only", "--no-overlap-grad-reduce"], "--overlap-grad-reduce has no effect here"),
+        (["simulate", NAME, "--step-only", "--train-tflops", "100"], "--train-tflops has no effect here"),
+        (["simulate", NAME, "--routed-fraction", "0.5"], "--routed-fraction has no effect here: qwen3-8b has no MoE"),
+        (
+            ["simulate", "qwen3-30b-a3b/muon-tp2-dp16-ep8", "--routed-fraction", "2"],
+            "routed fraction must be in (0, 1]",
+        ),
+        (["calibrate", "--quick", "--repeats", "3", "-o", "x.yaml"], "--repeats has no effect here: --quick sets it"),
+        (["calibrate", "--model", "qwen3-0.6b", "--max-side", "256", "-o", "x.yaml"], "--max-side has no effect here"),
+        (
+            ["calibrate", "--optimizer", "muon", "--block-size", "256", "-o", "x.yaml"],
+            "--block-size has no effect here",
+        ),
+        (["table", "schedules", "--update", "--json"], "give one"),
+    ],
+)
+def test_options_without_effect_are_refused(
+    args: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "schedules").mkdir()
     refused(args, capsys, needle)
@@ -178,10 +261,20 @@ def test_options_without_effect_are_refused(args: list[str], needle: str, tmp_pa
 
 
 def test_options_with_effect_are_taken(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for index, extra in enumerate((["--optimizer", "shampoo", "--block-size", "512", "--precondition-frequency", "5"],
-                                   ["--optimizer", "soap", "--max-precond-dim", "4096"], ["--ns-steps", "3"],
-                                   ["--ns-coefficients", "quintic"])):
-        assert run(["plan", "--model", "qwen3-0.6b", "--dp", "2", *extra, "-o", str(tmp_path / f"{index}.yaml")], capsys)[0] == 0
+    for index, extra in enumerate(
+        (
+            ["--optimizer", "shampoo", "--block-size", "512", "--precondition-frequency", "5"],
+            ["--optimizer", "soap", "--max-precond-dim", "4096"],
+            ["--ns-steps", "3"],
+            ["--ns-coefficients", "quintic"],
+        )
+    ):
+        assert (
+            run(["plan", "--model", "qwen3-0.6b", "--dp", "2", *extra, "-o", str(tmp_path / f"{index}.yaml")], capsys)[
+                0
+            ]
+            == 0
+        )
 
 
 # --------------------------------------------------------------------------------------------

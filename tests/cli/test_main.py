@@ -12,6 +12,7 @@ import pytest
 
 from canzona.cli.main import main
 from canzona.schedules.format import read_schedule
+
 from cli_run import run
 
 
@@ -27,7 +28,9 @@ def test_models_lists_every_preset_with_counts(capsys: pytest.CaptureFixture[str
 
 def test_plan_writes_a_valid_schedule_and_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "plan.yaml"
-    code, out, err = run(["plan", "--model", "qwen3-0.6b", "--tp", "2", "--dp", "4", "-o", str(target), "--json"], capsys)
+    code, out, err = run(
+        ["plan", "--model", "qwen3-0.6b", "--tp", "2", "--dp", "4", "-o", str(target), "--json"], capsys
+    )
     assert code == 0, err
     summary = json.loads(out)
     assert summary["output"] == str(target) and summary["tp"] == 2 and summary["dp"] == 4
@@ -37,7 +40,9 @@ def test_plan_writes_a_valid_schedule_and_summary(tmp_path: Path, capsys: pytest
     assert set(summary["baselines"]) == {"dp-sc", "zero1-gather", "start-owner", "layer-wise"}
 
 
-def test_plan_default_output_path(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_default_output_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     code, out, _ = run(["plan", "--model", "qwen3-0.6b", "--dp", "2", "--alpha", "0.5"], capsys)
     assert code == 0
@@ -114,8 +119,14 @@ def test_show_text_json_and_rank(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert run(["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4", "-o", str(target)], capsys)[0] == 0
     code, out, _ = run(["show", str(target)], capsys)
     assert code == 0
-    for needle in ("imbalance", "start-owner", "layer-wise", "rollback", "compute load per device",
-                   "predicted peak memory max"):
+    for needle in (
+        "imbalance",
+        "start-owner",
+        "layer-wise",
+        "rollback",
+        "compute load per device",
+        "predicted peak memory max",
+    ):
         assert needle in out
     assert "sorted" not in out and "heap" not in out  # only the chosen mode is recorded
     code, out, _ = run(["show", str(target), "--json"], capsys)
@@ -127,7 +138,9 @@ def test_show_text_json_and_rank(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert code == 2 and "outside the world of 8 devices" in err
 
 
-def test_internal_errors_are_one_line_unless_debug(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_internal_errors_are_one_line_unless_debug(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def explode(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
@@ -149,6 +162,8 @@ def test_console_script_and_no_torch_import(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
     result = subprocess.run(
         [str(Path(sys.executable).parent / "canzona"), "plan", "--model", "nope"],
-        capture_output=True, text=True, env={**os.environ, "CANZONA_DEBUG": ""},
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CANZONA_DEBUG": ""},
     )
     assert result.returncode == 2 and result.stderr.startswith("canzona: error: unknown model")

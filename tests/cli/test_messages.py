@@ -14,6 +14,7 @@ import pytest
 
 from canzona.cli import progress as progress_module
 from canzona.cli.wording import duration, percent, plural, table_unit
+
 from cli_run import refused, run
 
 NAME = "qwen3-8b/muon-tp2-dp4"
@@ -29,7 +30,12 @@ def test_plurals_percentages_and_units() -> None:
     assert plural(1, "matrix", "matrices") == "1 matrix" and plural(0, "matrix", "matrices") == "0 matrices"
     assert percent(-1e-12) == "0.00%" and percent(-0.004) == "-0.40%" and percent(0.0123) == "1.23%"
     assert [duration(s) for s in (0.000123, 0.557, 12.34, 725, 2 * 3600 + 14 * 60 + 5)] == [
-        "0.123 ms", "557 ms", "12.3 s", "12 min 5 s", "2 h 14 min"]
+        "0.123 ms",
+        "557 ms",
+        "12.3 s",
+        "12 min 5 s",
+        "2 h 14 min",
+    ]
     assert [table_unit(s)[0] for s in (0.5, 13.0, 600.0, 5 * 3600.0)] == ["ms", "s", "min", "h"]
 
 
@@ -63,9 +69,16 @@ def test_calibrate_garbage_shapes_is_refused(text: str, tmp_path: Path, capsys: 
     refused(["calibrate", "--shapes", str(shapes), "-o", str(tmp_path / "p.yaml")], capsys, "garbage.json")
 
 
-@pytest.mark.parametrize(("value", "needle"), [("-1", "--group-mb must be > 0 MiB, got -1 MiB"),
-                                               ("0", "> 0 MiB"), ("nan", "finite number of MiB"),
-                                               ("1e-9", "at least one byte"), ("1e30", "MiB, got 1e+30 MiB")])
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("-1", "--group-mb must be > 0 MiB, got -1 MiB"),
+        ("0", "> 0 MiB"),
+        ("nan", "finite number of MiB"),
+        ("1e-9", "at least one byte"),
+        ("1e30", "MiB, got 1e+30 MiB"),
+    ],
+)
 def test_group_mb_errors_speak_mib(value: str, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(["plan", "--model", "qwen3-0.6b", "--group-mb", value], capsys, needle)
     assert "bytes" not in err and "capacity" not in err
@@ -80,11 +93,17 @@ def test_output_paths_get_plain_messages(tmp_path: Path, capsys: pytest.CaptureF
     assert afile.read_text() == "x\n"
 
 
-@pytest.mark.parametrize(("code", "reason"), [(errno.ENOSPC, "no space left on the device"),
-                                              (errno.ENOENT, "its folder does not accept new files"),
-                                              (errno.EACCES, "permission denied")])
-def test_failed_writes_name_the_path_once(code: int, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        (errno.ENOSPC, "no space left on the device"),
+        (errno.ENOENT, "its folder does not accept new files"),
+        (errno.EACCES, "permission denied"),
+    ],
+)
+def test_failed_writes_name_the_path_once(
+    code: int, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import canzona.cli.options as options
 
     def fail(path: object, data: object) -> bool:
@@ -99,8 +118,9 @@ def test_failed_writes_name_the_path_once(code: int, reason: str, tmp_path: Path
         assert err.count(str(target)) == 1 and "raw errno text" not in err
 
 
-def test_render_says_what_it_wrote_and_makes_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_render_says_what_it_wrote_and_makes_folders(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
     code, out, _ = run(["render", NAME, "-o", "plan"], capsys)
@@ -119,8 +139,10 @@ def test_plan_warns_when_most_ranks_have_nothing_to_update(tmp_path: Path, capsy
     assert code == 0 and out.startswith("wrote")
     assert err.startswith("canzona: warning: qwen3-0.6b has 112 matrices for 1024 DP ranks: at least 912 ranks")
     skew = tmp_path / "skew.yaml"  # enough matrices, but one dominates: known only after planning
-    skew.write_text("name: skew\nparams:\n- {name: big, shape: [8192, 8192], tp_dim: 0}\n"
-                    + "".join(f"- {{name: w{i}, shape: [64, 64], tp_dim: 0}}\n" for i in range(150)))
+    skew.write_text(
+        "name: skew\nparams:\n- {name: big, shape: [8192, 8192], tp_dim: 0}\n"
+        + "".join(f"- {{name: w{i}, shape: [64, 64], tp_dim: 0}}\n" for i in range(150))
+    )
     code, _, err = run(["plan", "--model", str(skew), "--dp", "200", "-o", str(tmp_path / "b.yaml")], capsys)
     assert code == 0 and re.fullmatch(r"canzona: warning: \d+ of 200 DP ranks own no matrix to update .*\n", err)
     code, _, err = run(["plan", "--model", "qwen3-0.6b", "--dp", "8", "-o", str(tmp_path / "c.yaml")], capsys)
@@ -134,19 +156,41 @@ def test_huge_dp_fails_fast(capsys: pytest.CaptureFixture[str]) -> None:
 def test_auto_search_summaries_show_why_the_winner_won(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every candidate of qwen3-8b's α search predicts 16.5 s to three digits: each other one is
     shown as its difference from the chosen one, to the microsecond."""
-    code, out, _ = run(["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4", "--alpha", "auto", "--bucket-size", "auto",
-                        "-o", str(tmp_path / "s.yaml")], capsys)
+    code, out, _ = run(
+        [
+            "plan",
+            "--model",
+            "qwen3-8b",
+            "--tp",
+            "2",
+            "--dp",
+            "4",
+            "--alpha",
+            "auto",
+            "--bucket-size",
+            "auto",
+            "-o",
+            str(tmp_path / "s.yaml"),
+        ],
+        capsys,
+    )
     assert code == 0
     difference = r"(\+\d+\.\d{3} ms|\+\d+ ns|same)"
     alpha = next(line for line in out.splitlines() if line.startswith("alpha chosen by the simulator on h100: "))
-    assert re.search(rf"predicted iteration \S+ s at alpha (\S+); (\S+: {difference}, ){{3}}\S+: {difference} "
-                     r"\(equal times go to the larger alpha\)$", alpha), alpha
+    assert re.search(
+        rf"predicted iteration \S+ s at alpha (\S+); (\S+: {difference}, ){{3}}\S+: {difference} "
+        r"\(equal times go to the larger alpha\)$",
+        alpha,
+    ), alpha
     bucket = next(line for line in out.splitlines() if line.startswith("bucket size chosen by the simulator"))
-    assert re.search(rf"\(predicted iteration \S+ s at \S+; (\S+( bucket)?: {difference}, )+\S+( bucket)?: {difference}\)$", bucket), bucket
+    assert re.search(
+        rf"\(predicted iteration \S+ s at \S+; (\S+( bucket)?: {difference}, )+\S+( bucket)?: {difference}\)$", bucket
+    ), bucket
 
 
-def test_auto_searches_report_each_candidate(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_searches_report_each_candidate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[tuple[str, int | None, list[str]]] = []
 
     class Recorder:
@@ -162,18 +206,40 @@ def test_auto_searches_report_each_candidate(tmp_path: Path, capsys: pytest.Capt
     import canzona.cli.plan_cmd as plan_cmd
 
     monkeypatch.setattr(plan_cmd, "progress", Recorder)
-    args = ["plan", "--model", "qwen3-0.6b", "--dp", "2", "--alpha", "auto", "--bucket-size", "auto",
-            "--global-batch", "8", "--seq-len", "64", "-o", str(tmp_path / "s.yaml")]
+    args = [
+        "plan",
+        "--model",
+        "qwen3-0.6b",
+        "--dp",
+        "2",
+        "--alpha",
+        "auto",
+        "--bucket-size",
+        "auto",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "64",
+        "-o",
+        str(tmp_path / "s.yaml"),
+    ]
     assert run(args, capsys)[0] == 0
     description, total, labels = seen[0]
     assert description == "planning qwen3-0.6b tp 1 x dp 2" and total == 12 and len(labels) == 12
-    assert labels[0] == "bucket size 10M" and labels[7:] == ["alpha 0", "alpha 0.25", "alpha 0.5", "alpha 0.75", "alpha 1"]
+    assert labels[0] == "bucket size 10M" and labels[7:] == [
+        "alpha 0",
+        "alpha 0.25",
+        "alpha 0.5",
+        "alpha 0.75",
+        "alpha 1",
+    ]
     assert run(["plan", "--model", "qwen3-0.6b", "--dp", "2", "-o", str(tmp_path / "t.yaml")], capsys)[0] == 0
     assert seen[1][1] is None and seen[1][2] == []  # a single plan: a spinner with the elapsed time
 
 
-def test_progress_off_a_terminal_is_silent_or_lines(capsys: pytest.CaptureFixture[str],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_progress_off_a_terminal_is_silent_or_lines(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(progress_module, "interactive", lambda: False)
     with progress_module.progress("work", 2) as step:
         step("a")
@@ -191,8 +257,9 @@ def test_progress_off_a_terminal_is_silent_or_lines(capsys: pytest.CaptureFixtur
     assert capsys.readouterr().out == ""
 
 
-def test_slow_work_off_a_terminal_says_it_is_working(capsys: pytest.CaptureFixture[str],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slow_work_off_a_terminal_says_it_is_working(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """In a CI log a long plan prints a plain line every HEARTBEAT_S seconds (here made tiny),
     so it never looks like a hang; the lines stop with the work."""
     monkeypatch.setattr(progress_module, "interactive", lambda: False)
@@ -216,8 +283,23 @@ def test_calibrate_estimates_then_counts(tmp_path: Path, capsys: pytest.CaptureF
     shapes = tmp_path / "s.yaml"
     shapes.write_text("- [16, 32]\n- [32, 32]\n")
     target = tmp_path / "p.yaml"
-    code, out, err = run(["calibrate", "--shapes", str(shapes), "--quick", "--optimizer", "muon", "--optimizer", "soap",
-                          "--threads", "1", "-o", str(target)], capsys)
+    code, out, err = run(
+        [
+            "calibrate",
+            "--shapes",
+            str(shapes),
+            "--quick",
+            "--optimizer",
+            "muon",
+            "--optimizer",
+            "soap",
+            "--threads",
+            "1",
+            "-o",
+            str(target),
+        ],
+        capsys,
+    )
     assert code == 0, err
     lines = err.splitlines()
     assert lines[0].startswith("canzona: timing 4 matrix kernels (muon 2, soap 2), 4 AdamW sizes; about ")
@@ -240,17 +322,22 @@ def test_calibrate_quick_times_a_models_shapes_scaled_down(tmp_path: Path, capsy
         assert all(abs(r / c - fr / fc) < 0.02 * fr / fc for (r, c), (fr, fc) in zip(shapes, full))
     grid = kernel_plan(["muon", "shampoo", "soap"], None, None, QUICK["max_side"], quick=True)
     settings = (5, 1024, 10, 10000)
-    work, full_work = (sum(kernel_flops(todo, settings, 2).values()) for todo in (plan, {"muon": full, "shampoo": full, "soap": full}))
+    work, full_work = (
+        sum(kernel_flops(todo, settings, 2).values()) for todo in (plan, {"muon": full, "shampoo": full, "soap": full})
+    )
     assert work <= 1.5 * sum(kernel_flops(grid, settings, 2).values()) and full_work > 20 * work  # the grid: seconds
 
 
-def test_calibrate_quick_on_a_model_writes_a_profile_simulate_reads(tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibrate_quick_on_a_model_writes_a_profile_simulate_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("torch")
     from canzona.planner.partition.profile_cost import read_profile
 
     target = tmp_path / "p.yaml"
-    code, _, err = run(["calibrate", "--model", "qwen3-0.6b", "--quick", "--optimizer", "muon", "-o", str(target)], capsys)
+    code, _, err = run(
+        ["calibrate", "--model", "qwen3-0.6b", "--quick", "--optimizer", "muon", "-o", str(target)], capsys
+    )
     assert code == 0, err
     assert all(max(row.rows, row.cols) <= 512 for row in read_profile(target).rows if row.optimizer == "muon")
     code, out, err = run(["simulate", "qwen3-0.6b/muon-tp1-dp8", "--device", f"profile:{target}"], capsys)

@@ -62,8 +62,10 @@ def test_config_plans_with_transformers_names_unless_told(tmp_path: Path, capsys
     assert run_cli(["plan", "--model", str(TINY_MOE), "--tp", "2", "--dp", "2", "-o", str(hf)], capsys)[0] == 0
     schedule = read_schedule(hf)
     assert schedule.request.names == "hf"
-    assert {e.param for e in schedule.params if e.param} == {"model.layers.1.mlp.experts.gate_up_proj",
-                                                            "model.layers.1.mlp.experts.down_proj"}
+    assert {e.param for e in schedule.params if e.param} == {
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.experts.down_proj",
+    }
     args = ["plan", "--model", str(TINY_MOE), "--tp", "2", "--dp", "2", "--names", "megatron", "-o", str(megatron)]
     assert run_cli(args, capsys)[0] == 0
     assert read_schedule(megatron).request.names == "megatron"
@@ -73,8 +75,11 @@ def test_config_plans_with_transformers_names_unless_told(tmp_path: Path, capsys
 
 
 def test_presets_take_every_convention(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    for names, first in (("megatron", "embedding.word_embeddings.weight"), ("hf", "model.embed_tokens.weight"),
-                         ("torchtitan", "tok_embeddings.weight")):
+    for names, first in (
+        ("megatron", "embedding.word_embeddings.weight"),
+        ("hf", "model.embed_tokens.weight"),
+        ("torchtitan", "tok_embeddings.weight"),
+    ):
         target = tmp_path / f"{names}.yaml"
         args = ["plan", "--model", "qwen3-0.6b", "--tp", "2", "--dp", "2", "--names", names, "-o", str(target)]
         assert run_cli(args, capsys)[0] == 0
@@ -93,7 +98,9 @@ def test_sequence_parallel_flag(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert run_cli(["check", str(target)], capsys)[0] == 0
 
 
-def test_live_model_plans_describes_and_checks(factories: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_live_model_plans_describes_and_checks(
+    factories: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     source = f"py:{factories}:small"
     planned, described = tmp_path / "live.yaml", tmp_path / "params.yaml"
     code, _, err = run_cli(["plan", "--model", source, "--dp", "2", "-o", str(planned)], capsys)
@@ -102,13 +109,27 @@ def test_live_model_plans_describes_and_checks(factories: Path, tmp_path: Path, 
     assert schedule.request.model.source == source and schedule.request.model.name == "small"
     # named_parameters() order: a module's own parameters before its children's.
     assert [e.name for e in sorted(schedule.params, key=lambda e: e.index)] == [
-        "experts[0]", "experts[1]", "experts[2]", "experts[3]", "embed.weight", "proj.weight", "norm.weight", "lm_head.weight"]
+        "experts[0]",
+        "experts[1]",
+        "experts[2]",
+        "experts[3]",
+        "embed.weight",
+        "proj.weight",
+        "norm.weight",
+        "lm_head.weight",
+    ]
     assert {e.dtype for e in schedule.params} == {"bf16"}
     code, out, _ = run_cli(["describe", "--model", source], capsys)
     assert code == 0
     listing = yaml.safe_load(out)
     assert listing["name"] == "small" and listing["params"][0] == {
-        "name": "experts", "shape": [4, 32, 16], "tp_dim": None, "dtype": "bf16", "optimizer": "matrix", "grouped_experts": True}
+        "name": "experts",
+        "shape": [4, 32, 16],
+        "tp_dim": None,
+        "dtype": "bf16",
+        "optimizer": "matrix",
+        "grouped_experts": True,
+    }
     code, out, _ = run_cli(["describe", "--model", source, "-o", str(described)], capsys)
     assert code == 0 and "5 parameters of small (2 matrices, 1 grouped expert tensors)" in out
     assert described.read_text() == run_cli(["describe", "--model", source], capsys)[1]
@@ -132,22 +153,36 @@ def test_live_model_plans_describes_and_checks(factories: Path, tmp_path: Path, 
         (["plan", "--model", "py:FACTORIES:not_a_model"], ["returned a value of type int, not a torch.nn.Module"]),
         (["plan", "--model", "py:no_such_package.models:make"], ["cannot import 'no_such_package.models'"]),
         (["plan", "--model", "py:FACTORIES:small", "--names", "hf"], ["--names hf applies to presets", "live model"]),
-        (["plan", "--model", str(ROOT / "examples" / "tiny_qwen3.yaml"), "--names", "torchtitan"], ["--names torchtitan applies"]),
-        (["plan", "--model", str(ROOT / "examples" / "tiny_qwen3.yaml"), "--names", "megatron"],
-         ["--names megatron applies to presets", "a parameter list names its parameters itself"]),
-        (["plan", "--model", "py:FACTORIES:small", "--names", "megatron"], ["--names megatron applies", "a live model"]),
+        (
+            ["plan", "--model", str(ROOT / "examples" / "tiny_qwen3.yaml"), "--names", "torchtitan"],
+            ["--names torchtitan applies"],
+        ),
+        (
+            ["plan", "--model", str(ROOT / "examples" / "tiny_qwen3.yaml"), "--names", "megatron"],
+            ["--names megatron applies to presets", "a parameter list names its parameters itself"],
+        ),
+        (
+            ["plan", "--model", "py:FACTORIES:small", "--names", "megatron"],
+            ["--names megatron applies", "a live model"],
+        ),
         (["plan", "--model", "py:FACTORIES:small", "--split-qkv", "head"], ["split_qkv head has no effect on small"]),
         (["plan", "--model", "py:FACTORIES:small", "--split-fc1"], ["split_fc1 true has no effect on small"]),
-        (["plan", "--model", "py:FACTORIES:small", "--tp", "2"],
-         ["shows no TP layout", "at --tp 2 its parameters would be planned as whole matrices", "parallelize_module"]),
-        (["plan", "--model", "qwen3-0.6b", "--names", "hf", "--split-qkv", "none"], ["split_qkv none", "separate parameters"]),
+        (
+            ["plan", "--model", "py:FACTORIES:small", "--tp", "2"],
+            ["shows no TP layout", "at --tp 2 its parameters would be planned as whole matrices", "parallelize_module"],
+        ),
+        (
+            ["plan", "--model", "qwen3-0.6b", "--names", "hf", "--split-qkv", "none"],
+            ["split_qkv none", "separate parameters"],
+        ),
         (["describe", "--model", "qwen3-8b"], ["describe reads a live model", "py:MODULE:FACTORY"]),
         (["describe", "--model", "py:FACTORIES:small", "-o", "FACTORIES"], ["is also an input"]),
         (["plan", "--model", "py:FACTORIES:small", "-o", "FACTORIES"], ["is also an input"]),
     ],
 )
-def test_bad_live_models_and_names(args: list[str], needles: list[str], factories: Path,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_live_models_and_names(
+    args: list[str], needles: list[str], factories: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = factories.read_text()
     code, out, err = run_cli([a.replace("FACTORIES", str(factories)) for a in args], capsys)
     assert code == 2 and err.startswith("canzona: error: ") and err.count("\n") == 1, err
@@ -162,17 +197,26 @@ def test_described_tp_size_must_match(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 2 and "read from a model at TP 2 (its 'tp' key); plan it with --tp 2, not 4" in err
 
 
-@pytest.mark.parametrize("model, message", [
-    ("py:missing.py:make", "no such model file 'missing.py'"),
-    ("py:no_such_package_zz.models:make", "cannot import 'no_such_package_zz.models': No module named 'no_such_package_zz'"),
-    ("py:models.py", "a live model is py:MODULE:FACTORY"),
-])
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("py:missing.py:make", "no such model file 'missing.py'"),
+        (
+            "py:no_such_package_zz.models:make",
+            "cannot import 'no_such_package_zz.models': No module named 'no_such_package_zz'",
+        ),
+        ("py:models.py", "a live model is py:MODULE:FACTORY"),
+    ],
+)
 @pytest.mark.parametrize("command", ["plan", "describe"])
-def test_a_live_model_that_cannot_load_is_refused_before_torch(model: str, message: str, command: str,
-                                                                tmp_path: Path) -> None:
-    probe = ("import sys; from canzona.cli.main import main; "
-             f"code = main([{command!r}, '--model', {model!r}]); "
-             "print(code, 'torch' in sys.modules)")
+def test_a_live_model_that_cannot_load_is_refused_before_torch(
+    model: str, message: str, command: str, tmp_path: Path
+) -> None:
+    probe = (
+        "import sys; from canzona.cli.main import main; "
+        f"code = main([{command!r}, '--model', {model!r}]); "
+        "print(code, 'torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path)
     code, torch_loaded = done.stdout.split()
     assert (code, torch_loaded) == ("2", "False")  # refused before the heavy import, whatever the machine's speed
@@ -217,8 +261,22 @@ def test_plan_a_dtensor_model_from_its_factory(tmp_path: Path) -> None:
     factory = tmp_path / "titan_factory.py"
     factory.write_text(TP_FACTORY.replace("RUNTIME_TESTS", repr(str(ROOT / "tests" / "runtime"))))
     target = tmp_path / "titan.yaml"
-    command = [sys.executable, "-m", "canzona.cli", "plan", "--model", f"py:{factory}:titan", "--tp", "2", "--dp", "2",
-               "--sequence-parallel", "--json", "-o", str(target)]
+    command = [
+        sys.executable,
+        "-m",
+        "canzona.cli",
+        "plan",
+        "--model",
+        f"py:{factory}:titan",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--sequence-parallel",
+        "--json",
+        "-o",
+        str(target),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["tp"] == 2
@@ -227,13 +285,18 @@ def test_plan_a_dtensor_model_from_its_factory(tmp_path: Path) -> None:
     assert tp_dims["layers.0.attention.qkv_linear.wqkv.weight"] == 0
     assert tp_dims["layers.1.moe.routed_experts.inner_experts.w2_EDF[3]"] == 1
     assert {e.name for e in schedule.params if e.grad_reduce} == {e.name for e in schedule.params if "norm" in e.name}
-    wrong = subprocess.run(command[:8] + ["--tp", "4", "--dp", "1", "-o", str(tmp_path / "y.yaml")],
-                           capture_output=True, text=True, timeout=300)
+    wrong = subprocess.run(
+        command[:8] + ["--tp", "4", "--dp", "1", "-o", str(tmp_path / "y.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert wrong.returncode == 2 and "read from a model at TP 2" in wrong.stderr and wrong.stderr.count("\n") == 1
 
 
-def test_simulate_a_live_moe_schedule_needs_the_routed_fraction(factories: Path, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_a_live_moe_schedule_needs_the_routed_fraction(
+    factories: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A live model has no config to read top_k / num_experts from; its expert slices say which
     parameters are experts."""
     target = tmp_path / "live.yaml"

@@ -18,35 +18,64 @@ from canzona.planner.request import PlanRequest, TrainingSetup
 from canzona.planner.spec import ModelOptions
 from canzona.schedules.format import read_request, read_schedule, schedule_text
 from canzona.schedules.library import library_names, library_root
+
 from cli_run import make_checkout, refused, run
 
 BASE = PlanRequest("qwen3-8b", 2, 4)
-OPTIMIZER = {"name": {"name": "shampoo"}, "ns_steps": {"ns_steps": 3}, "block_size": {"name": "shampoo", "block_size": 512},
-             "precondition_frequency": {"name": "soap", "precondition_frequency": 5},
-             "max_precond_dim": {"name": "soap", "max_precond_dim": 4096}, "ns_coefficients": {"ns_coefficients": "quintic"}}
-OPTIONS = {"split_qkv": {"split_qkv": "head"}, "split_fc1": {"split_fc1": True}, "router_optimizer": {"router_optimizer": "adamw"},
-           "names": {"names": "torchtitan"}, "sequence_parallel": {"sequence_parallel": True}, "dtype": {"dtype": "fp32"}}
+OPTIMIZER = {
+    "name": {"name": "shampoo"},
+    "ns_steps": {"ns_steps": 3},
+    "block_size": {"name": "shampoo", "block_size": 512},
+    "precondition_frequency": {"name": "soap", "precondition_frequency": 5},
+    "max_precond_dim": {"name": "soap", "max_precond_dim": 4096},
+    "ns_coefficients": {"ns_coefficients": "quintic"},
+}
+OPTIONS = {
+    "split_qkv": {"split_qkv": "head"},
+    "split_fc1": {"split_fc1": True},
+    "router_optimizer": {"router_optimizer": "adamw"},
+    "names": {"names": "torchtitan"},
+    "sequence_parallel": {"sequence_parallel": True},
+    "dtype": {"dtype": "fp32"},
+}
 TRAINING = {"global_batch": {"global_batch": 512}, "seq_len": {"seq_len": 1024}, "micro_batches": {"micro_batches": 4}}
 SEARCHED = {"alpha_device": "h100"}
 TOP: dict[str, list[dict[str, Any]]] = {
-    "cost": [{"cost": "numel"}, {"cost": "profile:dir/gpu.yaml"}], "alpha": [{"alpha": 0.5}, {"alpha": 0.123456789}],
-    "bucket_size": [{"bucket_size": 1000}], "tp_mode": [{"tp_mode": "heap"}, {"tp_mode": "fixed"}],
-    "group_bytes": [{"group_bytes": 64 << 20}, {"group_bytes": 1000}], "ep": [{"ep": 2}], "solver": [{"solver": "ilp"}],
-    "time_limit": [{"solver": "ilp", "time_limit": 2.5}], "seed": [{"solver": "ilp", "seed": 3}],
+    "cost": [{"cost": "numel"}, {"cost": "profile:dir/gpu.yaml"}],
+    "alpha": [{"alpha": 0.5}, {"alpha": 0.123456789}],
+    "bucket_size": [{"bucket_size": 1000}],
+    "tp_mode": [{"tp_mode": "heap"}, {"tp_mode": "fixed"}],
+    "group_bytes": [{"group_bytes": 64 << 20}, {"group_bytes": 1000}],
+    "ep": [{"ep": 2}],
+    "solver": [{"solver": "ilp"}],
+    "time_limit": [{"solver": "ilp", "time_limit": 2.5}],
+    "seed": [{"solver": "ilp", "seed": 3}],
     "alpha_device": [SEARCHED, {"alpha_device": "a100"}],
     "bucket_device": [{"bucket_device": "h100"}, {"bucket_device": "profile:gpu.yaml"}],
-    "sharding": [{"sharding": "fsdp"}], "dp_replicate": [{"sharding": "fsdp", "dp_replicate": 2}],
-    "coop": [{"coop": "off"}, {"coop": "force"}], "order": [{"order": "registration"}],
+    "sharding": [{"sharding": "fsdp"}],
+    "dp_replicate": [{"sharding": "fsdp", "dp_replicate": 2}],
+    "coop": [{"coop": "off"}, {"coop": "force"}],
+    "order": [{"order": "registration"}],
 }
 
 
 def variations() -> dict[str, PlanRequest]:
     """One request per option that changes the plan, each away from its default."""
-    found = {f"{key} {index}": replace(BASE, **change) for key, changes in TOP.items() for index, change in enumerate(changes)}
-    found.update({f"optimizer.{key}": replace(BASE, optimizer=OptimizerConfig(**change)) for key, change in OPTIMIZER.items()})
+    found = {
+        f"{key} {index}": replace(BASE, **change)
+        for key, changes in TOP.items()
+        for index, change in enumerate(changes)
+    }
+    found.update(
+        {f"optimizer.{key}": replace(BASE, optimizer=OptimizerConfig(**change)) for key, change in OPTIMIZER.items()}
+    )
     found.update({f"options.{key}": replace(BASE, options=ModelOptions(**change)) for key, change in OPTIONS.items()})
-    found.update({f"training.{key}": replace(BASE, training=TrainingSetup(**change), **SEARCHED)
-                  for key, change in TRAINING.items()})
+    found.update(
+        {
+            f"training.{key}": replace(BASE, training=TrainingSetup(**change), **SEARCHED)
+            for key, change in TRAINING.items()
+        }
+    )
     return found
 
 
@@ -86,8 +115,9 @@ def test_a_checkout_is_a_canzona_pyproject_next_to_a_schedules_folder(tmp_path: 
     assert in_checkout(library_root().parent)  # this repository (tests run from a checkout)
 
 
-def test_another_plan_goes_to_its_own_file_not_over_the_librarys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_another_plan_goes_to_its_own_file_not_over_the_librarys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     library = make_checkout(tmp_path) / "qwen3-8b"
     library.mkdir()
     shipped = library / "muon-tp2-dp4.yaml"
@@ -99,15 +129,22 @@ def test_another_plan_goes_to_its_own_file_not_over_the_librarys(tmp_path: Path,
     assert out.startswith("wrote schedules/qwen3-8b/muon-tp2-dp4-torchtitan.yaml\n") and shipped.read_bytes() == before
     assert read_schedule(library / "muon-tp2-dp4-torchtitan.yaml").request.names == "torchtitan"
     assert run(["plan", "--model", "qwen3-8b", "--tp", "2", "--dp", "4"], capsys)[0] == 0  # the same plan: kept
-    assert shipped.read_bytes() == before and sorted(os.listdir(library)) == ["muon-tp2-dp4-torchtitan.yaml", "muon-tp2-dp4.yaml"]
+    assert shipped.read_bytes() == before and sorted(os.listdir(library)) == [
+        "muon-tp2-dp4-torchtitan.yaml",
+        "muon-tp2-dp4.yaml",
+    ]
 
 
-def test_a_file_holding_another_plan_is_replaced_only_with_force(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_file_holding_another_plan_is_replaced_only_with_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     target = tmp_path / "s.yaml"
     plan = ["plan", "--model", "qwen3-0.6b", "--dp", "2", "-o", str(target)]
     assert run(plan, capsys)[0] == 0
     before, stat = target.read_bytes(), target.stat()
-    err = refused([*plan, "--names", "hf"], capsys, "refusing to replace", "names megatron there, hf now", "-o FILE", "--force")
+    err = refused(
+        [*plan, "--names", "hf"], capsys, "refusing to replace", "names megatron there, hf now", "-o FILE", "--force"
+    )
     assert str(target) in err and target.read_bytes() == before and os.listdir(tmp_path) == ["s.yaml"]
     assert run(plan, capsys)[0] == 0  # the same request: the same bytes, not even rewritten
     assert (target.stat().st_ino, target.stat().st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
@@ -115,7 +152,9 @@ def test_a_file_holding_another_plan_is_replaced_only_with_force(tmp_path: Path,
     assert read_schedule(target).request.names == "hf"
 
 
-def test_a_file_that_is_no_schedule_is_replaced_only_with_force(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_file_that_is_no_schedule_is_replaced_only_with_force(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     target = tmp_path / "notes.yaml"
     target.write_text("my notes\n")
     refused(["plan", "--model", "qwen3-0.6b", "-o", str(target)], capsys, "is not a schedule", "-o FILE", "--force")
@@ -123,7 +162,8 @@ def test_a_file_that_is_no_schedule_is_replaced_only_with_force(tmp_path: Path, 
 
 
 def test_outside_a_checkout_the_file_lands_here_under_a_name_show_reads(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     code, out, _ = run(["plan", "--model", "qwen3-0.6b", "--dp", "2"], capsys)
     written = out.splitlines()[0].removeprefix("wrote ")

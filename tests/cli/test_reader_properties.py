@@ -30,8 +30,24 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
     """A dense TP 2 x DP 2 schedule of the tiny example model (row blocks, teams, two buckets)."""
     folder = tmp_path_factory.mktemp("seed")
     target = folder / "seed.yaml"
-    assert main(["plan", "--model", str(ROOT / "examples" / "tiny_qwen3.yaml"), "--tp", "2", "--dp", "2",
-                 "--bucket-size", "20000", "-o", str(target)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(ROOT / "examples" / "tiny_qwen3.yaml"),
+                "--tp",
+                "2",
+                "--dp",
+                "2",
+                "--bucket-size",
+                "20000",
+                "-o",
+                str(target),
+            ]
+        )
+        == 0
+    )
     return folder, target.read_bytes()
 
 
@@ -70,25 +86,35 @@ def loaded(path: Path) -> bool:
 
 def mutations(size: int) -> st.SearchStrategy[tuple[str, int, int]]:
     """('cut', position, 0): the first `position` bytes; ('byte', position, value): one byte changed."""
-    return st.one_of(st.tuples(st.just("cut"), st.integers(0, size - 1), st.just(0)),
-                     st.tuples(st.just("byte"), st.integers(0, size - 1), st.integers(0, 255)))
+    return st.one_of(
+        st.tuples(st.just("cut"), st.integers(0, size - 1), st.just(0)),
+        st.tuples(st.just("byte"), st.integers(0, size - 1), st.integers(0, 255)),
+    )
 
 
 @pytest.mark.timeout(240)
 def test_every_reader_refuses_or_accepts_a_damaged_schedule_in_bounded_time(
-        seed: tuple[Path, bytes], capsys: pytest.CaptureFixture[str]) -> None:
+    seed: tuple[Path, bytes], capsys: pytest.CaptureFixture[str]
+) -> None:
     folder, original = seed
     path = folder / "damaged.yaml"
 
-    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=40,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(mutations(len(original)))
     @example(("cut", 0, 0))
     @example(("byte", len(original) // 2, 0))  # a NUL byte
     @example(("byte", 0, ord("\t")))
     def check(mutation: tuple[str, int, int]) -> None:
         kind, position, value = mutation
-        damaged = original[:position] if kind == "cut" else original[:position] + bytes([value]) + original[position + 1 :]
+        damaged = (
+            original[:position] if kind == "cut" else original[:position] + bytes([value]) + original[position + 1 :]
+        )
         path.write_bytes(damaged)
         verdicts = {
             "show": command(["show", str(path)], capsys),

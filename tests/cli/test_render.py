@@ -35,13 +35,18 @@ def test_render_svg_mentions_every_strategy(schedule: Path, tmp_path: Path) -> N
         assert name in text
 
 
-def test_render_errors(schedule: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_render_errors(
+    schedule: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert main(["render", str(schedule), "-o", str(tmp_path / "new" / "dir" / "x.png")]) == 0  # folders made, as plan
     assert (tmp_path / "new" / "dir" / "x.png").read_bytes().startswith(b"\x89PNG")
     capsys.readouterr()
     (tmp_path / "folder.png").mkdir()
-    for bad, needle in ((tmp_path / "x.unknown", "cannot write"), (schedule, "also an input"),
-                        (tmp_path / "folder.png", "folder")):
+    for bad, needle in (
+        (tmp_path / "x.unknown", "cannot write"),
+        (schedule, "also an input"),
+        (tmp_path / "folder.png", "folder"),
+    ):
         assert main(["render", str(schedule), "-o", str(bad)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("canzona: error: ") and needle in err and err.count("\n") == 1
@@ -50,4 +55,7 @@ def test_render_errors(schedule: Path, tmp_path: Path, capsys: pytest.CaptureFix
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["render", str(schedule), "-o", str(tmp_path / "x.png")]) == 2
-    assert capsys.readouterr().err.strip() == "canzona: error: canzona render needs matplotlib: pip install 'canzona[render]'"
+    assert (
+        capsys.readouterr().err.strip()
+        == "canzona: error: canzona render needs matplotlib: pip install 'canzona[render]'"
+    )

@@ -40,7 +40,9 @@ def test_incompatible_schedules_exit_1_with_reasons(capsys: pytest.CaptureFixtur
     assert caught.value.exit_code == 1
     out = capsys.readouterr()
     data = json.loads(out.out)
-    assert data["compatible"] is False and data["problems"][0].startswith("different models: qwen3-8b before, qwen3-0.6b now")
+    assert data["compatible"] is False and data["problems"][0].startswith(
+        "different models: qwen3-8b before, qwen3-0.6b now"
+    )
     assert "new_ranks" not in data
     assert out.err.startswith("canzona: incompatible: different models")
     with pytest.raises(typer.Exit):
@@ -69,7 +71,13 @@ def test_exit_codes_through_main(capsys: pytest.CaptureFixture[str], tmp_path: P
 
 
 def test_human_bytes() -> None:
-    assert [human_bytes(n) for n in (0, 1023, 1536, 3 << 20, 5 << 30)] == ["0 B", "1023 B", "1.50 KiB", "3.00 MiB", "5.00 GiB"]
+    assert [human_bytes(n) for n in (0, 1023, 1536, 3 << 20, 5 << 30)] == [
+        "0 B",
+        "1023 B",
+        "1.50 KiB",
+        "3.00 MiB",
+        "5.00 GiB",
+    ]
 
 
 def test_expert_parallel_layouts_say_which_experts_move(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from canzona.cli.main import main
+
 from cli_run import run
 
 LIBRARY_32B = "schedules/qwen3-32b/muon-tp8-dp32.yaml"
@@ -27,8 +28,20 @@ def test_default_report_has_step_and_iteration(capsys: pytest.CaptureFixture[str
 
 
 def test_json_with_training_options(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["simulate", LIBRARY_32B, "--json", "--global-batch", "512", "--seq-len", "2048", "--micro-batches", "4",
-            "--overlap-param-gather", "--train-tflops", "300"]
+    args = [
+        "simulate",
+        LIBRARY_32B,
+        "--json",
+        "--global-batch",
+        "512",
+        "--seq-len",
+        "2048",
+        "--micro-batches",
+        "4",
+        "--overlap-param-gather",
+        "--train-tflops",
+        "300",
+    ]
     code, out, err = run(args, capsys)
     assert code == 0, err
     data = json.loads(out)
@@ -56,26 +69,46 @@ def test_dp_collectives_all_to_all_is_the_slow_option(capsys: pytest.CaptureFixt
     assert steps["rooted"] < 1.0 < 10.0 < steps["all_to_all"]  # the 0.56 s against 13.3 s
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--global-batch", "6"], "does not split into dp 4"),
-    (["--micro-batches", "0"], "micro-batches must be >= 1"),
-    (["--seq-len", "0"], "must be >= 1"),
-    (["--train-tflops", "0"], "--train-tflops must be a finite number > 0"),
-    (["--routed-fraction", "0.5"], "--routed-fraction has no effect here: qwen3-8b has no MoE experts"),
-])
-def test_bad_training_options_are_one_line_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--global-batch", "6"], "does not split into dp 4"),
+        (["--micro-batches", "0"], "micro-batches must be >= 1"),
+        (["--seq-len", "0"], "must be >= 1"),
+        (["--train-tflops", "0"], "--train-tflops must be a finite number > 0"),
+        (["--routed-fraction", "0.5"], "--routed-fraction has no effect here: qwen3-8b has no MoE experts"),
+    ],
+)
+def test_bad_training_options_are_one_line_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = run(["simulate", SMALL, *args], capsys)
     assert code == 2 and out == ""
     assert err.startswith("canzona: error: ") and message in err and err.count("\n") == 1
 
 
 def test_calibrate_training_throughput_feeds_the_iteration(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    from canzona.planner.predict.hardware import profile_device
     from canzona.planner.partition.profile_cost import read_profile
+    from canzona.planner.predict.hardware import profile_device
 
     profile_path = tmp_path / "cpu.yaml"
-    args = ["calibrate", "--model", "examples/tiny_qwen3.yaml", "--optimizer", "muon", "--repeats", "1", "--warmup", "0",
-            "--threads", "1", "--train-tokens", "64", "-o", str(profile_path)]
+    args = [
+        "calibrate",
+        "--model",
+        "examples/tiny_qwen3.yaml",
+        "--optimizer",
+        "muon",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--train-tokens",
+        "64",
+        "-o",
+        str(profile_path),
+    ]
     assert main(args) == 0, capsys.readouterr().err
     training = read_profile(profile_path).training
     # One matmul per 2-D weight of the example: 2 layers x 4 matrices, embedding and output layer.
@@ -84,12 +117,37 @@ def test_calibrate_training_throughput_feeds_the_iteration(tmp_path, capsys: pyt
     assert device.hardware.training_flops() == training.flops_per_second
     assert "training forward/backward timed on 64 tokens" in device.hardware.source
     schedule = tmp_path / "tiny.yaml"
-    plan = ["plan", "--model", "examples/tiny_qwen3.yaml", "--tp", "2", "--dp", "2", "--bucket-size", "20000",
-            "--group-mb", "0.03", "-o", str(schedule)]
+    plan = [
+        "plan",
+        "--model",
+        "examples/tiny_qwen3.yaml",
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--bucket-size",
+        "20000",
+        "--group-mb",
+        "0.03",
+        "-o",
+        str(schedule),
+    ]
     assert main(plan) == 0
     capsys.readouterr()
-    code, out, err = run(["simulate", str(schedule), "--device", f"profile:{profile_path}", "--json", "--global-batch", "8",
-                              "--seq-len", "32"], capsys)
+    code, out, err = run(
+        [
+            "simulate",
+            str(schedule),
+            "--device",
+            f"profile:{profile_path}",
+            "--json",
+            "--global-batch",
+            "8",
+            "--seq-len",
+            "32",
+        ],
+        capsys,
+    )
     assert code == 0, err
     data = json.loads(out)
     # 4 ranks share the host; without a contention fit the profile assumes 4x slower.
@@ -102,13 +160,21 @@ def test_calibrate_training_throughput_feeds_the_iteration(tmp_path, capsys: pyt
 def test_a_schedule_given_as_a_profile_is_named_as_one(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run([*command, f"profile:{SMALL}"], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert err == f"canzona: error: {SMALL}: this is a schedule, not a profile; give a file written by `canzona calibrate -o FILE`\n"
+    assert (
+        err
+        == f"canzona: error: {SMALL}: this is a schedule, not a profile; give a file written by `canzona calibrate -o FILE`\n"
+    )
 
 
 def test_a_file_that_is_no_profile_says_what_a_profile_has(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "other.yaml").write_text("a: 1\n")
     (tmp_path / "future.yaml").write_text("format: canzona-profile/9\n")
     code, _, err = run(["simulate", SMALL, "--device", f"profile:{tmp_path / 'other.yaml'}"], capsys)
-    assert code == 2 and "not a profile written by `canzona calibrate` (it has no `format: canzona-profile/1` line)" in err
+    assert (
+        code == 2 and "not a profile written by `canzona calibrate` (it has no `format: canzona-profile/1` line)" in err
+    )
     code, _, err = run(["simulate", SMALL, "--device", f"profile:{tmp_path / 'future.yaml'}"], capsys)
-    assert code == 2 and "profile format 'canzona-profile/9' is not supported (this canzona reads 'canzona-profile/1')" in err
+    assert (
+        code == 2
+        and "profile format 'canzona-profile/9' is not supported (this canzona reads 'canzona-profile/1')" in err
+    )

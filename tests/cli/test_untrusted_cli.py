@@ -18,6 +18,7 @@ import pytest
 
 from canzona.cli.main import main
 from canzona.schedules.format import Schedule, dump_schedule, read_schedule, schedule_fingerprint, sealed
+
 from cli_run import refused, run
 
 READERS = ("show", "check", "simulate", "diff", "table", "reshard-check", "render")
@@ -36,14 +37,22 @@ def forged(planned: Path, target: Path, edit: Callable[[dict[str, Any]], Any]) -
     edit(data)
     schedule = Schedule.model_validate(data)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(dump_schedule(sealed(schedule.model_copy(update={"fingerprint": schedule_fingerprint(schedule)}))))
+    target.write_text(
+        dump_schedule(sealed(schedule.model_copy(update={"fingerprint": schedule_fingerprint(schedule)})))
+    )
     return target
 
 
 def arguments(command: str, path: Path, good: Path, tmp_path: Path) -> list[str]:
-    return {"show": [str(path)], "check": [str(path)], "simulate": [str(path)], "diff": [str(good), str(path)],
-            "table": [str(path.parent)], "reshard-check": [str(good), str(path)],
-            "render": [str(path), "-o", str(tmp_path / "out.png")]}[command]
+    return {
+        "show": [str(path)],
+        "check": [str(path)],
+        "simulate": [str(path)],
+        "diff": [str(good), str(path)],
+        "table": [str(path.parent)],
+        "reshard-check": [str(good), str(path)],
+        "render": [str(path), "-o", str(tmp_path / "out.png")],
+    }[command]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,8 +66,12 @@ def test_every_reader_refuses_a_fifo_at_once(planned: Path, tmp_path: Path, comm
     fifo = folder / "s.yaml"
     os.mkfifo(fifo)
     # opening a FIFO with no writer blocks forever: only a reader that opens it reaches the timeout
-    result = subprocess.run([sys.executable, "-m", "canzona.cli", command, *arguments(command, fifo, planned, tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "canzona.cli", command, *arguments(command, fifo, planned, tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stdout == "", result
     assert "not a regular file" in result.stderr and result.stderr.count("\n") == 1, result.stderr
 
@@ -71,8 +84,9 @@ UNPRINTABLE = ("\x1b", "\x07", "\u202e")  # ESC, BEL, right-to-left override
 
 
 @pytest.mark.parametrize("command", ["show", "simulate", "diff", "table", "reshard-check"])
-def test_control_characters_from_a_file_are_escaped(planned: Path, tmp_path: Path, command: str,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_control_characters_from_a_file_are_escaped(
+    planned: Path, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     def hostile(data: dict[str, Any]) -> None:
         data["request"]["model"]["name"] = f"tiny{CONTROL}"
 
@@ -84,7 +98,9 @@ def test_control_characters_from_a_file_are_escaped(planned: Path, tmp_path: Pat
         assert "tiny\\x1b[2J\\x1b]0;owned\\x07\\u202e" in out
 
 
-def test_check_escapes_the_writing_canzona_version(planned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_escapes_the_writing_canzona_version(
+    planned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = forged(planned, tmp_path / "s.yaml", lambda d: d["request"].update(canzona_version=f"9{CONTROL}"))
     code, out, err = run(["check", str(path)], capsys)
     assert code == 1 and "written by canzona 9\\x1b[2J" in out
@@ -115,8 +131,12 @@ def damaged(text: str) -> dict[str, str]:
     return {
         "truncated": text[: len(text) // 2],
         "truncated-row": text[: text.index(row) + 30],
-        "flipped-bit": text[: text.index(row) + 9] + chr(ord(text[text.index(row) + 9]) ^ 0x10) + text[text.index(row) + 10 :],
-        "deep-array": text.replace(row, row.replace('"cost": ', '"deep": ' + "[" * 50_000 + "]" * 50_000 + ', "cost": ')),
+        "flipped-bit": text[: text.index(row) + 9]
+        + chr(ord(text[text.index(row) + 9]) ^ 0x10)
+        + text[text.index(row) + 10 :],
+        "deep-array": text.replace(
+            row, row.replace('"cost": ', '"deep": ' + "[" * 50_000 + "]" * 50_000 + ', "cost": ')
+        ),
         "5001-digits": text.replace(row, row.replace('"offset": 0', '"offset": ' + "9" * 5001)),
         "5001-digits-request": text.replace("  dp: 2\n", "  dp: " + "9" * 5001 + "\n"),
         "nul-byte": text.replace(row, row.replace('"bf16"', '"bf\\u0000\x0016"')),
@@ -126,8 +146,9 @@ def damaged(text: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("fix", [False, True], ids=["check", "check-fix"])
-def test_check_never_reports_an_internal_error(planned: Path, tmp_path: Path, fix: bool,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_never_reports_an_internal_error(
+    planned: Path, tmp_path: Path, fix: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
     for name, text in damaged(planned.read_text()).items():
         path = tmp_path / f"{name}.yaml"
         path.write_text(text)
@@ -151,11 +172,35 @@ def test_sigterm_stops_a_cp_sat_regeneration_at_once(tmp_path: Path) -> None:
     """A re-sealed request with the largest solver budget: check regenerates under CP-SAT, and a
     SIGTERM ends it, not the solve's 300 s budget (it used to wait for the solve)."""
     cheap = tmp_path / "cheap.yaml"
-    assert main(["plan", "--model", "qwen3-0.6b", "--tp", "2", "--dp", "8", "--alpha", "0.5", "--solver", "ilp",
-                 "--time-limit", "0.2", "-o", str(cheap)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "qwen3-0.6b",
+                "--tp",
+                "2",
+                "--dp",
+                "8",
+                "--alpha",
+                "0.5",
+                "--solver",
+                "ilp",
+                "--time-limit",
+                "0.2",
+                "-o",
+                str(cheap),
+            ]
+        )
+        == 0
+    )
     path = forged(cheap, tmp_path / "s.yaml", lambda d: d["request"].update(time_limit=300.0))
-    process = subprocess.Popen([sys.executable, "-m", "canzona.cli", "check", str(path), "--timeout", "600"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "canzona.cli", "check", str(path), "--timeout", "600"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(4.0)  # reading, validating and the greedy plan are done: CP-SAT is solving
     assert process.poll() is None
     process.send_signal(signal.SIGTERM)
@@ -167,8 +212,9 @@ def test_sigterm_stops_a_cp_sat_regeneration_at_once(tmp_path: Path) -> None:
 # diff trusts no forged figure
 
 
-def test_diff_refuses_an_old_file_claiming_ten_times_the_state(planned: Path, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff_refuses_an_old_file_claiming_ten_times_the_state(
+    planned: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     def inflated(data: dict[str, Any]) -> None:
         for device in data["metrics"]["device"]:
             device["state_bytes"] *= 10

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache
 from math import lcm
 
 import pytest
@@ -15,17 +15,17 @@ from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import OptimizerConfig, param_state_bytes
 from canzona.planner.partition.dp import min_max_slice
 from canzona.planner.partition.layout import BUCKET_END_ALIGNMENT, PARAM_ALIGNMENT, equal_cuts
-from canzona.schedules.geometry import padded_bucket_numel
 from canzona.planner.plan import Plan, PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
 from canzona.schedules.format import Schedule, dump_schedule, schedule_fingerprint
+from canzona.schedules.geometry import padded_bucket_numel
 
 REL = 1e-9
 BASELINES = {"dp-sc", "zero1-gather", "start-owner", "layer-wise"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def model_of(name: str, tp: int) -> ModelSpec:
     return load_model(name, tp)
 
@@ -34,11 +34,13 @@ def build(model: ModelSpec, request: PlanRequest) -> Schedule:
     return compile_schedule(make_plan(model, request))
 
 
-def request_for(name: str, tp: int, dp: int, opt: str = "muon", cost: str = "flops", alpha: float = 1.0, **kw) -> PlanRequest:
+def request_for(
+    name: str, tp: int, dp: int, opt: str = "muon", cost: str = "flops", alpha: float = 1.0, **kw
+) -> PlanRequest:
     return PlanRequest(name, tp, dp, optimizer=OptimizerConfig(opt), cost=cost, alpha=alpha, **kw)
 
 
-@lru_cache(maxsize=None)
+@cache
 def preset_schedule(name: str, tp: int, dp: int, opt: str, cost: str, alpha: float) -> Schedule:
     return build(model_of(name, tp), request_for(name, tp, dp, opt, cost, alpha))
 
@@ -416,7 +418,9 @@ def test_expert_parallel_plans_stay_monotone_and_free_order_never_loses() -> Non
     model = load_model(source, 1)
 
     def worst(alpha: float, order: str, bucket_size: int = 2000) -> float:
-        return max(make_plan(model, PlanRequest(source, 1, 4, alpha=alpha, ep=2, bucket_size=bucket_size, order=order)).loads)
+        return max(
+            make_plan(model, PlanRequest(source, 1, 4, alpha=alpha, ep=2, bucket_size=bucket_size, order=order)).loads
+        )
 
     for bucket_size in (2000, 4000):
         registration = [worst(alpha, "registration", bucket_size) for alpha in (0.0, 0.5, 1.0)]

@@ -4,7 +4,7 @@ fields that record the mode, the validator's FSDP rules and the refusals."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import pytest
@@ -20,7 +20,7 @@ from canzona.schedules.fsdp import FsdpLayout, fragment_traffic, shard_shape
 from canzona.schedules.geometry import fsdp_rows
 
 
-@lru_cache(maxsize=None)
+@cache
 def fsdp(tp: int = 2, dp: int = 4, replicate: int = 1, group_bytes: int = 2048 << 20) -> Schedule:
     request = PlanRequest("qwen3-8b", tp, dp, sharding="fsdp", dp_replicate=replicate, group_bytes=group_bytes)
     plan, _ = plan_for_request(load_model("qwen3-8b", tp), request)
@@ -103,14 +103,17 @@ def test_shard_shape_and_traffic() -> None:
     assert traffic[1] == (0, 4 * 24) and traffic[2] == (4 * 24, 4 * 24) and traffic[0] == (3 * 4 * 24, 4 * 24)
 
 
-@pytest.mark.parametrize("request_args,needle", [
-    ({"alpha": 0.5}, "alpha and the bucket size"),
-    ({"bucket_size": 1000}, "alpha and the bucket size"),
-    ({"solver": "ilp"}, "--solver ilp is not supported"),
-    ({"dp_replicate": 3}, "does not divide dp 4"),
-    ({"sharding": "zero3"}, "sharding"),
-    ({"alpha_device": "h100"}, "--alpha auto"),
-])
+@pytest.mark.parametrize(
+    "request_args,needle",
+    [
+        ({"alpha": 0.5}, "alpha and the bucket size"),
+        ({"bucket_size": 1000}, "alpha and the bucket size"),
+        ({"solver": "ilp"}, "--solver ilp is not supported"),
+        ({"dp_replicate": 3}, "does not divide dp 4"),
+        ({"sharding": "zero3"}, "sharding"),
+        ({"alpha_device": "h100"}, "--alpha auto"),
+    ],
+)
 def test_refusals(request_args: dict[str, Any], needle: str) -> None:
     args = {"sharding": "fsdp", **request_args}
     with pytest.raises(PlanError, match=needle):

@@ -37,7 +37,9 @@ def test_ilp_output_is_byte_identical_for_the_same_seed() -> None:
     assert dump_schedule(schedule("ilp", seed=7)) == dump_schedule(schedule("ilp", seed=7))
 
 
-def test_ilp_without_ortools_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+def test_ilp_without_ortools_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
     for name in [m for m in sys.modules if m == "ortools" or m.startswith("ortools.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "ortools", None)

@@ -14,8 +14,12 @@ from canzona.schedules.library import library_names, library_root
 
 def spec_of(request_model: object) -> ModelSpec:
     """A model as `to_request` sees it: its name, source and sha256 (no parameters needed)."""
-    return ModelSpec(name=request_model.name, params=(), source=request_model.source,  # type: ignore[attr-defined]
-                     source_sha256=request_model.sha256)  # type: ignore[attr-defined]
+    return ModelSpec(
+        name=request_model.name,
+        params=(),
+        source=request_model.source,  # type: ignore[attr-defined]
+        source_sha256=request_model.sha256,
+    )  # type: ignore[attr-defined]
 
 
 def test_only_the_model_and_layout_go_by_position() -> None:
@@ -33,14 +37,27 @@ def test_every_library_request_reads_back_and_writes_itself_unchanged() -> None:
 
 def test_every_field_survives_the_file() -> None:
     request = PlanRequest(
-        "tiny.yaml", 2, 8,
-        optimizer=OptimizerConfig("muon", ns_steps=3, ns_coefficients="polar_express"), cost="numel", alpha=0.25,
+        "tiny.yaml",
+        2,
+        8,
+        optimizer=OptimizerConfig("muon", ns_steps=3, ns_coefficients="polar_express"),
+        cost="numel",
+        alpha=0.25,
         bucket_size=12345,
-        options=ModelOptions(split_qkv="head", split_fc1=True, router_optimizer="adamw", names="hf",
-                             sequence_parallel=True, dtype="fp32"),
-        tp_mode="heap", group_bytes=3 << 20, ep=2, solver="ilp", time_limit=2.5, seed=7, alpha_device="a100",
-        bucket_device="a100", training=TrainingSetup(global_batch=64, seq_len=512, micro_batches=2),
-        coop="off", order="free",
+        options=ModelOptions(
+            split_qkv="head", split_fc1=True, router_optimizer="adamw", names="hf", sequence_parallel=True, dtype="fp32"
+        ),
+        tp_mode="heap",
+        group_bytes=3 << 20,
+        ep=2,
+        solver="ilp",
+        time_limit=2.5,
+        seed=7,
+        alpha_device="a100",
+        bucket_device="a100",
+        training=TrainingSetup(global_batch=64, seq_len=512, micro_batches=2),
+        coop="off",
+        order="free",
     )
     recorded = request.to_request(ModelSpec(name="tiny", params=(), source="tiny.yaml", source_sha256="ab" * 32))
     assert PlanRequest.from_request(recorded) == request
@@ -74,7 +91,11 @@ def test_the_coefficient_schedule_changes_the_digest_and_nothing_else() -> None:
     from canzona.planner.sources.load import load_model
 
     spec = load_model("qwen3-0.6b", 1)
-    plain, quintic = (compile_schedule(make_plan(spec, PlanRequest("qwen3-0.6b", 1, 2, optimizer=OptimizerConfig(
-        ns_coefficients=name)))) for name in ("simple", "quintic"))
+    plain, quintic = (
+        compile_schedule(
+            make_plan(spec, PlanRequest("qwen3-0.6b", 1, 2, optimizer=OptimizerConfig(ns_coefficients=name)))
+        )
+        for name in ("simple", "quintic")
+    )
     assert plain.digest != quintic.digest
     assert plain.params == quintic.params and plain.metrics == quintic.metrics

@@ -12,8 +12,16 @@ from torch import nn
 
 from titan_model import Attention, TitanConfig, TitanModel, parallelize_titan
 
-QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, vocab_size=256, tie_word_embeddings=False)
+QWEN3 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    tie_word_embeddings=False,
+)
 TITAN = TitanConfig(moe_layers=(), hidden_dim=130)  # w1/w3 rows split unevenly by FSDP2 (33, 33, 33, 31 over 4)
 TITAN_ODD = TitanConfig(moe_layers=(), hidden_dim=130, vocab_size=255)  # a vocabulary TP 2 shards unevenly (128, 127)
 
@@ -36,8 +44,9 @@ class LocalAttention(Attention):
         batch, seq, _ = x.shape
         q, k, v = (t.to_local() if hasattr(t, "to_local") else t for t in self.heads(x))
         k, v = (t.repeat_interleave(self.n_rep, dim=2) for t in (k, v))
-        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                         is_causal=True)
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -90,14 +99,21 @@ def parallelize_qwen3(model: nn.Module, tp_mesh: Any) -> nn.Module:
     layers = blocks(model)
     for index, block in enumerate(layers):
         plan = {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
             "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
             "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
         }
         if index < len(layers) - 1:
-            plan.update({"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                         "mlp.down_proj": RowwiseParallel()})
+            plan.update(
+                {
+                    "mlp.gate_proj": ColwiseParallel(),
+                    "mlp.up_proj": ColwiseParallel(),
+                    "mlp.down_proj": RowwiseParallel(),
+                }
+            )
         parallelize_module(block, tp_mesh, plan)
     return model
 

@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
-import hf_trainer  # noqa: E402
 import transformers  # noqa: E402
 
 from canzona.runtime.integrations import hf  # noqa: E402
+
+import hf_trainer  # noqa: E402
 
 ACCUMULATION, PER_DEVICE = 2, 2
 
@@ -59,14 +60,24 @@ class PlainRecordingTrainer(Recording):
 
 def run_trainer(options: argparse.Namespace) -> dict[str, Any]:
     chosen = PlainRecordingTrainer if options.plain else RecordingTrainer
-    trainer = hf_trainer.make_trainer(options.schedule, options.output, options.steps, chosen,
-                                      max_grad_norm=0.0 if options.no_clip else 1.0, save_steps=options.save_at)
+    trainer = hf_trainer.make_trainer(
+        options.schedule,
+        options.output,
+        options.steps,
+        chosen,
+        max_grad_norm=0.0 if options.no_clip else 1.0,
+        save_steps=options.save_at,
+    )
     trainer.batches = []
     trainer.train(resume_from_checkpoint=options.resume)
     optimizer = hf.canzona_optimizer(trainer.optimizer)
-    return {"batches": trainer.batches, "ddp": wrapped_in_ddp(trainer.model_wrapped),
-            "reduced_again": optimizer.engine.warned, "model": trainer.model,
-            "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]}
+    return {
+        "batches": trainer.batches,
+        "ddp": wrapped_in_ddp(trainer.model_wrapped),
+        "reduced_again": optimizer.engine.warned,
+        "model": trainer.model,
+        "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry],
+    }
 
 
 def run_accelerate(options: argparse.Namespace) -> dict[str, Any]:
@@ -79,9 +90,16 @@ def run_accelerate(options: argparse.Namespace) -> dict[str, Any]:
     model = hf_trainer.make_model()
     optimizer = hf.CanzonaOptimizerFactory()(model, schedule=options.schedule, **hf_trainer.HYPERPARAMETERS)
     processes = accelerator.num_processes  # accelerate steps a prepared scheduler once per process per step
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=processes, num_training_steps=options.steps * processes)
-    loader = DataLoader(hf_trainer.dataset(), batch_size=PER_DEVICE, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(0))
+    scheduler = get_scheduler(
+        "linear", optimizer, num_warmup_steps=processes, num_training_steps=options.steps * processes
+    )
+    loader = DataLoader(
+        hf_trainer.dataset(),
+        batch_size=PER_DEVICE,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     model, optimizer, loader, scheduler = hf.prepare(accelerator, model, optimizer, loader, scheduler)
     step = 0
     if options.resume:
@@ -104,8 +122,13 @@ def run_accelerate(options: argparse.Namespace) -> dict[str, Any]:
                 accelerator.save_state(os.path.join(options.output, f"checkpoint-{step}"))
             if step == options.steps:
                 break
-    return {"batches": batches, "ddp": wrapped_in_ddp(model), "model": accelerator.unwrap_model(model),
-            "reduced_again": hf.canzona_optimizer(optimizer).engine.warned, "grad_norms": []}
+    return {
+        "batches": batches,
+        "ddp": wrapped_in_ddp(model),
+        "model": accelerator.unwrap_model(model),
+        "reduced_again": hf.canzona_optimizer(optimizer).engine.warned,
+        "grad_norms": [],
+    }
 
 
 def main() -> None:
@@ -125,8 +148,16 @@ def main() -> None:
     dist.all_gather_object(batches, result["batches"])
     if dist.get_rank() == 0:
         params = {name: param.detach().cpu().clone() for name, param in result["model"].named_parameters()}
-        torch.save({"batches": batches, "params": params, "ddp": result["ddp"], "reduced_again": result["reduced_again"],
-                    "grad_norms": result["grad_norms"]}, options.dump)
+        torch.save(
+            {
+                "batches": batches,
+                "params": params,
+                "ddp": result["ddp"],
+                "reduced_again": result["reduced_again"],
+                "grad_norms": result["grad_norms"],
+            },
+            options.dump,
+        )
     dist.destroy_process_group()
 
 

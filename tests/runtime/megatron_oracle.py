@@ -41,7 +41,7 @@ def megatron_muon_available() -> bool:
     """Whether megatron-core's Muon (through emerging_optimizers) imports here."""
     try:
         return bool(importlib.import_module("megatron.core.optimizer.muon").HAVE_EMERGING_OPTIMIZERS)
-    except Exception:  # noqa: BLE001 - any failure means: not available
+    except Exception:
         return False
 
 
@@ -66,8 +66,16 @@ class MegatronMuonReference:
     `shards` (name -> TP dim and size) lets the formula run Megatron's "blockwise" TP mode, which
     orthogonalises each TP shard on its own."""
 
-    def __init__(self, params: Mapping[str, Tensor], muon: set[str], qkv_split: tuple[int, int, int], config: Any,
-                 coefficients: str, backend: str = "formula", shards: Mapping[str, tuple[int, int]] | None = None) -> None:
+    def __init__(
+        self,
+        params: Mapping[str, Tensor],
+        muon: set[str],
+        qkv_split: tuple[int, int, int],
+        config: Any,
+        coefficients: str,
+        backend: str = "formula",
+        shards: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
         dtype = torch.float64 if backend == "formula64" else torch.float32
         self.params = {name: torch.nn.Parameter(value.detach().to(dtype, copy=True)) for name, value in params.items()}
         self.muon, self.qkv_split, self.config, self.coefficients = muon, qkv_split, config, coefficients
@@ -79,7 +87,10 @@ class MegatronMuonReference:
         skipped = [self.params[n] for n in adam if self.params[n].dim() == 1 or n.endswith(".bias")]
         self.adam = torch.optim.AdamW(
             [{"params": decayed, "weight_decay": config.weight_decay}, {"params": skipped, "weight_decay": 0.0}],
-            lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+        )
         self.megatron = self._megatron_muon() if backend == "megatron" else None
 
     def _megatron_muon(self) -> Any:
@@ -90,11 +101,22 @@ class MegatronMuonReference:
             self.params[name].is_qkv = name.endswith("linear_qkv.weight")  # type: ignore[attr-defined]
         c = self.config
         return TensorParallelMuon(
-            matrices, lr=c.lr, momentum_beta=c.muon_momentum, use_nesterov=self.nesterov,
-            weight_decay=c.weight_decay, split_qkv=c.muon_split_qkv, is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
-            qkv_split_shapes=self.qkv_split, fp32_matmul_prec=c.muon_fp32_matmul_prec,
-            coefficient_type=self.coefficients, num_ns_steps=c.muon_num_ns_steps, scale_mode=c.muon_scale_mode,
-            extra_scale_factor=c.muon_extra_scale_factor, pg_collection=None, mode="duplicated")
+            matrices,
+            lr=c.lr,
+            momentum_beta=c.muon_momentum,
+            use_nesterov=self.nesterov,
+            weight_decay=c.weight_decay,
+            split_qkv=c.muon_split_qkv,
+            is_qkv_fn=lambda p: getattr(p, "is_qkv", False),
+            qkv_split_shapes=self.qkv_split,
+            fp32_matmul_prec=c.muon_fp32_matmul_prec,
+            coefficient_type=self.coefficients,
+            num_ns_steps=c.muon_num_ns_steps,
+            scale_mode=c.muon_scale_mode,
+            extra_scale_factor=c.muon_extra_scale_factor,
+            pg_collection=None,
+            mode="duplicated",
+        )
 
     def step(self, grads: Mapping[str, Tensor]) -> None:
         """One step on the full gradients `grads` (DP-averaged, TP-gathered)."""
@@ -130,12 +152,16 @@ class MegatronMuonReference:
             return self._scaled(direction)
         groups = direction.size(0) // sum(self.qkv_split)
         pieces = direction.view(groups, sum(self.qkv_split), -1).split(list(self.qkv_split), dim=1)
-        updates = [self._scaled(piece.reshape(-1, direction.size(1))).view(groups, -1, direction.size(1)) for piece in pieces]
+        updates = [
+            self._scaled(piece.reshape(-1, direction.size(1))).view(groups, -1, direction.size(1)) for piece in pieces
+        ]
         return torch.cat(updates, dim=1).view_as(direction)
 
     def _scaled(self, x: Tensor) -> Tensor:
         c = self.config
-        return _orthogonalize(x, c.muon_num_ns_steps, self.coefficients) * max(x.shape) ** 0.5 * c.muon_extra_scale_factor
+        return (
+            _orthogonalize(x, c.muon_num_ns_steps, self.coefficients) * max(x.shape) ** 0.5 * c.muon_extra_scale_factor
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,8 +185,24 @@ def example() -> Any:
 def plan(tmp_path: Path, tp: int, dp: int, *flags: str) -> Schedule:
     """One `canzona plan --model py:examples/megatron_gpt.py:FACTORY` command's schedule."""
     out = tmp_path / f"mcore-tp{tp}-dp{dp}-{len(flags)}.yaml"
-    canzona_in_child(["plan", "--model", f"py:{EXAMPLE}:{FACTORY[tp]}", "--tp", str(tp), "--dp", str(dp),
-                      "--bucket-size", "20000", "--group-mb", "0.05", "-o", str(out), *flags])
+    canzona_in_child(
+        [
+            "plan",
+            "--model",
+            f"py:{EXAMPLE}:{FACTORY[tp]}",
+            "--tp",
+            str(tp),
+            "--dp",
+            str(dp),
+            "--bucket-size",
+            "20000",
+            "--group-mb",
+            "0.05",
+            "-o",
+            str(out),
+            *flags,
+        ]
+    )
     return read_schedule(out)
 
 
@@ -183,8 +225,13 @@ def _gathered(model: torch.nn.Module, tp_group: Any, grads: bool = False) -> dic
     return full
 
 
-def train_against_oracle(schedule: Schedule, overrides: dict[str, Any], backends: tuple[str, ...],
-                         reference_overrides: dict[str, Any], device: torch.device = torch.device("cpu")) -> Any:
+def train_against_oracle(
+    schedule: Schedule,
+    overrides: dict[str, Any],
+    backends: tuple[str, ...],
+    reference_overrides: dict[str, Any],
+    device: torch.device = torch.device("cpu"),
+) -> Any:
     """Train the example's model STEPS steps with canzona (Megatron's config with `overrides`)
     and, on the same gradients, the oracle (with `reference_overrides` on top), on this rank of
     an initialised process group; on CUDA the model is wrapped in Megatron's
@@ -209,18 +256,28 @@ def train_against_oracle(schedule: Schedule, overrides: dict[str, Any], backends
     wrapped = gpt.wrap_for_gpu(model) if cuda else model
     config = megatron_config(gpt, overrides)
     tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
-    optimizer = CanzonaOptimizer(cz_megatron.param_groups(model.named_parameters(), config), schedule,
-                                 dp_group=dp_group, tp_group=tp_group, grad_attr="main_grad" if cuda else "grad",
-                                 **cz_megatron.optimizer_kwargs(config, schedule))
+    optimizer = CanzonaOptimizer(
+        cz_megatron.param_groups(model.named_parameters(), config),
+        schedule,
+        dp_group=dp_group,
+        tp_group=tp_group,
+        grad_attr="main_grad" if cuda else "grad",
+        **cz_megatron.optimizer_kwargs(config, schedule),
+    )
     initial = {name: value.cpu() for name, value in _gathered(model, tp_group).items()}
     muon = {e.name for e in schedule.params if e.optimizer == "matrix"}
     qkv_split = (2 * 16, 16, 16)  # per query group: 2 heads of 16 rows, k, v
     theirs = megatron_config(gpt, {**overrides, **reference_overrides})
     coefficients = cz_megatron.plan_options(theirs)["ns_coefficients"]
-    shards = {name: (param.partition_dim, tp) for name, param in model.named_parameters()
-              if getattr(param, "tensor_model_parallel", False) and param.partition_dim >= 0}
-    references = {backend: MegatronMuonReference(initial, muon, qkv_split, theirs, coefficients, backend, shards)
-                  for backend in backends}
+    shards = {
+        name: (param.partition_dim, tp)
+        for name, param in model.named_parameters()
+        if getattr(param, "tensor_model_parallel", False) and param.partition_dim >= 0
+    }
+    references = {
+        backend: MegatronMuonReference(initial, muon, qkv_split, theirs, coefficients, backend, shards)
+        for backend in backends
+    }
     causal = torch.ones(gpt.SEQ, gpt.SEQ, dtype=torch.bool, device=device).triu(1)[None, None]
     positions = torch.arange(gpt.SEQ, device=device).unsqueeze(0).expand(2, -1)
     for step in range(STEPS):
@@ -240,12 +297,21 @@ def train_against_oracle(schedule: Schedule, overrides: dict[str, Any], backends
     final = {name: value.cpu() for name, value in _gathered(model, tp_group).items()}
     if dist.get_rank() != 0:
         return None
-    return {"canzona": final, "initial": initial,
-            "references": {backend: {n: p.detach() for n, p in ref.params.items()} for backend, ref in references.items()}}
+    return {
+        "canzona": final,
+        "initial": initial,
+        "references": {backend: {n: p.detach() for n, p in ref.params.items()} for backend, ref in references.items()},
+    }
 
 
-def _train(rank: int, world: int, schedule: Schedule, overrides: dict[str, Any], backends: tuple[str, ...],
-           reference_overrides: dict[str, Any]) -> Any:
+def _train(
+    rank: int,
+    world: int,
+    schedule: Schedule,
+    overrides: dict[str, Any],
+    backends: tuple[str, ...],
+    reference_overrides: dict[str, Any],
+) -> Any:
     """`train_against_oracle` on one of the harness's gloo ranks."""
     return train_against_oracle(schedule, overrides, backends, reference_overrides)
 
@@ -273,15 +339,29 @@ def parity_error(run: dict[str, Tensor], reference: dict[str, Tensor], initial: 
     return worst, where
 
 
-def run_parity_runs(tmp_path: Path, tp: int, dp: int, flags: tuple[str, ...] = (), overrides: dict[str, Any] | None = None,
-                    backends: tuple[str, ...] = ("formula",), reference_overrides: dict[str, Any] | None = None) -> Any:
+def run_parity_runs(
+    tmp_path: Path,
+    tp: int,
+    dp: int,
+    flags: tuple[str, ...] = (),
+    overrides: dict[str, Any] | None = None,
+    backends: tuple[str, ...] = ("formula",),
+    reference_overrides: dict[str, Any] | None = None,
+) -> Any:
     """Plan with `flags`, train on tp x dp gloo ranks; canzona's, the initial and each backend's parameters."""
     schedule = plan(tmp_path, tp, dp, *flags)
     return run_ranks(_train, tp * dp, schedule, overrides or {}, backends, reference_overrides or {}, timeout=180)[0]
 
 
-def run_parity(tmp_path: Path, tp: int, dp: int, flags: tuple[str, ...] = (), overrides: dict[str, Any] | None = None,
-               backend: str = "formula", reference_overrides: dict[str, Any] | None = None) -> tuple[float, str]:
+def run_parity(
+    tmp_path: Path,
+    tp: int,
+    dp: int,
+    flags: tuple[str, ...] = (),
+    overrides: dict[str, Any] | None = None,
+    backend: str = "formula",
+    reference_overrides: dict[str, Any] | None = None,
+) -> tuple[float, str]:
     """Plan with `flags`, train on tp x dp gloo ranks; the parity error against `backend`."""
     result = run_parity_runs(tmp_path, tp, dp, flags, overrides, (backend,), reference_overrides)
     return parity_error(result["canzona"], result["references"][backend], result["initial"])

@@ -24,20 +24,28 @@ from torch import nn
 from titan_model import TitanConfig, TitanModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import hf_qwen3  # noqa: E402 - the example is the tests' HF model
+import hf_qwen3
 
 QWEN3: dict[str, Any] = hf_qwen3.CONFIG
 make_tiny_hf_qwen3 = hf_qwen3.make_model
 parallelize_hf_qwen3 = hf_qwen3.parallelize
 _fake_tp_mesh = hf_qwen3.fake_tp_mesh
-QWEN3_MOE: dict[str, Any] = dict(QWEN3, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
-                                 norm_topk_prob=True)
+QWEN3_MOE: dict[str, Any] = dict(
+    QWEN3, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True
+)
 TITAN = TitanConfig(moe_layers=())
 # TP 2 and TP 3 shard its vocabulary (251) unevenly, as DTensor does (torch.chunk; torch's colwise /
 # rowwise styles infer an activation's global shape from even shards, so the FFN (102) divides);
 # its 6 heads split whole over either
-QWEN3_ODD: dict[str, Any] = dict(QWEN3, vocab_size=251, intermediate_size=102, num_attention_heads=6,
-                                 num_key_value_heads=6, head_dim=8, hidden_size=48)
+QWEN3_ODD: dict[str, Any] = dict(
+    QWEN3,
+    vocab_size=251,
+    intermediate_size=102,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    head_dim=8,
+    hidden_size=48,
+)
 QWEN3_VOCAB: dict[str, Any] = dict(QWEN3_ODD, vocab_size=151936, num_hidden_layers=1)  # Qwen3's own vocabulary
 
 
@@ -88,19 +96,31 @@ def parallelize_titan(model: TitanModel, tp_mesh: Any) -> TitanModel:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            ),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-            "attention.qkv_linear.wqkv": ColwiseParallel(input_layouts=Shard(1)),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "feed_forward.w1": ColwiseParallel(input_layouts=Shard(1)), "feed_forward.w3": ColwiseParallel(input_layouts=Shard(1)),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention.qkv_linear.wqkv": ColwiseParallel(input_layouts=Shard(1)),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                "feed_forward.w1": ColwiseParallel(input_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(input_layouts=Shard(1)),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            },
+        )
     return model
 
 
@@ -162,9 +182,15 @@ def parallelize_toy(model: Toy, tp_mesh: Any) -> Toy:
     """`Toy` as DTensors: up Shard(0), down Shard(1), norm Replicate, experts Shard(1)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    for module, name, placement in ((model.up, "weight", Shard(0)), (model.down, "weight", Shard(1)),
-                                    (model.norm, "weight", Replicate()), (model, "experts", Shard(1))):
-        module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name).detach(), tp_mesh, [placement])))
+    for module, name, placement in (
+        (model.up, "weight", Shard(0)),
+        (model.down, "weight", Shard(1)),
+        (model.norm, "weight", Replicate()),
+        (model, "experts", Shard(1)),
+    ):
+        module.register_parameter(
+            name, nn.Parameter(distribute_tensor(getattr(module, name).detach(), tp_mesh, [placement]))
+        )
     return model
 
 

@@ -67,9 +67,11 @@ def _from_bytes(data: bytes) -> Any:
 def _worker(fn: Callable[..., Any], rank: int, world: int, init_file: str, results: Any, args: tuple[Any, ...]) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=GROUP_TIMEOUT
+        )
         outcome: tuple[str, Any] = ("ok", _to_bytes(fn(rank, world, *args)))
-    except BaseException as error:  # noqa: BLE001 - reported to the parent
+    except BaseException as error:
         outcome = ("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
     results.put((rank, *outcome))
     results.close()
@@ -85,7 +87,9 @@ def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "rendezvous")
-        processes = [context.Process(target=_worker, args=(fn, r, world, init_file, results, args)) for r in range(world)]
+        processes = [
+            context.Process(target=_worker, args=(fn, r, world, init_file, results, args)) for r in range(world)
+        ]
         for process in processes:
             process.start()
         outcomes: dict[int, tuple[str, Any]] = {}
@@ -118,7 +122,11 @@ def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 90.0) -> list[Any]:
     """Like `run_ranks_raw`, but fail the test with every failing rank's message."""
     outcomes = run_ranks_raw(fn, world, *args, timeout=timeout)
-    failures = [f"--- rank {rank} ({status}) ---\n{payload}" for rank, (status, payload) in sorted(outcomes.items()) if status != "ok"]
+    failures = [
+        f"--- rank {rank} ({status}) ---\n{payload}"
+        for rank, (status, payload) in sorted(outcomes.items())
+        if status != "ok"
+    ]
     if failures:
         pytest.fail("\n".join(failures), pytrace=False)
     return [outcomes[rank][1] for rank in range(world)]
@@ -146,26 +154,47 @@ def canzona_in_child(args: list[str]) -> None:
     assert code == 0, f"canzona {' '.join(args)} exited {code}"
 
 
-def make_schedule(model: str | Path, tp: int, dp: int, *, optimizer: str = "muon", alpha: float = 1.0,
-                  bucket_size: int = 4000, group_bytes: int = 4096, dtype: str = "fp32",
-                  split_fc1: bool = False, ep: int = 1, coop: str = "auto", order: str = "registration",
-                  **settings: Any) -> Schedule:
+def make_schedule(
+    model: str | Path,
+    tp: int,
+    dp: int,
+    *,
+    optimizer: str = "muon",
+    alpha: float = 1.0,
+    bucket_size: int = 4000,
+    group_bytes: int = 4096,
+    dtype: str = "fp32",
+    split_fc1: bool = False,
+    ep: int = 1,
+    coop: str = "auto",
+    order: str = "registration",
+    **settings: Any,
+) -> Schedule:
     """A planner-made schedule for `model` (a file), with small buckets and micro-groups,
     its parameters' dtype set to `dtype` (`ep`: expert parallelism; `coop`: cooperative
     hosting, `force` to team every eligible matrix; `order`: a bucket's parameter order,
     registration or free)."""
     from canzona.planner.compile import compile_schedule
     from canzona.planner.partition.costs import OptimizerConfig
-    from canzona.planner.sources.load import load_model
     from canzona.planner.plan import PlanRequest, make_plan
+    from canzona.planner.sources.load import load_model
     from canzona.planner.spec import ModelOptions
 
     options = ModelOptions(split_fc1=split_fc1)
     spec = load_model(str(model), tp, options)
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype=dtype) for p in spec.params))
     request = PlanRequest(
-        model=str(model), tp=tp, dp=dp, optimizer=OptimizerConfig(optimizer, **settings), alpha=alpha,
-        bucket_size=bucket_size, options=options, group_bytes=group_bytes, ep=ep, coop=coop, order=order,
+        model=str(model),
+        tp=tp,
+        dp=dp,
+        optimizer=OptimizerConfig(optimizer, **settings),
+        alpha=alpha,
+        bucket_size=bucket_size,
+        options=options,
+        group_bytes=group_bytes,
+        ep=ep,
+        coop=coop,
+        order=order,
     )
     return compile_schedule(make_plan(spec, request))
 
@@ -184,8 +213,9 @@ def timed_collective_failure(optimizer: Any) -> dict[str, Any]:
     return {"error": None, "elapsed": time.monotonic() - started}
 
 
-def reload_and_step(optimizer: Any, state: dict[str, Any], params: list[tuple[str, torch.Tensor]],
-                    values: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def reload_and_step(
+    optimizer: Any, state: dict[str, Any], params: list[tuple[str, torch.Tensor]], values: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """After a failed step: load the optimizer `state` and the parameters' `values` saved
     before it (a checkpoint), step again (the groups are still usable) and return the values."""
     optimizer.load_state_dict(state)
@@ -199,7 +229,7 @@ def reload_and_step(optimizer: Any, state: dict[str, Any], params: list[tuple[st
 def _child(fn: Callable[[], Any], results: Any) -> None:
     try:
         results.put(("ok", fn()))
-    except BaseException as error:  # noqa: BLE001 - reported to the parent
+    except BaseException as error:
         results.put(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
 
 

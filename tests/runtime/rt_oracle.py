@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from canzona.runtime import CanzonaOptimizer, DpScOptimizer, TpScOptimizer
-from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.runtime.schedule import DTYPES
+from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import ParamEntry, Schedule
 
 from rt_harness import optimizer_groups
@@ -40,7 +40,10 @@ def _generator(*key: Any) -> torch.Generator:
 
 def full_params(schedule: Schedule) -> dict[str, torch.Tensor]:
     """Full (gathered-layout) initial values of every parameter, in its schedule dtype."""
-    return {e.name: (torch.randn(e.shape, generator=_generator("init", e.name)) * 0.1).to(DTYPES[e.dtype]) for e in schedule.params}
+    return {
+        e.name: (torch.randn(e.shape, generator=_generator("init", e.name)) * 0.1).to(DTYPES[e.dtype])
+        for e in schedule.params
+    }
 
 
 def full_grad(entry: ParamEntry, step: int, dp_rank: int) -> torch.Tensor:
@@ -70,12 +73,15 @@ def holds(schedule: Schedule, entry: ParamEntry, dp_rank: int) -> bool:
 def dp_mean(schedule: Schedule, entry: ParamEntry, grads: list[torch.Tensor | None]) -> torch.Tensor:
     """The gradient the step sees, from every DP rank's own (None: none): the fp32 sum over the
     ranks holding the parameter, divided by the DP size (an expert's too, Megatron's scaling)."""
-    held = [torch.zeros(entry.shape) if g is None else g.float()
-            for d, g in enumerate(grads) if holds(schedule, entry, d)]
+    held = [
+        torch.zeros(entry.shape) if g is None else g.float() for d, g in enumerate(grads) if holds(schedule, entry, d)
+    ]
     return torch.stack(held).sum(0) / schedule.request.dp
 
 
-def train_worker(rank: int, world: int, schedules: list[Schedule], steps: int, strategy: str, hp: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+def train_worker(
+    rank: int, world: int, schedules: list[Schedule], steps: int, strategy: str, hp: dict[str, Any]
+) -> list[dict[str, torch.Tensor]]:
     """Train the shards of every schedule in turn on this rank; each schedule's final shards."""
     out = []
     for schedule in schedules:
@@ -110,8 +116,13 @@ def reference_run(schedule: Schedule, steps: int, hp: dict[str, Any]) -> dict[st
     return {name: param.detach() for name, param in params}
 
 
-def compare(schedule: Schedule, results: list[dict[str, torch.Tensor]], reference: dict[str, torch.Tensor],
-            rtol: float | None = 1e-5, atol: float | None = 1e-6) -> None:
+def compare(
+    schedule: Schedule,
+    results: list[dict[str, torch.Tensor]],
+    reference: dict[str, torch.Tensor],
+    rtol: float | None = 1e-5,
+    atol: float | None = 1e-6,
+) -> None:
     """Every rank's every shard equals the reference's shard of the same parameter."""
     tp = schedule.request.tp
     for rank, shards in enumerate(results):
@@ -119,7 +130,9 @@ def compare(schedule: Schedule, results: list[dict[str, torch.Tensor]], referenc
         for entry in ordered(schedule, rank // tp):
             expected = shard(reference[entry.name], entry, tp_rank, tp)
             got = shards[entry.name]
-            torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank} {entry.name}: {m}")
+            torch.testing.assert_close(
+                got, expected, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank} {entry.name}: {m}"
+            )
 
 
 # --- Scenarios: one training recipe run by the runtime on forked ranks and by the reference ---
@@ -221,6 +234,7 @@ def _micro_grads(scenario: Scenario, step: int, micro: int, dp_rank: int, tp_ran
 def emulate_megatron_main_grad(optimizer: Any, params: list[tuple[str, torch.nn.Parameter]]) -> None:
     """What Megatron's DDP does after each backward of a parameter: add `.grad` into the fp32
     `.main_grad`, drop `.grad`, and mark the parameter ready (here: `optimizer.grad_ready`)."""
+
     def hook(param: torch.nn.Parameter) -> None:
         grad = param.grad.float()
         param.main_grad = grad if param.main_grad is None else param.main_grad + grad  # type: ignore[attr-defined]
@@ -232,7 +246,9 @@ def emulate_megatron_main_grad(optimizer: Any, params: list[tuple[str, torch.nn.
             param.register_post_accumulate_grad_hook(hook)
 
 
-def _backward_grads(scenario: Scenario, model: GradModel, optimizer: Any, step: int, dp_rank: int, tp_rank: int) -> None:
+def _backward_grads(
+    scenario: Scenario, model: GradModel, optimizer: Any, step: int, dp_rank: int, tp_rank: int
+) -> None:
     """The step's micro-batches through a real backward (the first ones inside no_sync)."""
     params = [leaf.weight for leaf in model.leaves]
     if scenario.grad_attr == "main_grad":
@@ -251,7 +267,9 @@ def _backward_grads(scenario: Scenario, model: GradModel, optimizer: Any, step: 
             model(grads).backward()
 
 
-def _set_grads(scenario: Scenario, params: list[tuple[str, torch.nn.Parameter]], step: int, dp_rank: int, tp_rank: int) -> None:
+def _set_grads(
+    scenario: Scenario, params: list[tuple[str, torch.nn.Parameter]], step: int, dp_rank: int, tp_rank: int
+) -> None:
     tp = scenario.schedule.request.tp
     with torch.device("cpu"):  # the test's own tensors, also under a meta default device
         for entry, (_, param) in zip(ordered(scenario.schedule, dp_rank), params):
@@ -281,7 +299,9 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
     if scenario.meta:
         torch.set_default_device("meta")
     try:
-        optimizer = STRATEGIES[scenario.strategy](given, schedule, **groups, grad_attr=scenario.grad_attr, **scenario.hp, **options)
+        optimizer = STRATEGIES[scenario.strategy](
+            given, schedule, **groups, grad_attr=scenario.grad_attr, **scenario.hp, **options
+        )
         if model is not None and scenario.grad_attr == "main_grad":
             emulate_megatron_main_grad(optimizer, params)
         scheduler = scenario.scheduler(optimizer) if scenario.scheduler else None
@@ -295,11 +315,15 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
             rounds.append(None if hooked is None else (hooked.early, hooked.launched, hooked.closed))
             if scenario.max_norm is not None:
                 norms.append(float(optimizer.clip_grad_norm_(scenario.max_norm)))
-            skipped = [(n, p.detach().clone()) for n, p in params if not any(_present(scenario, n, step, d) for d in range(dp))]
+            skipped = [
+                (n, p.detach().clone()) for n, p in params if not any(_present(scenario, n, step, d) for d in range(dp))
+            ]
             optimizer.step()
             gathers.append(0 if optimizer.engine.gather is None else len(optimizer.engine.gather.pending))
             optimizer.zero_grad()
-            skipped_changed += [f"{n} at step {step}" for n, before in skipped if not torch.equal(before, dict(params)[n])]
+            skipped_changed += [
+                f"{n} at step {step}" for n, before in skipped if not torch.equal(before, dict(params)[n])
+            ]
             lrs.append([group["lr"] for group in optimizer.param_groups])
             if scheduler is not None:
                 scheduler.step()
@@ -353,9 +377,14 @@ def scenario_reference(scenario: Scenario) -> dict[str, Any]:
         if scheduler is not None:
             scheduler.step()
     mains = {name: optimizer.state[p]["main"] for name, p in params if "main" in optimizer.state[p]}
-    return {"params": {name: p.detach() for name, p in params}, "norms": norms, "lrs": lrs, "main": mains,
-            "groups": len(optimizer.param_groups),
-            "param_steps": {name: optimizer.state[p]["step"] for name, p in params if p.requires_grad}}
+    return {
+        "params": {name: p.detach() for name, p in params},
+        "norms": norms,
+        "lrs": lrs,
+        "main": mains,
+        "groups": len(optimizer.param_groups),
+        "param_steps": {name: optimizer.state[p]["step"] for name, p in params if p.requires_grad},
+    }
 
 
 def assemble_main(schedule: Schedule, results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from canzona.runtime import CanzonaOptimizer, load_checkpoint, merge_state_dicts, save_checkpoint
-from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.runtime.schedule import DTYPES
 from canzona.runtime.state.stateful import DcpState
+from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import ParamEntry, Schedule
 from canzona.schedules.reshard import reshard_report
 
@@ -96,10 +96,17 @@ def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def _local_params(schedule: Schedule, canonical: dict[str, torch.Tensor], tp_rank: int) -> list[tuple[str, torch.nn.Parameter]]:
+def _local_params(
+    schedule: Schedule, canonical: dict[str, torch.Tensor], tp_rank: int
+) -> list[tuple[str, torch.nn.Parameter]]:
     tp = schedule.request.tp
     return [
-        (e.name, torch.nn.Parameter(shard(to_gathered(e, _rows(canonical[e.name], e.shape[0]), tp), e, tp_rank, tp).to(DTYPES[e.dtype])))
+        (
+            e.name,
+            torch.nn.Parameter(
+                shard(to_gathered(e, _rows(canonical[e.name], e.shape[0]), tp), e, tp_rank, tp).to(DTYPES[e.dtype])
+            ),
+        )
         for e in ordered(schedule)
     ]
 
@@ -109,12 +116,16 @@ def _train(optimizer: CanzonaOptimizer, schedule: Schedule, params: list[tuple[s
     dp_rank, tp_rank = optimizer.dp_rank, optimizer.tp_rank
     for step in steps:
         for entry, (_, param) in zip(ordered(schedule), params):
-            param.grad = shard(to_gathered(entry, canonical_grad(entry, step, dp_rank), tp), entry, tp_rank, tp).to(param.dtype)
+            param.grad = shard(to_gathered(entry, canonical_grad(entry, step, dp_rank), tp), entry, tp_rank, tp).to(
+                param.dtype
+            )
         optimizer.step()
         optimizer.zero_grad()
 
 
-def _gather_canonical(schedule: Schedule, params: list[tuple[str, Any]], tp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+def _gather_canonical(
+    schedule: Schedule, params: list[tuple[str, Any]], tp_group: dist.ProcessGroup
+) -> dict[str, torch.Tensor]:
     """Full canonical parameters from this rank's TP shards (every DP rank holds the same)."""
     tp = schedule.request.tp
     out = {}
@@ -138,8 +149,16 @@ def _move_state(optimizer: CanzonaOptimizer, folder: str | None, via: str) -> An
     return merge_state_dicts(states)
 
 
-def _reshard_worker(rank: int, world: int, first: Schedule, second: Schedule, folder: str | None, hp: dict[str, Any],
-                    strategies: tuple[str, str], via: str = "checkpoint") -> dict[str, torch.Tensor]:
+def _reshard_worker(
+    rank: int,
+    world: int,
+    first: Schedule,
+    second: Schedule,
+    folder: str | None,
+    hp: dict[str, Any],
+    strategies: tuple[str, str],
+    via: str = "checkpoint",
+) -> dict[str, torch.Tensor]:
     dp_group, tp_group = make_groups(first.request.dp, first.request.tp)
     params = _local_params(first, {e.name: canonical_init(e) for e in first.params}, rank % first.request.tp)
     optimizer = STRATEGIES[strategies[0]](params, first, dp_group=dp_group, tp_group=tp_group, **hp)
@@ -167,27 +186,44 @@ def reference_run(schedule: Schedule, dp_per_step: list[int], hp: dict[str, Any]
     params = [(e.name, torch.nn.Parameter(canonical_init(e).to(DTYPES[e.dtype]))) for e in entries]
     optimizer = ReferenceOptimizer(params, schedule, **hp)
     for step, dp in enumerate(dp_per_step):
-        optimizer.step({e.name: torch.stack([canonical_grad(e, step, d).to(DTYPES[e.dtype]).float() for d in range(dp)]).sum(0) / dp
-                        for e in entries})
+        optimizer.step(
+            {
+                e.name: torch.stack([canonical_grad(e, step, d).to(DTYPES[e.dtype]).float() for d in range(dp)]).sum(0)
+                / dp
+                for e in entries
+            }
+        )
     return {name: param.detach() for name, param in params}
 
 
 UP, DOWN = "tp1xdp4-to-tp2xdp2", "tp2xdp2-to-tp1xdp4"
-CASES = [("muon", "dcp", UP, "canzona", "fp32"), ("shampoo", "dcp", UP, "canzona", "fp32"), ("soap", "dcp", UP, "canzona", "fp32"),
-         ("soap", "memory", UP, "canzona", "fp32"), ("shampoo", "dcp", DOWN, "canzona", "fp32"),
-         ("soap", "dcp", UP, "tp-sc-to-dp-sc", "fp32"), ("muon", "dcp", UP, "canzona", "bf16"), ("muon", "memory", DOWN, "canzona", "bf16")]
+CASES = [
+    ("muon", "dcp", UP, "canzona", "fp32"),
+    ("shampoo", "dcp", UP, "canzona", "fp32"),
+    ("soap", "dcp", UP, "canzona", "fp32"),
+    ("soap", "memory", UP, "canzona", "fp32"),
+    ("shampoo", "dcp", DOWN, "canzona", "fp32"),
+    ("soap", "dcp", UP, "tp-sc-to-dp-sc", "fp32"),
+    ("muon", "dcp", UP, "canzona", "bf16"),
+    ("muon", "memory", DOWN, "canzona", "bf16"),
+]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("optimizer", "via", "move", "strategy", "dtype"), CASES)
-def test_training_continues_exactly_under_another_schedule(optimizer: str, via: str, move: str, strategy: str, dtype: str,
-                                                           tmp_path: Path) -> None:
+def test_training_continues_exactly_under_another_schedule(
+    optimizer: str, via: str, move: str, strategy: str, dtype: str, tmp_path: Path
+) -> None:
     """bf16 parameters: fp32 main copies move with the state (new vocab padding rows start from
     the parameters), so the result equals the reference's within one bf16 step."""
     settings = SETTINGS[optimizer]
-    layouts = [make_schedule(MODEL, 1, 4, optimizer=optimizer, alpha=0.0, dtype=dtype, **settings),
-               make_schedule(MODEL, 2, 2, optimizer=optimizer, alpha=1.0, bucket_size=3000, group_bytes=6144, dtype=dtype, **settings)]
+    layouts = [
+        make_schedule(MODEL, 1, 4, optimizer=optimizer, alpha=0.0, dtype=dtype, **settings),
+        make_schedule(
+            MODEL, 2, 2, optimizer=optimizer, alpha=1.0, bucket_size=3000, group_bytes=6144, dtype=dtype, **settings
+        ),
+    ]
     first, second = layouts if move.startswith("tp1") else layouts[::-1]
     report = reshard_report(first, second)
     assert report.compatible and len(report.notes) == 2, report.notes  # embedding and output: 384 <-> 512 rows
@@ -196,7 +232,9 @@ def test_training_continues_exactly_under_another_schedule(optimizer: str, via: 
     # all_to_all sums the DP 4 gradients in rank order, as the reference does: the comparison is
     # exact, so it checks the resharding alone. The backend's order (rooted, the default) on these
     # ill-conditioned Shampoo/SOAP settings moves results by up to 4e-3 / O(1) (benchmarks/numerics.py).
-    results = run_ranks(_reshard_worker, 4, first, second, folder, {**HP, "dp_collectives": "all_to_all"}, strategies, via)
+    results = run_ranks(
+        _reshard_worker, 4, first, second, folder, {**HP, "dp_collectives": "all_to_all"}, strategies, via
+    )
     dp_per_step = [first.request.dp] * K + [second.request.dp] * M
     reference = reference_run(make_schedule(MODEL, 1, 1, optimizer=optimizer, dtype=dtype, **settings), dp_per_step, HP)
     tp = second.request.tp
@@ -205,8 +243,13 @@ def test_training_continues_exactly_under_another_schedule(optimizer: str, via: 
         for entry in ordered(second):
             # Rows 384..511 exist only under TP 2: zero, without gradient or state, they stay zero.
             expected = shard(to_gathered(entry, _rows(reference[entry.name], entry.shape[0]), tp), entry, rank % tp, tp)
-            torch.testing.assert_close(shards[entry.name], expected.to(shards[entry.name].dtype), rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {rank} {entry.name}: {m}")
+            torch.testing.assert_close(
+                shards[entry.name],
+                expected.to(shards[entry.name].dtype),
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m: f"rank {rank} {entry.name}: {m}",
+            )
 
 
 def _same_schedule_worker(rank: int, world: int, schedule: Schedule, folder: str, hp: dict[str, Any]) -> dict[str, Any]:
@@ -257,22 +300,40 @@ def test_save_and_load_under_the_same_schedule_is_bit_exact(optimizer: str, tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("optimizer", "dtype"), [("muon", "fp32"), ("soap", "fp32"), ("muon", "bf16")])
-def test_a_dcp_stateful_checkpoint_moves_between_schedules_of_one_shape(optimizer: str, dtype: str, tmp_path: Path) -> None:
+def test_a_dcp_stateful_checkpoint_moves_between_schedules_of_one_shape(
+    optimizer: str, dtype: str, tmp_path: Path
+) -> None:
     """`dcp.save` / `dcp.load` of a `DcpState` (what torchtitan's checkpointer does): under another
     α and bucket size every matrix has another DP owner, and training goes on as the reference.
     DCP's own load planner refuses a logical tensor whose size changed (vocab padding at another
     TP size), which `load_checkpoint` reads across, so the layouts share TP 2 here."""
     settings = SETTINGS[optimizer]
     first = make_schedule(MODEL, 2, 2, optimizer=optimizer, alpha=0.0, dtype=dtype, **settings)
-    second = make_schedule(MODEL, 2, 2, optimizer=optimizer, alpha=1.0, bucket_size=3000, group_bytes=6144, dtype=dtype,
-                           **settings)
+    second = make_schedule(
+        MODEL, 2, 2, optimizer=optimizer, alpha=1.0, bucket_size=3000, group_bytes=6144, dtype=dtype, **settings
+    )
     assert {e.name: e.owner for e in first.params} != {e.name: e.owner for e in second.params}
-    results = run_ranks(_reshard_worker, 4, first, second, str(tmp_path / "dcp"), {**HP, "dp_collectives": "all_to_all"},
-                        ("canzona", "canzona"), "stateful")
-    reference = reference_run(make_schedule(MODEL, 1, 1, optimizer=optimizer, dtype=dtype, **settings), [2] * (K + M), HP)
+    results = run_ranks(
+        _reshard_worker,
+        4,
+        first,
+        second,
+        str(tmp_path / "dcp"),
+        {**HP, "dp_collectives": "all_to_all"},
+        ("canzona", "canzona"),
+        "stateful",
+    )
+    reference = reference_run(
+        make_schedule(MODEL, 1, 1, optimizer=optimizer, dtype=dtype, **settings), [2] * (K + M), HP
+    )
     rtol, atol = (1e-5, 1e-6) if dtype == "fp32" else (2**-7, 0.0)
     for rank, shards in enumerate(results):
         for entry in ordered(second):
             expected = shard(to_gathered(entry, _rows(reference[entry.name], entry.shape[0]), 2), entry, rank % 2, 2)
-            torch.testing.assert_close(shards[entry.name], expected.to(shards[entry.name].dtype), rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {rank} {entry.name}: {m}")
+            torch.testing.assert_close(
+                shards[entry.name],
+                expected.to(shards[entry.name].dtype),
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m: f"rank {rank} {entry.name}: {m}",
+            )

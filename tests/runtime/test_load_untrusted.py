@@ -34,7 +34,9 @@ def _matrix(data: dict[str, Any]) -> dict[str, Any]:
     ],
     ids=["optimizer", "owner", "row-blocks", "numel", "ep-rank"],
 )
-def test_load_schedule_refuses_consistently_edited_files(schedule: Schedule, tmp_path: Path, edit: Any, needle: str) -> None:
+def test_load_schedule_refuses_consistently_edited_files(
+    schedule: Schedule, tmp_path: Path, edit: Any, needle: str
+) -> None:
     data = schedule.model_dump(mode="json")
     edit(data)
     path = tmp_path / "s.yaml"
@@ -52,10 +54,20 @@ def test_load_schedule_refuses_a_hand_edit(schedule: Schedule, tmp_path: Path) -
         load_schedule(path)
 
 
-@pytest.mark.parametrize("change", [{"ns_steps": 1}, {"name": "soap"}, {"name": "shampoo"}, {"block_size": 64},
-                                    {"precondition_frequency": 2}, {"max_precond_dim": 8}])
-def test_load_schedule_refuses_resealed_optimizer_settings(schedule: Schedule, tmp_path: Path,
-                                                           change: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"ns_steps": 1},
+        {"name": "soap"},
+        {"name": "shampoo"},
+        {"block_size": 64},
+        {"precondition_frequency": 2},
+        {"max_precond_dim": 8},
+    ],
+)
+def test_load_schedule_refuses_resealed_optimizer_settings(
+    schedule: Schedule, tmp_path: Path, change: dict[str, Any]
+) -> None:
     """Issue 27: the runtime would execute the new settings while every cost, metric and
     micro-group was computed for the old ones."""
     data = schedule.model_dump(mode="json")
@@ -79,7 +91,9 @@ def _swapped_shape_rank(rank: int, world: int) -> list[str]:
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     weight = distribute_tensor(torch.zeros(16, 8), mesh, [Shard(0)])
-    common = dict(name="up.weight", index=0, dtype="fp32", optimizer="matrix", bucket=0, offset=0, numel=64, owner=0, cost=1.0)
+    common = dict(
+        name="up.weight", index=0, dtype="fp32", optimizer="matrix", bucket=0, offset=0, numel=64, owner=0, cost=1.0
+    )
     swapped = ParamEntry(shape=[8, 16], tp_dim=1, **common)
     same = ParamEntry(shape=[16, 8], tp_dim=0, **common)
     assert tuple(weight.to_local().shape) == (8, 8)

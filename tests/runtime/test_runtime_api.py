@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from canzona.runtime import CanzonaOptimizer
 from canzona.runtime.exchange import comm
 from canzona.runtime.exchange.comm import ALL_REDUCE
-from canzona.schedules.layout import DpBucket
 from canzona.schedules.format import Schedule
+from canzona.schedules.layout import DpBucket
 
 from rt_harness import DATA, make_groups, make_schedule, run_ranks
 from rt_oracle import compare, full_grad, full_params, ordered, reference_run, shard
@@ -53,7 +53,14 @@ def test_per_bucket_reduction_and_gather(mode: str, cuts: list[int]) -> None:
             assert gathered == [-1.0, -1.0] + [float(r) for r in range(4) for _ in range(cuts[r], cuts[r + 1])]
 
 
-def _train(optimizer: CanzonaOptimizer, schedule: Schedule, params: list[tuple[str, Any]], steps: range, dp_rank: int, tp_rank: int) -> None:
+def _train(
+    optimizer: CanzonaOptimizer,
+    schedule: Schedule,
+    params: list[tuple[str, Any]],
+    steps: range,
+    dp_rank: int,
+    tp_rank: int,
+) -> None:
     tp = schedule.request.tp
     for step in steps:
         for entry, (_, param) in zip(ordered(schedule), params):
@@ -64,7 +71,9 @@ def _train(optimizer: CanzonaOptimizer, schedule: Schedule, params: list[tuple[s
 
 def _local_params(schedule: Schedule, tp_rank: int) -> list[tuple[str, torch.nn.Parameter]]:
     full = full_params(schedule)
-    return [(e.name, torch.nn.Parameter(shard(full[e.name], e, tp_rank, schedule.request.tp))) for e in ordered(schedule)]
+    return [
+        (e.name, torch.nn.Parameter(shard(full[e.name], e, tp_rank, schedule.request.tp))) for e in ordered(schedule)
+    ]
 
 
 def _mesh_worker(rank: int, world: int, schedule: Schedule, steps: int) -> dict[str, Any]:
@@ -92,7 +101,9 @@ def _checkpoint_worker(rank: int, world: int, schedule: Schedule, steps: int) ->
     first = CanzonaOptimizer(params, schedule, dp_group=dp_group, tp_group=tp_group)
     _train(first, schedule, params, range(3), dp_rank, tp_rank)
     saved = first.state_dict()
-    assert saved["step"] == 3 and any(key.startswith("matrix/") for key in saved["tensors"]), "each rank hosts some matrices here"
+    assert saved["step"] == 3 and any(key.startswith("matrix/") for key in saved["tensors"]), (
+        "each rank hosts some matrices here"
+    )
     second = CanzonaOptimizer(params, schedule, dp_group=dp_group, tp_group=tp_group)
     second.load_state_dict(saved)
     _train(second, schedule, params, range(3, steps), dp_rank, tp_rank)

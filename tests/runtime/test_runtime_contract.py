@@ -39,13 +39,16 @@ def _grads(schedule: Schedule, params: Params, step: int, rank: int) -> None:
 
 
 def _norms_only(params: Params) -> list[dict[str, Any]]:
-    return [{"params": [(n, p) for n, p in params if p.dim() > 1]}, {"params": [(n, p) for n, p in params if p.dim() == 1]}]
+    return [
+        {"params": [(n, p) for n, p in params if p.dim() > 1]},
+        {"params": [(n, p) for n, p in params if p.dim() == 1]},
+    ]
 
 
 def _outcome(call: Any) -> str:
     try:
         call()
-    except Exception as error:  # noqa: BLE001 - the message is the result
+    except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
 
@@ -64,7 +67,9 @@ def _construction_cases(schedule: Schedule, rank: int, groups: tuple[Any, Any]) 
         "negative group lr": build([{**matrices, "lr": -1.0}, norms]),
         "negative lr on rank 2": build(params, lr=-0.1 if rank == 2 else 0.02),
         "a parameter in two groups": build([matrices, {"params": matrices["params"][:1] + norms["params"]}]),
-        "a name not in the schedule": build([matrices, {"params": norms["params"] + [("bogus.weight", torch.nn.Parameter(torch.zeros(2)))]}]),
+        "a name not in the schedule": build(
+            [matrices, {"params": norms["params"] + [("bogus.weight", torch.nn.Parameter(torch.zeros(2)))]}]
+        ),
         "an unknown group key": build([{**matrices, "momentun": 0.9}, norms]),
         "a key for absent parameters": build([matrices, {**norms, "weight_decay": 0.0}]),
         "a betas key": build(params, adamw_betas=(0.9, 1.5)),
@@ -88,7 +93,8 @@ def _snapshot(optimizer: CanzonaOptimizer, params: Params) -> Any:
 def _same(before: Any, after: Any) -> bool:
     same_params = all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
     same_state = before[1].keys() == after[1].keys() and all(
-        torch.equal(a, b) for key in before[1] for a, b in zip(before[1][key], after[1][key]))
+        torch.equal(a, b) for key in before[1] for a, b in zip(before[1][key], after[1][key])
+    )
     return same_params and same_state and before[2] == after[2]
 
 
@@ -113,6 +119,7 @@ def _step_cases(schedule: Schedule, rank: int, groups: tuple[Any, Any]) -> dict[
             if rank == 1:
                 raise ValueError("loss is nan")
             return 1.0
+
         optimizer.step(closure)
 
     def closure_after_clip() -> None:
@@ -135,7 +142,9 @@ def _step_cases(schedule: Schedule, rank: int, groups: tuple[Any, Any]) -> dict[
         "a closure after clipping": closure_after_clip,
         "a gradient of the wrong shape": wrong_grad_shape,
         "get_optimizer_state_dict": lambda: get_optimizer_state_dict(model, optimizer),
-        "set_optimizer_state_dict": lambda: set_optimizer_state_dict(model, optimizer, {"state": {}, "param_groups": []}),
+        "set_optimizer_state_dict": lambda: set_optimizer_state_dict(
+            model, optimizer, {"state": {}, "param_groups": []}
+        ),
     }
     out = {}
     for name, call in cases.items():
@@ -227,9 +236,14 @@ def _contract_worker(rank: int, world: int, schedule: Schedule) -> dict[str, Any
     with pytest.raises(ValueError, match="not a canzona optimizer state"):
         optimizer.load_state_dict(torch.optim.SGD([torch.zeros(1, requires_grad=True)]).state_dict())
     return {
-        "optimizer": isinstance(optimizer, torch.optim.Optimizer), "loss": loss, "calls": calls, "zeroed": zeroed,
-        "groups": len(optimizer.param_groups), "state": (len(optimizer.state), optimizer.state[params[1][1]]),
-        "grads": [p.grad for _, p in params], "repr": repr(optimizer),
+        "optimizer": isinstance(optimizer, torch.optim.Optimizer),
+        "loss": loss,
+        "calls": calls,
+        "zeroed": zeroed,
+        "groups": len(optimizer.param_groups),
+        "state": (len(optimizer.state), optimizer.state[params[1][1]]),
+        "grads": [p.grad for _, p in params],
+        "repr": repr(optimizer),
     }
 
 
@@ -246,10 +260,19 @@ def test_closure_hooks_and_zero_grad_follow_torch_optim() -> None:
     assert "Parameter Group 0" in result["repr"] and "adamw_lr" in result["repr"]
 
 
-def _bf16_run(schedule: Schedule, rank: int, groups: tuple[Any, Any], steps: range, params: Params | None = None,
-              resume: Any = None, lr: float = 0.02) -> tuple[CanzonaOptimizer, Any, Params]:
+def _bf16_run(
+    schedule: Schedule,
+    rank: int,
+    groups: tuple[Any, Any],
+    steps: range,
+    params: Params | None = None,
+    resume: Any = None,
+    lr: float = 0.02,
+) -> tuple[CanzonaOptimizer, Any, Params]:
     params = params or _params(schedule, rank)
-    optimizer = CanzonaOptimizer(_norms_only(params), schedule, dp_group=groups[0], tp_group=groups[1], lr=lr, adamw_lr=1e-3)
+    optimizer = CanzonaOptimizer(
+        _norms_only(params), schedule, dp_group=groups[0], tp_group=groups[1], lr=lr, adamw_lr=1e-3
+    )
     scheduler = LambdaLR(optimizer, lambda step: 0.8**step)
     if resume is not None:
         resume(optimizer, scheduler)
@@ -308,7 +331,9 @@ def test_bf16_training_resumes_bit_for_bit(tmp_path: Path) -> None:
     for rank, result in enumerate(results):
         straight, memory, disk = result["params"]
         for name in straight:
-            assert torch.equal(straight[name], memory[name]) and torch.equal(straight[name], disk[name]), f"rank {rank} {name}"
+            assert torch.equal(straight[name], memory[name]) and torch.equal(straight[name], disk[name]), (
+                f"rank {rank} {name}"
+            )
         expected = result["state"][0]
         for state in result["state"][1:]:
             assert state.keys() == expected.keys()

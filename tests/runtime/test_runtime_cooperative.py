@@ -29,7 +29,9 @@ def _teamed(tp: int, dp: int, **options: Any) -> Any:
     teams = [team for rank in schedule.tp.ranks for group in rank.groups for team in group.teams]
     assert teams and all(team.hosts == list(range(tp)) for team in teams)
     entries = {e.name: e for e in schedule.params}
-    kinds = {(entries[t.param].tp_dim, 0 if entries[t.param].shape[0] > entries[t.param].shape[1] else 1) for t in teams}
+    kinds = {
+        (entries[t.param].tp_dim, 0 if entries[t.param].shape[0] > entries[t.param].shape[1] else 1) for t in teams
+    }
     assert len(kinds) >= (4 if tp == 2 else 2), f"want several geometries (tp dim, long dim), got {kinds}"
     return schedule
 
@@ -51,8 +53,12 @@ def test_teams_with_bf16_parameters_round_like_the_reference() -> None:
     compare(schedule, [rank[0] for rank in results], reference_run(schedule, STEPS, HP), rtol=None, atol=None)
 
 
-CHECKPOINT_CASES = [("dcp", "into-teams", "fp32"), ("memory", "out-of-teams", "fp32"), ("dcp", "out-of-teams", "bf16"),
-                    ("memory", "into-teams", "bf16")]
+CHECKPOINT_CASES = [
+    ("dcp", "into-teams", "fp32"),
+    ("memory", "out-of-teams", "fp32"),
+    ("dcp", "out-of-teams", "bf16"),
+    ("memory", "into-teams", "bf16"),
+]
 
 
 @pytest.mark.slow
@@ -62,8 +68,11 @@ def test_team_state_moves_through_checkpoints(via: str, move: str, dtype: str, t
     """A team member saves its slices of momentum (and of the fp32 main copy) as chunks of the
     canonical logical tensors: training continues exactly under a schedule without teams (TP 1
     x DP 4), and a state saved without teams loads into a team's slices."""
-    from test_checkpoint_reshard import HP as CHECKPOINT_HP, K, M, MODEL as V300, _reshard_worker, _rows
-    from test_checkpoint_reshard import reference_run as canonical_reference, to_gathered
+    from test_checkpoint_reshard import HP as CHECKPOINT_HP
+    from test_checkpoint_reshard import MODEL as V300
+    from test_checkpoint_reshard import K, M, _reshard_worker, _rows, to_gathered
+    from test_checkpoint_reshard import reference_run as canonical_reference
+
     from rt_oracle import ordered, shard
 
     teamed = make_schedule(V300, 2, 2, alpha=1.0, bucket_size=3000, group_bytes=6144, dtype=dtype, coop="force")
@@ -71,8 +80,15 @@ def test_team_state_moves_through_checkpoints(via: str, move: str, dtype: str, t
     plain = make_schedule(V300, 1, 4, alpha=0.0, dtype=dtype)
     first, second = (plain, teamed) if move == "into-teams" else (teamed, plain)
     folder = str(tmp_path / "checkpoint") if via == "dcp" else None
-    results = run_ranks(_reshard_worker, 4, first, second, folder, {**CHECKPOINT_HP, "dp_collectives": "all_to_all"},
-                        ("canzona", "canzona"))
+    results = run_ranks(
+        _reshard_worker,
+        4,
+        first,
+        second,
+        folder,
+        {**CHECKPOINT_HP, "dp_collectives": "all_to_all"},
+        ("canzona", "canzona"),
+    )
     dp_per_step = [first.request.dp] * K + [second.request.dp] * M
     reference = canonical_reference(make_schedule(V300, 1, 1, dtype=dtype), dp_per_step, CHECKPOINT_HP)
     tp = second.request.tp
@@ -80,8 +96,13 @@ def test_team_state_moves_through_checkpoints(via: str, move: str, dtype: str, t
     for rank, shards in enumerate(results):
         for entry in ordered(second):
             expected = shard(to_gathered(entry, _rows(reference[entry.name], entry.shape[0]), tp), entry, rank % tp, tp)
-            torch.testing.assert_close(shards[entry.name], expected.to(shards[entry.name].dtype), rtol=rtol, atol=atol,
-                                       msg=lambda m: f"rank {rank} {entry.name}: {m}")
+            torch.testing.assert_close(
+                shards[entry.name],
+                expected.to(shards[entry.name].dtype),
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m: f"rank {rank} {entry.name}: {m}",
+            )
 
 
 @pytest.mark.slow
@@ -90,11 +111,21 @@ def test_teams_under_a_training_recipe_on_the_meta_default_device() -> None:
     """Groups, clipping, a frozen matrix and gradient gaps (a replicated matrix and one with a
     single rank's gradient among them), every step under a meta default device: a tensor the
     team code made without naming its device would fail."""
-    from test_runtime_training import FROZEN, HP as RECIPE_HP, _check, decay_groups, gradient_gaps
+    from test_runtime_training import FROZEN, _check, decay_groups, gradient_gaps
+    from test_runtime_training import HP as RECIPE_HP
+
     from rt_oracle import Scenario, scenario_worker
 
-    scenario = Scenario(_teamed(2, 2), steps=4, hp=RECIPE_HP, groups=decay_groups, max_norm=5.0, frozen=FROZEN,
-                        has_grad=gradient_gaps, meta=True)
+    scenario = Scenario(
+        _teamed(2, 2),
+        steps=4,
+        hp=RECIPE_HP,
+        groups=decay_groups,
+        max_norm=5.0,
+        frozen=FROZEN,
+        has_grad=gradient_gaps,
+        meta=True,
+    )
     (result,) = zip(*run_ranks(scenario_worker, 4, [scenario], timeout=150))
     _check("tp2xdp2", "teams", scenario, list(result))
 
@@ -144,8 +175,9 @@ def test_teams_of_different_members_match_the_reference() -> None:
 
 
 def _failing_member_worker(rank: int, world: int, schedule: Any) -> dict[str, Any]:
-    import canzona.runtime.rules.cooperative as cooperative
     from test_runtime_faults import _failing_step, _grads, _setup, _train
+
+    import canzona.runtime.rules.cooperative as cooperative
 
     optimizer, params = _setup(schedule, rank)
     _train(optimizer, params, range(2))
@@ -186,11 +218,14 @@ def test_a_member_failing_inside_newton_schulz_fails_the_step_everywhere() -> No
 def test_teams_with_dtensor_parameters(tmp_path: Path) -> None:
     """The DTensor toy (TP 2 over a device mesh, sequence-parallel norms, expert slices) with
     every eligible matrix teamed equals the reference, each step on the meta default device."""
-    from test_runtime_dtensor import HP as TOY_HP, SHAPES, STEPS as TOY_STEPS, full_grad, toy_rank
+    from test_runtime_dtensor import HP as TOY_HP
+    from test_runtime_dtensor import SHAPES, full_grad, toy_rank
+    from test_runtime_dtensor import STEPS as TOY_STEPS
     from test_runtime_models import plan
 
-    import models
     from canzona.runtime.tools.reference import ReferenceOptimizer
+
+    import models
 
     schedule = plan(tmp_path, "toy", 2, 1, "--sequence-parallel", "--coop", "force")
     assert schedule.metrics.tp.cooperative > 0
@@ -202,19 +237,23 @@ def test_teams_with_dtensor_parameters(tmp_path: Path) -> None:
         reference.step(grads={name: full_grad(name, step) for name in SHAPES})
     for rank, result in enumerate(results):
         for name, value in reference_model.named_parameters():
-            torch.testing.assert_close(result["params"][name], value.detach(), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                result["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_teams_under_expert_parallelism() -> None:
     """TP 2 x DP 2 with EP 2: each EP rank's experts (and the dense matrices) teamed over TP."""
-    from test_runtime_experts import HP as EP_HP, ep_schedule
+    from test_runtime_experts import HP as EP_HP
+    from test_runtime_experts import ep_schedule
 
     schedule = ep_schedule(2, 2, 2, coop="force")
     teamed = {t.param for r in schedule.tp.ranks for g in r.groups for t in g.teams}
     entries = {e.name: e for e in schedule.params}
-    assert any(entries[name].ep_rank is not None for name in teamed) and any(entries[name].ep_rank is None for name in teamed)
+    assert any(entries[name].ep_rank is not None for name in teamed) and any(
+        entries[name].ep_rank is None for name in teamed
+    )
     (results,) = zip(*run_ranks(train_worker, 4, [schedule], STEPS, "canzona", EP_HP))
     compare(schedule, list(results), reference_run(schedule, STEPS, EP_HP))

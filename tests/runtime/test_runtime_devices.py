@@ -55,8 +55,11 @@ def single_rank_run(schedule: Schedule, device: str) -> dict[str, Any]:
     return {
         "devices": sorted({t.device.type for t in kept}),
         "params": [(name, p.detach().cpu(), q.detach().cpu()) for (name, p), (_, q) in zip(ours, theirs)],
-        "main": {name: (state.main.matrices[i].cpu(), reference.state[q]["main"].cpu())
-                 for (name, q), i in zip(theirs, range(len(theirs))) if i in state.main.matrices},
+        "main": {
+            name: (state.main.matrices[i].cpu(), reference.state[q]["main"].cpu())
+            for (name, q), i in zip(theirs, range(len(theirs)))
+            if i in state.main.matrices
+        },
         "norms": norms,
     }
 

@@ -15,15 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+from test_runtime_models import plan
 
 from canzona.runtime.binding import model_entries, slices_of
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule
 
-from rt_harness import GROUP_TIMEOUT, run_ranks
-from test_runtime_models import plan
-
 import models
+from rt_harness import GROUP_TIMEOUT, run_ranks
 
 STEPS = 4
 HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 0.01}
@@ -72,7 +71,7 @@ def toy_rank(rank: int, world: int, schedule: Schedule, strategy: str) -> dict[s
         try:
             optimizer.step()
             errors[bad] = "no error"
-        except Exception as failure:  # noqa: BLE001 - compared across ranks
+        except Exception as failure:
             errors[bad] = f"{type(failure).__name__}: {failure}"
     unchanged = all(torch.equal(p.full_tensor(), values[name]) for name, p in live.named_parameters())
     return {"params": values, "errors": errors, "unchanged": unchanged}
@@ -99,11 +98,14 @@ def test_dtensor_gradients_in_other_placements(strategy: str, toy_tp2: Schedule)
         reference.step(grads={name: full_grad(name, step) for name in SHAPES})
     for rank, result in enumerate(results):
         for name, value in reference_model.named_parameters():
-            torch.testing.assert_close(result["params"][name], value.detach(), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                result["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
         assert result["unchanged"], f"rank {rank}: a failed step changed parameters"
-    for bad, needle in (("re-split", "only a replicated gradient is re-split locally"),
-                        ("whole", "the gradient of norm.weight is already whole over TP (Replicate()), but the schedule sums it")):
+    for bad, needle in (
+        ("re-split", "only a replicated gradient is re-split locally"),
+        ("whole", "the gradient of norm.weight is already whole over TP (Replicate()), but the schedule sums it"),
+    ):
         (error,) = {r["errors"][bad] for r in results}
         assert error.startswith("StepFailedError") and needle in error, error
 
@@ -161,7 +163,9 @@ def test_grouped_experts_under_expert_parallelism(tmp_path: Path) -> None:
     for rank, result in enumerate(results):
         for name, value in reference_model.named_parameters():
             expected = value.detach()[2 * rank : 2 * rank + 2] if name == "experts" else value.detach()
-            torch.testing.assert_close(result[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                result[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
 
 
 def _ep_grads(step: int) -> dict[str, torch.Tensor]:
@@ -172,7 +176,9 @@ def _ep_grads(step: int) -> dict[str, torch.Tensor]:
     return grads
 
 
-def resharded_worker(rank: int, world: int, dense: Schedule, expert: Schedule, checkpoint: str) -> dict[str, torch.Tensor]:
+def resharded_worker(
+    rank: int, world: int, dense: Schedule, expert: Schedule, checkpoint: str
+) -> dict[str, torch.Tensor]:
     """Two steps at DP 2 with every expert on every rank, a checkpoint, then two more at DP 2 x
     EP 2 from it (this rank's experts only)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -181,8 +187,13 @@ def resharded_worker(rank: int, world: int, dense: Schedule, expert: Schedule, c
 
     torch.manual_seed(0)
     live = models.make_toy()
-    optimizer = CanzonaOptimizer(live.named_parameters(), dense, mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")),
-                                 timeout=GROUP_TIMEOUT, **HP)
+    optimizer = CanzonaOptimizer(
+        live.named_parameters(),
+        dense,
+        mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp")),
+        timeout=GROUP_TIMEOUT,
+        **HP,
+    )
     for step in range(RESHARD_AT):
         for name, param in live.named_parameters():
             param.grad = rank_grad(name, step, rank)
@@ -217,4 +228,6 @@ def test_a_checkpoint_of_grouped_experts_moves_from_ep1_to_ep2(tmp_path: Path) -
     for rank, result in enumerate(results):
         for name, value in reference_model.named_parameters():
             expected = value.detach()[2 * rank : 2 * rank + 2] if name == "experts" else value.detach()
-            torch.testing.assert_close(result[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                result[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+            )

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 import torch
 
 from rt_harness import DATA, make_schedule, run_ranks
@@ -32,7 +31,10 @@ MODEL = DATA / "tiny_moe.json"
 
 
 def _schedules(tp: int, dp: int, optimizer: str, **options: Any) -> list[Any]:
-    schedules = [make_schedule(MODEL, tp, dp, optimizer=optimizer, alpha=alpha, **SETTINGS[optimizer], **options) for alpha in (0.0, 1.0)]
+    schedules = [
+        make_schedule(MODEL, tp, dp, optimizer=optimizer, alpha=alpha, **SETTINGS[optimizer], **options)
+        for alpha in (0.0, 1.0)
+    ]
     for schedule in schedules:
         assert len(schedule.dp.buckets) > 1
         if tp > 1:
@@ -93,7 +95,13 @@ def test_dp4_in_the_backends_order_matches_reference_within_measured_tolerance(o
     for strategy in ("canzona", "dp-sc"):
         results = run_ranks(train_worker, 4, schedules, STEPS, strategy, hp)
         for index, schedule in enumerate(schedules):
-            compare(schedule, [rank[index] for rank in results], reference_run(schedule, STEPS, hp), rtol=rtol, atol=rtol / 10)
+            compare(
+                schedule,
+                [rank[index] for rank in results],
+                reference_run(schedule, STEPS, hp),
+                rtol=rtol,
+                atol=rtol / 10,
+            )
 
 
 @pytest.mark.slow

@@ -89,7 +89,9 @@ def test_unknown_parameter_fails_everywhere(schedule: Schedule) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_wrong_world_layout_fails_everywhere(schedule: Schedule) -> None:
-    _expect_everywhere(_run(_dp4_layout, schedule), "the schedule is for DP 2 x TP 2, but the process groups are DP 4 x TP 1")
+    _expect_everywhere(
+        _run(_dp4_layout, schedule), "the schedule is for DP 2 x TP 2, but the process groups are DP 4 x TP 1"
+    )
 
 
 @pytest.mark.slow

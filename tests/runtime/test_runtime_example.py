@@ -73,8 +73,12 @@ def test_tiny_model_matches_unsharded_twin() -> None:
     for dp_rank in range(2):
         full = gather_state(results[2 * dp_rank : 2 * dp_rank + 2])
         for name, expected in twin.items():
-            torch.testing.assert_close(full[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"dp {dp_rank} {name}: {m}")
-    changed = init_full_state(CFG)["decoder.layers.0.mlp.linear_fc1.weight"] - twin["decoder.layers.0.mlp.linear_fc1.weight"]
+            torch.testing.assert_close(
+                full[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"dp {dp_rank} {name}: {m}"
+            )
+    changed = (
+        init_full_state(CFG)["decoder.layers.0.mlp.linear_fc1.weight"] - twin["decoder.layers.0.mlp.linear_fc1.weight"]
+    )
     assert changed.abs().max() > 1e-3
 
 
@@ -95,8 +99,9 @@ def _overlap_worker(rank: int, world: int, schedule: Schedule, micro_batches: in
     for mode, options in OVERLAP.items():
         model = TinyQwen3(CFG, tp_group)
         model.load_state_dict(shard_state(init_full_state(CFG), tp, tp_rank))
-        optimizer = CanzonaOptimizer(model.named_parameters(), schedule, dp_group=dp_group, tp_group=tp_group, model=model,
-                                     **options, **HP)
+        optimizer = CanzonaOptimizer(
+            model.named_parameters(), schedule, dp_group=dp_group, tp_group=tp_group, model=model, **options, **HP
+        )
         for step in range(STEPS):
             batch = synthetic_batch(CFG, BATCH, SEQ, seed=step * dp + dp_rank)
             for part, tokens in enumerate(batch.chunk(micro_batches)):
@@ -128,16 +133,22 @@ def test_overlap_modes_and_accumulation_on_the_example_model() -> None:
     for rank in range(4):
         for results in (whole, split):
             for mode in OVERLAP:
-                assert all(torch.equal(results[rank][mode][n], results[rank]["off"][n]) for n in results[rank]["off"]), (rank, mode)
+                assert all(
+                    torch.equal(results[rank][mode][n], results[rank]["off"][n]) for n in results[rank]["off"]
+                ), (rank, mode)
         for name, value in whole[rank]["off"].items():
-            torch.testing.assert_close(split[rank]["off"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                split[rank]["off"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
 
 
 def _torchrun(processes: int, script: str, *args: str) -> str:
     """`torchrun --standalone --nproc-per-node N examples/SCRIPT ARGS` (gloo here: no GPU); stdout."""
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes), str(EXAMPLES / script), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -152,8 +163,26 @@ def test_train_script_loss_falls(model: str, tmp_path: Path) -> None:
 
     path = tmp_path / "tiny.yaml"
     if model == "dense":
-        assert canzona(["plan", "--model", str(EXAMPLES / "tiny_qwen3.yaml"), "--tp", "2", "--dp", "4",
-                        "--bucket-size", "20000", "--group-mb", "0.03", "-o", str(path)]) == 0
+        assert (
+            canzona(
+                [
+                    "plan",
+                    "--model",
+                    str(EXAMPLES / "tiny_qwen3.yaml"),
+                    "--tp",
+                    "2",
+                    "--dp",
+                    "4",
+                    "--bucket-size",
+                    "20000",
+                    "--group-mb",
+                    "0.03",
+                    "-o",
+                    str(path),
+                ]
+            )
+            == 0
+        )
         processes, layout = 8, ["--tp", "2", "--dp", "4", "--steps", "12"]
     else:
         write_schedule(make_schedule(MOE_CONFIG, 1, 4, ep=2, bucket_size=3000, group_bytes=8192, dtype="bf16"), path)
@@ -174,8 +203,12 @@ def test_fsdp_recipe_loss_falls(tmp_path: Path) -> None:
     from canzona.cli.main import main as canzona
 
     path = tmp_path / "fsdp.yaml"
-    assert canzona(["plan", "--model", f"py:{EXAMPLES / 'fsdp_qwen3.py'}:make_model", "--dp", "4", "--fsdp",
-                    "-o", str(path)]) == 0
+    assert (
+        canzona(
+            ["plan", "--model", f"py:{EXAMPLES / 'fsdp_qwen3.py'}:make_model", "--dp", "4", "--fsdp", "-o", str(path)]
+        )
+        == 0
+    )
     out = _torchrun(4, "fsdp_qwen3.py", "--schedule", str(path), "--steps", "10")
     summary = re.search(r"loss ([\d.]+) -> ([\d.]+)", out)
     assert summary and float(summary.group(2)) < 0.8 * float(summary.group(1)), out
@@ -191,7 +224,9 @@ def _moe_worker(rank: int, world: int, schedule: Schedule) -> dict[str, Any]:
     model = moe.TinyQwen3Moe(cfg, groups["tp_group"], moe.make_ep_group(req.dp, req.tp, req.ep))
     dp_rank, tp_rank = divmod(rank, req.tp)
     model.load_state_dict(moe.shard_state(moe.init_full_state(cfg), req.tp, tp_rank, model.ep.local))
-    optimizer = CanzonaOptimizer(model.named_parameters(), schedule, **groups, model=model, overlap_param_gather=True, **HP)
+    optimizer = CanzonaOptimizer(
+        model.named_parameters(), schedule, **groups, model=model, overlap_param_gather=True, **HP
+    )
     for step in range(STEPS):
         model(synthetic_batch(cfg, BATCH, SEQ, seed=step * req.dp + dp_rank)).backward()
         optimizer.clip_grad_norm_(1.0)
@@ -231,6 +266,10 @@ def test_tiny_moe_under_expert_parallelism_matches_unsharded_twin(tp: int, dp: i
         full = moe.gather_state(results[tp * dp_rank : tp * (dp_rank + 1)])
         assert len(full) == len(twin) - 4  # the other EP rank's two experts' fc1 and fc2
         for name, value in full.items():
-            torch.testing.assert_close(value, twin[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"dp {dp_rank} {name}: {m}")
+            torch.testing.assert_close(
+                value, twin[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"dp {dp_rank} {name}: {m}"
+            )
     expert = "decoder.layers.1.mlp.experts.linear_fc1.weight3"
-    assert (moe.init_full_state(moe.MoeConfig.from_hf(json.loads(MOE_CONFIG.read_text())))[expert] - twin[expert]).abs().max() > 1e-3
+    assert (
+        moe.init_full_state(moe.MoeConfig.from_hf(json.loads(MOE_CONFIG.read_text())))[expert] - twin[expert]
+    ).abs().max() > 1e-3

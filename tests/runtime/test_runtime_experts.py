@@ -16,8 +16,18 @@ import pytest
 import torch
 
 from rt_harness import DATA, make_schedule, run_ranks
-from rt_oracle import (DP4, Scenario, assemble_main, compare, ordered, reference_run, scenario_reference, scenario_worker,
-                       shard, train_worker)
+from rt_oracle import (
+    DP4,
+    Scenario,
+    assemble_main,
+    compare,
+    ordered,
+    reference_run,
+    scenario_reference,
+    scenario_worker,
+    shard,
+    train_worker,
+)
 
 STEPS = 5
 MODEL = DATA / "tiny_moe4.json"  # 4 experts, top-2; layer 0 dense
@@ -48,7 +58,6 @@ def test_experts_and_dense_match_reference(layout: str, optimizer: str) -> None:
         compare(schedule, list(results), reference, rtol=rtol, atol=rtol / 10)
 
 
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["ep2xdp4", "tp2xep2"])
@@ -59,15 +68,22 @@ def test_shared_experts_and_an_adamw_router_as_the_planner_records_them(layout: 
     schedule = make_schedule(DATA / "tiny_moe_shared.yaml", tp, dp, ep=ep, bucket_size=1200 // tp)
     entries = {e.name: e for e in schedule.params}
     assert entries["decoder.layers.0.mlp.router.weight"].optimizer == "adamw"
-    assert entries["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].ep_rank is None and schedule.dp.expert_buckets
+    assert (
+        entries["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].ep_rank is None and schedule.dp.expert_buckets
+    )
     (results,) = zip(*run_ranks(train_worker, tp * dp, [schedule], STEPS, "canzona", HP))
     compare(schedule, list(results), reference_run(schedule, STEPS, HP), rtol=DP4["muon"][2], atol=DP4["muon"][2] / 10)
 
 
 EXPERT = "decoder.layers.1.mlp.experts.linear_fc1.weight2"  # on EP rank 1
 NO_GRAD_AT = {(EXPERT, 1), ("decoder.layers.1.mlp.router.weight", 2), ("decoder.final_layernorm.weight", 3)}
-FROZEN = frozenset({"decoder.layers.1.mlp.experts.linear_fc2.weight0", "decoder.layers.1.mlp.experts.linear_fc1.weight3",
-                    "decoder.layers.0.mlp.linear_fc2.weight"})  # experts of both EP ranks (on every rank holding them)
+FROZEN = frozenset(
+    {
+        "decoder.layers.1.mlp.experts.linear_fc2.weight0",
+        "decoder.layers.1.mlp.experts.linear_fc1.weight3",
+        "decoder.layers.0.mlp.linear_fc2.weight",
+    }
+)  # experts of both EP ranks (on every rank holding them)
 
 
 def _gaps(name: str, step: int, dp_rank: int) -> bool:
@@ -80,10 +96,19 @@ def ep_scenarios(tp: int, dp: int, ep: int) -> dict[str, Scenario]:
     expert, frozen experts, and bf16 experts through a real backward with both overlaps; all under a meta
     default device, so the EP path names every tensor's device."""
     return {
-        "clip-gaps-frozen": Scenario(ep_schedule(tp, dp, ep), steps=5, hp=HP, max_norm=5.0, has_grad=_gaps, frozen=FROZEN,
-                                     meta=True),
-        "bf16-backward-overlap": Scenario(ep_schedule(tp, dp, ep, dtype="bf16"), steps=5, hp=HP, max_norm=5.0, meta=True,
-                                          backward=True, micro_batches=2, options={"overlap_param_gather": True}),
+        "clip-gaps-frozen": Scenario(
+            ep_schedule(tp, dp, ep), steps=5, hp=HP, max_norm=5.0, has_grad=_gaps, frozen=FROZEN, meta=True
+        ),
+        "bf16-backward-overlap": Scenario(
+            ep_schedule(tp, dp, ep, dtype="bf16"),
+            steps=5,
+            hp=HP,
+            max_norm=5.0,
+            meta=True,
+            backward=True,
+            micro_batches=2,
+            options={"overlap_param_gather": True},
+        ),
     }
 
 
@@ -91,12 +116,16 @@ def _check_scenario(name: str, scenario: Scenario, results: list[dict[str, Any]]
     schedule, tp = scenario.schedule, scenario.schedule.request.tp
     reference = scenario_reference(scenario)
     if schedule.params[0].dtype == "fp32":
-        compare(schedule, [r["params"] for r in results], reference["params"], rtol=DP4["muon"][2], atol=DP4["muon"][2] / 10)
+        compare(
+            schedule, [r["params"] for r in results], reference["params"], rtol=DP4["muon"][2], atol=DP4["muon"][2] / 10
+        )
     else:  # main copies equal the reference's; each bf16 parameter is its main copy rounded
         main = assemble_main(schedule, results)
         assert set(main) == {e.name for e in schedule.params if e.name not in scenario.frozen}
         for param, expected in reference["main"].items():
-            torch.testing.assert_close(main[param], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: main copy of {param}: {m}")
+            torch.testing.assert_close(
+                main[param], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: main copy of {param}: {m}"
+            )
         for rank, result in enumerate(results):
             for entry in ordered(schedule, rank // tp):
                 rounded = shard(main[entry.name], entry, rank % tp, tp).to(torch.bfloat16)
@@ -129,6 +158,7 @@ def _mismatches_then_mesh(rank: int, world: int, schedule: Any, steps: int) -> d
 
     from canzona.runtime import CanzonaOptimizer
     from canzona.runtime.process_groups import make_groups as runtime_make_groups
+
     from rt_harness import GROUP_TIMEOUT
     from rt_oracle import full_grad, full_params
 
@@ -153,7 +183,7 @@ def _mismatches_then_mesh(rank: int, world: int, schedule: Any, steps: int) -> d
         try:
             CanzonaOptimizer(params, schedule, dp_group=dp_group, tp_group=tp_group, **extra)
             errors[name] = "built"
-        except Exception as error:  # noqa: BLE001 - the message is the result
+        except Exception as error:
             errors[name] = f"{type(error).__name__}: {error}"
     mesh = init_device_mesh("cpu", (req.dp // req.ep, req.ep, req.tp), mesh_dim_names=("edp", "ep", "tp"))
     params = params_of(rank)
@@ -174,25 +204,41 @@ def test_mismatches_fail_on_every_rank_and_a_mesh_with_an_ep_dim_works() -> None
         "ep size": "the schedule is for EP 2 (expert-DP 2), but the expert-DP group has 1 ranks (EP 4)",
         "no expert group": "the schedule is for expert parallelism (ep 2): pass expert_dp_group=",
         "wrong rank": "rank 1: experts on the wrong rank: this is EP rank 1 (DP rank 1 = expert-DP rank 0 x ep 2 + EP rank 1), "
-                      "but it was given decoder.layers.1.mlp.experts.linear_fc1.weight0 (EP rank 0)",
+        "but it was given decoder.layers.1.mlp.experts.linear_fc1.weight0 (EP rank 0)",
         "frozen expert": "ranks optimize different parameters (not optimized: "
-                         "decoder.layers.1.mlp.experts.linear_fc1.weight2 on rank 1; none on rank 3)",
+        "decoder.layers.1.mlp.experts.linear_fc1.weight2 on rank 1; none on rank 3)",
     }
     for rank, result in enumerate(results):
         for name, fragment in expected.items():
             message = result["errors"][name]
-            assert message.startswith("ScheduleMismatchError: canzona: ") and fragment in message, \
+            assert message.startswith("ScheduleMismatchError: canzona: ") and fragment in message, (
                 f"rank {rank} {name}: {message}"
-    compare(schedule, [r["params"] for r in results], reference_run(schedule, STEPS, HP), rtol=DP4["muon"][2], atol=DP4["muon"][2] / 10)
+            )
+    compare(
+        schedule,
+        [r["params"] for r in results],
+        reference_run(schedule, STEPS, HP),
+        rtol=DP4["muon"][2],
+        atol=DP4["muon"][2] / 10,
+    )
 
 
-def _ep_move_worker(rank: int, world: int, first: Any, second: Any, folder: str, hp: dict[str, Any], steps: tuple[int, int],
-                    strategy: str) -> dict[str, Any]:
+def _ep_move_worker(
+    rank: int,
+    world: int,
+    first: Any,
+    second: Any,
+    folder: str,
+    hp: dict[str, Any],
+    steps: tuple[int, int],
+    strategy: str,
+) -> dict[str, Any]:
     """K steps under `first` (by `strategy`), save, gather the parameters, load under `second`
     (another EP size: experts change ranks) into canzona, M more steps."""
     import torch.distributed as dist
 
     from canzona.runtime import CanzonaOptimizer, load_checkpoint, save_checkpoint
+
     from rt_harness import optimizer_groups
     from rt_oracle import STRATEGIES, full_grad, full_params
 
@@ -222,29 +268,48 @@ def _ep_move_worker(rank: int, world: int, first: Any, second: Any, folder: str,
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("optimizer", "ep", "strategy"), [("muon", 4, "canzona"), ("shampoo", 4, "canzona"),
-                                                          ("muon", 1, "canzona"), ("shampoo", 4, "dp-sc")])
+@pytest.mark.parametrize(
+    ("optimizer", "ep", "strategy"),
+    [("muon", 4, "canzona"), ("shampoo", 4, "canzona"), ("muon", 1, "canzona"), ("shampoo", 4, "dp-sc")],
+)
 def test_a_checkpoint_moves_from_ep2_to_another_ep_size(optimizer: str, ep: int, strategy: str, tmp_path: Any) -> None:
     """EP 2 x DP 4 to EP 4 x DP 4 (and to no EP; and saved by DP-SC, whose expert replicas are
     written by each expert-DP group's first rank). The DP 4 gradients are summed in rank order
     (all_to_all) as the reference sums them, so the comparison checks the move alone (rtol 1e-5)."""
     from canzona.runtime.tools.reference import ReferenceOptimizer
     from canzona.schedules.reshard import reshard_report
+
     from rt_oracle import dp_mean, full_grad, full_params
 
     first = ep_schedule(1, 4, 2, optimizer, alpha=0.0)
-    second = ep_schedule(1, 4, 4, optimizer, bucket_size=1000) if ep == 4 else make_schedule(MODEL, 1, 4, optimizer=optimizer, **DP4[optimizer][0])
+    second = (
+        ep_schedule(1, 4, 4, optimizer, bucket_size=1000)
+        if ep == 4
+        else make_schedule(MODEL, 1, 4, optimizer=optimizer, **DP4[optimizer][0])
+    )
     moved = 6 if ep == 4 else 8  # at EP 4 only expert 0 (its fc1 and fc2) keeps its EP rank
-    assert reshard_report(first, second).notes == [f"experts: EP 2 -> EP {ep}, {moved} of 8 expert matrices change EP rank"]
+    assert reshard_report(first, second).notes == [
+        f"experts: EP 2 -> EP {ep}, {moved} of 8 expert matrices change EP rank"
+    ]
     hp, k, m = {**HP, **DP4[optimizer][1]}, 3, 3
-    results = run_ranks(_ep_move_worker, 4, first, second, str(tmp_path / "checkpoint"), {**hp, "dp_collectives": "all_to_all"}, (k, m),
-                        strategy)
+    results = run_ranks(
+        _ep_move_worker,
+        4,
+        first,
+        second,
+        str(tmp_path / "checkpoint"),
+        {**hp, "dp_collectives": "all_to_all"},
+        (k, m),
+        strategy,
+    )
     full = full_params(first)
     params = [(e.name, torch.nn.Parameter(full[e.name])) for e in ordered(first)]
     reference = ReferenceOptimizer(params, second, **hp)
     for step in range(k + m):
         schedule = first if step < k else second
-        reference.step({e.name: dp_mean(schedule, e, [full_grad(e, step, d) for d in range(4)]) for e in ordered(schedule)})
+        reference.step(
+            {e.name: dp_mean(schedule, e, [full_grad(e, step, d) for d in range(4)]) for e in ordered(schedule)}
+        )
     # DP-SC all-reduces in the backend's order: its first k steps take DP 4's measured tolerance
     rtol = 1e-5 if strategy == "canzona" else DP4[optimizer][2]
     compare(second, results, {name: p.detach() for name, p in params}, rtol=rtol, atol=rtol / 10)
@@ -269,10 +334,14 @@ def test_each_ep_rank_lays_out_its_own_experts_over_its_expert_dp_group(layout: 
                     assert rank % ep == ep_rank, f"expert {local[piece.param].name} sliced to DP rank {rank}"
         for index, entry in local.items():  # every local element exactly once
             spans = sorted(covered[index])
-            assert spans[0][0] == 0 and spans[-1][1] == entry.numel and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert (
+                spans[0][0] == 0 and spans[-1][1] == entry.numel and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            )
         assert built.total == sum(b.numel for b in built.buckets)
         experts = [b for b in built.buckets if b.kind == EXPERT]
         assert experts and all(b.dp_ranks == tuple(o * ep + ep_rank for o in range(dp // ep)) for b in experts)
         assert all(local[p].ep_rank == ep_rank for b in experts for p in b.params)
-        orders.add(tuple((built.buckets[b].kind, built.buckets[b].index) for b in built.reduce_order + built.gather_order))
+        orders.add(
+            tuple((built.buckets[b].kind, built.buckets[b].index) for b in built.reduce_order + built.gather_order)
+        )
     assert len(orders) == 1, "every EP rank issues the buckets in one order"

@@ -31,7 +31,15 @@ from canzona.runtime import (
 )
 from canzona.schedules.format import Schedule
 
-from rt_harness import DATA, make_groups, make_schedule, reload_and_step, run_ranks, run_ranks_raw, timed_collective_failure
+from rt_harness import (
+    DATA,
+    make_groups,
+    make_schedule,
+    reload_and_step,
+    run_ranks,
+    run_ranks_raw,
+    timed_collective_failure,
+)
 from rt_oracle import compare, full_grad, full_params, ordered, reference_run, shard
 
 MODEL = DATA / "tiny_moe.json"
@@ -58,7 +66,9 @@ def _train(optimizer: CanzonaOptimizer, params: list[tuple[str, Any]], steps: ra
         optimizer.step()
 
 
-def _snapshot(optimizer: CanzonaOptimizer, params: list[tuple[str, Any]]) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]], int]:
+def _snapshot(
+    optimizer: CanzonaOptimizer, params: list[tuple[str, Any]]
+) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]], int]:
     state = {key: [data.clone() for _, data in t.chunks] for key, t in optimizer.state_dict()["tensors"].items()}
     return [p.detach().clone() for _, p in params], state, optimizer.step_count
 
@@ -148,7 +158,11 @@ def test_a_rank_failing_inside_a_step_fails_every_rank() -> None:
         messages = {result[case][0] for result in results}
         assert len(messages) == 1, f"{case}: every rank raises the same error: {messages}"
         message = messages.pop()
-        assert fragment in message and "nothing was applied on any rank" in message and message.startswith("canzona: step 3 failed"), message
+        assert (
+            fragment in message
+            and "nothing was applied on any rank" in message
+            and message.startswith("canzona: step 3 failed")
+        ), message
         assert all(result[case][1] for result in results), f"{case}: parameters or state changed"
     messages = {result["compute"][0] for result in results}
     assert len(messages) == 1, f"compute: every rank raises the same error: {messages}"
@@ -289,7 +303,10 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_rejected(tmp_path: Path) 
         "optimizer": make_schedule(MODEL, 2, 2, optimizer="soap"),
     }
     results = run_ranks(_other_model_worker, 4, schedules, str(tmp_path / "checkpoint"))
-    for case, fragment in {"model": "different models: tiny_moe", "optimizer": "different matrix optimizers: muon before, soap now"}.items():
+    for case, fragment in {
+        "model": "different models: tiny_moe",
+        "optimizer": "different matrix optimizers: muon before, soap now",
+    }.items():
         messages = {result[case] for result in results}
         assert len(messages) == 1 and fragment in messages.pop(), results[0][case]
         assert "does not fit this optimizer" in results[0][case]
@@ -303,6 +320,7 @@ def _interrupted_save_worker(rank: int, world: int, schedule: Schedule, folder: 
     _train(optimizer, params, range(2, 3))
     commit = checkpoint._commit
     if rank == 0:
+
         def crash(root: Path, manifest: dict[str, Any]) -> None:
             raise OSError("simulated crash between writing and committing")
 
@@ -317,8 +335,11 @@ def _interrupted_save_worker(rank: int, world: int, schedule: Schedule, folder: 
     save_checkpoint(optimizer, folder)
     dist.barrier()
     return {
-        "error": str(caught.value), "folders_after_crash": folders_after_crash, "restored_state": restored,
-        "step": fresh.step_count, "folders_at_end": sorted(p.name for p in Path(folder).glob("data-*")),
+        "error": str(caught.value),
+        "folders_after_crash": folders_after_crash,
+        "restored_state": restored,
+        "step": fresh.step_count,
+        "folders_at_end": sorted(p.name for p in Path(folder).glob("data-*")),
     }
 
 
@@ -365,6 +386,8 @@ def test_a_crafted_checkpoint_metadata_runs_nothing(tmp_path: Path) -> None:
     """DCP's metadata is a pickle: canzona unpickles only DCP's metadata classes, so a file that
     would run a command is refused on every rank and the command never runs."""
     marker = tmp_path / "ran"
-    results = run_ranks(_crafted_metadata_worker, 4, make_schedule(MODEL, 2, 2), str(tmp_path / "checkpoint"), str(marker))
+    results = run_ranks(
+        _crafted_metadata_worker, 4, make_schedule(MODEL, 2, 2), str(tmp_path / "checkpoint"), str(marker)
+    )
     assert not marker.exists()
     assert all("refusing to unpickle" in message and "posix.system" in message for message in results), results

@@ -30,8 +30,9 @@ def reordered_buckets(schedule: Any) -> int:
 
 
 def _free(model: str, tp: int, dp: int, bucket_size: int) -> list[Any]:
-    schedules = [make_schedule(DATA / model, tp, dp, alpha=alpha, bucket_size=bucket_size, order="free")
-                 for alpha in (0.0, 1.0)]
+    schedules = [
+        make_schedule(DATA / model, tp, dp, alpha=alpha, bucket_size=bucket_size, order="free") for alpha in (0.0, 1.0)
+    ]
     assert schedules[0].request.order == "free"
     assert sum(reordered_buckets(s) for s in schedules) >= 2, "the test needs buckets the planner reordered"
     return schedules
@@ -53,4 +54,6 @@ def test_free_order_matches_reference_dp4() -> None:
     schedules = _free("tiny_moe4.json", 1, 4, 4000)
     results = run_ranks(train_worker, 4, schedules, STEPS, "canzona", HP)
     for index, schedule in enumerate(schedules):
-        compare(schedule, [rank[index] for rank in results], reference_run(schedule, STEPS, HP), rtol=rtol, atol=rtol / 10)
+        compare(
+            schedule, [rank[index] for rank in results], reference_run(schedule, STEPS, HP), rtol=rtol, atol=rtol / 10
+        )

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_runtime_precision import BF16_RTOL
 
 from canzona.runtime import CanzonaOptimizer, make_groups
 from canzona.runtime.tools.reference import ReferenceOptimizer
@@ -19,7 +20,6 @@ from canzona.schedules.format import Schedule
 
 from rt_harness import DATA, make_schedule
 from rt_oracle import compare, full_grad, full_params, ordered, reference_run, shard
-from test_runtime_precision import BF16_RTOL
 
 MODEL = DATA / "tiny_moe.json"
 HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01}
@@ -60,8 +60,13 @@ def test_bf16_newton_schulz_on_cuda_matches_the_reference(group_bytes: int) -> N
         assert len(schedule.tp.ranks[0].groups) > 1
     result = _one_gpu(schedule)
     for name, got in result["ours"].items():
-        torch.testing.assert_close(got.float(), result["theirs"][name].float(), rtol=BF16_RTOL, atol=BF16_RTOL / 10,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            got.float(),
+            result["theirs"][name].float(),
+            rtol=BF16_RTOL,
+            atol=BF16_RTOL / 10,
+            msg=lambda m: f"{name}: {m}",
+        )
 
 
 def _team_rank(rank: int, world: int, folder: str, schedule: Schedule, queue: Any) -> None:
@@ -99,4 +104,3 @@ def test_teams_on_two_gpus_match_the_reference() -> None:
             process.join()
     reference = reference_run(schedule, STEPS, {**HP, "ns_dtype": "bf16"})
     compare(schedule, [results[r] for r in range(2)], reference, rtol=BF16_RTOL, atol=BF16_RTOL / 10)
-

@@ -26,9 +26,10 @@ from rt_harness import canzona_in_child, run_ranks
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
-from megatron_oracle import example, megatron_muon_available, run_parity  # noqa: E402
+from megatron_oracle import example, megatron_muon_available, run_parity
 
 BOUND = 1e-4  # the issue's; measured 1.7e-6 to 5.1e-6, fp32 rounding alone about 2e-5 (module docstring)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, dp", [(1, 1), (1, 2), (2, 1), (2, 2)], ids=["tp1-dp1", "tp1-dp2", "tp2-dp1", "tp2-dp2"])
@@ -44,19 +45,30 @@ def test_a_plan_with_canzonas_defaults_splits_qkv_as_megatron(tmp_path: Path) ->
     """The plan canzona makes by default (no option) splits the live model's QKV per query group;
     with the simple coefficients on Megatron's side too, the runs agree; Nesterov and weight
     decay as Megatron spells them."""
-    error, where = run_parity(tmp_path, 2, 2, overrides={"muon_use_nesterov": True, "weight_decay": 0.1,
-                                                         "muon_coefficient_type": "simple"})
+    error, where = run_parity(
+        tmp_path, 2, 2, overrides={"muon_use_nesterov": True, "weight_decay": 0.1, "muon_coefficient_type": "simple"}
+    )
     assert error < BOUND, f"{where}: {error:.3g}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, flags, ours, theirs", [
-    (1, ("--ns-coefficients", "quintic", "--split-qkv", "none"), {"muon_split_qkv": False}, {"muon_split_qkv": True}),
-    (1, (), {"muon_coefficient_type": "simple"}, {"muon_coefficient_type": "quintic"}),
-    (2, ("--ns-coefficients", "quintic"), {}, {"muon_tp_mode": "blockwise"}),
-], ids=["qkv-whole", "simple-coefficients", "blockwise"])
-def test_the_reference_tells_the_mismatches_apart(tp: int, flags: tuple[str, ...], ours: dict[str, Any],
-                                                 theirs: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "tp, flags, ours, theirs",
+    [
+        (
+            1,
+            ("--ns-coefficients", "quintic", "--split-qkv", "none"),
+            {"muon_split_qkv": False},
+            {"muon_split_qkv": True},
+        ),
+        (1, (), {"muon_coefficient_type": "simple"}, {"muon_coefficient_type": "quintic"}),
+        (2, ("--ns-coefficients", "quintic"), {}, {"muon_tp_mode": "blockwise"}),
+    ],
+    ids=["qkv-whole", "simple-coefficients", "blockwise"],
+)
+def test_the_reference_tells_the_mismatches_apart(
+    tp: int, flags: tuple[str, ...], ours: dict[str, Any], theirs: dict[str, Any], tmp_path: Path
+) -> None:
     """Negative controls: QKV kept whole, or the simple coefficients, against Megatron's default
     is far outside the bound; so is Megatron's blockwise TP mode at TP 2 against the
     whole-matrix update (why `optimizer_kwargs` refuses it there)."""
@@ -65,8 +77,10 @@ def test_the_reference_tells_the_mismatches_apart(tp: int, flags: tuple[str, ...
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not megatron_muon_available(), reason="megatron-core's Muon needs emerging_optimizers, which is not on "
-                    "the package index")
+@pytest.mark.skipif(
+    not megatron_muon_available(),
+    reason="megatron-core's Muon needs emerging_optimizers, which is not on the package index",
+)
 @pytest.mark.parametrize("tp, dp", [(1, 2), (2, 1)])
 def test_megatron_cores_own_muon_is_reproduced(tp: int, dp: int, tmp_path: Path) -> None:
     error, where = run_parity(tmp_path, tp, dp, ("--ns-coefficients", "quintic"), backend="megatron")
@@ -90,11 +104,24 @@ def _described(rank: int, world: int, moe: bool) -> Any:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, distributed_timeout_minutes=1)
     with torch.device("meta"):
         if moe:
-            config = gpt.transformer_config(world, num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
-                                            moe_shared_expert_intermediate_size=32)
-            spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm")
-            model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=gpt.VOCAB, max_sequence_length=gpt.SEQ,
-                             position_embedding_type="rope", share_embeddings_and_output_weights=False)
+            config = gpt.transformer_config(
+                world,
+                num_moe_experts=4,
+                moe_ffn_hidden_size=32,
+                moe_router_topk=2,
+                moe_shared_expert_intermediate_size=32,
+            )
+            spec = get_gpt_layer_local_spec(
+                num_experts=4, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+            )
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=gpt.VOCAB,
+                max_sequence_length=gpt.SEQ,
+                position_embedding_type="rope",
+                share_embeddings_and_output_weights=False,
+            )
         else:
             model = gpt.build(world)
     return describe_module(model).to_data() if rank == 0 else None
@@ -113,8 +140,11 @@ def test_megatron_local_names_are_what_the_local_spec_registers(tp: int, moe: bo
     data = run_ranks(_described, tp, moe, timeout=120)[0]
     options = ModelOptions(names="megatron-local", split_qkv=split_qkv)
     live = model_from_data(data, "m", "py:m:f", "0" * 64, tp, ModelOptions(split_qkv=split_qkv)).params
-    moe_fields: dict[str, Any] = dict(num_experts=4, top_k=2, expert_ffn=32, num_shared_experts=1,
-                                      shared_expert_ffn=32, family="qwen3_moe") if moe else {"family": "qwen3"}
+    moe_fields: dict[str, Any] = (
+        dict(num_experts=4, top_k=2, expert_ffn=32, num_shared_experts=1, shared_expert_ffn=32, family="qwen3_moe")
+        if moe
+        else {"family": "qwen3"}
+    )
     arch = Architecture(64, 160, 2, 4, 2, 16, 256, qk_norm=True, **moe_fields)
     catalog = enumerate_params("m", arch, tp, options)
 
@@ -130,13 +160,24 @@ def test_a_live_megatron_plan_records_megatrons_layout() -> None:
     data = run_ranks(_described, 2, False, timeout=120)[0]
     entries = {entry["name"]: entry for entry in data["params"]}
     assert data["tp"] == 2
-    assert entries["decoder.layers.0.self_attention.linear_qkv.weight"]["qkv"] == {"query_groups": 2, "heads": 4, "head_dim": 16}
+    assert entries["decoder.layers.0.self_attention.linear_qkv.weight"]["qkv"] == {
+        "query_groups": 2,
+        "heads": 4,
+        "head_dim": 16,
+    }
     assert entries["decoder.layers.0.mlp.linear_fc1.weight"] == {
-        "name": "decoder.layers.0.mlp.linear_fc1.weight", "shape": [320, 64], "tp_dim": 0, "dtype": "fp32",
-        "optimizer": "matrix", "fused": 2}
+        "name": "decoder.layers.0.mlp.linear_fc1.weight",
+        "shape": [320, 64],
+        "tp_dim": 0,
+        "dtype": "fp32",
+        "optimizer": "matrix",
+        "fused": 2,
+    }
     assert entries["decoder.layers.0.self_attention.linear_proj.weight"]["tp_dim"] == 1
     assert {n for n, e in entries.items() if e["optimizer"] == "adamw" and len(e["shape"]) == 2} == {
-        "embedding.word_embeddings.weight", "output_layer.weight"}
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+    }
 
 
 def _gradients(rank: int, world: int, finalize: bool) -> Any:
@@ -145,6 +186,7 @@ def _gradients(rank: int, world: int, finalize: bool) -> Any:
     from megatron.core import parallel_state
 
     from canzona.runtime.integrations import megatron as cz_megatron
+
     from megatron_oracle import _gathered
 
     gpt = example()
@@ -190,11 +232,40 @@ def test_the_example_recipe_trains(tmp_path: Path) -> None:
     from megatron_oracle import EXAMPLE
 
     path = tmp_path / "mcore.yaml"
-    canzona_in_child(["plan", "--model", f"py:{EXAMPLE}:make_model_tp2", "--tp", "2", "--dp", "2", "--ns-coefficients",
-                      "quintic", "--bucket-size", "20000", "--group-mb", "0.05", "-o", str(path)])
+    canzona_in_child(
+        [
+            "plan",
+            "--model",
+            f"py:{EXAMPLE}:make_model_tp2",
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--ns-coefficients",
+            "quintic",
+            "--bucket-size",
+            "20000",
+            "--group-mb",
+            "0.05",
+            "-o",
+            str(path),
+        ]
+    )
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(EXAMPLE), "--schedule", str(path), "--steps", "12"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(EXAMPLE),
+        "--schedule",
+        str(path),
+        "--steps",
+        "12",
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=200, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = re.search(r"loss ([\d.]+) -> ([\d.]+)", result.stdout)
     assert summary and float(summary.group(2)) < 0.9 * float(summary.group(1)), result.stdout
@@ -219,8 +290,13 @@ def _gpu_parity(schedule: Any, results: Any) -> None:
 
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as folder:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", 0))
+        dist.init_process_group(
+            "nccl",
+            init_method=f"file://{os.path.join(folder, 'store')}",
+            rank=0,
+            world_size=1,
+            device_id=torch.device("cuda", 0),
+        )
         try:
             results.put(train_against_oracle(schedule, {}, ("formula",), {}, torch.device("cuda", 0)))
         finally:
@@ -267,9 +343,22 @@ def test_both_layer_specs_plan_and_train_on_cuda(spec: str, tmp_path: Path) -> N
     factory = "make_model" if spec == "local" else "make_model_te"
     canzona_in_child(["plan", "--model", f"py:{EXAMPLE}:{factory}", "--ns-coefficients", "quintic", "-o", str(path)])
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "1", str(EXAMPLE), "--schedule", str(path),
-               "--steps", "12", "--spec", spec]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(EXAMPLE),
+        "--schedule",
+        str(path),
+        "--steps",
+        "12",
+        "--spec",
+        spec,
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     import re
 

@@ -30,10 +30,11 @@ import torch
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, read_schedule
 
-from rt_harness import GROUP_TIMEOUT, canzona_in_child as canzona, run_ranks
+from rt_harness import GROUP_TIMEOUT, run_ranks
+from rt_harness import canzona_in_child as canzona
 
 pytest.importorskip("transformers")
-import models  # noqa: E402 - needs transformers
+import models
 
 MODELS = Path(__file__).parent / "models.py"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_qwen3.py"
@@ -41,16 +42,32 @@ STEPS = 5
 RESUME_AT = 3  # the checkpointed cases save after this step and go on from the checkpoint
 MAX_NORM = 0.5
 HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 0.01}
-MAKE = {"hf": models.make_tiny_hf_qwen3, "hf_moe": models.make_tiny_hf_qwen3_moe, "titan": models.make_tiny_titan,
-        "hf_auto": models.make_tiny_hf_qwen3, "hf_odd": models.make_tiny_hf_qwen3_odd,
-        "hf_vocab": models.make_tiny_hf_qwen3_vocab}
-PARALLELIZE = {"hf": models.parallelize_hf_qwen3, "titan": models.parallelize_titan,
-               "hf_auto": models.apply_transformers_tp_plan, "hf_odd": models.parallelize_hf_qwen3,
-               "hf_vocab": models.parallelize_hf_qwen3}
-FACTORY = {("hf", 1): "make_tiny_hf_qwen3", ("hf", 2): "make_tiny_hf_qwen3_tp2", ("hf_moe", 1): "make_tiny_hf_qwen3_moe",
-           ("hf_auto", 2): "make_tiny_hf_qwen3_auto_tp2", ("hf_odd", 2): "make_tiny_hf_qwen3_odd_tp2",
-           ("titan", 1): "make_tiny_titan", ("titan", 2): "make_tiny_titan_tp2", ("toy", 1): "make_toy",
-           ("toy", 2): "make_toy_tp2"}
+MAKE = {
+    "hf": models.make_tiny_hf_qwen3,
+    "hf_moe": models.make_tiny_hf_qwen3_moe,
+    "titan": models.make_tiny_titan,
+    "hf_auto": models.make_tiny_hf_qwen3,
+    "hf_odd": models.make_tiny_hf_qwen3_odd,
+    "hf_vocab": models.make_tiny_hf_qwen3_vocab,
+}
+PARALLELIZE = {
+    "hf": models.parallelize_hf_qwen3,
+    "titan": models.parallelize_titan,
+    "hf_auto": models.apply_transformers_tp_plan,
+    "hf_odd": models.parallelize_hf_qwen3,
+    "hf_vocab": models.parallelize_hf_qwen3,
+}
+FACTORY = {
+    ("hf", 1): "make_tiny_hf_qwen3",
+    ("hf", 2): "make_tiny_hf_qwen3_tp2",
+    ("hf_moe", 1): "make_tiny_hf_qwen3_moe",
+    ("hf_auto", 2): "make_tiny_hf_qwen3_auto_tp2",
+    ("hf_odd", 2): "make_tiny_hf_qwen3_odd_tp2",
+    ("titan", 1): "make_tiny_titan",
+    ("titan", 2): "make_tiny_titan_tp2",
+    ("toy", 1): "make_toy",
+    ("toy", 2): "make_toy_tp2",
+}
 
 
 def plan(tmp_path: Path, model: str, tp: int, dp: int, *flags: str) -> Schedule:
@@ -63,8 +80,24 @@ def plan(tmp_path: Path, model: str, tp: int, dp: int, *flags: str) -> Schedule:
         source.write_text(json.dumps(models.qwen3_vocab_config()))
     else:
         source = f"py:{MODELS}:{FACTORY[model, tp]}"
-    canzona(["plan", "--model", str(source), "--tp", str(tp), "--dp", str(dp),
-             "--bucket-size", "20000", "--group-mb", "0.05", "-o", str(out), *flags])
+    canzona(
+        [
+            "plan",
+            "--model",
+            str(source),
+            "--tp",
+            str(tp),
+            "--dp",
+            str(dp),
+            "--bucket-size",
+            "20000",
+            "--group-mb",
+            "0.05",
+            "-o",
+            str(out),
+            *flags,
+        ]
+    )
     return read_schedule(out)
 
 
@@ -104,8 +137,15 @@ def train_rank(rank: int, world: int, model: str, schedule: Schedule, checkpoint
     live = build(model, mesh)
 
     def make() -> CanzonaOptimizer:
-        return CanzonaOptimizer(live.named_parameters(), schedule, mesh=mesh, timeout=GROUP_TIMEOUT,
-                                overlap_param_gather=True, model=live, **HP)
+        return CanzonaOptimizer(
+            live.named_parameters(),
+            schedule,
+            mesh=mesh,
+            timeout=GROUP_TIMEOUT,
+            overlap_param_gather=True,
+            model=live,
+            **HP,
+        )
 
     optimizer, norms = make(), []
     dp_rank = mesh.get_local_rank("dp")
@@ -143,7 +183,9 @@ def reference(model: str, schedule: Schedule) -> dict[str, Any]:
 ADAMW_ATOL = {"hf_odd": 5e-5, "hf_vocab": 1.5e-4}  # measured against fp64: see the module docstring
 
 
-def check(schedule: Schedule, results: list[dict[str, Any]], expected: dict[str, Any], adamw_atol: float = 2e-5) -> None:
+def check(
+    schedule: Schedule, results: list[dict[str, Any]], expected: dict[str, Any], adamw_atol: float = 2e-5
+) -> None:
     adamw = {e.name for e in schedule.params if e.optimizer == "adamw"}
     assert any(norm > MAX_NORM for norm in expected["norms"]), "clipping should bite"
     for rank, result in enumerate(results):
@@ -151,8 +193,9 @@ def check(schedule: Schedule, results: list[dict[str, Any]], expected: dict[str,
         assert list(result["params"]) == list(expected["params"])
         for name, value in result["params"].items():
             atol = adamw_atol if name in adamw else 1e-6
-            torch.testing.assert_close(value, expected["params"][name], rtol=1e-5, atol=atol,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(
+                value, expected["params"][name], rtol=1e-5, atol=atol, msg=lambda m: f"rank {rank} {name}: {m}"
+            )
 
 
 CASES = {  # (model, tp, dp, plan flags, resumed from a checkpoint)
@@ -179,7 +222,9 @@ def test_real_models_match_the_reference(case: str, tmp_path: Path) -> None:
     schedule = plan(tmp_path, model, tp, dp, *flags)
     if model == "hf_auto":
         assert not any(e.grad_reduce for e in schedule.params), "transformers sums q_norm / k_norm itself"
-    elif tp > 1:  # every norm's gradient is partial over TP: q_norm / k_norm (plain) and the sequence-parallel ones (Partial)
+    elif (
+        tp > 1
+    ):  # every norm's gradient is partial over TP: q_norm / k_norm (plain) and the sequence-parallel ones (Partial)
         partial = {e.name for e in schedule.params if e.grad_reduce}
         assert partial and all("norm" in name for name in partial)
         assert any(name.endswith("q_norm.weight") for name in partial)
@@ -203,7 +248,7 @@ def test_real_models_match_the_reference(case: str, tmp_path: Path) -> None:
 def _outcome(action: Any) -> str:
     try:
         action()
-    except Exception as error:  # noqa: BLE001 - the test compares every rank's error
+    except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
 
@@ -227,7 +272,9 @@ def _forgotten_partial(schedule: Schedule, mesh: Any) -> None:
     optimizer.step()
 
 
-def mismatch_rank(rank: int, world: int, sequence_parallel: Schedule, plain: Schedule, experts: Schedule) -> dict[str, str]:
+def mismatch_rank(
+    rank: int, world: int, sequence_parallel: Schedule, plain: Schedule, experts: Schedule
+) -> dict[str, str]:
     """Every mismatch case on this rank: its error line (or "no error")."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -255,12 +302,16 @@ def mismatch_rank(rank: int, world: int, sequence_parallel: Schedule, plain: Sch
 
 NEEDLES = {
     "renamed": ("ScheduleMismatchError", "not in the schedule: model.layers.one.self_attn.q_proj.weight"),
-    "placement": ("ScheduleMismatchError", "model.layers.0.self_attn.q_proj.weight: placed Shard(1) over tp, the schedule "
-                  "says Shard(0) (tp_dim 0)"),
+    "placement": (
+        "ScheduleMismatchError",
+        "model.layers.0.self_attn.q_proj.weight: placed Shard(1) over tp, the schedule says Shard(0) (tp_dim 0)",
+    ),
     "tp size": ("ScheduleMismatchError", "its DTensor mesh has tp size 4, the schedule is for TP 2"),
     "forgotten partial": ("StepFailedError", "is a partial sum over TP (Partial), but the schedule does not sum it"),
-    "experts under ep": ("ScheduleMismatchError", "model.layers.1.mlp.experts.gate_up_proj: a tensor of 4 experts, but "
-                         "this rank holds 2 (experts "),
+    "experts under ep": (
+        "ScheduleMismatchError",
+        "model.layers.1.mlp.experts.gate_up_proj: a tensor of 4 experts, but this rank holds 2 (experts ",
+    ),
 }
 
 
@@ -293,8 +344,24 @@ def _example_rank(rank: int, world: int, schedule: str, steps: int) -> list[floa
 @pytest.mark.timeout(180)
 def test_the_hf_example_trains_under_tp_and_dp(tmp_path: Path) -> None:
     schedule = tmp_path / "hf.yaml"
-    canzona(["plan", "--model", f"py:{EXAMPLE}:make_model_tp2", "--tp", "2", "--dp", "2", "--sequence-parallel",
-             "--bucket-size", "20000", "--group-mb", "0.05", "-o", str(schedule)])
+    canzona(
+        [
+            "plan",
+            "--model",
+            f"py:{EXAMPLE}:make_model_tp2",
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--sequence-parallel",
+            "--bucket-size",
+            "20000",
+            "--group-mb",
+            "0.05",
+            "-o",
+            str(schedule),
+        ]
+    )
     losses = run_ranks(_example_rank, 4, str(schedule), 12, timeout=150)
     assert all(result == losses[0] for result in losses)  # the DP-mean loss, alike on every rank
     assert losses[0][-1] < 0.75 * losses[0][0], losses[0]

@@ -38,8 +38,18 @@ print(json.dumps({"modules": names, "forbidden": forbidden}))
 # Per area (a subpackage, or "core" for the top level), the runtime modules it may not import
 # outside `if TYPE_CHECKING:`, as prefixes relative to canzona.runtime.
 FORBIDDEN = {
-    "rules": ("exchange", "state", "fsdp", "tools", "optimizer", "update", "groups", "binding", "process_groups",
-              "experts"),
+    "rules": (
+        "exchange",
+        "state",
+        "fsdp",
+        "tools",
+        "optimizer",
+        "update",
+        "groups",
+        "binding",
+        "process_groups",
+        "experts",
+    ),
     "exchange": ("state", "fsdp", "tools", "optimizer", "update"),
     "state": ("exchange", "fsdp", "tools"),
     "fsdp": ("tools",),

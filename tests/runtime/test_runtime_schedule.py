@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from canzona.runtime import load_schedule
-from canzona.schedules.layout import local_shape
 from canzona.runtime.groups import resolve_param_groups
 from canzona.runtime.rules.optimizers import Hyperparameters
 from canzona.runtime.schedule import Verdict, check_schedule, disagreement
 from canzona.schedules.format import Schedule, ScheduleError, write_schedule
+from canzona.schedules.layout import local_shape
 
 from rt_harness import DATA, make_schedule
 
@@ -67,7 +67,10 @@ def test_structural_checks(schedule: Schedule) -> None:
 
 
 def test_owner_must_hold_its_matrix(schedule: Schedule) -> None:
-    params = [e.model_copy(update={"owner": 1 - e.owner}) if e.optimizer == "matrix" and e.owner is not None else e for e in schedule.params]
+    params = [
+        e.model_copy(update={"owner": 1 - e.owner}) if e.optimizer == "matrix" and e.owner is not None else e
+        for e in schedule.params
+    ]
     with pytest.raises(ScheduleError, match="not inside its owner's slice|exactly the matrices"):
         check_schedule(schedule.model_copy(update={"params": params}))
 
@@ -96,7 +99,9 @@ def test_parameter_problems_name_what_differs(schedule: Schedule) -> None:
     assert any("split along dim 0" in p for p in _problems(schedule, live))
 
 
-def _verdict(rank: int, problem: str | None = None, fingerprint: str = "f", digest: str = "d", dp: int = 0, tp: int = 0) -> Verdict:
+def _verdict(
+    rank: int, problem: str | None = None, fingerprint: str = "f", digest: str = "d", dp: int = 0, tp: int = 0
+) -> Verdict:
     return Verdict(rank, dp, tp, problem, fingerprint, digest, f"plan {digest}")
 
 
@@ -107,7 +112,9 @@ def test_disagreement_messages() -> None:
     assert disagreement(grid) == "canzona: the schedule does not fit this run; rank 3: model does not match"
     grid[1][1] = _verdict(3, digest="other", dp=1, tp=1)
     message = disagreement(grid)
-    assert message is not None and "different schedules" in message and "ranks 0, 1, 2" in message and "rank 3" in message
+    assert (
+        message is not None and "different schedules" in message and "ranks 0, 1, 2" in message and "rank 3" in message
+    )
     grid[1][1] = _verdict(3, fingerprint="g", dp=1, tp=1)
     assert "different models" in (disagreement(grid) or "")
     grid[1][1] = _verdict(3, dp=0, tp=1)

@@ -10,7 +10,7 @@ Each layout runs all its scenarios in one spawn of its ranks."""
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import pytest
@@ -32,7 +32,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 FROZEN = frozenset({"decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.1.pre_mlp_layernorm.weight"})
 NO_GRAD_AT = {  # (parameter, step): no rank has a gradient; (parameter, step, dp rank): only that one has
-    ("decoder.layers.0.self_attention.linear_qkv.weight", 1), ("decoder.final_layernorm.weight", 2),
+    ("decoder.layers.0.self_attention.linear_qkv.weight", 1),
+    ("decoder.final_layernorm.weight", 2),
     ("decoder.layers.1.mlp.router.weight", 0),
 }
 ONE_RANK_AT = {("decoder.layers.1.self_attention.linear_proj.weight", 2, 0), ("output_layer.weight", 3, 1)}
@@ -42,17 +43,22 @@ def decay_groups(params: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     """The usual recipe: decay matrices and the output layer, not 1-D parameters or embeddings."""
     no_decay = [(n, p) for n, p in params if p.dim() == 1 or "embedding" in n]
     decay = [(n, p) for n, p in params if not (p.dim() == 1 or "embedding" in n)]
-    return [{"params": decay, "weight_decay": 0.1, "adamw_weight_decay": 0.1, "lr": 0.03},
-            {"params": no_decay, "adamw_weight_decay": 0.0, "adamw_lr": 0.005}]
+    return [
+        {"params": decay, "weight_decay": 0.1, "adamw_weight_decay": 0.1, "lr": 0.03},
+        {"params": no_decay, "adamw_weight_decay": 0.0, "adamw_lr": 0.005},
+    ]
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer) -> Any:
-    return SequentialLR(optimizer, [LinearLR(optimizer, 0.2, 1.0, total_iters=2), CosineAnnealingLR(optimizer, T_max=4)],
-                        milestones=[2])
+    return SequentialLR(
+        optimizer, [LinearLR(optimizer, 0.2, 1.0, total_iters=2), CosineAnnealingLR(optimizer, T_max=4)], milestones=[2]
+    )
 
 
 def one_cycle(optimizer: torch.optim.Optimizer) -> Any:
-    return OneCycleLR(optimizer, max_lr=[2 * g["lr"] for g in optimizer.param_groups], total_steps=6, cycle_momentum=False)
+    return OneCycleLR(
+        optimizer, max_lr=[2 * g["lr"] for g in optimizer.param_groups], total_steps=6, cycle_momentum=False
+    )
 
 
 def halving(optimizer: torch.optim.Optimizer) -> Any:
@@ -70,7 +76,7 @@ def gradient_gaps(name: str, step: int, dp_rank: int) -> bool:
     return not any((name, step) == (n, s) for n, s, _ in ONE_RANK_AT) or (name, step, dp_rank) in ONE_RANK_AT
 
 
-@lru_cache(maxsize=None)
+@cache
 def _schedule(tp: int, dp: int, optimizer: str, dtype: str = "fp32") -> Schedule:
     return make_schedule(MODEL, tp, dp, optimizer=optimizer, dtype=dtype, **SETTINGS[optimizer])
 
@@ -79,24 +85,58 @@ def scenarios(tp: int, dp: int) -> dict[str, Scenario]:
     """Every recipe this layout runs (meta default device at TP 2 x DP 2)."""
     meta = (tp, dp) == (2, 2)
     out = {
-        "groups-scheduler-clip": Scenario(_schedule(tp, dp, "muon"), steps=5, hp=HP, groups=decay_groups,
-                                          scheduler=warmup_cosine, max_norm=5.0, meta=meta),
-        "frozen-and-gradient-gaps": Scenario(_schedule(tp, dp, "shampoo"), steps=4, hp=HP, frozen=FROZEN,
-                                             has_grad=gradient_gaps, meta=meta),
-        "accumulation-one-cycle": Scenario(_schedule(tp, dp, "soap"), steps=4, hp=HP, groups=decay_groups,
-                                           scheduler=one_cycle, micro_batches=3, meta=meta),
-        "main-grad-clip": Scenario(_schedule(tp, dp, "muon"), steps=3, hp=HP, grad_attr="main_grad", max_norm=50.0, meta=meta),
-        "per-group-lambdas": Scenario(_schedule(tp, dp, "muon"), steps=3, hp=HP, groups=decay_groups, scheduler=per_group,
-                                      meta=meta),
-        "bf16": Scenario(_schedule(tp, dp, "muon", "bf16"), steps=5, hp={**HP, "adamw_lr": 1e-3}, groups=decay_groups,
-                         scheduler=halving, max_norm=5.0, unit_norms=True, meta=meta),
+        "groups-scheduler-clip": Scenario(
+            _schedule(tp, dp, "muon"),
+            steps=5,
+            hp=HP,
+            groups=decay_groups,
+            scheduler=warmup_cosine,
+            max_norm=5.0,
+            meta=meta,
+        ),
+        "frozen-and-gradient-gaps": Scenario(
+            _schedule(tp, dp, "shampoo"), steps=4, hp=HP, frozen=FROZEN, has_grad=gradient_gaps, meta=meta
+        ),
+        "accumulation-one-cycle": Scenario(
+            _schedule(tp, dp, "soap"),
+            steps=4,
+            hp=HP,
+            groups=decay_groups,
+            scheduler=one_cycle,
+            micro_batches=3,
+            meta=meta,
+        ),
+        "main-grad-clip": Scenario(
+            _schedule(tp, dp, "muon"), steps=3, hp=HP, grad_attr="main_grad", max_norm=50.0, meta=meta
+        ),
+        "per-group-lambdas": Scenario(
+            _schedule(tp, dp, "muon"), steps=3, hp=HP, groups=decay_groups, scheduler=per_group, meta=meta
+        ),
+        "bf16": Scenario(
+            _schedule(tp, dp, "muon", "bf16"),
+            steps=5,
+            hp={**HP, "adamw_lr": 1e-3},
+            groups=decay_groups,
+            scheduler=halving,
+            max_norm=5.0,
+            unit_norms=True,
+            meta=meta,
+        ),
     }
     if meta:
         for strategy in ("tp-sc", "dp-sc"):
             # Muon: clipping scales by a norm summed in another order than the reference's,
             # which SOAP's eigenbases amplify past rtol 1e-5 (2.5e-5 measured after 3 steps).
-            out[f"{strategy}-bf16-clip"] = Scenario(_schedule(tp, dp, "muon", "bf16"), steps=3, hp=HP, strategy=strategy,
-                                                    groups=decay_groups, max_norm=5.0, has_grad=gradient_gaps, meta=True)
+            out[f"{strategy}-bf16-clip"] = Scenario(
+                _schedule(tp, dp, "muon", "bf16"),
+                steps=3,
+                hp=HP,
+                strategy=strategy,
+                groups=decay_groups,
+                max_norm=5.0,
+                has_grad=gradient_gaps,
+                meta=True,
+            )
     return out
 
 
@@ -112,17 +152,29 @@ def _check_bf16(name: str, scenario: Scenario, results: list[dict[str, Any]], re
     main = assemble_main(schedule, results)
     assert set(main) == {e.name for e in schedule.params if e.name not in scenario.frozen}
     for param, expected in reference["main"].items():
-        torch.testing.assert_close(main[param], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: main copy of {param}: {m}")
+        torch.testing.assert_close(
+            main[param], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: main copy of {param}: {m}"
+        )
     for rank, result in enumerate(results):
         for entry in ordered(schedule):
             got = result["params"][entry.name]
             assert got.dtype == torch.bfloat16
-            assert torch.equal(got, shard(main[entry.name], entry, rank % tp, tp).to(torch.bfloat16)), f"{name}: {entry.name} is not its main copy rounded"
+            assert torch.equal(got, shard(main[entry.name], entry, rank % tp, tp).to(torch.bfloat16)), (
+                f"{name}: {entry.name} is not its main copy rounded"
+            )
             expected = shard(reference["params"][entry.name], entry, rank % tp, tp)
-            torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0.0, msg=lambda m: f"{name} rank {rank} {entry.name}: {m}")
+            torch.testing.assert_close(
+                got.float(),
+                expected.float(),
+                rtol=2**-7,
+                atol=0.0,
+                msg=lambda m: f"{name} rank {rank} {entry.name}: {m}",
+            )
     if scenario.unit_norms:  # AdamW steps of lr 1e-3 < half a bf16 step at 1.0: only main copies move them
         norms = [e.name for e in schedule.params if len(e.shape) == 1 and e.name not in scenario.frozen]
-        moved = sum(int((results[0]["params"][n] != 1.0).sum()) for n in norms) / sum(results[0]["params"][n].numel() for n in norms)
+        moved = sum(int((results[0]["params"][n] != 1.0).sum()) for n in norms) / sum(
+            results[0]["params"][n].numel() for n in norms
+        )
         assert moved > 0.5, f"{name}: only {moved:.0%} of the bf16 norm weights moved"
 
 
@@ -139,7 +191,9 @@ def _check(layout: str, name: str, scenario: Scenario, results: list[dict[str, A
         assert {n: s for n, s in result["param_steps"].items() if n not in scenario.frozen} == steps, name
     if scenario.scheduler is not None:
         lrs = results[0]["lrs"]
-        assert all(len({step[g] for step in lrs}) > 1 for g in range(len(lrs[0]))), f"{name}: the scheduler drove every group"
+        assert all(len({step[g] for step in lrs}) > 1 for g in range(len(lrs[0]))), (
+            f"{name}: the scheduler drove every group"
+        )
     if scenario.max_norm is not None:
         assert any(norm > scenario.max_norm for norm in reference["norms"]), f"{name}: clipping should bite"
 

@@ -165,7 +165,7 @@ class TitanModel(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def parallelize_titan(model: TitanModel, tp_mesh) -> TitanModel:  # noqa: ANN001 - a DeviceMesh
+def parallelize_titan(model: TitanModel, tp_mesh) -> TitanModel:
     """torchtitan's TP plan: embedding rowwise, norms sequence-parallel (q_norm/k_norm over the
     head dim), wqkv/w1/w3 colwise, wo/w2 rowwise, lm_head colwise; grouped experts w1/w3
     Shard(1), w2 Shard(2); the router replicated."""
@@ -177,11 +177,15 @@ def parallelize_titan(model: TitanModel, tp_mesh) -> TitanModel:  # noqa: ANN001
         parallelize_module,
     )
 
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1)),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1)),
+        },
+    )
     for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
@@ -192,13 +196,20 @@ def parallelize_titan(model: TitanModel, tp_mesh) -> TitanModel:  # noqa: ANN001
             "ffn_norm": SequenceParallel(),
         }
         if not block.moe_enabled:
-            plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                         "feed_forward.w3": ColwiseParallel()})
+            plan.update(
+                {
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                    "feed_forward.w3": ColwiseParallel(),
+                }
+            )
         parallelize_module(block, tp_mesh, plan)
         if block.moe_enabled:
             experts = block.moe.routed_experts.inner_experts
             for name, dim in (("w1_EFD", 1), ("w2_EDF", 2), ("w3_EFD", 1)):
-                experts.register_parameter(name, nn.Parameter(distribute_tensor(getattr(experts, name), tp_mesh, [Shard(dim)])))
+                experts.register_parameter(
+                    name, nn.Parameter(distribute_tensor(getattr(experts, name), tp_mesh, [Shard(dim)]))
+                )
             gate = block.moe.router.gate
             gate.register_parameter("weight", nn.Parameter(distribute_tensor(gate.weight, tp_mesh, [Replicate()])))
     return model

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import titan_model_real  # noqa: E402
+import titan_model_real
 
 titan_model_real.use_cpu()
 
@@ -82,9 +82,15 @@ def parallelized(options: argparse.Namespace) -> tuple[torch.nn.Module, Parallel
     if options.mode == "tp":
         model.parallelize(dims)
     elif options.mode == "fsdp":
-        model = parallelize_qwen3(model, parallel_dims=dims, parallelism=ParallelismConfig(spmd_backend=backend),
-                                  training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
-                                  compile_config=CompileConfig(), ac_config=None, dump_folder="")
+        model = parallelize_qwen3(
+            model,
+            parallel_dims=dims,
+            parallelism=ParallelismConfig(spmd_backend=backend),
+            training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+            compile_config=CompileConfig(),
+            ac_config=None,
+            dump_folder="",
+        )
         _sum_reductions(model)
     return model, dims
 
@@ -101,12 +107,14 @@ def _sum_reductions(model: torch.nn.Module) -> None:
 def build_optimizers(model: torch.nn.Module, options: argparse.Namespace) -> Any:
     """torchtitan's container (FSDP2), or CanzonaOptimizer reducing over DP itself."""
     if options.mode == "fsdp":
-        config = CanzonaOptimizersContainer.Config(schedule=options.schedule, hyperparameters=HYPERPARAMETERS,
-                                                   timeout_seconds=60)
+        config = CanzonaOptimizersContainer.Config(
+            schedule=options.schedule, hyperparameters=HYPERPARAMETERS, timeout_seconds=60
+        )
         return config.build(model_parts=[model])
     dp_group, tp_group = make_groups(options.dp, options.tp, timeout=timedelta(seconds=60))
-    return CanzonaOptimizer(model.named_parameters(), options.schedule, dp_group=dp_group, tp_group=tp_group,
-                            timeout=60, **HYPERPARAMETERS)
+    return CanzonaOptimizer(
+        model.named_parameters(), options.schedule, dp_group=dp_group, tp_group=tp_group, timeout=60, **HYPERPARAMETERS
+    )
 
 
 def clip(model: torch.nn.Module, optimizers: Any, options: argparse.Namespace) -> float:
@@ -153,13 +161,20 @@ def main() -> None:
     model, dims = parallelized(options)
     optimizers = build_optimizers(model, options)
     fsdp = options.mode == "fsdp"  # else a CanzonaOptimizer: the schedulers take a list, DCP its DcpState
-    schedulers = lr_schedulers_config().build(optimizers=optimizers if fsdp else [optimizers], training_steps=options.steps)
+    schedulers = lr_schedulers_config().build(
+        optimizers=optimizers if fsdp else [optimizers], training_steps=options.steps
+    )
     state = TrainState()
-    checkpoint = CheckpointManager.Config(enable=True, folder=options.output, interval=max(options.save_at, 1),
-                                          last_save_model_only=False).build(
-        dataloader=None, model_parts=[model], optimizers=optimizers if fsdp else DcpState(optimizers),
+    checkpoint = CheckpointManager.Config(
+        enable=True, folder=options.output, interval=max(options.save_at, 1), last_save_model_only=False
+    ).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers if fsdp else DcpState(optimizers),
         lr_schedulers=schedulers,
-        states={"train_state": state}, sd_adapter=None)
+        states={"train_state": state},
+        sd_adapter=None,
+    )
     if options.resume:
         assert checkpoint.load(step=options.save_at), "no checkpoint to resume from"
     dp_rank = dist.get_rank() // options.tp
@@ -179,7 +194,9 @@ def main() -> None:
         state.step += 1
         if state.step == options.save_at and not options.resume:
             checkpoint.save(curr_step=state.step)
-    final = {name: full_tensor(p, shape, options.tp) for (name, p), shape in zip(model.named_parameters(), full_shapes())}
+    final = {
+        name: full_tensor(p, shape, options.tp) for (name, p), shape in zip(model.named_parameters(), full_shapes())
+    }
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, batches)
     if dist.get_rank() == 0:

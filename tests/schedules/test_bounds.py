@@ -24,11 +24,18 @@ def optimum(costs: list[float], ranks: int, base: list[float]) -> float:
 
 
 @settings(max_examples=150, deadline=None)
-@given(costs=st.lists(st.integers(1, 40), min_size=1, max_size=7), ranks=st.integers(1, 4),
-       base=st.lists(st.integers(0, 20), min_size=4, max_size=4), with_base=st.booleans())
+@given(
+    costs=st.lists(st.integers(1, 40), min_size=1, max_size=7),
+    ranks=st.integers(1, 4),
+    base=st.lists(st.integers(0, 20), min_size=4, max_size=4),
+    with_base=st.booleans(),
+)
 def test_never_above_the_optimum(costs: list[int], ranks: int, base: list[int], with_base: bool) -> None:
     loads = [float(b) for b in base[:ranks]] if with_base else []
-    assert dp_lower_bound([float(c) for c in costs], ranks, loads) <= optimum([float(c) for c in costs], ranks, loads) + 1e-9
+    assert (
+        dp_lower_bound([float(c) for c in costs], ranks, loads)
+        <= optimum([float(c) for c in costs], ranks, loads) + 1e-9
+    )
 
 
 def test_pairing_proves_what_the_mean_cannot() -> None:

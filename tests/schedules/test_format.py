@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ from canzona.schedules.format import (
 )
 
 
-@lru_cache(maxsize=None)
+@cache
 def preset() -> Schedule:
     request = PlanRequest("qwen3-0.6b", 1, 4, optimizer=OptimizerConfig("muon"), cost="flops", alpha=0.5)
     return compile_schedule(make_plan(load_model("qwen3-0.6b", 1), request))
@@ -127,14 +127,18 @@ def test_non_json_flow_rows_are_refused_with_their_line() -> None:
 
 def test_rows_with_trailing_comments_stay_on_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     schedule = toy()
-    lines = [f"{line}  # note #{i}" if line.lstrip().startswith("- {") else line
-             for i, line in enumerate(dump_schedule(schedule).splitlines())]
+    lines = [
+        f"{line}  # note #{i}" if line.lstrip().startswith("- {") else line
+        for i, line in enumerate(dump_schedule(schedule).splitlines())
+    ]
 
     def no_yaml(*args, **kwargs):
         raise AssertionError("rows must never be composed as YAML")
 
     skeleton_load = reading.yaml.load
-    monkeypatch.setattr(reading.yaml, "load", lambda text, Loader: no_yaml() if "- {" in text else skeleton_load(text, Loader=Loader))
+    monkeypatch.setattr(
+        reading.yaml, "load", lambda text, Loader: no_yaml() if "- {" in text else skeleton_load(text, Loader=Loader)
+    )
     assert parse_schedule("\n".join(lines) + "\n") == schedule
 
 
@@ -245,7 +249,7 @@ def test_special_characters_in_names(char: str) -> None:
 
 
 def test_non_bmp_name_reads_the_same_with_a_full_yaml_parse() -> None:
-    schedule = toy(("w\U0001F600", "norm", "w1"))
+    schedule = toy(("w\U0001f600", "norm", "w1"))
     text = dump_schedule(schedule)
     assert parse_schedule(text) == schedule  # the fast path is fine
     assert yaml.load(text, Loader=yaml.SafeLoader) == fast(text)
@@ -253,7 +257,7 @@ def test_non_bmp_name_reads_the_same_with_a_full_yaml_parse() -> None:
 
 
 def test_non_bmp_name_survives_the_fallback_path() -> None:
-    schedule = toy(("w\U0001F600", "norm", "w1"))
+    schedule = toy(("w\U0001f600", "norm", "w1"))
     assert parse_schedule(_force_fallback(dump_schedule(schedule))) == schedule
 
 
@@ -356,7 +360,7 @@ def test_not_yaml_is_rejected(text: str) -> None:
     assert_one_line_error(excinfo, "broken.yaml", "not valid YAML")
 
 
-@pytest.mark.parametrize("text", ["", "just text\n", "- 1\n- 2\n", "42\n", "null\n", "- {\"a\": 1}\n"])
+@pytest.mark.parametrize("text", ["", "just text\n", "- 1\n- 2\n", "42\n", "null\n", '- {"a": 1}\n'])
 def test_not_a_mapping_is_rejected(text: str) -> None:
     with pytest.raises(ScheduleError) as excinfo:
         parse_schedule(text, "list.yaml")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -24,17 +24,33 @@ CASES_PER_CLASS = 40
 NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e[-+]?\d+)?(?![\w.])")
 ODD_NUMBERS = ["0", "-1", "1", "2", "99", "1e308", "1e999", "-0.0", "NaN", ".nan", ".inf", "1" * 40, "0x10", "1_000"]
 TRICKS = [
-    "&a ", "*a ", "!!str ", "!!python/object:os.system ", "<<: {a: 1}\n", "? [k]\n: v\n", "[" * 5000, "{a: " * 50,
-    "%TAG !x! tag:x,2000:\n---\n", "---\n", "\t", "\x00", "\ufeff", "# comment\n", "'", '"', "\\u0000",
+    "&a ",
+    "*a ",
+    "!!str ",
+    "!!python/object:os.system ",
+    "<<: {a: 1}\n",
+    "? [k]\n: v\n",
+    "[" * 5000,
+    "{a: " * 50,
+    "%TAG !x! tag:x,2000:\n---\n",
+    "---\n",
+    "\t",
+    "\x00",
+    "\ufeff",
+    "# comment\n",
+    "'",
+    '"',
+    "\\u0000",
 ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def originals() -> tuple[Schedule, ...]:
     """A dense TP x DP schedule and a MoE one with EP fields, both small and fast to parse."""
     dense = PlanRequest(str(ROOT / "examples" / "tiny_qwen3.yaml"), 2, 2, bucket_size=20000, group_bytes=40000)
-    moe = PlanRequest(str(ROOT / "tests" / "runtime" / "data" / "tiny_moe.json"), 2, 4, ep=2, bucket_size=2000,
-                      group_bytes=4096)
+    moe = PlanRequest(
+        str(ROOT / "tests" / "runtime" / "data" / "tiny_moe.json"), 2, 4, ep=2, bucket_size=2000, group_bytes=4096
+    )
     return tuple(compile_schedule(make_plan(load_model(r.model, r.tp), r)) for r in (dense, moe))
 
 
@@ -52,8 +68,14 @@ def edit_number(data: bytes, rng: random.Random) -> bytes:
     matches = list(NUMBER.finditer(text))
     match = rng.choice(matches)
     old = match.group()
-    new = rng.choice([str(int(float(old)) + rng.choice([-1, 1, 64])) if "." not in old and "e" not in old else
-                      repr(float(old) * rng.choice([0.5, 1.0000001, 2.0])), *ODD_NUMBERS])
+    new = rng.choice(
+        [
+            str(int(float(old)) + rng.choice([-1, 1, 64]))
+            if "." not in old and "e" not in old
+            else repr(float(old) * rng.choice([0.5, 1.0000001, 2.0])),
+            *ODD_NUMBERS,
+        ]
+    )
     return (text[: match.start()] + new + text[match.end() :]).encode()
 
 
@@ -102,7 +124,14 @@ def yaml_trick(data: bytes, rng: random.Random) -> bytes:
 
 
 MUTATIONS: tuple[Callable[[bytes, random.Random], bytes], ...] = (
-    flip_byte, truncate, edit_number, swap_lines, drop_or_duplicate_line, remove_key, add_key, yaml_trick,
+    flip_byte,
+    truncate,
+    edit_number,
+    swap_lines,
+    drop_or_duplicate_line,
+    remove_key,
+    add_key,
+    yaml_trick,
 )
 
 

@@ -5,7 +5,7 @@ section records them, and uneven TP shards at the start of their slots."""
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from math import prod
 from pathlib import Path
 
@@ -24,7 +24,7 @@ def planned(model: Path, tp: int, dp: int, bucket_size: int = 4000) -> Schedule:
     return compile_schedule(make_plan(load_model(str(model), tp), request))
 
 
-@lru_cache(maxsize=None)
+@cache
 def tiny() -> Schedule:
     return planned(TINY_MOE, 2, 2)
 
@@ -62,7 +62,10 @@ def test_each_parameter_is_one_run_of_its_bucket() -> None:
     for entry in schedule.params:
         bucket = layout.buckets[layout.bucket_of[entry.index]]
         assert bucket.kind == entry.optimizer and bucket.index == entry.bucket and entry.index in bucket.params
-        assert bucket.base <= layout.flat[entry.index] and layout.flat[entry.index] + entry.numel <= bucket.base + bucket.numel
+        assert (
+            bucket.base <= layout.flat[entry.index]
+            and layout.flat[entry.index] + entry.numel <= bucket.base + bucket.numel
+        )
     assert sum(b.numel for b in layout.buckets) == layout.total
 
 
@@ -77,20 +80,29 @@ def test_micro_groups_follow_the_tp_section() -> None:
 def test_uneven_tp_shards_fill_the_start_of_their_slots(tmp_path: Path) -> None:
     """TP 3 over dims of 7 and 5 (torch.chunk: 3, 3, 1 and 2, 2, 1): every TP rank's pieces
     cover exactly its own shard, once, from the start of each parameter's slot."""
-    params = [{"name": "w", "shape": [7, 6], "tp_dim": 0}, {"name": "v", "shape": [4, 5], "tp_dim": 1},
-              {"name": "b", "shape": [5], "tp_dim": 0, "optimizer": "adamw"}]
+    params = [
+        {"name": "w", "shape": [7, 6], "tp_dim": 0},
+        {"name": "v", "shape": [4, 5], "tp_dim": 1},
+        {"name": "b", "shape": [5], "tp_dim": 0, "optimizer": "adamw"},
+    ]
     path = tmp_path / "uneven.json"
     path.write_text(json.dumps({"name": "uneven", "params": params}))
     schedule = planned(path, 3, 2, bucket_size=16)
     for tp_rank in range(3):
         layout = build_dp_layout(schedule, 0, tp_rank)
         for entry in schedule.params:
-            pieces = sorted((p for rank in layout.rank_pieces for p in rank if p.param == entry.index), key=lambda p: p.src)
+            pieces = sorted(
+                (p for rank in layout.rank_pieces for p in rank if p.param == entry.index), key=lambda p: p.src
+            )
             numel = prod(local_shape(entry, 3, tp_rank))
             assert [(p.src, p.src + p.length) for p in pieces] == _chained(pieces), entry.name
             assert sum(p.length for p in pieces) == numel <= entry.numel, (entry.name, tp_rank)
             assert all(p.pos == layout.flat[entry.index] + p.src for p in pieces)
-    assert [local_shape(e, 3, r) for e in schedule.params if e.name == "w" for r in range(3)] == [(3, 6), (3, 6), (1, 6)]
+    assert [local_shape(e, 3, r) for e in schedule.params if e.name == "w" for r in range(3)] == [
+        (3, 6),
+        (3, 6),
+        (1, 6),
+    ]
 
 
 def _chained(pieces: list[Piece]) -> list[tuple[int, int]]:

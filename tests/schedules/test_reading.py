@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ from canzona.schedules import format as fmt
 from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, parse_schedule, read_schedule
 
 
-@lru_cache(maxsize=None)
+@cache
 def text() -> str:
     return dump_schedule(compile_schedule(make_plan(load_model("qwen3-0.6b", 1), PlanRequest("qwen3-0.6b", 1, 2))))
 
@@ -115,13 +115,25 @@ def test_directives_and_multiple_documents_are_refused() -> None:
         (r'"offset": \d+', '"offset": ' + "1" * 5000, ["line 2", "4300 digits"]),
         (r'"offset": \d+', '"offset": ' + "9" * 1000, ["params.0.offset", "less than or equal"]),
         (r'"cost": ', '"deep": ' + "[" * 30_000 + "]" * 30_000 + ', "cost": ', ["line 2", "not one JSON object"]),
-        (r'\}\n', "} trailing words\n", ["line 2", "optionally followed by a # comment"]),
-        (r'\}\n', "}#no-space\n", ["line 2", "optionally followed by a # comment"]),
+        (r"\}\n", "} trailing words\n", ["line 2", "optionally followed by a # comment"]),
+        (r"\}\n", "}#no-space\n", ["line 2", "optionally followed by a # comment"]),
         (r'"owner": ', '"owner" ', ["line 2", "not one JSON object"]),
         (r"canzona_version: .*", "canzona_version: 2001-01-01", ["not plain data"]),
     ],
-    ids=["row-nan", "row-inf", "nan", "inf", "5000-digits", "5000-digits-row", "1000-digits", "deep-row",
-         "row-junk", "comment-without-space", "row-syntax", "timestamp"],
+    ids=[
+        "row-nan",
+        "row-inf",
+        "nan",
+        "inf",
+        "5000-digits",
+        "5000-digits-row",
+        "1000-digits",
+        "deep-row",
+        "row-junk",
+        "comment-without-space",
+        "row-syntax",
+        "timestamp",
+    ],
 )
 def test_unusual_values_fail_in_one_line(pattern: str, replacement: str, needles: list[str]) -> None:
     document, count = re.subn(pattern, replacement, text(), count=1)

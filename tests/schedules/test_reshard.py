@@ -4,7 +4,7 @@ byte formulas, and the per-rank byte accounting of `reshard_report`."""
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,7 @@ from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ModelOptions
-from canzona.schedules.format import Schedule, ScheduleError
-from canzona.schedules.format import read_schedule
+from canzona.schedules.format import Schedule, ScheduleError, read_schedule
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.reshard import (
     ParamState,
@@ -32,12 +31,28 @@ DATA = Path(__file__).resolve().parents[1] / "runtime" / "data"
 TINY, TINY_V300 = DATA / "tiny_moe.json", DATA / "tiny_moe_v300.json"
 
 
-@lru_cache(maxsize=None)
-def plan(model: Path, tp: int, dp: int, optimizer: str = "muon", alpha: float = 1.0, split_fc1: bool = False,
-         bucket_size: int = 4000, **settings: Any) -> Schedule:
+@cache
+def plan(
+    model: Path,
+    tp: int,
+    dp: int,
+    optimizer: str = "muon",
+    alpha: float = 1.0,
+    split_fc1: bool = False,
+    bucket_size: int = 4000,
+    **settings: Any,
+) -> Schedule:
     options = ModelOptions(split_fc1=split_fc1)
-    request = PlanRequest(str(model), tp, dp, optimizer=OptimizerConfig(optimizer, **settings), alpha=alpha,
-                          bucket_size=bucket_size, options=options, group_bytes=4096)
+    request = PlanRequest(
+        str(model),
+        tp,
+        dp,
+        optimizer=OptimizerConfig(optimizer, **settings),
+        alpha=alpha,
+        bucket_size=bucket_size,
+        options=options,
+        group_bytes=4096,
+    )
     return compile_schedule(make_plan(load_model(str(model), tp, options), request))
 
 
@@ -68,7 +83,9 @@ def test_main_copies_move_only_between_low_precision_layouts() -> None:
     request = PlanRequest(str(TINY), 2, 2, optimizer=OptimizerConfig("muon"), bucket_size=4000, group_bytes=4096)
     fp32 = compile_schedule(make_plan(spec, request))
     mains = sum(p.main_bytes for p in state_layout(bf16).params)
-    assert mains == 4 * sum(math.prod(e.shape) for e in bf16.params) and not any(p.main_bytes for p in state_layout(fp32).params)
+    assert mains == 4 * sum(math.prod(e.shape) for e in bf16.params) and not any(
+        p.main_bytes for p in state_layout(fp32).params
+    )
     down, up, same = reshard_report(bf16, fp32), reshard_report(fp32, bf16), reshard_report(bf16, bf16)
     assert down.compatible and up.compatible, "main copies do not decide compatibility"
     assert down.state_bytes == same.state_bytes == up.state_bytes + mains, "what is written: main copies only from bf16"
@@ -87,7 +104,9 @@ def test_the_same_schedule_moves_nothing() -> None:
     assert report.compatible and not report.problems and not report.notes
     assert report.flows == [] and not any(report.moved_in) and not any(report.moved_out)
     assert sum(report.writes) == report.state_bytes
-    replicated = sum(_per_element(p) * p.shape[0] for p in state_layout(schedule).params if p.kind == "adamw" and len(p.shape) == 1)
+    replicated = sum(
+        _per_element(p) * p.shape[0] for p in state_layout(schedule).params if p.kind == "adamw" and len(p.shape) == 1
+    )
     assert sum(report.loads) == report.state_bytes + replicated  # both TP ranks read the norms
 
 
@@ -99,7 +118,9 @@ def test_another_layout_accounts_for_every_byte(move: str) -> None:
     report = reshard_report(old, new)
     assert report.compatible, report.problems
     assert [note.split(":")[0] for note in report.notes] == ["embedding.word_embeddings.weight", "output_layer.weight"]
-    assert "384 rows before, 512 now" in report.notes[0] if move == "up" else "512 rows before, 384 now" in report.notes[0]
+    assert (
+        "384 rows before, 512 now" in report.notes[0] if move == "up" else "512 rows before, 384 now" in report.notes[0]
+    )
     assert sum(report.writes) == report.state_bytes
     assert sum(report.moved_in) == sum(report.moved_out) == sum(n for _, _, n in report.flows) > 0
     assert all(s != t for s, t, _ in report.flows)
@@ -122,17 +143,23 @@ def test_incompatible_schedules_say_why() -> None:
     cases = {
         "different models: tiny_moe": plan(TINY_V300, 2, 2),
         "different matrix optimizers: muon before, soap now": plan(TINY, 2, 2, optimizer="soap"),
-        "linear_fc1.weight: updated as submatrices [[64, 32]] before, [[32, 32], [32, 32]] now": plan(TINY, 2, 2, split_fc1=True),
+        "linear_fc1.weight: updated as submatrices [[64, 32]] before, [[32, 32], [32, 32]] now": plan(
+            TINY, 2, 2, split_fc1=True
+        ),
     }
     for fragment, other in cases.items():
         report = reshard_report(base, other)
         assert not report.compatible and fragment in report.problems[0], report.problems
         assert report.loads == [] and report.flows == []
-    blocks = reshard_report(plan(TINY, 2, 2, optimizer="shampoo", block_size=16), plan(TINY, 1, 4, optimizer="shampoo", block_size=32))
+    blocks = reshard_report(
+        plan(TINY, 2, 2, optimizer="shampoo", block_size=16), plan(TINY, 1, 4, optimizer="shampoo", block_size=32)
+    )
     assert not blocks.compatible and "block_size 16 vs 32" in blocks.problems[0]
     soap = plan(TINY, 2, 2, optimizer="soap", max_precond_dim=40)
     assert not reshard_report(soap, plan(TINY, 2, 2, optimizer="soap", max_precond_dim=100)).compatible  # fc1's 64 rows
-    assert reshard_report(soap, plan(TINY, 2, 2, optimizer="soap", max_precond_dim=50)).compatible  # no side in (40, 50]
+    assert reshard_report(
+        soap, plan(TINY, 2, 2, optimizer="soap", max_precond_dim=50)
+    ).compatible  # no side in (40, 50]
 
 
 def test_layout_rules_by_hand() -> None:
@@ -142,15 +169,24 @@ def test_layout_rules_by_hand() -> None:
     w = ParamState("w", "matrix", (8, 4), ((8, 4),))
     emb = ParamState("emb", "adamw", (256, 4))
     old = layout(w, emb, ParamState("gone", "adamw", (4,)))
-    new = layout(ParamState("w", "adamw", (8, 4)), ParamState("emb", "adamw", (256, 8)), ParamState("fresh", "adamw", (4,)))
+    new = layout(
+        ParamState("w", "adamw", (8, 4)), ParamState("emb", "adamw", (256, 8)), ParamState("fresh", "adamw", (4,))
+    )
     problems = incompatibilities(old, new)
-    assert problems[0] == "parameters no longer present: gone" and problems[1] == "parameters without saved state: fresh"
-    assert "w: updated by matrix before, by adamw now" in problems[2] and "emb: full shape [256, 4] before, [256, 8] now" in problems[2]
+    assert (
+        problems[0] == "parameters no longer present: gone" and problems[1] == "parameters without saved state: fresh"
+    )
+    assert (
+        "w: updated by matrix before, by adamw now" in problems[2]
+        and "emb: full shape [256, 4] before, [256, 8] now" in problems[2]
+    )
     moved = StateLayout(("m", "/b/m.json", "abc"), "muon", 1024, 10000, (w, emb))  # the same file, read elsewhere
     assert incompatibilities(layout(w, emb), moved) == []
     assert incompatibilities(layout(w, emb), layout(w, emb, sha="abd"))[0].startswith("different models")
     padded = layout(w, ParamState("emb", "adamw", (384, 4)))
-    assert incompatibilities(layout(w, emb), padded) == [] and padding_notes(layout(w, emb), padded)[0].startswith("emb: 256 rows")
+    assert incompatibilities(layout(w, emb), padded) == [] and padding_notes(layout(w, emb), padded)[0].startswith(
+        "emb: 256 rows"
+    )
     assert StateLayout.from_json(padded.to_json()) == padded
     with pytest.raises(ValueError, match="not a state layout"):
         StateLayout.from_json({"model": {}})
@@ -159,8 +195,15 @@ def test_layout_rules_by_hand() -> None:
 def test_expert_parallel_layouts_move_their_experts_and_inconsistent_schedules_fail() -> None:
     base = plan(TINY, 2, 2)
     moe4 = DATA / "tiny_moe4.json"
-    ep2, ep4 = (compile_schedule(make_plan(load_model(str(moe4), 1, ModelOptions()), PlanRequest(
-        str(moe4), 1, 4, ep=ep, bucket_size=2000, group_bytes=4096))) for ep in (2, 4))
+    ep2, ep4 = (
+        compile_schedule(
+            make_plan(
+                load_model(str(moe4), 1, ModelOptions()),
+                PlanRequest(str(moe4), 1, 4, ep=ep, bucket_size=2000, group_bytes=4096),
+            )
+        )
+        for ep in (2, 4)
+    )
     report = reshard_report(ep2, ep4)
     assert report.compatible and report.notes == ["experts: EP 2 -> EP 4, 6 of 8 expert matrices change EP rank"]
     assert 0 < sum(report.moved_in) <= report.state_bytes and report.flows  # experts whose DP rank changes

@@ -5,7 +5,7 @@ cost, row block and figure was recomputed to match. Each test edits one thing of
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,14 @@ from canzona.planner.plan import PlanRequest, TrainingSetup
 from canzona.planner.predict.auto_alpha import plan_for_request
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ModelOptions
-from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, parse_schedule, schedule_fingerprint, sealed
+from canzona.schedules.format import (
+    Schedule,
+    ScheduleError,
+    dump_schedule,
+    parse_schedule,
+    schedule_fingerprint,
+    sealed,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "tiny_qwen3.yaml")
@@ -30,7 +37,7 @@ def planned(model: str, tp: int, dp: int, **fields: Any) -> Schedule:
     return compile_schedule(*plan_for_request(load_model(model, tp, options), request))
 
 
-@lru_cache(maxsize=None)
+@cache
 def schedules() -> dict[str, Schedule]:
     """One small file per kind: a preset (QKV and fc1 row blocks), Shampoo, SOAP, a parameter
     list, MoE with EP, FSDP, CP-SAT, and the automatic searches."""
@@ -119,7 +126,9 @@ def test_a_settings_change_with_every_figure_recomputed_is_a_different_plan() ->
 
 
 def test_numel_costs_are_recomputed_too() -> None:
-    rejected("numel", lambda d: param(d, "linear_proj").update(cost=param(d, "linear_proj")["cost"] * 2), "numel cost model")
+    rejected(
+        "numel", lambda d: param(d, "linear_proj").update(cost=param(d, "linear_proj")["cost"] * 2), "numel cost model"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,10 +136,16 @@ def test_numel_costs_are_recomputed_too() -> None:
 
 
 def test_row_blocks_follow_split_fc1() -> None:
-    rejected("preset", lambda d: d["request"].update(split_fc1=True), "linear_fc1", "split_fc1 true gives it 2 row blocks")
+    rejected(
+        "preset", lambda d: d["request"].update(split_fc1=True), "linear_fc1", "split_fc1 true gives it 2 row blocks"
+    )
 
-    rejected("preset", lambda d: param(d, "linear_fc1.weight").update(row_blocks=None), "linear_fc1",
-             "split_fc1 false gives it 1 row block")
+    rejected(
+        "preset",
+        lambda d: param(d, "linear_fc1.weight").update(row_blocks=None),
+        "linear_fc1",
+        "split_fc1 false gives it 1 row block",
+    )
 
 
 def test_row_blocks_follow_split_qkv() -> None:
@@ -169,23 +184,47 @@ def test_a_live_models_fused_blocks_follow_split_fc1() -> None:
 @pytest.mark.parametrize(
     "kind, edit, needle",
     [
-        ("preset", lambda d: d["metrics"]["dp"]["state_bytes"].__setitem__(0, 10 * d["metrics"]["dp"]["state_bytes"][0]),
-         "metrics.dp.state_bytes[0]"),
-        ("preset", lambda d: d["metrics"]["device"][1].update(state_bytes=10 * d["metrics"]["device"][1]["state_bytes"]),
-         "metrics.device[1].state_bytes"),
-        ("preset", lambda d: d["metrics"]["device"][2].update(bytes_sent=d["metrics"]["device"][2]["bytes_sent"] + 1),
-         "metrics.device[2]: bytes sent"),
+        (
+            "preset",
+            lambda d: d["metrics"]["dp"]["state_bytes"].__setitem__(0, 10 * d["metrics"]["dp"]["state_bytes"][0]),
+            "metrics.dp.state_bytes[0]",
+        ),
+        (
+            "preset",
+            lambda d: d["metrics"]["device"][1].update(state_bytes=10 * d["metrics"]["device"][1]["state_bytes"]),
+            "metrics.device[1].state_bytes",
+        ),
+        (
+            "preset",
+            lambda d: d["metrics"]["device"][2].update(bytes_sent=d["metrics"]["device"][2]["bytes_sent"] + 1),
+            "metrics.device[2]: bytes sent",
+        ),
         ("moe", lambda d: d["metrics"]["device"][5].update(bytes_received=0), "metrics.device[5]: bytes sent"),
         ("preset", lambda d: d["metrics"]["dp"]["adamw_load"].__setitem__(1, 1.0), "metrics.dp.adamw_load[1]"),
-        ("preset", lambda d: d["metrics"]["dp"]["baselines"]["zero1-gather"].update(padding_overhead=2.0),
-         "zero1-gather.padding_overhead"),
-        ("preset", lambda d: d["metrics"]["dp"]["baselines"]["layer-wise"]["load"].__setitem__(0, 1.0), "layer-wise.load"),
+        (
+            "preset",
+            lambda d: d["metrics"]["dp"]["baselines"]["zero1-gather"].update(padding_overhead=2.0),
+            "zero1-gather.padding_overhead",
+        ),
+        (
+            "preset",
+            lambda d: d["metrics"]["dp"]["baselines"]["layer-wise"]["load"].__setitem__(0, 1.0),
+            "layer-wise.load",
+        ),
         ("moe", lambda d: d["metrics"]["dp"]["baselines"]["start-owner"]["load"].reverse(), "start-owner.load"),
         ("preset", lambda d: d["metrics"]["dp"]["baselines"].pop("dp-sc"), "metrics.dp.baselines must be"),
-        ("preset", lambda d: d["metrics"]["tp"]["modes"].update(heap=dict(d["metrics"]["tp"]["modes"]["rollback"], critical_time=-1.0)),
-         "metrics.tp.modes.heap"),
-        ("preset", lambda d: d["metrics"]["tp"]["modes"].update(slowest=d["metrics"]["tp"]["modes"]["rollback"]),
-         "TP modes only"),
+        (
+            "preset",
+            lambda d: d["metrics"]["tp"]["modes"].update(
+                heap=dict(d["metrics"]["tp"]["modes"]["rollback"], critical_time=-1.0)
+            ),
+            "metrics.tp.modes.heap",
+        ),
+        (
+            "preset",
+            lambda d: d["metrics"]["tp"]["modes"].update(slowest=d["metrics"]["tp"]["modes"]["rollback"]),
+            "TP modes only",
+        ),
         ("preset", lambda d: d["metrics"]["dp"].update(method="\x1b[2J"), "metrics.dp.method"),
         ("ilp", lambda d: d["metrics"]["solver"].update(dp_objective=1.0), "metrics.solver.dp_objective"),
         ("ilp", lambda d: d["metrics"]["solver"].update(dp_bound=-1.0), "dp_bound must lie between"),
@@ -197,8 +236,11 @@ def test_a_live_models_fused_blocks_follow_split_fc1() -> None:
         ("search", lambda d: d["metrics"]["alpha_search"].pop(), "metrics.alpha_search must hold"),
         ("search", lambda d: d["metrics"]["bucket_search"]["trials"][2].update(num_buckets=3), "bucket counts"),
         ("search", lambda d: d["metrics"]["bucket_search"].update(reason="\x1b]0;pwned\x07"), "bucket_search.reason"),
-        ("search", lambda d: d["metrics"]["bucket_search"]["trials"][3].update(predicted_iteration_s=1e-12),
-         "request.bucket_size"),
+        (
+            "search",
+            lambda d: d["metrics"]["bucket_search"]["trials"][3].update(predicted_iteration_s=1e-12),
+            "request.bucket_size",
+        ),
     ],
 )
 def test_a_forged_figure_is_refused(kind: str, edit: Callable[[dict[str, Any]], Any], needle: str) -> None:

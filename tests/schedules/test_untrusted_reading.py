@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 from canzona.planner.compile import compile_schedule
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
+from canzona.schedules import reading
 from canzona.schedules.format import (
     Schedule,
     ScheduleError,
@@ -29,13 +30,12 @@ from canzona.schedules.format import (
     schedule_fingerprint,
     sealed,
 )
-from canzona.schedules import reading
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny_qwen3.yaml"
 
 
-@lru_cache(maxsize=None)
+@cache
 def tiny() -> Schedule:
     """The tiny example at TP 2 x DP 2 (a parameter list: fc1 fused, QKV whole)."""
     return compile_schedule(make_plan(load_model(str(TINY), 2), PlanRequest(str(TINY), 2, 2)))
@@ -46,7 +46,7 @@ def tiny() -> Schedule:
 HANG_S = 60.0
 
 
-@lru_cache(maxsize=None)
+@cache
 def text() -> str:
     return dump_schedule(tiny())
 
@@ -145,8 +145,18 @@ def test_twenty_thousand_matrices_with_distinct_row_blocks_are_checked_in_linear
 
     def many(data: dict[str, Any]) -> None:
         template = next(p for p in data["params"] if p["optimizer"] == "matrix")
-        data["params"] = [dict(template, name=f"m{i}", index=i, shape=[rows, 8], tp_dim=None, numel=rows * 8,
-                               row_blocks=[[[0, i + 1]], [[i + 1, rows]]]) for i in range(20_000)]
+        data["params"] = [
+            dict(
+                template,
+                name=f"m{i}",
+                index=i,
+                shape=[rows, 8],
+                tp_dim=None,
+                numel=rows * 8,
+                row_blocks=[[[0, i + 1]], [[i + 1, rows]]],
+            )
+            for i in range(20_000)
+        ]
 
     refused(resealed(many))
 
@@ -164,17 +174,23 @@ def test_row_blocks_hold_at_most_one_range_per_row(ranges: list[list[int]]) -> N
 # Duplicate keys inside a table row: a reviewer reading the first would be misled
 
 
-@pytest.mark.parametrize("duplicate", ['"offset": 8192', '"\\u006fffset": 8192', '"offset" : 8192'],
-                         ids=["plain", "escaped", "spaced"])
+@pytest.mark.parametrize(
+    "duplicate", ['"offset": 8192', '"\\u006fffset": 8192', '"offset" : 8192'], ids=["plain", "escaped", "spaced"]
+)
 def test_a_key_twice_in_a_row_is_refused_with_its_line(duplicate: str) -> None:
     number, line = row_line('"offset": 4096')
-    refused(text().replace(line, line.replace('"offset": 4096', '"offset": 4096, ' + duplicate)),
-            f"line {number}", "'offset' appears twice")
+    refused(
+        text().replace(line, line.replace('"offset": 4096', '"offset": 4096, ' + duplicate)),
+        f"line {number}",
+        "'offset' appears twice",
+    )
 
 
 def test_a_key_twice_in_a_nested_object_of_a_row_is_refused() -> None:
     number, line = row_line('"index": 0, "params"')
-    nested = line.replace('"index": 0,', '"index": 0, "teams": [{"param": "a", "param": "b", "hosts": [0, 1], "load": 1.0}],')
+    nested = line.replace(
+        '"index": 0,', '"index": 0, "teams": [{"param": "a", "param": "b", "hosts": [0, 1], "load": 1.0}],'
+    )
     refused(text().replace(line, nested), f"line {number}", "'param' appears twice")
 
 

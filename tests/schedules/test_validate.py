@@ -4,7 +4,7 @@ a tool or a careful hand would), so only the validator stands between it and a r
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -15,19 +15,19 @@ from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, parse_schedule, sealed
 from canzona.schedules.limits import MAX_TP
-from canzona.schedules.validate_metrics import device_traffic
 from canzona.schedules.validate import schedule_problem
+from canzona.schedules.validate_metrics import device_traffic
 
 TINY_MOE = Path(__file__).resolve().parents[1] / "runtime" / "data" / "tiny_moe.json"
 
 
-@lru_cache(maxsize=None)
+@cache
 def dense() -> Schedule:
     """qwen3-8b at TP 2 x DP 4: QKV and fc1 row blocks, several buckets."""
     return compile_schedule(make_plan(load_model("qwen3-8b", 2), PlanRequest("qwen3-8b", 2, 4)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def moe() -> Schedule:
     """A tiny MoE at TP 2 x DP 4 with EP 2: expert buffers and EP ranks."""
     request = PlanRequest(str(TINY_MOE), 2, 4, ep=2, bucket_size=2000, group_bytes=4096)
@@ -159,7 +159,9 @@ def test_bucket_membership_follows_reverse_registration_order() -> None:
 
 
 def test_bucket_closes_at_bucket_size() -> None:
-    rejected(dense(), lambda d: d["request"].update(bucket_size=10**9), "fewer than bucket_size", "another bucket follows")
+    rejected(
+        dense(), lambda d: d["request"].update(bucket_size=10**9), "fewer than bucket_size", "another bucket follows"
+    )
     rejected(dense(), lambda d: d["request"].update(bucket_size=100), "should have closed before")
 
 
@@ -178,8 +180,11 @@ def test_slice_bytes_and_padding_follow_the_cuts() -> None:
 
 def test_expert_buffers() -> None:
     rejected(moe(), lambda d: next(p for p in d["params"] if p.get("ep_rank") == 1).update(ep_rank=5), "not an EP rank")
-    rejected(moe(), lambda d: next(p for p in d["params"] if p.get("ep_rank") == 1).update(owner=2),
-             "expert-DP rank (dp / ep = 2)")
+    rejected(
+        moe(),
+        lambda d: next(p for p in d["params"] if p.get("ep_rank") == 1).update(owner=2),
+        "expert-DP rank (dp / ep = 2)",
+    )
     rejected(moe(), lambda d: d["request"].update(ep=4), "is not an expert-DP rank (dp / ep = 1)")
 
 
@@ -191,7 +196,9 @@ def first_group(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_hosts_inside_the_tp_group() -> None:
-    rejected(dense(), lambda d: first_group(d).update(hosts=[2] * len(first_group(d)["hosts"])), "hosts must be TP ranks")
+    rejected(
+        dense(), lambda d: first_group(d).update(hosts=[2] * len(first_group(d)["hosts"])), "hosts must be TP ranks"
+    )
 
 
 def test_micro_groups_cover_every_owned_matrix_once() -> None:
@@ -274,10 +281,12 @@ def test_dp_lower_bound_is_the_plan_independent_one_or_the_former_one() -> None:
             loads[e.owner * 2 + e.ep_rank] += e.cost
     dense_costs = [e.cost for e in moe().params if e.owner is not None and e.ep_rank is None]
     former = max(sum(m.load) / 4, max(dense_costs) + min(loads), max(loads))
+
     def older(d: dict[str, Any]) -> None:
         d["metrics"]["dp"].update(lower_bound=former, gap=max(m.load) / former - 1)
         for score in d["metrics"]["dp"]["baselines"].values():
             score.update(gap=score["max"] / former - 1)
+
     assert parse_schedule(edited(moe(), older), "older.yaml").metrics.dp.lower_bound == pytest.approx(former)
     rejected(moe(), lambda d: d["metrics"]["dp"].update(lower_bound=m.lower_bound * 0.9), "metrics.dp.lower_bound")
 
@@ -285,6 +294,7 @@ def test_dp_lower_bound_is_the_plan_independent_one_or_the_former_one() -> None:
 def test_each_bucket_collective_is_known_and_defaults_to_rooted() -> None:
     def force(collective: str, recount: bool = True) -> Callable[[dict[str, Any]], None]:
         """Every matrix bucket in `collective`; `recount`: the devices' traffic counted anew."""
+
         def edit(data: dict[str, Any]) -> None:
             for bucket in data["dp"]["buckets"]:
                 bucket.update(collective=collective)
@@ -292,7 +302,9 @@ def test_each_bucket_collective_is_known_and_defaults_to_rooted() -> None:
                 traffic = device_traffic(Schedule.model_validate(data))
                 for device, (sent, received) in zip(data["metrics"]["device"], traffic):
                     device.update(bytes_sent=sent, bytes_received=received)
+
         return edit
+
     for collective in ("ring", "rooted", "all_to_all"):
         schedule = parse_schedule(edited(dense(), force(collective)), "forced.yaml")
         assert {b.collective for b in schedule.dp.buckets} == {collective}
@@ -301,15 +313,17 @@ def test_each_bucket_collective_is_known_and_defaults_to_rooted() -> None:
     recorded = {b.collective for b in dense().dp.buckets}
     other = next(c for c in ("ring", "all_to_all") if {c} != recorded)
     rejected(dense(), force(other, recount=False), "bytes sent and received")
+
     # A file written before the field: every bucket reads as rooted, what the runtime did then.
     def strip(d: dict[str, Any]) -> None:
         for bucket in d["dp"]["buckets"]:
             bucket.pop("collective", None)
+
     old = parse_schedule(edited(dense(), strip), "old.yaml")
     assert {b.collective for b in old.dp.buckets} == {"rooted"} and '"collective"' not in edited(dense(), strip)
 
 
-@lru_cache(maxsize=None)
+@cache
 def free_order() -> Schedule:
     """qwen3-8b at TP 4 x DP 64 in free order: the planner reorders some buckets."""
     return compile_schedule(make_plan(load_model("qwen3-8b", 4), PlanRequest("qwen3-8b", 4, 64, order="free")))
@@ -319,7 +333,9 @@ def test_registration_order_is_checked_and_free_order_is_not() -> None:
     assert parse_schedule(dump_schedule(free_order()), "free.yaml").request.order == "free"
     rejected(free_order(), lambda d: d["request"].update(order="registration"), "not in reverse registration order")
     rejected(free_order(), lambda d: d["request"].update(order="shuffled"), "unknown order 'shuffled'")
-    rejected(free_order(), lambda d: d["request"].update(solver="ilp"), "--order free does not combine with --solver ilp")
+    rejected(
+        free_order(), lambda d: d["request"].update(solver="ilp"), "--order free does not combine with --solver ilp"
+    )
 
 
 def test_alpha_search_goes_with_alpha_device() -> None:
@@ -333,10 +349,16 @@ def test_predicted_peak_memory_is_recomputed() -> None:
     schedule = dense()
     buckets = [*schedule.dp.buckets, *schedule.dp.expert_buckets, *schedule.dp.adamw_buckets]
     for device in schedule.metrics.device:
-        expected = (4 * sum(b.numel for b in buckets) + device.state_bytes + schedule.request.group_bytes
-                    + 4 * max(b.numel for b in buckets))
+        expected = (
+            4 * sum(b.numel for b in buckets)
+            + device.state_bytes
+            + schedule.request.group_bytes
+            + 4 * max(b.numel for b in buckets)
+        )
         assert device.peak_bytes == pytest.approx(expected)
-    rejected(schedule, lambda d: d["metrics"]["device"][3].__setitem__("peak_bytes", 1.0), "metrics.device[3].peak_bytes")
+    rejected(
+        schedule, lambda d: d["metrics"]["device"][3].__setitem__("peak_bytes", 1.0), "metrics.device[3].peak_bytes"
+    )
 
     def without_peaks(data: dict[str, Any]) -> None:
         for device in data["metrics"]["device"]:

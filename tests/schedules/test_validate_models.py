@@ -6,7 +6,7 @@ file edited consistently (digest resealed), so only the validator stands between
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ TINY_MOE = str(Path(__file__).resolve().parents[1] / "runtime" / "data" / "tiny_
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
 
 
-@lru_cache(maxsize=None)
+@cache
 def planned(names: str = "hf", tp: int = 2, ep: int = 1, sequence_parallel: bool = False) -> Schedule:
     """The tiny Qwen3-MoE (2 experts of 16, hidden 32) under a naming convention, at TP x DP 4."""
     options = ModelOptions(names=names, sequence_parallel=sequence_parallel)
@@ -59,7 +59,9 @@ def entry(data: dict[str, Any], name: str) -> dict[str, Any]:
     return next(p for p in data["params"] if p["name"] == name)
 
 
-@pytest.mark.parametrize("names, ep, sp", [("hf", 1, False), ("hf", 2, True), ("torchtitan", 1, False), ("torchtitan", 2, False)])
+@pytest.mark.parametrize(
+    "names, ep, sp", [("hf", 1, False), ("hf", 2, True), ("torchtitan", 1, False), ("torchtitan", 2, False)]
+)
 def test_planned_files_pass_and_round_trip(names: str, ep: int, sp: bool) -> None:
     schedule = planned(names, 2, ep, sp)
     assert parse_schedule(dump_schedule(schedule)) == schedule
@@ -104,6 +106,7 @@ def test_slice_numbers_must_count_up() -> None:
         first, second = entry(data, f"{GATE_UP}[0]"), entry(data, f"{GATE_UP}[1]")  # both, before renaming either
         first.update(slice=1, name=f"{GATE_UP}[1]")
         second.update(slice=0, name=f"{GATE_UP}[0]")
+
     rejected(planned(), swap, "slices must be 0..1 at consecutive indices")
 
 
@@ -113,10 +116,16 @@ def test_param_and_slice_go_together() -> None:
 
 
 def test_slices_are_alike_matrices() -> None:
-    rejected(planned(), lambda d: entry(d, f"{GATE_UP}[1]").update(row_blocks=None),
-             "slices differ in shape, dtype, tp_dim, row blocks or grad_reduce")
-    rejected(planned(), lambda d: entry(d, "model.norm.weight").update(param="model.norm", slice=0, name="model.norm[0]"),
-             "an expert slice is a matrix")
+    rejected(
+        planned(),
+        lambda d: entry(d, f"{GATE_UP}[1]").update(row_blocks=None),
+        "slices differ in shape, dtype, tp_dim, row blocks or grad_reduce",
+    )
+    rejected(
+        planned(),
+        lambda d: entry(d, "model.norm.weight").update(param="model.norm", slice=0, name="model.norm[0]"),
+        "an expert slice is a matrix",
+    )
 
 
 def test_grouped_tensor_name_is_nobody_elses() -> None:
@@ -127,6 +136,7 @@ def test_grouped_tensor_name_is_nobody_elses() -> None:
                 p["name"] = f"model.norm.weight[{p['slice']}]"
         for group in (g for rank in data["tp"]["ranks"] for g in rank["groups"]):
             group["params"] = [n.replace(GATE_UP, "model.norm.weight") for n in group["params"]]
+
     with pytest.raises(ScheduleError, match="another parameter has its name"):
         parse_schedule(edited(planned(), clash))
 
@@ -135,6 +145,7 @@ def test_slices_sit_on_the_ep_rank_holding_their_expert() -> None:
     def move(data: dict[str, Any]) -> None:
         for name, rank in ((f"{GATE_UP}[0]", 1), (f"{GATE_UP}[1]", 0)):
             entry(data, name)["ep_rank"] = rank
+
     rejected(planned(ep=2), move, "sit on EP rank slice // (E / ep)")
 
 
@@ -157,7 +168,10 @@ def test_reshard_check_moves_expert_slices_and_partial_gradient_parameters() -> 
     move between layouts like any other parameter's."""
     from canzona.schedules.reshard import reshard_report
 
-    for old, new in ((planned(), planned(ep=2)), (planned("megatron", sequence_parallel=True), planned("megatron", tp=1))):
+    for old, new in (
+        (planned(), planned(ep=2)),
+        (planned("megatron", sequence_parallel=True), planned("megatron", tp=1)),
+    ):
         report = reshard_report(old, new)
         assert report.compatible and not report.problems, report.problems
     assert any("expert" in note for note in reshard_report(planned(), planned(ep=2)).notes)

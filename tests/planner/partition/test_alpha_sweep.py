@@ -8,7 +8,7 @@ partition only, as `benchmarks/plan_sweep.py`; larger layouts are in the benchma
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -21,13 +21,20 @@ from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, ModelSpec
 
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
-GRID = list(itertools.product(("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"), (1, 2, 4, 8),
-                              (2, 3, 4, 6, 8, 12, 16), (10_000_000, 40_000_000), ("muon",)))
+GRID = list(
+    itertools.product(
+        ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b"),
+        (1, 2, 4, 8),
+        (2, 3, 4, 6, 8, 12, 16),
+        (10_000_000, 40_000_000),
+        ("muon",),
+    )
+)
 ISSUE = [("qwen3-14b", 4, 12, 40_000_000, "muon"), ("qwen3-0.6b", 4, 16, 40_000_000, "soap")]
 SWEEP = GRID[::4] + GRID[1::4] + GRID[2::4] + ISSUE  # three quarters of the grid
 
 
-@lru_cache(maxsize=None)
+@cache
 def _costs(name: str, tp: int, optimizer: str) -> tuple[ModelSpec, tuple[float, ...]]:
     model = load_model(name, tp)
     cost_model = make_cost_model("flops", OptimizerConfig(optimizer))

@@ -12,12 +12,12 @@ from canzona.planner.partition.collectives import (
     all_gather,
     all_reduce,
     broadcast,
-    phase_seconds,
-    reduce_scatter,
     bucket_exchange,
     bucket_seconds,
     choose_collective,
     padded_ring,
+    phase_seconds,
+    reduce_scatter,
     rooted,
 )
 from canzona.planner.predict.hardware import BUILTIN
@@ -91,8 +91,6 @@ def test_p2p_round_costs_one_alpha() -> None:
     assert Exchange("p2p", LINK4, (50.0, 0.0), (0.0, 50.0)).seconds() == pytest.approx(1.0 + 0.5)
 
 
-
-
 def test_bucket_exchange_is_what_the_runtime_issues() -> None:
     skewed = [40, 0, 10, 0]
     assert bucket_exchange(LINK4, skewed, 4, gather=False, collective="rooted").kind == "rooted"
@@ -123,7 +121,9 @@ def test_costs_are_continuous_in_the_slice_sizes() -> None:
             assert abs(a - b) <= one_element + (8 - 3) * 1e-6
     # The cheapest form: equal slices tie the ring with rooted (which runs the native ring there),
     # and nearly equal ones take the ring, for the same price but an element.
-    cheapest = [min(bucket_seconds(link, s, 4, 2, c) for c in ("ring", "rooted", "all_to_all")) for s in (equal, nearly)]
+    cheapest = [
+        min(bucket_seconds(link, s, 4, 2, c) for c in ("ring", "rooted", "all_to_all")) for s in (equal, nearly)
+    ]
     assert abs(cheapest[0] - cheapest[1]) <= 2 * one_element
     assert choose_collective(link, nearly, 2) == "ring"
     assert bucket_seconds(link, equal, 4, 2, choose_collective(link, equal, 2)) == pytest.approx(cheapest[0])
@@ -152,8 +152,10 @@ def test_bucket_seconds_is_both_exchanges() -> None:
         slices = [rng.choice([0, rng.randint(1, 50), 20]) for _ in range(n)]
         link = Link("any", n, bandwidth=rng.uniform(1, 100), latency=rng.uniform(0, 2))
         for collective in ("ring", "rooted", "all_to_all"):
-            both = (bucket_exchange(link, slices, 4, False, collective).seconds()
-                    + bucket_exchange(link, slices, 2, True, collective).seconds())
+            both = (
+                bucket_exchange(link, slices, 4, False, collective).seconds()
+                + bucket_exchange(link, slices, 2, True, collective).seconds()
+            )
             assert bucket_seconds(link, slices, 4, 2, collective) == pytest.approx(both, rel=1e-12, abs=1e-12)
 
 

@@ -22,8 +22,9 @@ def test_team_flops_split_the_long_side_and_repeat_the_gram_products() -> None:
     r, c = 5120, 51200
     assert team_flops(shape, 8, 5) == pytest.approx(5 * (4 * r * r * c / 8 + 2 * r**3) + 10 * r * c / 8)
     # Five r x r fp32 Gram all-reduces plus a norm: about 5 * 2 * (7/8) * 105 MB at 450 GB/s.
-    assert team_comm_seconds(shape, 8, 5, 8) == pytest.approx(5 * (2 * 7 / 8 * 4 * r * r / 450e9 + 14 * 5e-6)
-                                                              + 14 * 5e-6, rel=1e-3)
+    assert team_comm_seconds(shape, 8, 5, 8) == pytest.approx(
+        5 * (2 * 7 / 8 * 4 * r * r / 450e9 + 14 * 5e-6) + 14 * 5e-6, rel=1e-3
+    )
     assert team_cost(shape, 8, 5, 8) > team_flops(shape, 8, 5)
 
 
@@ -43,7 +44,10 @@ def test_auto_teams_the_dominant_fc1_of_qwen3_32b_and_shortens_the_busiest_devic
 
 def test_teams_only_where_they_help_and_never_for_shampoo_or_numel() -> None:
     model = load_model("qwen3-32b", 8)
-    for request in (PlanRequest("qwen3-32b", 8, 32, optimizer=OptimizerConfig("shampoo")), PlanRequest("qwen3-32b", 8, 32, cost="numel")):
+    for request in (
+        PlanRequest("qwen3-32b", 8, 32, optimizer=OptimizerConfig("shampoo")),
+        PlanRequest("qwen3-32b", 8, 32, cost="numel"),
+    ):
         assert compile_schedule(make_plan(model, request)).metrics.tp.cooperative == 0
     # Many small matrices per rank: hosting is already balanced, a team only adds communication.
     small = load_model("qwen3-0.6b", 2)
@@ -62,7 +66,12 @@ def test_force_teams_every_eligible_matrix_over_all_tp_ranks() -> None:
 def test_cooperate_ties_two_dominant_matrices_and_keeps_the_rest_single() -> None:
     big, small = muon_flops(16384, 4096, 5), muon_flops(1024, 1024, 5)
     tasks = (Task("a", big, 40), Task("b", big, 40), Task("c", small, 4), Task("d", small, 4))
-    shapes = {"a": Shape(16384, 4096, 0), "b": Shape(16384, 4096, 0), "c": Shape(1024, 1024, 0), "d": Shape(1024, 1024, 0)}
+    shapes = {
+        "a": Shape(16384, 4096, 0),
+        "b": Shape(16384, 4096, 0),
+        "c": Shape(1024, 1024, 0),
+        "d": Shape(1024, 1024, 0),
+    }
     groups = (MicroGroup((0, 1, 2, 3), (0, 1, 2, 3)),)
     (group,) = cooperate(tasks, groups, 4, shapes, 5, "auto", 10**9)
     teams = [t for t in group.teams if t is not None]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -14,7 +14,7 @@ from canzona.planner.plan import Plan, PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 
 
-@lru_cache(maxsize=None)
+@cache
 def qwen8b_tp4_dp64(device_stage: bool = True) -> Plan:
     limit = device_aware.MAX_RANK_TASKS
     device_aware.MAX_RANK_TASKS = limit if device_stage else -1

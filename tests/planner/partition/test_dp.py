@@ -16,8 +16,8 @@ from canzona.planner.partition.dp import (
     ALPHA_LADDER,
     DpAssignment,
     DpInstance,
-    lower_bound,
     feasible,
+    lower_bound,
     min_max_slice,
     partition,
     polished,
@@ -307,9 +307,9 @@ def test_the_search_pieces_free_order_builds_on() -> None:
 def _issue_15_instance() -> DpInstance:
     """qwen3-8b tp4 dp64, 40M buckets (Muon flops): before monotone α, 10.1% above the bound
     at α = 0 and 29.4% at α = 1."""
+    from canzona.planner.buffers import dp_instance
     from canzona.planner.partition.costs import OptimizerConfig, make_cost_model, param_cost
     from canzona.planner.partition.layout import build_buffer
-    from canzona.planner.buffers import dp_instance
     from canzona.planner.sources.load import load_model
     from canzona.planner.spec import MATRIX
 

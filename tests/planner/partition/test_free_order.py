@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_dp import instances, max_load, slices_of
 
-from canzona.planner.compile import compile_schedule
 from canzona.planner.buffers import dp_instance
+from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.dp import DpInstance, partition, rank_loads, slice_caps
 from canzona.planner.partition.free_order import partition_free, reorder_buffer
 from canzona.planner.partition.layout import PARAM_ALIGNMENT, build_buffer
@@ -15,8 +16,6 @@ from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, PlanError
 from canzona.schedules.format import Schedule, dump_schedule, parse_schedule
-
-from test_dp import instances, max_load, slices_of
 
 ladder = st.sampled_from([0.0, 0.5, 1.0])
 
@@ -38,7 +37,9 @@ def test_free_partition_invariants(instance: DpInstance, alpha: float) -> None:
 @given(instances(max_buckets=4, max_items=8, max_ranks=8), ladder, ladder)
 def test_free_order_is_monotone_in_alpha(instance: DpInstance, alpha_a: float, alpha_b: float) -> None:
     low, high = sorted((alpha_a, alpha_b))
-    assert max_load(instance, partition_free(instance, high).owners) <= max_load(instance, partition_free(instance, low).owners)
+    assert max_load(instance, partition_free(instance, high).owners) <= max_load(
+        instance, partition_free(instance, low).owners
+    )
 
 
 def test_few_matrices_per_rank_gain_from_free_order() -> None:
@@ -73,7 +74,8 @@ def test_free_order_schedule_validates_and_records_the_order() -> None:
     # The DP partition: free order is at the pairing bound, registration order 1.8% above it.
     instance = dp_instance(build_buffer(model, MATRIX, 4, 64, 40_000_000), model, free.costs, 64)
     assert max(rank_loads(instance, partition_free(instance, 1.0).owners)) < max(
-        rank_loads(instance, partition(instance, 1.0).owners))
+        rank_loads(instance, partition(instance, 1.0).owners)
+    )
     # The whole plan (TP 4: device-aware ownership): free order's busiest device is no longer.
     worst = {plan.request.order: compile_schedule(plan).metrics.tp.worst_device_load for plan in (free, registration)}
     assert worst["free"] <= worst["registration"]

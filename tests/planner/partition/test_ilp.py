@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("ortools")
 
-from canzona.planner.partition import ilp  # noqa: E402
-from canzona.planner.partition.dp import DpInstance, lower_bound, partition, rank_loads, slice_caps  # noqa: E402
-from canzona.planner.partition.ilp import SolverReport, SolverUnavailable, refine_dp, refine_hosts  # noqa: E402
-from canzona.planner.spec import PlanError  # noqa: E402
+from canzona.planner.partition import ilp
+from canzona.planner.partition.dp import DpInstance, lower_bound, partition, rank_loads, slice_caps
+from canzona.planner.partition.ilp import SolverReport, SolverUnavailable, refine_dp, refine_hosts
+from canzona.planner.spec import PlanError
 
 Owners = tuple[tuple[int, ...], ...]
 ALPHAS = (0.0, 0.5, 1.0)

@@ -40,7 +40,9 @@ def test_every_mode_places_every_task_once(tasks: tuple[Task, ...], num_hosts: i
 
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(tasks_strategy, st.integers(1, 6), st.integers(1, 600))
-def test_rollback_respects_capacity_except_single_oversize_tasks(tasks: tuple[Task, ...], num_hosts: int, capacity: int) -> None:
+def test_rollback_respects_capacity_except_single_oversize_tasks(
+    tasks: tuple[Task, ...], num_hosts: int, capacity: int
+) -> None:
     for group in rollback(tasks, num_hosts, capacity):
         per_host: dict[int, list[int]] = {}
         for index, host in zip(group.tasks, group.hosts):

@@ -8,9 +8,6 @@ import pytest
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import FlopsCost, OptimizerConfig, param_cost
-from canzona.planner.plan import PlanRequest, TrainingSetup
-from canzona.planner.predict.auto_alpha import alpha_table, choose_alpha
-from canzona.planner.predict.hardware import BUILTIN, ThroughputCost, override_network, profile_device
 from canzona.planner.partition.profile_cost import (
     Profile,
     ProfileCost,
@@ -20,6 +17,9 @@ from canzona.planner.partition.profile_cost import (
     profile_cost_model,
     read_profile,
 )
+from canzona.planner.plan import PlanRequest, TrainingSetup
+from canzona.planner.predict.auto_alpha import alpha_table, choose_alpha
+from canzona.planner.predict.hardware import BUILTIN, ThroughputCost, override_network, profile_device
 from canzona.planner.predict.simulate import simulate
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import MATRIX, ModelSpec, ParamSpec, PlanError
@@ -159,8 +159,14 @@ def test_profile_round_trips_through_dump(tmp_path) -> None:
         ("- just a list\n", "expected a mapping"),
         ("format: canzona-profile/1\n: [\n", "not valid YAML"),
         (_profile_text('  - {"optimizer": "muon", "rows": 4, "cols": 4, "seconds": 1.0, "repeats": 1}\n'), "adamw row"),
-        (_profile_text('  - {"optimizer": "adamw", "rows": 4, "cols": 1, "seconds": 0.0, "repeats": 1}\n'), "rows.0.seconds"),
-        (_profile_text('  - {"optimizer": "lion", "rows": 4, "cols": 1, "seconds": 1.0, "repeats": 1}\n'), "rows.0.optimizer"),
+        (
+            _profile_text('  - {"optimizer": "adamw", "rows": 4, "cols": 1, "seconds": 0.0, "repeats": 1}\n'),
+            "rows.0.seconds",
+        ),
+        (
+            _profile_text('  - {"optimizer": "lion", "rows": 4, "cols": 1, "seconds": 1.0, "repeats": 1}\n'),
+            "rows.0.optimizer",
+        ),
         (_profile_text(ROWS, "colour: blue\n"), "colour"),
         (_profile_text(""), "rows"),
     ],

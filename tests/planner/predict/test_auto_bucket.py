@@ -29,8 +29,13 @@ def test_pick_by_hand() -> None:
 def test_search_keeps_the_fastest_overlapping_size() -> None:
     model = load_model("qwen3-1.7b", 2)
     training = TrainingSetup(global_batch=64, seq_len=2048)
-    plan, trials, reason = choose_bucket_size(model, PlanRequest("qwen3-1.7b", 2, 8), BUILTIN["h100"], training=training,
-                                              sizes=(5_000_000, 40_000_000, ONE_BUCKET))
+    plan, trials, reason = choose_bucket_size(
+        model,
+        PlanRequest("qwen3-1.7b", 2, 8),
+        BUILTIN["h100"],
+        training=training,
+        sizes=(5_000_000, 40_000_000, ONE_BUCKET),
+    )
     assert [t.value for t in trials] == [5_000_000, 40_000_000, ONE_BUCKET]
     assert [t.num_buckets for t in trials][-1] == 1 and trials[0].num_buckets > trials[1].num_buckets >= 2
     chosen = next(t for t in trials if t.value == plan.request.bucket_size)

@@ -68,8 +68,17 @@ def test_overlap_never_slower_and_respects_the_bounds(units: list[tuple[float, f
 # TOY (as in test_simulate): a 4x4 Muon update 1 s, AdamW 64 elements/s, α 0.5 s, 32 B/s; training
 # at 72 FLOP/s. Two 4x4 matrices (8 local elements each at tp 2) and an 8-element norm, tp 2 x dp 2.
 
-TOY = Hardware("toy", matrix_flops=2080.0, memory_bandwidth=28 * 64.0, latency=0.5, intra_bandwidth=32.0,
-               inter_bandwidth=16.0, gpus_per_node=8, source="hand-made", train_flops=72.0)
+TOY = Hardware(
+    "toy",
+    matrix_flops=2080.0,
+    memory_bandwidth=28 * 64.0,
+    latency=0.5,
+    intra_bandwidth=32.0,
+    inter_bandwidth=16.0,
+    gpus_per_node=8,
+    source="hand-made",
+    train_flops=72.0,
+)
 
 
 def _toy_schedule():
@@ -148,8 +157,13 @@ def test_moe_flops_count_the_experts_tokens_visit() -> None:
     assert compute.flops_per_micro_batch == pytest.approx(6 * active * compute.tokens_per_micro_batch)
     # An explicit fraction wins; a model whose routing nobody knows is an error.
     assert routing(schedule, 0.5)[0] == 0.5
-    unknown = schedule.model_copy(update={"request": schedule.request.model_copy(
-        update={"model": schedule.request.model.model_copy(update={"source": "gone.yaml"})})})
+    unknown = schedule.model_copy(
+        update={
+            "request": schedule.request.model_copy(
+                update={"model": schedule.request.model.model_copy(update={"source": "gone.yaml"})}
+            )
+        }
+    )
     with pytest.raises(PlanError, match="routed-fraction"):
         routing(unknown, None)
     with pytest.raises(PlanError, match="routed fraction"):
@@ -158,9 +172,12 @@ def test_moe_flops_count_the_experts_tokens_visit() -> None:
 
 def test_bad_training_setups() -> None:
     schedule = _toy_schedule()
-    for setup, message in ((TrainingSetup(global_batch=3), "does not split"), (TrainingSetup(seq_len=0), ">= 1"),
-                           (TrainingSetup(global_batch=4, micro_batches=3), "does not split"),
-                           (TrainingSetup(micro_batches=0), "micro-batches")):
+    for setup, message in (
+        (TrainingSetup(global_batch=3), "does not split"),
+        (TrainingSetup(seq_len=0), ">= 1"),
+        (TrainingSetup(global_batch=4, micro_batches=3), "does not split"),
+        (TrainingSetup(micro_batches=0), "micro-batches"),
+    ):
         with pytest.raises(PlanError, match=message):
             simulate(schedule, TOY, training=setup)
     with pytest.raises(PlanError, match="train_flops"):
@@ -175,10 +192,18 @@ def test_bad_training_setups() -> None:
 # Dense Qwen3 and Llama layouts with several matrices per DP rank. Where a DP rank owns a single
 # dominant matrix (qwen3-1.7b tp4 dp64, qwen3-1.7b and qwen3-4b tp2 dp128, llama3.1-8b tp4 dp64)
 # TP-SC is ahead by one TP scatter: the last test pins that limit down.
-LAYOUTS_256 = [("qwen3-8b", 8, 32, 1), ("qwen3-14b", 4, 64, 1), ("qwen3-32b", 4, 64, 1), ("llama3.1-8b", 8, 32, 1),
-               ("llama3.1-70b", 8, 32, 1),
-               # A DP rank owning one dominant matrix: TP-SC was ahead by a scatter before teams.
-               ("qwen3-1.7b", 4, 64, 1), ("qwen3-1.7b", 2, 128, 1), ("qwen3-4b", 2, 128, 1), ("llama3.1-8b", 4, 64, 1)]
+LAYOUTS_256 = [
+    ("qwen3-8b", 8, 32, 1),
+    ("qwen3-14b", 4, 64, 1),
+    ("qwen3-32b", 4, 64, 1),
+    ("llama3.1-8b", 8, 32, 1),
+    ("llama3.1-70b", 8, 32, 1),
+    # A DP rank owning one dominant matrix: TP-SC was ahead by a scatter before teams.
+    ("qwen3-1.7b", 4, 64, 1),
+    ("qwen3-1.7b", 2, 128, 1),
+    ("qwen3-4b", 2, 128, 1),
+    ("llama3.1-8b", 4, 64, 1),
+]
 
 
 def _assert_canzona_fastest(schedule) -> None:

@@ -29,6 +29,9 @@ def test_canzona_is_fastest_in_step_and_iteration(name: str) -> None:
     assert {"tp-sc", "dp-sc", "zero1-gather", "start-owner", "layer-wise"} <= set(rivals)
     step, iteration = sim.get("canzona").step, sim.iteration("canzona").iteration
     slower = {r: sim.get(r).step / step for r in rivals if sim.get(r).step < step * (1 - TIE)}
-    slower |= {f"{r} (iteration)": sim.iteration(r).iteration / iteration for r in rivals
-               if sim.iteration(r).iteration < iteration * (1 - TIE)}
+    slower |= {
+        f"{r} (iteration)": sim.iteration(r).iteration / iteration
+        for r in rivals
+        if sim.iteration(r).iteration < iteration * (1 - TIE)
+    }
     assert not slower, f"{name}: faster than canzona: {slower}"

@@ -39,8 +39,12 @@ def test_two_groups_timeline_by_hand() -> None:
     groups = [GroupTimes(1, 2, 1), GroupTimes(1, 2, 1)]
     events = {(e.kind, e.group): (e.start, e.end) for e in pipeline_events(groups)}
     assert events == {
-        ("gather", 0): (0, 1), ("gather", 1): (1, 2), ("compute", 0): (1, 3),
-        ("scatter", 0): (3, 4), ("compute", 1): (3, 5), ("scatter", 1): (5, 6),
+        ("gather", 0): (0, 1),
+        ("gather", 1): (1, 2),
+        ("compute", 0): (1, 3),
+        ("scatter", 0): (3, 4),
+        ("compute", 1): (3, 5),
+        ("scatter", 1): (5, 6),
     }
     assert pipeline_seconds(groups) == 6
     assert pipeline_seconds(groups, overlap=False) == 8
@@ -86,8 +90,16 @@ def test_overlap_never_slower_and_never_beats_the_bounds(groups: list[GroupTimes
 # Hardware: a 4x4 Muon update (5 steps) is muon_flops(4, 4, 5) = 2080 FLOPs → 1 s; AdamW moves
 # 28 B per element at 28·64 B/s → 64 elements per second; α = 0.5 s; 32 B/s inside a node.
 
-TOY = Hardware("toy", matrix_flops=2080.0, memory_bandwidth=28 * 64.0, latency=0.5,
-               intra_bandwidth=32.0, inter_bandwidth=16.0, gpus_per_node=8, source="hand-made")
+TOY = Hardware(
+    "toy",
+    matrix_flops=2080.0,
+    memory_bandwidth=28 * 64.0,
+    latency=0.5,
+    intra_bandwidth=32.0,
+    inter_bandwidth=16.0,
+    gpus_per_node=8,
+    source="hand-made",
+)
 
 
 def _toy_model(num_matrices: int) -> ModelSpec:
@@ -268,7 +280,16 @@ def test_simulate_command_text_and_json(tmp_path, qwen8b) -> None:
     runner = CliRunner()
     result = runner.invoke(_app(), ["simulate", str(path), "--device", "a100"])
     assert result.exit_code == 0, result.output
-    for word in ("canzona", "dp-sc", "tp-sc", "zero1-gather", "start-owner", "layer-wise", "critical device", "source:"):
+    for word in (
+        "canzona",
+        "dp-sc",
+        "tp-sc",
+        "zero1-gather",
+        "start-owner",
+        "layer-wise",
+        "critical device",
+        "source:",
+    ):
         assert word in result.output
     result = runner.invoke(_app(), ["simulate", str(path), "--json", "--inter-gbps", "25", "--fused"])
     data = json.loads(result.output)

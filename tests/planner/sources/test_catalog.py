@@ -106,7 +106,9 @@ def test_deepseek_v3_mla_and_moe_shapes() -> None:
     }
     for name, (shape, tp_dim, optimizer) in expected.items():
         assert (params[name].shape, params[name].tp_dim, params[name].optimizer) == (
-            shape, tp_dim, optimizer,
+            shape,
+            tp_dim,
+            optimizer,
         ), name
     assert "decoder.layers.2.mlp.router.weight" not in params
     assert "decoder.layers.3.mlp.linear_fc1.weight" not in params
@@ -124,8 +126,11 @@ def test_qwen3_30b_a3b_experts() -> None:
     router = named["decoder.layers.0.mlp.router.weight"]
     assert (router.shape, router.tp_dim, router.submatrices) == ((128, 2048), None, ((128, 2048),))
     assert not any("shared_experts" in p.name or ".mlp.linear_fc1" in p.name for p in params)
-    layer0 = [p.name.removeprefix("decoder.layers.0.mlp.") for p in params
-              if p.name.startswith("decoder.layers.0.mlp.experts.")]
+    layer0 = [
+        p.name.removeprefix("decoder.layers.0.mlp.")
+        for p in params
+        if p.name.startswith("decoder.layers.0.mlp.experts.")
+    ]
     expected = [f"experts.linear_fc1.weight{i}" for i in range(128)]
     expected += [f"experts.linear_fc2.weight{i}" for i in range(128)]
     assert layer0 == expected
@@ -242,10 +247,24 @@ def test_bad_tp_raises(preset: str, tp: int, fragments: list[str]) -> None:
     ("arch", "fragment"),
     [
         (Architecture(64, 102, 2, 4, 4, 16, 1000), "ffn 102"),
-        (Architecture(64, 128, 2, 4, 4, 16, 1000, num_experts=4, top_k=1, expert_ffn=6),
-         "expert_ffn 6"),
-        (Architecture(64, 128, 2, 4, 4, 16, 1000, num_experts=4, top_k=1, expert_ffn=8,
-                      num_shared_experts=1, shared_expert_ffn=10), "shared_expert_ffn 10"),
+        (Architecture(64, 128, 2, 4, 4, 16, 1000, num_experts=4, top_k=1, expert_ffn=6), "expert_ffn 6"),
+        (
+            Architecture(
+                64,
+                128,
+                2,
+                4,
+                4,
+                16,
+                1000,
+                num_experts=4,
+                top_k=1,
+                expert_ffn=8,
+                num_shared_experts=1,
+                shared_expert_ffn=10,
+            ),
+            "shared_expert_ffn 10",
+        ),
     ],
 )
 def test_tp_not_dividing_ffn_raises(arch: Architecture, fragment: str) -> None:

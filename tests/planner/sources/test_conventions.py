@@ -22,29 +22,95 @@ from canzona.schedules.format import model_parameters
 HF, TITAN = ModelOptions(names="hf"), ModelOptions(names="torchtitan")
 # Tiny models of each supported transformers family (hidden 64, 2 layers; MoE layer 1).
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False),
-    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-                      num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, vocab_size=256, decoder_sparse_step=1, mlp_only_layers=[0]),
-    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256),
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256),
-    "mixtral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=256, num_local_experts=4),
-    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=4, vocab_size=256, n_routed_experts=4,
-                        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_experts_per_tok=2, n_group=1,
-                        topk_group=1),
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+    ),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+    "mixtral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_local_experts=4,
+    ),
+    "deepseek_v3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    ),
 }
 
 
 def tiny_moe(**changes: Any) -> Architecture:
     """One dense and one MoE layer (4 experts of 32), qk-norm, hidden 64."""
-    fields = dict(h=64, ffn=128, num_layers=2, num_heads=4, num_kv_groups=2, head_dim=16, vocab=256, qk_norm=True,
-                  num_experts=4, top_k=2, expert_ffn=32, dense_layers=(0,), family="qwen3_moe")
+    fields = dict(
+        h=64,
+        ffn=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_groups=2,
+        head_dim=16,
+        vocab=256,
+        qk_norm=True,
+        num_experts=4,
+        top_k=2,
+        expert_ffn=32,
+        dense_layers=(0,),
+        family="qwen3_moe",
+    )
     return Architecture(**{**fields, **changes})
 
 
@@ -66,26 +132,47 @@ def matrix_work(params: tuple[ParamSpec, ...]) -> Counter[tuple[int, int]]:
 
 
 def _hf_layer(n: int, moe: bool) -> list[tuple[str, list[int], int | None]]:
-    attention = [("self_attn.q_proj.weight", [64, 64], 0), ("self_attn.k_proj.weight", [32, 64], 0),
-                 ("self_attn.v_proj.weight", [32, 64], 0), ("self_attn.o_proj.weight", [64, 64], 1),
-                 ("self_attn.q_norm.weight", [16], None), ("self_attn.k_norm.weight", [16], None)]
-    dense = [("mlp.gate_proj.weight", [128, 64], 0), ("mlp.up_proj.weight", [128, 64], 0),
-             ("mlp.down_proj.weight", [64, 128], 1)]
-    experts = [("mlp.experts.gate_up_proj", [4, 64, 64], 1), ("mlp.experts.down_proj", [4, 64, 32], 2),
-               ("mlp.gate.weight", [4, 64], None)]
+    attention = [
+        ("self_attn.q_proj.weight", [64, 64], 0),
+        ("self_attn.k_proj.weight", [32, 64], 0),
+        ("self_attn.v_proj.weight", [32, 64], 0),
+        ("self_attn.o_proj.weight", [64, 64], 1),
+        ("self_attn.q_norm.weight", [16], None),
+        ("self_attn.k_norm.weight", [16], None),
+    ]
+    dense = [
+        ("mlp.gate_proj.weight", [128, 64], 0),
+        ("mlp.up_proj.weight", [128, 64], 0),
+        ("mlp.down_proj.weight", [64, 128], 1),
+    ]
+    experts = [
+        ("mlp.experts.gate_up_proj", [4, 64, 64], 1),
+        ("mlp.experts.down_proj", [4, 64, 32], 2),
+        ("mlp.gate.weight", [4, 64], None),
+    ]
     norms = [("input_layernorm.weight", [64], None), ("post_attention_layernorm.weight", [64], None)]
-    return [(f"model.layers.{n}.{name}", shape, tp_dim) for name, shape, tp_dim in attention + (experts if moe else dense) + norms]
+    return [
+        (f"model.layers.{n}.{name}", shape, tp_dim)
+        for name, shape, tp_dim in attention + (experts if moe else dense) + norms
+    ]
 
 
 def test_hf_names_order_and_tp_dims_of_a_tiny_qwen3_moe() -> None:
     params = enumerate_params("tiny", tiny_moe(), 2, HF)
-    expected = [("model.embed_tokens.weight", [256, 64], 0), *_hf_layer(0, False), *_hf_layer(1, True),
-                ("model.norm.weight", [64], None), ("lm_head.weight", [256, 64], 0)]
+    expected = [
+        ("model.embed_tokens.weight", [256, 64], 0),
+        *_hf_layer(0, False),
+        *_hf_layer(1, True),
+        ("model.norm.weight", [64], None),
+        ("lm_head.weight", [256, 64], 0),
+    ]
     assert [(n, s, t) for n, s, _, t in folded(params)] == expected
     slices = [p for p in params if p.parent == "model.layers.1.mlp.experts.gate_up_proj"]
     assert names(slices) == [f"model.layers.1.mlp.experts.gate_up_proj[{e}]" for e in range(4)]
-    assert all(p.shape == (64, 64) and p.tp_dim == 0 and p.expert_index == e and p.num_experts == 4
-               for e, p in enumerate(slices))
+    assert all(
+        p.shape == (64, 64) and p.tp_dim == 0 and p.expert_index == e and p.num_experts == 4
+        for e, p in enumerate(slices)
+    )
     # Packed colwise: each TP shard holds [gate shard; up shard]; updated in [gate; up] order.
     assert slices[0].row_blocks == (((0, 16), (32, 48), (16, 32), (48, 64)),)
     assert all(p.grad_reduce is None for p in params)  # transformers reduces q_norm/k_norm itself
@@ -98,19 +185,40 @@ def test_torchtitan_names_order_and_tp_dims() -> None:
     params = enumerate_params("tiny", tiny_moe(), 2, TITAN)
     experts = "moe.routed_experts.inner_experts."
     layer1 = [n.removeprefix("layers.1.") for n, *_ in folded(params) if n.startswith("layers.1.")]
-    assert layer1 == ["attention.qkv_linear.wqkv.weight", "attention.wo.weight", "attention.q_norm.weight",
-                      "attention.k_norm.weight", f"{experts}w1_EFD", f"{experts}w2_EDF", f"{experts}w3_EFD",
-                      "moe.router.gate.weight", "attention_norm.weight", "ffn_norm.weight"]
+    assert layer1 == [
+        "attention.qkv_linear.wqkv.weight",
+        "attention.wo.weight",
+        "attention.q_norm.weight",
+        "attention.k_norm.weight",
+        f"{experts}w1_EFD",
+        f"{experts}w2_EDF",
+        f"{experts}w3_EFD",
+        "moe.router.gate.weight",
+        "attention_norm.weight",
+        "ffn_norm.weight",
+    ]
     assert names(params)[0] == "tok_embeddings.weight" and names(params)[-2:] == ["norm.weight", "lm_head.weight"]
     layer0 = [n for n in names(params) if n.startswith("layers.0.feed_forward")]
-    assert layer0 == ["layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight", "layers.0.feed_forward.w3.weight"]
+    assert layer0 == [
+        "layers.0.feed_forward.w1.weight",
+        "layers.0.feed_forward.w2.weight",
+        "layers.0.feed_forward.w3.weight",
+    ]
     tp_dims = {n: t for n, _, _, t in folded(params)}
     assert tuple(tp_dims[f"layers.1.{experts}{w}"] for w in ("w1_EFD", "w2_EDF", "w3_EFD")) == (1, 2, 1)
-    assert (tp_dims["tok_embeddings.weight"], tp_dims["lm_head.weight"], tp_dims["layers.0.attention.wo.weight"]) == (0, 0, 1)
+    assert (tp_dims["tok_embeddings.weight"], tp_dims["lm_head.weight"], tp_dims["layers.0.attention.wo.weight"]) == (
+        0,
+        0,
+        1,
+    )
     assert all(p.grad_reduce is None for p in params)  # torchtitan's FSDP2 completes the norms' gradients over TP
     wqkv = next(p for p in params if p.name.endswith("wqkv.weight"))  # Q, K, V per KV head, as Megatron's linear_qkv
     megatron_qkv = next(p for p in enumerate_params("tiny", tiny_moe(), 2) if p.name.endswith("linear_qkv.weight"))
-    assert (wqkv.shape, wqkv.row_blocks, wqkv.submatrices) == (megatron_qkv.shape, megatron_qkv.row_blocks, megatron_qkv.submatrices)
+    assert (wqkv.shape, wqkv.row_blocks, wqkv.submatrices) == (
+        megatron_qkv.shape,
+        megatron_qkv.row_blocks,
+        megatron_qkv.submatrices,
+    )
 
 
 def test_tied_embeddings_have_no_output_projection() -> None:
@@ -120,12 +228,29 @@ def test_tied_embeddings_have_no_output_projection() -> None:
 
 
 def test_mixtral_registers_its_router_first_and_deepseek_its_shared_experts_last() -> None:
-    mixtral = [n for n, *_ in folded(enumerate_params("m", PRESETS["mixtral-8x7b"], 1, HF)) if n.startswith("model.layers.0.mlp")]
-    assert mixtral == ["model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
-    deepseek = [n for n, *_ in folded(enumerate_params("m", PRESETS["deepseek-v3"], 1, HF)) if n.startswith("model.layers.3.mlp")]
-    assert deepseek == ["model.layers.3.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj", "model.layers.3.mlp.gate.weight",
-                        "model.layers.3.mlp.shared_experts.gate_proj.weight", "model.layers.3.mlp.shared_experts.up_proj.weight",
-                        "model.layers.3.mlp.shared_experts.down_proj.weight"]
+    mixtral = [
+        n
+        for n, *_ in folded(enumerate_params("m", PRESETS["mixtral-8x7b"], 1, HF))
+        if n.startswith("model.layers.0.mlp")
+    ]
+    assert mixtral == [
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    ]
+    deepseek = [
+        n
+        for n, *_ in folded(enumerate_params("m", PRESETS["deepseek-v3"], 1, HF))
+        if n.startswith("model.layers.3.mlp")
+    ]
+    assert deepseek == [
+        "model.layers.3.mlp.experts.gate_up_proj",
+        "model.layers.3.mlp.experts.down_proj",
+        "model.layers.3.mlp.gate.weight",
+        "model.layers.3.mlp.shared_experts.gate_proj.weight",
+        "model.layers.3.mlp.shared_experts.up_proj.weight",
+        "model.layers.3.mlp.shared_experts.down_proj.weight",
+    ]
 
 
 def test_head_split_gives_one_submatrix_per_head() -> None:
@@ -186,7 +311,9 @@ def test_config_defaults_to_hf_names_and_presets_to_megatron(tmp_path: Path) -> 
     from_config = load_model(str(config), 2, auto)
     assert from_config.names == "hf" and from_config.params[0].name == "model.embed_tokens.weight"
     assert load_model(str(config), 2).names == "megatron"  # the Python API keeps Megatron's names unless asked
-    assert load_model(str(config), 2, ModelOptions(names="megatron")).params[0].name == "embedding.word_embeddings.weight"
+    assert (
+        load_model(str(config), 2, ModelOptions(names="megatron")).params[0].name == "embedding.word_embeddings.weight"
+    )
     preset = load_model("qwen3-0.6b", 1, auto)
     assert preset.names == "megatron" and preset.params[0].name == "embedding.word_embeddings.weight"
     assert load_model("qwen3-0.6b", 1, ModelOptions(names="torchtitan")).names == "torchtitan"
@@ -212,7 +339,12 @@ def test_sequence_parallel_marks_every_norm_and_nothing_else() -> None:
     [
         ("qwen3-8b", ModelOptions(names="hf", split_qkv="none"), 1, ["split_qkv none", "separate parameters"]),
         ("deepseek-v3", ModelOptions(names="torchtitan"), 1, ["torchtitan names", "latent attention"]),
-        ("qwen3-8b", ModelOptions(names="hf"), 3, ["hf names: tp 3 does not divide num_heads 32", "whole attention heads"]),
+        (
+            "qwen3-8b",
+            ModelOptions(names="hf"),
+            3,
+            ["hf names: tp 3 does not divide num_heads 32", "whole attention heads"],
+        ),
         ("qwen3-8b", ModelOptions(names="flax"), 1, ["unknown naming convention 'flax'"]),
         ("examples/tiny_qwen3.yaml", ModelOptions(names="hf"), 1, ["--names hf applies to presets", "parameter list"]),
     ],
@@ -238,6 +370,7 @@ def test_hf_and_torchtitan_shard_the_vocab_unevenly_megatron_pads_it() -> None:
 
 def _plan_tp_dim(name: str, ndim: int, tp_plan: dict[str, str]) -> int | None:
     """The dim transformers' own TP plan shards a parameter on (None: replicated)."""
+
     def matches(pattern: str, target: str) -> bool:
         return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), target) is not None
 

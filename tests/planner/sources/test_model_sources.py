@@ -18,58 +18,135 @@ from canzona.planner.spec import ADAMW, MATRIX, ModelOptions, ParamSpec, PlanErr
 # Shape-relevant keys of the published config.json files (other keys kept where they could
 # plausibly confuse a reader, e.g. rope settings and flags).
 QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288,
-    "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
-    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_sliding_window": False,
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
     "vocab_size": 151936,
 }
 QWEN25_7B = {
-    "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584,
-    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
-    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
-    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_sliding_window": False, "vocab_size": 152064,
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 131072,
+    "max_window_layers": 28,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 152064,
 }
 LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "hidden_act": "silu",
-    "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
-    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "vocab_size": 128256,
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "rope_type": "llama3"},
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 128256,
 }
 MIXTRAL_8X7B = {
-    "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
-    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
-    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "num_local_experts": 8, "rms_norm_eps": 1e-05,
-    "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "architectures": ["MixtralForCausalLM"],
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
     "vocab_size": 32000,
 }
 QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1,
-    "head_dim": 128, "hidden_size": 2048, "intermediate_size": 6144,
-    "max_position_embeddings": 40960, "mlp_only_layers": [], "model_type": "qwen3_moe",
-    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
-    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
-    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "tie_word_embeddings": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
 }
 DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "ep_size": 1,
-    "first_k_dense_replace": 3, "hidden_size": 7168, "intermediate_size": 18432,
-    "kv_lora_rank": 512, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
-    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
-    "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
-    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "rope_scaling": {"factor": 40, "type": "yarn"}, "scoring_func": "sigmoid",
-    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
-    "v_head_dim": 128, "vocab_size": 129280,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rope_scaling": {"factor": 40, "type": "yarn"},
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
 }
 
 
@@ -148,9 +225,7 @@ def test_hf_config_matches_preset(config: dict[str, Any], preset: str, tp: int) 
     arch = architecture_from_hf(config)
     assert count_params(arch) == count_params(PRESETS[preset])
     options = ModelOptions(split_qkv="head", split_fc1=True)
-    assert enumerate_params("hf", arch, tp, options) == enumerate_params(
-        preset, PRESETS[preset], tp, options
-    )
+    assert enumerate_params("hf", arch, tp, options) == enumerate_params(preset, PRESETS[preset], tp, options)
 
 
 def test_qwen2_has_qkv_bias_and_no_qk_norm() -> None:
@@ -174,8 +249,7 @@ def test_head_dim_defaults_to_hidden_over_heads() -> None:
 
 
 def test_qwen3_moe_sparse_step_and_mlp_only_layers() -> None:
-    config = {**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2,
-              "mlp_only_layers": [3]}
+    config = {**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
     arch = architecture_from_hf(config)
     assert [arch.is_moe_layer(n) for n in range(6)] == [False, True, False, False, False, True]
     names = {p.name for p in enumerate_params("moe", arch, 4, ModelOptions())}
@@ -198,18 +272,19 @@ def test_deepseek_moe_layer_freq_and_uncompressed_queries() -> None:
 @pytest.mark.parametrize(
     ("config", "fragments"),
     [
-        ({**QWEN3_8B, "architectures": ["GPT2LMHeadModel"]},
-         ["unsupported Hugging Face architecture GPT2LMHeadModel", "Qwen3ForCausalLM"]),
+        (
+            {**QWEN3_8B, "architectures": ["GPT2LMHeadModel"]},
+            ["unsupported Hugging Face architecture GPT2LMHeadModel", "Qwen3ForCausalLM"],
+        ),
         ({"model_type": "gpt2"}, ["model_type 'gpt2'", "DeepseekV3ForCausalLM"]),
-        ({k: v for k, v in QWEN3_8B.items() if k != "vocab_size"},
-         ["Qwen3ForCausalLM", "missing required key 'vocab_size'"]),
-        ({k: v for k, v in DEEPSEEK_V3.items() if k != "kv_lora_rank"},
-         ["missing required key 'kv_lora_rank'"]),
-        ({k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"},
-         ["missing required key 'num_experts'"]),
+        (
+            {k: v for k, v in QWEN3_8B.items() if k != "vocab_size"},
+            ["Qwen3ForCausalLM", "missing required key 'vocab_size'"],
+        ),
+        ({k: v for k, v in DEEPSEEK_V3.items() if k != "kv_lora_rank"}, ["missing required key 'kv_lora_rank'"]),
+        ({k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"}, ["missing required key 'num_experts'"]),
         ({**LLAMA31_8B, "hidden_size": "4096"}, ["hidden_size must be an integer", "'4096'"]),
-        ({**LLAMA31_8B, "tie_word_embeddings": "no"},
-         ["tie_word_embeddings must be true or false"]),
+        ({**LLAMA31_8B, "tie_word_embeddings": "no"}, ["tie_word_embeddings must be true or false"]),
         ({**LLAMA31_8B, "attention_bias": True}, ["attention_bias=True is not supported"]),
         ({**QWEN3_30B_A3B, "mlp_only_layers": "all"}, ["mlp_only_layers must be a list"]),
         ({**QWEN3_30B_A3B, "decoder_sparse_step": 0}, ["decoder_sparse_step must be >= 1"]),
@@ -226,8 +301,12 @@ def test_bad_hf_config_raises(config: dict[str, Any], fragments: list[str]) -> N
 
 def test_supported_architectures_listed() -> None:
     assert set(SUPPORTED_ARCHITECTURES) == {
-        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM",
-        "MixtralForCausalLM", "DeepseekV3ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen2ForCausalLM",
+        "LlamaForCausalLM",
+        "MixtralForCausalLM",
+        "DeepseekV3ForCausalLM",
     }
 
 
@@ -241,7 +320,9 @@ def test_load_model_from_config_file_and_directory(tmp_path: Path) -> None:
     assert model.params == enumerate_params("qwen3-8b", PRESETS["qwen3-8b"], 4, ModelOptions())
     from_dir = load_model(str(model_dir), tp=4)
     assert (from_dir.source, from_dir.source_sha256, from_dir.params) == (
-        str(model_dir), sha, model.params,
+        str(model_dir),
+        sha,
+        model.params,
     )
 
 
@@ -249,14 +330,17 @@ def test_load_model_from_config_file_and_directory(tmp_path: Path) -> None:
 
 ENTRIES = [
     {"name": "embed_tokens.weight", "shape": [1000, 64], "tp_dim": 0},
-    {"name": "layers.0.attn.qkv.weight", "shape": [192, 64], "tp_dim": 0,
-     "submatrices": [[64, 64], [64, 64], [64, 64]]},
+    {
+        "name": "layers.0.attn.qkv.weight",
+        "shape": [192, 64],
+        "tp_dim": 0,
+        "submatrices": [[64, 64], [64, 64], [64, 64]],
+    },
     {"name": "layers.0.attn.out.weight", "shape": [64, 64], "tp_dim": 1},
     {"name": "layers.0.ln.weight", "shape": [64], "tp_dim": None},
     {"name": "layers.0.mlp.gate.weight", "shape": [4, 64], "tp_dim": None, "optimizer": "adamw"},
     {"name": "layers.0.conv.weight", "shape": [8, 4, 3], "tp_dim": 0},
-    {"name": "layers.0.expert.weight", "shape": [128, 64], "tp_dim": 0, "expert": [3, 8],
-     "dtype": "fp32"},
+    {"name": "layers.0.expert.weight", "shape": [128, 64], "tp_dim": 0, "expert": [3, 8], "dtype": "fp32"},
     {"name": "lm_head.weight", "shape": [1000, 64], "tp_dim": 0},
 ]
 
@@ -273,12 +357,17 @@ def test_param_file_loads(tmp_path: Path, suffix: str, mapping: bool) -> None:
     assert [p.name for p in model.params] == [e["name"] for e in ENTRIES]
     params = {p.name: p for p in model.params}
     assert [params[e["name"]].optimizer for e in ENTRIES] == [
-        ADAMW, MATRIX, MATRIX, ADAMW, ADAMW, ADAMW, MATRIX, ADAMW,
+        ADAMW,
+        MATRIX,
+        MATRIX,
+        ADAMW,
+        ADAMW,
+        ADAMW,
+        MATRIX,
+        ADAMW,
     ]
     assert params["layers.0.attn.qkv.weight"].submatrices == ((64, 64),) * 3
-    assert params["layers.0.attn.out.weight"] == ParamSpec(
-        "layers.0.attn.out.weight", (64, 64), 1, MATRIX, ((64, 64),)
-    )
+    assert params["layers.0.attn.out.weight"] == ParamSpec("layers.0.attn.out.weight", (64, 64), 1, MATRIX, ((64, 64),))
     assert params["layers.0.ln.weight"].submatrices == ()
     expert = params["layers.0.expert.weight"]
     assert (expert.expert, expert.dtype, expert.shape) == (True, "fp32", (128, 64))
@@ -286,8 +375,9 @@ def test_param_file_loads(tmp_path: Path, suffix: str, mapping: bool) -> None:
 
 
 def test_explicit_optimizer_overrides_name_default(tmp_path: Path) -> None:
-    path = write(tmp_path / "m.yaml", [{"name": "lm_head.weight", "shape": [10, 4], "tp_dim": None,
-                                         "optimizer": "matrix"}])
+    path = write(
+        tmp_path / "m.yaml", [{"name": "lm_head.weight", "shape": [10, 4], "tp_dim": None, "optimizer": "matrix"}]
+    )
     (param,) = load_model(path, tp=1).params
     assert (param.optimizer, param.submatrices) == (MATRIX, ((10, 4),))
 
@@ -305,8 +395,7 @@ BAD_ENTRIES = [
     ({"name": "w", "shape": [], "tp_dim": None}, "non-empty"),
     ({"name": "w", "shape": [4, 4, 4], "tp_dim": 0, "optimizer": "matrix"}, "2-D shape"),
     ({"name": "w", "shape": [4, 4], "tp_dim": 0, "submatrices": [[4, 3]]}, "consecutive row blocks"),
-    ({"name": "w.norm", "shape": [4, 4], "tp_dim": 0, "submatrices": [[4, 4]]},
-     "only allowed for matrix"),
+    ({"name": "w.norm", "shape": [4, 4], "tp_dim": 0, "submatrices": [[4, 4]]}, "only allowed for matrix"),
     ({"name": "w", "shape": [4, 4], "tp_dim": 0, "dtype": "int8"}, "dtype 'int8'"),
     ({"name": "", "shape": [4, 4], "tp_dim": 0}, "name must not be empty"),
     ("w: [4, 4]", "must be a mapping with keys name, shape, tp_dim"),
@@ -314,9 +403,7 @@ BAD_ENTRIES = [
 
 
 @pytest.mark.parametrize(("entry", "fragment"), BAD_ENTRIES)
-def test_bad_param_entry_names_index_and_field(
-    tmp_path: Path, entry: Any, fragment: str
-) -> None:
+def test_bad_param_entry_names_index_and_field(tmp_path: Path, entry: Any, fragment: str) -> None:
     good = {"name": "ok", "shape": [2], "tp_dim": None}
     path = write(tmp_path / "bad.json", [good, entry])
     with pytest.raises(PlanError) as err:
@@ -333,7 +420,10 @@ def test_bad_param_entry_names_index_and_field(
         ([], ["lists no parameters"]),
         ("just text", ["must hold a list of parameters", "str"]),
         ([{"name": "w", "shape": [2], "tp_dim": None}] * 2, ["'w' appears twice"]),
-        ([{"name": "w", "shape": [6, 4], "tp_dim": 0, "submatrices": [[3, 4], [3, 4]]}], ["tp 4 does not divide dim 0", "'w'"]),
+        (
+            [{"name": "w", "shape": [6, 4], "tp_dim": 0, "submatrices": [[3, 4], [3, 4]]}],
+            ["tp 4 does not divide dim 0", "'w'"],
+        ),
     ],
 )
 def test_bad_param_file_raises(tmp_path: Path, data: Any, fragments: list[str]) -> None:
@@ -352,9 +442,7 @@ def test_bad_param_file_raises(tmp_path: Path, data: Any, fragments: list[str]) 
         ("model.txt", "[]", ["must end in .json, .yaml or .yml"]),
     ],
 )
-def test_malformed_files_raise(
-    tmp_path: Path, filename: str, text: str, fragments: list[str]
-) -> None:
+def test_malformed_files_raise(tmp_path: Path, filename: str, text: str, fragments: list[str]) -> None:
     path = tmp_path / filename
     path.write_text(text)
     with pytest.raises(PlanError) as err:
@@ -398,7 +486,9 @@ def test_fused_param_file_rows_match_the_catalog_fc1(tmp_path: Path, tp: int, sp
 
     entry = {"name": "mlp.linear_fc1.weight", "shape": [2 * 25600, 5120], "tp_dim": 0, "fused": 2, "split_fused": split}
     (param,) = load_model(write(tmp_path / "m.yaml", [entry]), tp=tp).params
-    catalog = {p.name: p for p in enumerate_params("qwen3-32b", PRESETS["qwen3-32b"], tp, ModelOptions(split_fc1=split))}
+    catalog = {
+        p.name: p for p in enumerate_params("qwen3-32b", PRESETS["qwen3-32b"], tp, ModelOptions(split_fc1=split))
+    }
     fc1 = catalog["decoder.layers.0.mlp.linear_fc1.weight"]
     assert (param.row_blocks, param.submatrices) == (fc1.row_blocks, fc1.submatrices)
 
@@ -430,14 +520,17 @@ def _config_file(tmp_path: Path, **changes: Any) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize(("changes", "expected"), [
-    ({"torch_dtype": "float32"}, "fp32"),
-    ({"dtype": "float16"}, "fp16"),
-    ({"dtype": "float32", "torch_dtype": "bfloat16"}, "fp32"),  # transformers writes `dtype` now
-    ({"torch_dtype": "bfloat16"}, "bf16"),
-    ({}, "bf16"),
-    ({"torch_dtype": "auto"}, "bf16"),
-])
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"torch_dtype": "float32"}, "fp32"),
+        ({"dtype": "float16"}, "fp16"),
+        ({"dtype": "float32", "torch_dtype": "bfloat16"}, "fp32"),  # transformers writes `dtype` now
+        ({"torch_dtype": "bfloat16"}, "bf16"),
+        ({}, "bf16"),
+        ({"torch_dtype": "auto"}, "bf16"),
+    ],
+)
 def test_a_config_plans_in_its_own_dtype(tmp_path: Path, changes: dict[str, Any], expected: str) -> None:
     model = load_model(_config_file(tmp_path, **changes), 1)
     assert {p.dtype for p in model.params} == {expected}
@@ -448,7 +541,9 @@ def test_dtype_option_overrides_every_source(tmp_path: Path) -> None:
         model = load_model(source, 1, ModelOptions(dtype="fp16"))
         assert {p.dtype for p in model.params} == {"fp16"}, source
     # an override also stands in for a dtype canzona would refuse
-    assert {p.dtype for p in load_model(_config_file(tmp_path, torch_dtype="float64"), 1, ModelOptions(dtype="fp32")).params} == {"fp32"}
+    assert {
+        p.dtype for p in load_model(_config_file(tmp_path, torch_dtype="float64"), 1, ModelOptions(dtype="fp32")).params
+    } == {"fp32"}
 
 
 def test_an_unplannable_config_dtype_names_the_flag(tmp_path: Path) -> None:
@@ -474,6 +569,7 @@ def test_heads_must_divide_and_megatron_keeps_padding(tmp_path: Path) -> None:
     with pytest.raises(PlanError) as err:
         load_model(_config_file(tmp_path), 3, ModelOptions(names="auto"))  # 32 heads
     assert_one_line_error(err, "tp 3 does not divide num_heads 32", "whole attention heads")
-    padded = load_model(_config_file(tmp_path, num_attention_heads=24, num_key_value_heads=6), 3,
-                        ModelOptions(names="megatron"))
+    padded = load_model(
+        _config_file(tmp_path, num_attention_heads=24, num_key_value_heads=6), 3, ModelOptions(names="megatron")
+    )
     assert padded.params[0].shape[0] % (3 * 128) == 0  # Megatron pads the vocabulary to 128 x TP

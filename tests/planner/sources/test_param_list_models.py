@@ -18,13 +18,28 @@ def specs(entries: list[dict[str, Any]], tp: int = 1, **document: Any) -> tuple[
 
 
 def test_grouped_experts_become_one_matrix_per_expert() -> None:
-    params = specs([{"name": "norm", "shape": [4], "tp_dim": None, "grad_reduce": "tp"}, GATE_UP,
-                    {"name": "experts.down_proj", "shape": [3, 4, 4], "tp_dim": 2, "grouped_experts": True}], tp=2)
-    assert [p.name for p in params] == ["norm", *(f"experts.gate_up_proj[{e}]" for e in range(3)),
-                                        *(f"experts.down_proj[{e}]" for e in range(3))]
+    params = specs(
+        [
+            {"name": "norm", "shape": [4], "tp_dim": None, "grad_reduce": "tp"},
+            GATE_UP,
+            {"name": "experts.down_proj", "shape": [3, 4, 4], "tp_dim": 2, "grouped_experts": True},
+        ],
+        tp=2,
+    )
+    assert [p.name for p in params] == [
+        "norm",
+        *(f"experts.gate_up_proj[{e}]" for e in range(3)),
+        *(f"experts.down_proj[{e}]" for e in range(3)),
+    ]
     gate_up = params[1:4]
-    assert all(p.shape == (8, 4) and p.tp_dim == 0 and p.optimizer == "matrix" and p.parent == "experts.gate_up_proj"
-               and p.num_experts == 3 for p in gate_up)
+    assert all(
+        p.shape == (8, 4)
+        and p.tp_dim == 0
+        and p.optimizer == "matrix"
+        and p.parent == "experts.gate_up_proj"
+        and p.num_experts == 3
+        for p in gate_up
+    )
     assert [p.expert_index for p in gate_up] == [0, 1, 2]
     assert gate_up[0].row_blocks == (((0, 2), (4, 6), (2, 4), (6, 8)),)  # each TP shard holds [gate; up] halves
     assert params[4].tp_dim == 1 and params[0].grad_reduce == "tp"
@@ -34,7 +49,9 @@ def test_grouped_experts_become_one_matrix_per_expert() -> None:
 def test_grouped_expert_submatrices_and_split_fused_apply_to_each_expert() -> None:
     split = specs([{**GATE_UP, "split_fused": True}], tp=2)
     assert split[0].submatrices == ((4, 4), (4, 4))
-    blocks = specs([{"name": "w", "shape": [2, 6, 4], "tp_dim": None, "grouped_experts": True, "submatrices": [[2, 4], [4, 4]]}])
+    blocks = specs(
+        [{"name": "w", "shape": [2, 6, 4], "tp_dim": None, "grouped_experts": True, "submatrices": [[2, 4], [4, 4]]}]
+    )
     assert [p.submatrices for p in blocks] == [((2, 4), (4, 4))] * 2 and blocks[0].row_blocks == (((0, 2),), ((2, 6),))
 
 
@@ -49,9 +66,18 @@ def test_the_tp_a_list_was_read_at() -> None:
     [
         ({"name": "w", "shape": [8, 4], "tp_dim": 0, "grouped_experts": True}, "grouped_experts needs a 3-D shape"),
         ({"name": "w", "shape": [2, 8, 4], "tp_dim": 0, "grouped_experts": True}, "that is expert parallelism"),
-        ({"name": "w", "shape": [2, 8, 4], "tp_dim": None, "grouped_experts": True, "optimizer": "adamw"}, "grouped_experts needs"),
-        ({"name": "w", "shape": [2, 8, 4], "tp_dim": None, "grouped_experts": True, "expert": [0, 2]}, "without expert"),
-        ({**GATE_UP, "tp_dim": 2}, "fused needs a matrix-optimizer parameter split on dim 0 (dim 1 for grouped experts)"),
+        (
+            {"name": "w", "shape": [2, 8, 4], "tp_dim": None, "grouped_experts": True, "optimizer": "adamw"},
+            "grouped_experts needs",
+        ),
+        (
+            {"name": "w", "shape": [2, 8, 4], "tp_dim": None, "grouped_experts": True, "expert": [0, 2]},
+            "without expert",
+        ),
+        (
+            {**GATE_UP, "tp_dim": 2},
+            "fused needs a matrix-optimizer parameter split on dim 0 (dim 1 for grouped experts)",
+        ),
         ({"name": "w", "shape": [8, 4], "tp_dim": 0, "grad_reduce": "tp"}, "replicated over TP"),
         ({"name": "w", "shape": [8], "tp_dim": None, "grad_reduce": "dp"}, "grad_reduce"),
         ({"name": "w", "shape": [70000, 2, 2], "tp_dim": None, "grouped_experts": True}, "70000 experts is above"),
@@ -78,7 +104,12 @@ def test_described_tp_is_a_positive_integer() -> None:
 # Fused QKV weights (`qkv:`) and the split options
 
 
-QKV = {"name": "attn.linear_qkv.weight", "shape": [128, 64], "tp_dim": 0, "qkv": {"query_groups": 2, "heads": 4, "head_dim": 16}}
+QKV = {
+    "name": "attn.linear_qkv.weight",
+    "shape": [128, 64],
+    "tp_dim": 0,
+    "qkv": {"query_groups": 2, "heads": 4, "head_dim": 16},
+}
 
 
 def test_a_fused_qkv_entry_is_split_as_megatron_groups_it() -> None:
@@ -90,8 +121,11 @@ def test_a_fused_qkv_entry_is_split_as_megatron_groups_it() -> None:
 
     arch = Architecture(64, 128, 1, 4, 2, 16, 256, qk_norm=True, family="qwen3")
     for split in ("qkv", "head", "none"):
-        expected = next(p for p in enumerate_params("t", arch, 2, ModelOptions(split_qkv=split))
-                        if p.name.endswith("linear_qkv.weight"))
+        expected = next(
+            p
+            for p in enumerate_params("t", arch, 2, ModelOptions(split_qkv=split))
+            if p.name.endswith("linear_qkv.weight")
+        )
         (param,) = params_from_data({"name": "m", "params": [QKV]}, "m", 2, split_qkv=split)[1]
         assert (param.row_blocks, param.submatrices) == (expected.row_blocks, expected.submatrices), split
     (qkv,) = params_from_data({"name": "m", "params": [QKV]}, "m", 2)[1]
@@ -99,8 +133,9 @@ def test_a_fused_qkv_entry_is_split_as_megatron_groups_it() -> None:
 
 
 def test_split_fc1_splits_every_fused_entry() -> None:
-    (fc1,) = params_from_data({"name": "m", "params": [{"name": "fc1", "shape": [8, 4], "tp_dim": 0, "fused": 2}]}, "m", 2,
-                              split_fc1=True)[1]
+    (fc1,) = params_from_data(
+        {"name": "m", "params": [{"name": "fc1", "shape": [8, 4], "tp_dim": 0, "fused": 2}]}, "m", 2, split_fc1=True
+    )[1]
     assert fc1.submatrices == ((4, 4), (4, 4)) and fc1.row_blocks == (((0, 2), (4, 6)), ((2, 4), (6, 8)))
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from canzona.runtime.exchange.comm import AS_SCHEDULED, bucket_mode
-from canzona.schedules.layout import build_dp_layout
 from canzona.schedules.format import Schedule, sealed
+from canzona.schedules.layout import build_dp_layout
 from canzona.schedules.limits import BUCKET_COLLECTIVES
 
 from rt_harness import DATA, make_schedule, run_ranks
@@ -35,8 +35,10 @@ def with_collective(schedule: Schedule, collective: str) -> Schedule:
 
 def _uneven(schedule: Schedule, empty: bool) -> bool:
     """Whether some bucket has slices of different sizes (`empty`: one of them empty)."""
-    return any(len(set(b.slice_bytes)) > 1 and (0 in b.slice_bytes or not empty)
-               for b in (*schedule.dp.buckets, *schedule.dp.expert_buckets))
+    return any(
+        len(set(b.slice_bytes)) > 1 and (0 in b.slice_bytes or not empty)
+        for b in (*schedule.dp.buckets, *schedule.dp.expert_buckets)
+    )
 
 
 def _check(schedule: Schedule, rtol: float = 1e-5, empty: bool = True) -> None:

@@ -56,12 +56,16 @@ def edit(case: str, grads: dict[str, torch.Tensor | None]) -> None:
         grads[HOOKED].mul_(2.0)  # type: ignore[union-attr]
 
 
-def _local_grads(schedule: Schedule, step: int, dp_rank: int, tp_rank: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+def _local_grads(
+    schedule: Schedule, step: int, dp_rank: int, tp_rank: int, scale: float = 1.0
+) -> dict[str, torch.Tensor]:
     tp = schedule.request.tp
     return {e.name: shard(full_grad(e, step, dp_rank) * scale, e, tp_rank, tp) for e in ordered(schedule, dp_rank)}
 
 
-def _worker(rank: int, world: int, schedule: Schedule, case: str, overlap: bool, overflow_at: int | None) -> dict[str, Any]:
+def _worker(
+    rank: int, world: int, schedule: Schedule, case: str, overlap: bool, overflow_at: int | None
+) -> dict[str, Any]:
     tp = schedule.request.tp
     dp_rank, tp_rank = divmod(rank, tp)
     full = full_params(schedule)
@@ -70,6 +74,7 @@ def _worker(rank: int, world: int, schedule: Schedule, case: str, overlap: bool,
     optimizer = CanzonaOptimizer(params, schedule, **optimizer_groups(schedule), overlap_grad_reduce=overlap, **HP)
     named = dict(params)
     if case == "late-hook":  # after construction, as transformers registers its hook at the first forward
+
         def double(param: torch.Tensor) -> None:
             param.grad.mul_(2.0)
 
@@ -127,8 +132,15 @@ def reference(schedule: Schedule, case: str, overflow_at: int | None = None) -> 
         for name in grads:
             present = [g for g in (r[name] for r in per_rank) if g is not None]
             if present:
-                mean[name] = torch.stack([(g if g is not None else torch.zeros_like(present[0])).float()
-                                          for g in (r[name] for r in per_rank)]).sum(0) / dp
+                mean[name] = (
+                    torch.stack(
+                        [
+                            (g if g is not None else torch.zeros_like(present[0])).float()
+                            for g in (r[name] for r in per_rank)
+                        ]
+                    ).sum(0)
+                    / dp
+                )
         optimizer.step(mean)
     return {name: p.detach() for name, p in params}
 
@@ -146,7 +158,9 @@ def test_edits_between_backward_and_step_are_reduced(tp: int, dp: int) -> None:
         on, off = (run_ranks(_worker, tp * dp, schedule, case, overlap, None) for overlap in (True, False))
         for rank in range(tp * dp):
             for name in off[rank]:
-                assert torch.equal(on[rank][name], off[rank][name]), f"{case}: overlap on and off differ at rank {rank} {name}"
+                assert torch.equal(on[rank][name], off[rank][name]), (
+                    f"{case}: overlap on and off differ at rank {rank} {name}"
+                )
         if tp == 1 or case != "clip":
             compare(schedule, off, reference(schedule, case), rtol=1e-5, atol=1e-6)
 

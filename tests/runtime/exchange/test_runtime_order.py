@@ -10,9 +10,9 @@ from canzona.planner.plan import TrainingSetup
 from canzona.planner.predict.hardware import BUILTIN
 from canzona.planner.predict.iteration import BUFFER_ORDER, device_compute
 from canzona.planner.predict.step import ADAMW_BUFFER, DENSE
-from canzona.schedules.layout import build_dp_layout
 from canzona.runtime.schedule import load_schedule
 from canzona.schedules.format import Schedule
+from canzona.schedules.layout import build_dp_layout
 
 from rt_harness import DATA, make_schedule
 
@@ -24,8 +24,11 @@ def _simulator_order(schedule: Schedule, reduce: bool) -> list[tuple[str, int]]:
     compute = device_compute(schedule, BUILTIN["h100"], TrainingSetup(global_batch=schedule.request.dp * 8, seq_len=64))
     where = compute.ready if reduce else compute.needed
     fallback = 1.0 if reduce else 0.0
-    keys = [(SIMULATOR_BUFFER[kind], index) for kind, buckets in (("matrix", schedule.dp.buckets), ("adamw", schedule.dp.adamw_buckets))
-            for index in range(len(buckets))]
+    keys = [
+        (SIMULATOR_BUFFER[kind], index)
+        for kind, buckets in (("matrix", schedule.dp.buckets), ("adamw", schedule.dp.adamw_buckets))
+        for index in range(len(buckets))
+    ]
     return sorted(keys, key=lambda key: (where.get(key, fallback), BUFFER_ORDER[key[0]], key[1]))
 
 
@@ -33,8 +36,10 @@ def _simulator_order(schedule: Schedule, reduce: bool) -> list[tuple[str, int]]:
 def test_launch_order_is_the_simulators(source: str) -> None:
     schedule = make_schedule(DATA / "tiny_moe.json", 2, 2) if source == "tiny" else load_schedule(source)
     layout = build_dp_layout(schedule)
-    runtime = {name: [(SIMULATOR_BUFFER[layout.buckets[b].kind], layout.buckets[b].index) for b in order]
-               for name, order in (("reduce", layout.reduce_order), ("gather", layout.gather_order))}
+    runtime = {
+        name: [(SIMULATOR_BUFFER[layout.buckets[b].kind], layout.buckets[b].index) for b in order]
+        for name, order in (("reduce", layout.reduce_order), ("gather", layout.gather_order))
+    }
     assert runtime["reduce"] == _simulator_order(schedule, reduce=True)
     assert runtime["gather"] == _simulator_order(schedule, reduce=False)
     assert runtime["gather"] == runtime["reduce"][::-1]

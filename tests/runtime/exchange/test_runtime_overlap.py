@@ -57,8 +57,10 @@ def _settings(optimizer: str, dp: int) -> tuple[dict[str, Any], dict[str, Any], 
 def scenarios(tp: int, dp: int, optimizer: str) -> dict[str, Scenario]:
     settings, extra, _ = _settings(optimizer, dp)
     schedule = make_schedule(MODEL, tp, dp, optimizer=optimizer, **settings)
-    return {name: Scenario(schedule, steps=3, hp={**HP, **extra}, micro_batches=3, backward=True, options=options)
-            for name, options in VARIANTS.items()}
+    return {
+        name: Scenario(schedule, steps=3, hp={**HP, **extra}, micro_batches=3, backward=True, options=options)
+        for name, options in VARIANTS.items()
+    }
 
 
 def _identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -109,12 +111,27 @@ def recipes() -> dict[str, Scenario]:
     muon = make_schedule(MODEL, 2, 2)
     both = {"overlap_param_gather": True}
     return {
-        "megatron-main-grad-clip": Scenario(muon, steps=3, hp=HP, micro_batches=2, backward=True, grad_attr="main_grad",
-                                            max_norm=50.0, options=both, meta=True),
+        "megatron-main-grad-clip": Scenario(
+            muon,
+            steps=3,
+            hp=HP,
+            micro_batches=2,
+            backward=True,
+            grad_attr="main_grad",
+            max_norm=50.0,
+            options=both,
+            meta=True,
+        ),
         "plain-accumulation": Scenario(muon, steps=3, hp=HP, micro_batches=3, backward=True, no_sync=False, meta=True),
-        "frozen-and-gaps": Scenario(muon, steps=4, hp=HP, backward=True, frozen=FROZEN, has_grad=gaps, options=both, meta=True),
-        "dp-sc": Scenario(muon, steps=3, hp=HP, micro_batches=2, backward=True, strategy="dp-sc", max_norm=5.0, meta=True),
-        "tp-sc": Scenario(muon, steps=3, hp=HP, micro_batches=2, backward=True, strategy="tp-sc", options=both, meta=True),
+        "frozen-and-gaps": Scenario(
+            muon, steps=4, hp=HP, backward=True, frozen=FROZEN, has_grad=gaps, options=both, meta=True
+        ),
+        "dp-sc": Scenario(
+            muon, steps=3, hp=HP, micro_batches=2, backward=True, strategy="dp-sc", max_norm=5.0, meta=True
+        ),
+        "tp-sc": Scenario(
+            muon, steps=3, hp=HP, micro_batches=2, backward=True, strategy="tp-sc", options=both, meta=True
+        ),
     }
 
 
@@ -136,9 +153,13 @@ def test_training_recipes_with_overlap_match_the_reference() -> None:
             assert result["norms"] == pytest.approx(reference["norms"], rel=1e-5), f"{name} rank {rank}: clip norms"
             steps = {n: s for n, s in reference["param_steps"].items() if s != scenario.steps}
             assert {n: s for n, s in result["param_steps"].items() if n not in scenario.frozen} == steps, name
-            assert all(r is not None and r[2] for r in result["rounds"]), f"{name} rank {rank}: backward launched nothing"
+            assert all(r is not None and r[2] for r in result["rounds"]), (
+                f"{name} rank {rank}: backward launched nothing"
+            )
     gapped = [rank[list(cases).index("frozen-and-gaps")]["rounds"] for rank in results]
-    assert any(early < launched for rounds in gapped for early, launched, _ in rounds), "a gap left a bucket to the end of backward"
+    assert any(early < launched for rounds in gapped for early, launched, _ in rounds), (
+        "a gap left a bucket to the end of backward"
+    )
 
 
 TIMEOUT = 3.0
@@ -150,7 +171,9 @@ def _setup_backward(schedule: Any, rank: int, **options: Any) -> tuple[Any, Grad
     full = full_params(schedule)
     params = [(e.name, torch.nn.Parameter(shard(full[e.name], e, rank % tp, tp))) for e in ordered(schedule)]
     model = GradModel(params)
-    optimizer = CanzonaOptimizer(params, schedule, dp_group=dp_group, tp_group=tp_group, timeout=TIMEOUT, model=model, **options)
+    optimizer = CanzonaOptimizer(
+        params, schedule, dp_group=dp_group, tp_group=tp_group, timeout=TIMEOUT, model=model, **options
+    )
     return optimizer, model, params
 
 
@@ -167,14 +190,20 @@ def _backward(optimizer: Any, model: GradModel, step: int, poison: str | None = 
     model(grads).backward()
 
 
-def _snapshot(optimizer: Any, params: list[tuple[str, Any]]) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]], int]:
+def _snapshot(
+    optimizer: Any, params: list[tuple[str, Any]]
+) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]], int]:
     state = {key: [data.clone() for _, data in t.chunks] for key, t in optimizer.state_dict()["tensors"].items()}
     return [p.detach().clone() for _, p in params], state, optimizer.step_count
 
 
 def _same(a: Any, b: Any) -> bool:
-    return (all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and a[1].keys() == b[1].keys()
-            and all(torch.equal(x, y) for key in a[1] for x, y in zip(a[1][key], b[1][key])) and a[2] == b[2])
+    return (
+        all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+        and a[1].keys() == b[1].keys()
+        and all(torch.equal(x, y) for key in a[1] for x, y in zip(a[1][key], b[1][key]))
+        and a[2] == b[2]
+    )
 
 
 def _failing(optimizer: Any, params: list[tuple[str, Any]]) -> tuple[str, bool]:
@@ -222,13 +251,17 @@ def test_a_failure_mid_backward_reduction_fails_every_rank_and_applies_nothing()
     schedule = make_schedule(MODEL, 2, 2)
     victim = ordered(schedule)[7].name
     results = run_ranks(_mid_backward_worker, 4, schedule, victim)
-    expected = {"nan": f"rank 1: non-finite gradient in {victim}",
-                "raise": f"rank 2: packing the gradient of {victim}: RuntimeError: device lost"}
+    expected = {
+        "nan": f"rank 1: non-finite gradient in {victim}",
+        "raise": f"rank 2: packing the gradient of {victim}: RuntimeError: device lost",
+    }
     for case, fragment in expected.items():
         messages = {result[case][0] for result in results}
         assert len(messages) == 1, f"{case}: every rank raises the same error: {messages}"
         message = messages.pop()
-        assert fragment in message and "after reducing its gradients, nothing was applied on any rank" in message, message
+        assert fragment in message and "after reducing its gradients, nothing was applied on any rank" in message, (
+            message
+        )
         assert all(result[case][1] for result in results), f"{case}: parameters or state changed"
     compare(schedule, [result["params"] for result in results], reference_run(schedule, 3, {}))
 
@@ -319,7 +352,10 @@ def test_bad_overlap_options_fail_clearly_on_every_rank() -> None:
     results = run_ranks(_bad_options_worker, 4, schedule)
     first = ordered(schedule)[0].name
     assert all(result == results[0] for result in results)
-    assert results[0][0] == "ValueError: overlap_param_gather=True needs model=<the torch.nn.Module whose parameters are optimized>"
+    assert (
+        results[0][0]
+        == "ValueError: overlap_param_gather=True needs model=<the torch.nn.Module whose parameters are optimized>"
+    )
     assert results[0][1] == "ValueError: overlap_grad_reduce must be True or False, got 'yes'"
     assert results[0][2].startswith("ScheduleMismatchError: canzona: the schedule does not fit this run")
     assert f"{first}: not a parameter of the model given as model=" in results[0][2]

@@ -11,7 +11,7 @@ import copy
 import io
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,27 @@ HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 1e-3, "adamw_weight_decay": 
 BATCH, SEQ = 2, 17  # the titan model's 16 input tokens split evenly over TP 2 (sequence parallel)
 
 
-@lru_cache(maxsize=None)
+@cache
 def planned(factory: str, tp: int, dp: int, replicate: int = 1, folder: str = "") -> str:
     """The schedule of one `canzona plan --model py:fsdp_models.py:FACTORY ... --fsdp` command."""
     out = Path(folder) / f"{factory}-tp{tp}-dp{dp}-r{replicate}.yaml"
-    command = [sys.executable, "-m", "canzona.cli", "plan", "--model", f"py:fsdp_models.py:{factory}", "--tp", str(tp),
-               "--dp", str(dp), "--fsdp", "--group-mb", "0.05", "-o", str(out)] + (["--dp-replicate", str(replicate)] if replicate > 1 else [])
+    command = [
+        sys.executable,
+        "-m",
+        "canzona.cli",
+        "plan",
+        "--model",
+        f"py:fsdp_models.py:{factory}",
+        "--tp",
+        str(tp),
+        "--dp",
+        str(dp),
+        "--fsdp",
+        "--group-mb",
+        "0.05",
+        "-o",
+        str(out),
+    ] + (["--dp-replicate", str(replicate)] if replicate > 1 else [])
     done = subprocess.run(command, cwd=HERE, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return str(out)
@@ -54,7 +69,11 @@ def _shard(model: torch.nn.Module, mesh_shape: tuple[int, ...], names: tuple[str
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     if "tp" in names:
-        parallelize = fsdp_models.parallelize_titan if isinstance(model, fsdp_models.TitanModel) else fsdp_models.parallelize_qwen3
+        parallelize = (
+            fsdp_models.parallelize_titan
+            if isinstance(model, fsdp_models.TitanModel)
+            else fsdp_models.parallelize_qwen3
+        )
         parallelize(model, mesh["tp"])
         dp_mesh = mesh["dp"]
     else:
@@ -71,7 +90,9 @@ def _dp_rank(mesh: Any) -> int:
     coordinate = dict(zip(names, mesh.get_coordinate()))
     if "tp" in names:
         return coordinate["dp"]
-    return mesh.get_coordinate()[0] * (mesh.shape[1] if mesh.ndim == 2 else 1) + (mesh.get_coordinate()[1] if mesh.ndim == 2 else 0)
+    return mesh.get_coordinate()[0] * (mesh.shape[1] if mesh.ndim == 2 else 1) + (
+        mesh.get_coordinate()[1] if mesh.ndim == 2 else 0
+    )
 
 
 def _reloaded(optimizer: FsdpOptimizer, model: torch.nn.Module, schedule: Schedule) -> FsdpOptimizer:
@@ -84,8 +105,15 @@ def _reloaded(optimizer: FsdpOptimizer, model: torch.nn.Module, schedule: Schedu
     return again
 
 
-def _train(rank: int, world: int, factory: str, path: str, mesh_shape: tuple[int, ...],
-           names: tuple[str, ...], reload_at: int | None = None) -> float:
+def _train(
+    rank: int,
+    world: int,
+    factory: str,
+    path: str,
+    mesh_shape: tuple[int, ...],
+    names: tuple[str, ...],
+    reload_at: int | None = None,
+) -> float:
     """Train the FSDP2 model and the reference side by side (LR halved every 2 steps on both;
     `reload_at`: continue from a state-dict round trip after that many steps); the largest
     relative difference."""
@@ -126,8 +154,13 @@ def _train(rank: int, world: int, factory: str, path: str, mesh_shape: tuple[int
             rows = param.to_local().shape[0]
             start = _first_row(param)
             reference_main = oracle.state[expected[name]]["main"]
-            torch.testing.assert_close(main[name], reference_main[start : start + rows], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"main copy of {name}: {m}")
+            torch.testing.assert_close(
+                main[name],
+                reference_main[start : start + rows],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m: f"main copy of {name}: {m}",
+            )
     return worst
 
 
@@ -192,8 +225,21 @@ def test_state_dict_of_another_schedule_is_refused(folder: str) -> None:
     pytest.importorskip("transformers")
     path = planned("qwen3", 1, 2, 1, folder)
     other = str(Path(folder) / "qwen3-soap.yaml")
-    command = [sys.executable, "-m", "canzona.cli", "plan", "--model", "py:fsdp_models.py:qwen3", "--dp", "2", "--fsdp",
-               "--optimizer", "soap", "-o", other]
+    command = [
+        sys.executable,
+        "-m",
+        "canzona.cli",
+        "plan",
+        "--model",
+        "py:fsdp_models.py:qwen3",
+        "--dp",
+        "2",
+        "--fsdp",
+        "--optimizer",
+        "soap",
+        "-o",
+        other,
+    ]
     assert subprocess.run(command, cwd=HERE, capture_output=True, timeout=120).returncode == 0
     assert run_ranks(_other_layout, 2, path, other, timeout=180) == ["refused", "refused"]
 
@@ -291,22 +337,36 @@ def _mismatch(rank: int, world: int, path: str, mesh_shape: tuple[int, ...], nam
 
 def _replicated_schedule(folder: str) -> str:
     out = Path(folder) / "qwen3-replicated.yaml"
-    command = [sys.executable, "-m", "canzona.cli", "plan", "--model", "py:fsdp_models.py:qwen3", "--dp", "2", "-o", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "canzona.cli",
+        "plan",
+        "--model",
+        "py:fsdp_models.py:qwen3",
+        "--dp",
+        "2",
+        "-o",
+        str(out),
+    ]
     assert subprocess.run(command, cwd=HERE, capture_output=True, timeout=120).returncode == 0
     return str(out)
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("without-fsdp", "planned without --fsdp"),
-    ("shard-size", "mesh (replicate, shard, tp) [4]"),
-    ("hsdp-on-fsdp", "mesh (replicate, shard, tp) [2, 2]"),
-    ("renamed", "model.layers.0.self_attn.query.weight"),
-    ("unsharded", "no parameter is a DTensor"),
-    ("canzona-on-fsdp-schedule", "execute it with canzona.runtime.FsdpOptimizer"),
-    ("missing", "rank 1: cannot read schedule"),
-    ("frozen", "ranks optimize different parameters"),
-    ("canzona-on-fsdp-model", "sharded by FSDP2 over mesh dim 'dp'"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("without-fsdp", "planned without --fsdp"),
+        ("shard-size", "mesh (replicate, shard, tp) [4]"),
+        ("hsdp-on-fsdp", "mesh (replicate, shard, tp) [2, 2]"),
+        ("renamed", "model.layers.0.self_attn.query.weight"),
+        ("unsharded", "no parameter is a DTensor"),
+        ("canzona-on-fsdp-schedule", "execute it with canzona.runtime.FsdpOptimizer"),
+        ("missing", "rank 1: cannot read schedule"),
+        ("frozen", "ranks optimize different parameters"),
+        ("canzona-on-fsdp-model", "sharded by FSDP2 over mesh dim 'dp'"),
+    ],
+)
 def test_mismatch_raises_on_every_rank(case: str, needle: str, folder: str) -> None:
     pytest.importorskip("transformers")
     mesh_shape, names, how = (2,), ("dp",), case
@@ -342,11 +402,24 @@ def test_grouped_experts_are_refused_with_one_line(tmp_path: Path) -> None:
     from canzona.runtime.fsdp.optimizer import local_problems
 
     config = transformers.AutoConfig.for_model(
-        "qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        vocab_size=256, mlp_only_layers=[0])
+        "qwen3_moe",
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        mlp_only_layers=[0],
+    )
     (tmp_path / "config.json").write_text(config.to_json_string())
     spec = load_model(str(tmp_path / "config.json"), 1, ModelOptions(names="hf"))
     schedule = compile_schedule(make_fsdp_plan(spec, PlanRequest(str(tmp_path), 1, 2, sharding="fsdp")))
     (problem,) = local_problems(schedule, [], None)
-    assert problem.startswith("grouped expert tensors ('model.layers.1.mlp.experts.") and "not yet executed under FSDP" in problem
+    assert (
+        problem.startswith("grouped expert tensors ('model.layers.1.mlp.experts.")
+        and "not yet executed under FSDP" in problem
+    )

@@ -22,8 +22,8 @@ import torch
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[hf]')")
 
-from canzona.runtime.tools.reference import ReferenceOptimizer  # noqa: E402
-from canzona.schedules.format import Schedule, read_schedule  # noqa: E402
+from canzona.runtime.tools.reference import ReferenceOptimizer
+from canzona.schedules.format import Schedule, read_schedule
 
 ROOT = Path(__file__).resolve().parents[3]
 DRIVER = ROOT / "tests" / "runtime" / "hf_stack_run.py"
@@ -38,8 +38,24 @@ def schedule_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from canzona.cli.main import main as canzona
 
     path = tmp_path_factory.mktemp("hf") / "hf-dp2.yaml"
-    assert canzona(["plan", "--model", f"py:{ROOT / 'examples' / 'hf_qwen3.py'}:make_model", "--dp", "2",
-                    "--bucket-size", "20000", "--group-mb", "0.05", "-o", str(path)]) == 0
+    assert (
+        canzona(
+            [
+                "plan",
+                "--model",
+                f"py:{ROOT / 'examples' / 'hf_qwen3.py'}:make_model",
+                "--dp",
+                "2",
+                "--bucket-size",
+                "20000",
+                "--group-mb",
+                "0.05",
+                "-o",
+                str(path),
+            ]
+        )
+        == 0
+    )
     return path
 
 
@@ -47,16 +63,36 @@ def train(stack: str, schedule: Path, output: Path, *flags: str) -> dict[str, An
     """One torchrun of the driver on 2 gloo ranks; what it recorded."""
     dump = output / f"dump-{len(list(output.glob('dump-*')))}.pt"
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(DRIVER), stack, str(schedule), str(output),
-               str(dump), "--steps", str(STEPS), "--save-at", str(SAVE_AT), *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(DRIVER),
+        stack,
+        str(schedule),
+        str(output),
+        str(dump),
+        "--steps",
+        str(STEPS),
+        "--save-at",
+        str(SAVE_AT),
+        *flags,
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     return torch.load(dump, weights_only=False)  # type: ignore[no-any-return]
 
 
-def reference(run: dict[str, Any], schedule: Schedule, scheduler_steps: int = 1, scale: int = 1,
-              clip: bool = True) -> dict[str, torch.Tensor]:
+def reference(
+    run: dict[str, Any], schedule: Schedule, scheduler_steps: int = 1, scale: int = 1, clip: bool = True
+) -> dict[str, torch.Tensor]:
     """The single-process reference on the unsharded model: every step, all ranks' micro-batches
     of that step as one batch (the global token mean), clipped at 1, then the linear LR schedule
     (`scale` warm-up steps, STEPS x `scale` in all) stepped `scheduler_steps` times."""

@@ -20,27 +20,50 @@ from rt_harness import make_schedule, run_ranks
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "examples" / "tiny_qwen3.yaml"
-optimizer_config = pytest.importorskip("megatron.core.optimizer", reason="megatron-core is not installed").OptimizerConfig
+optimizer_config = pytest.importorskip(
+    "megatron.core.optimizer", reason="megatron-core is not installed"
+).OptimizerConfig
 
 
 @pytest.fixture(scope="module")
 def schedules() -> dict[tuple[int, str], Schedule]:
-    return {(tp, name): make_schedule(TINY, tp, 2, ns_coefficients=name) for tp in (1, 2) for name in ("quintic", "simple")}
+    return {
+        (tp, name): make_schedule(TINY, tp, 2, ns_coefficients=name) for tp in (1, 2) for name in ("quintic", "simple")
+    }
 
 
 def test_megatrons_defaults_become_canzonas_settings(schedules: dict[tuple[int, str], Schedule]) -> None:
     config = optimizer_config(optimizer="muon", lr=0.01, weight_decay=0.1)
     assert megatron.plan_options(config) == {"ns_steps": 5, "ns_coefficients": "quintic", "split_qkv": "qkv"}
     assert megatron.optimizer_kwargs(config, schedules[1, "quintic"]) == {
-        "lr": 0.01, "weight_decay": 0.1, "momentum": 0.95, "nesterov": False, "ns_dtype": "bf16",
-        "update_scale": "spectral", "update_scale_factor": 1.0, "adamw_lr": 0.01, "adamw_weight_decay": 0.1,
-        "adamw_betas": (0.9, 0.999), "adamw_eps": 1e-8}
+        "lr": 0.01,
+        "weight_decay": 0.1,
+        "momentum": 0.95,
+        "nesterov": False,
+        "ns_dtype": "bf16",
+        "update_scale": "spectral",
+        "update_scale_factor": 1.0,
+        "adamw_lr": 0.01,
+        "adamw_weight_decay": 0.1,
+        "adamw_betas": (0.9, 0.999),
+        "adamw_eps": 1e-8,
+    }
 
 
 def test_every_mapped_option_follows_the_config(schedules: dict[tuple[int, str], Schedule]) -> None:
-    config = optimizer_config(optimizer="muon", lr=0.02, muon_momentum=0.9, muon_use_nesterov=True,
-                              muon_fp32_matmul_prec="high", muon_scale_mode="unit_rms_norm", muon_extra_scale_factor=0.2,
-                              adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6, muon_tp_mode="duplicated")
+    config = optimizer_config(
+        optimizer="muon",
+        lr=0.02,
+        muon_momentum=0.9,
+        muon_use_nesterov=True,
+        muon_fp32_matmul_prec="high",
+        muon_scale_mode="unit_rms_norm",
+        muon_extra_scale_factor=0.2,
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_eps=1e-6,
+        muon_tp_mode="duplicated",
+    )
     kwargs = megatron.optimizer_kwargs(config, schedules[2, "quintic"])
     assert (kwargs["momentum"], kwargs["nesterov"], kwargs["ns_dtype"]) == (0.9, True, "tf32")
     assert (kwargs["update_scale"], kwargs["update_scale_factor"]) == ("unit_rms", 0.2)
@@ -51,17 +74,25 @@ def test_every_mapped_option_follows_the_config(schedules: dict[tuple[int, str],
     assert not megatron.optimizer_kwargs(config, schedules[2, "simple"])["nesterov"]
 
 
-@pytest.mark.parametrize("change, tp, needle", [
-    ({"muon_tp_mode": "blockwise"}, 2, "muon_tp_mode 'blockwise' orthogonalises each TP shard on its own"),
-    ({"muon_tp_mode": "sharded"}, 1, "unknown muon_tp_mode 'sharded'"),
-    ({"muon_num_ns_steps": 6}, 1, "the schedule's ns_steps 5 differ from Megatron's ns_steps 6: plan it with --ns-steps 6"),
-    ({"muon_split_qkv": False}, 1, "split_qkv qkv differ from Megatron's split_qkv none"),
-    ({"decoupled_weight_decay": False}, 1, "decoupled_weight_decay=False"),
-    ({"muon_scale_mode": "rms"}, 1, "unknown muon_scale_mode 'rms'"),
-    ({"optimizer": "sgd"}, 1, "optimizer 'sgd': the mapping is for Megatron's Muon"),
-])
-def test_what_canzona_cannot_reproduce_is_refused(change: dict[str, Any], tp: int, needle: str,
-                                                  schedules: dict[tuple[int, str], Schedule]) -> None:
+@pytest.mark.parametrize(
+    "change, tp, needle",
+    [
+        ({"muon_tp_mode": "blockwise"}, 2, "muon_tp_mode 'blockwise' orthogonalises each TP shard on its own"),
+        ({"muon_tp_mode": "sharded"}, 1, "unknown muon_tp_mode 'sharded'"),
+        (
+            {"muon_num_ns_steps": 6},
+            1,
+            "the schedule's ns_steps 5 differ from Megatron's ns_steps 6: plan it with --ns-steps 6",
+        ),
+        ({"muon_split_qkv": False}, 1, "split_qkv qkv differ from Megatron's split_qkv none"),
+        ({"decoupled_weight_decay": False}, 1, "decoupled_weight_decay=False"),
+        ({"muon_scale_mode": "rms"}, 1, "unknown muon_scale_mode 'rms'"),
+        ({"optimizer": "sgd"}, 1, "optimizer 'sgd': the mapping is for Megatron's Muon"),
+    ],
+)
+def test_what_canzona_cannot_reproduce_is_refused(
+    change: dict[str, Any], tp: int, needle: str, schedules: dict[tuple[int, str], Schedule]
+) -> None:
     config = optimizer_config(**{"optimizer": "muon", "lr": 0.01, "muon_tp_mode": "duplicated", **change})
     with pytest.raises(megatron.MegatronConfigError) as excinfo:
         megatron.optimizer_kwargs(config, schedules[tp, "quintic"])
@@ -111,16 +142,24 @@ def test_what_is_read_from_megatrons_parameters() -> None:
     config = SimpleNamespace(num_attention_heads=8, num_query_groups=2, kv_channels=16, hidden_size=128)
     owner = SimpleNamespace(config=config)
     assert megatron.qkv_layout("decoder.layers.0.self_attention.linear_qkv.weight", owner, None) == {  # type: ignore[arg-type]
-        "query_groups": 2, "heads": 8, "head_dim": 16}
+        "query_groups": 2,
+        "heads": 8,
+        "head_dim": 16,
+    }
     assert megatron.qkv_layout("decoder.layers.0.mlp.linear_fc1.weight", owner, None) is None  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("config, needle", [
-    (None, "no module carries a TransformerConfig"),
-    (SimpleNamespace(tensor_model_parallel_size=2, expert_model_parallel_size=2), "holds only its own experts"),
-    (SimpleNamespace(tensor_model_parallel_size=2, num_moe_experts=4, expert_tensor_parallel_size=1),
-     "expert_tensor_parallel_size 1 differs from tensor_model_parallel_size 2"),
-])
+@pytest.mark.parametrize(
+    "config, needle",
+    [
+        (None, "no module carries a TransformerConfig"),
+        (SimpleNamespace(tensor_model_parallel_size=2, expert_model_parallel_size=2), "holds only its own experts"),
+        (
+            SimpleNamespace(tensor_model_parallel_size=2, num_moe_experts=4, expert_tensor_parallel_size=1),
+            "expert_tensor_parallel_size 1 differs from tensor_model_parallel_size 2",
+        ),
+    ],
+)
 def test_a_model_whose_tp_size_cannot_be_read_is_refused(config: Any, needle: str) -> None:
     model = nn.Linear(4, 4)
     model.weight.tensor_model_parallel = True  # type: ignore[attr-defined]

@@ -35,15 +35,15 @@ sys.path.insert(0, str(ROOT / "tests" / "runtime"))
 import titan_model_real  # noqa: E402
 
 titan_model_real.use_cpu()
-import titan_stack_run  # noqa: E402
-from rt_harness import in_child  # noqa: E402
-
 from canzona.planner.sources.conventions import mark_partial_norms  # noqa: E402
 from canzona.planner.sources.load import load_model, model_from_data  # noqa: E402
 from canzona.planner.spec import ModelOptions, ModelSpec  # noqa: E402
 from canzona.runtime.tools.describe import describe_module  # noqa: E402
 from canzona.runtime.tools.reference import ReferenceOptimizer  # noqa: E402
 from canzona.schedules.format import read_schedule  # noqa: E402
+
+import titan_stack_run  # noqa: E402
+from rt_harness import in_child  # noqa: E402
 
 DRIVER = ROOT / "tests" / "runtime" / "titan_stack_run.py"
 STEPS, SAVE_AT = 4, 2
@@ -52,14 +52,29 @@ MATRIX_ATOL, ADAMW_ATOL = 1e-6, 5e-5  # measured against fp64: see the module do
 
 def rows(spec: ModelSpec, tp_dims: bool = True) -> list[tuple[Any, ...]]:
     """Everything the planner reads of each parameter (at TP 1 a live model has no TP dims)."""
-    return [(p.name, p.shape, p.dtype, p.tp_dim if tp_dims else None, p.optimizer, p.submatrices, p.row_blocks,
-             p.parent, p.expert_index, p.num_experts, p.grad_reduce) for p in spec.params]
+    return [
+        (
+            p.name,
+            p.shape,
+            p.dtype,
+            p.tp_dim if tp_dims else None,
+            p.optimizer,
+            p.submatrices,
+            p.row_blocks,
+            p.parent,
+            p.expert_index,
+            p.num_experts,
+            p.grad_reduce,
+        )
+        for p in spec.params
+    ]
 
 
 def live_spec(model: torch.nn.Module, tp: int) -> ModelSpec:
     description = describe_module(model)
-    return model_from_data(description.to_data(), description.name, "py:test:model", description.sha256, tp,
-                           ModelOptions())
+    return model_from_data(
+        description.to_data(), description.name, "py:test:model", description.sha256, tp, ModelOptions()
+    )
 
 
 def convention(tmp: Path, moe: bool, tp: int, **options: Any) -> ModelSpec:
@@ -88,8 +103,9 @@ def _tp2_described(backend: str) -> list[Any]:
         config = titan_model_real.config(moe)
         set_qwen3_sharding_config(config, enable_sp=True, enable_ep=False)
         model = config.build()
-        model.parallelize(ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2,
-                                       spmd_backend=backend))
+        model.parallelize(
+            ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, world_size=2, spmd_backend=backend)
+        )
         specs.append(live_spec(model, 2))
     return specs
 
@@ -104,12 +120,15 @@ def test_the_convention_is_torchtitans_tp_layout(tmp_path: Path) -> None:
         # their gradients are partial sums, which is what a TP-only model needs canzona to sum
         partial = {p.name for p in spec.params if p.grad_reduce}
         assert partial == {p.name for p in mark_partial_norms(list(planned.params)) if p.grad_reduce} | {
-            p.name for p in planned.params if p.name.endswith("router.gate.weight")}
+            p.name for p in planned.params if p.name.endswith("router.gate.weight")
+        }
         assert [r[:-1] for r in rows(spec)] == [r[:-1] for r in rows(planned)]
 
 
 PLANS = {  # name: (dp, tp, extra plan options)
-    "fsdp4": (4, 1, ["--fsdp"]), "fsdp2xtp2": (2, 2, ["--fsdp"]), "dp4": (4, 1, []),
+    "fsdp4": (4, 1, ["--fsdp"]),
+    "fsdp2xtp2": (2, 2, ["--fsdp"]),
+    "dp4": (4, 1, []),
     "dp2xtp2": (2, 2, ["--sequence-parallel"]),  # without FSDP2 the norms' gradients stay partial over TP
     "dp2xtp2-unsummed": (2, 2, []),
 }
@@ -124,8 +143,25 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {}
     for name, (dp, tp, options) in PLANS.items():
         paths[name] = folder / f"{name}.yaml"
-        assert canzona(["plan", "--model", str(config), "--names", "torchtitan", "--dp", str(dp), "--tp", str(tp),
-                        *options, "-o", str(paths[name])]) == 0
+        assert (
+            canzona(
+                [
+                    "plan",
+                    "--model",
+                    str(config),
+                    "--names",
+                    "torchtitan",
+                    "--dp",
+                    str(dp),
+                    "--tp",
+                    str(tp),
+                    *options,
+                    "-o",
+                    str(paths[name]),
+                ]
+            )
+            == 0
+        )
     return paths
 
 
@@ -135,10 +171,32 @@ def train(schedule: Path, output: Path, plan: str, *flags: str, fails: bool = Fa
     dp, tp, _ = PLANS[plan]
     dump = output / f"dump-{len(list(output.glob('dump-*')))}.pt"
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(DRIVER), str(schedule), str(output / "checkpoint"),
-               str(dump), "--dp", str(dp), "--tp", str(tp), "--steps", str(STEPS), "--save-at", str(SAVE_AT), *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(DRIVER),
+        str(schedule),
+        str(output / "checkpoint"),
+        str(dump),
+        "--dp",
+        str(dp),
+        "--tp",
+        str(tp),
+        "--steps",
+        str(STEPS),
+        "--save-at",
+        str(SAVE_AT),
+        *flags,
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )
     if fails:
         assert result.returncode != 0 and not dump.exists()
         return result.stderr
@@ -192,10 +250,13 @@ def test_torchtitan_training_equals_the_reference(plans: dict[str, Path], tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan, mode, backend", [("dp4", "plain", "partial_dtensor"), ("dp2xtp2", "tp", "partial_dtensor"),
-                                                 ("dp2xtp2", "tp", "spmd_types")])
-def test_torchtitans_model_without_fsdp_equals_the_reference(plans: dict[str, Path], tmp_path: Path, plan: str,
-                                                             mode: str, backend: str) -> None:
+@pytest.mark.parametrize(
+    "plan, mode, backend",
+    [("dp4", "plain", "partial_dtensor"), ("dp2xtp2", "tp", "partial_dtensor"), ("dp2xtp2", "tp", "spmd_types")],
+)
+def test_torchtitans_model_without_fsdp_equals_the_reference(
+    plans: dict[str, Path], tmp_path: Path, plan: str, mode: str, backend: str
+) -> None:
     """torchtitan's model, its TP plan under either backend (spmd_types: plain tensors holding
     shards), DP by CanzonaOptimizer; under DTensor TP saved through torchtitan's checkpointer as a
     `DcpState` and resumed exactly. (Under spmd_types without FSDP2 torchtitan's checkpointer
@@ -209,11 +270,14 @@ def test_torchtitans_model_without_fsdp_equals_the_reference(plans: dict[str, Pa
 
 
 @pytest.mark.slow
-def test_spmd_types_partial_gradients_the_schedule_does_not_sum_are_refused(plans: dict[str, Path], tmp_path: Path) -> None:
+def test_spmd_types_partial_gradients_the_schedule_does_not_sum_are_refused(
+    plans: dict[str, Path], tmp_path: Path
+) -> None:
     """Planned without --sequence-parallel, the schedule would leave the norms' partial
     gradients unsummed under spmd_types: construction fails on every rank, naming the fix."""
-    stderr = train(plans["dp2xtp2-unsummed"], tmp_path, "dp2xtp2-unsummed", "--mode", "tp", "--backend", "spmd_types",
-                   fails=True)
+    stderr = train(
+        plans["dp2xtp2-unsummed"], tmp_path, "dp2xtp2-unsummed", "--mode", "tp", "--backend", "spmd_types", fails=True
+    )
     assert stderr.count("--sequence-parallel") >= 4, stderr[-4000:]
 
 

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-from canzona.schedules.coefficients import NS_COEFFICIENT_SCHEDULES
 from canzona.runtime.rules.optimizers import (
     Hyperparameters,
     Muon,
@@ -22,6 +21,7 @@ from canzona.runtime.rules.optimizers import (
     muon_scale,
     newton_schulz,
 )
+from canzona.schedules.coefficients import NS_COEFFICIENT_SCHEDULES
 
 HP = Hyperparameters(ns_steps=5, block_size=8, precondition_frequency=2, max_precond_dim=100)
 CPU = torch.device("cpu")
@@ -58,15 +58,18 @@ def _plain_newton_schulz(grad: torch.Tensor, triples: list[tuple[float, float, f
     return x.T if tall else x
 
 
-@pytest.mark.parametrize("name, steps", [("quintic", 5), ("quintic", 7), ("polar_express", 5), ("polar_express", 10),
-                                         ("simple", 5)])
+@pytest.mark.parametrize(
+    "name, steps", [("quintic", 5), ("quintic", 7), ("polar_express", 5), ("polar_express", 10), ("simple", 5)]
+)
 @pytest.mark.parametrize("shape", [(12, 40), (40, 12)], ids=["wide", "tall"])
 def test_each_iteration_uses_its_schedules_coefficients(name: str, steps: int, shape: tuple[int, int]) -> None:
     """Per-iteration coefficients against the formula in fp64, at fp32's agreement; the
     schedules are not interchangeable (each differs from the others by far more)."""
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     triples = list(NS_COEFFICIENT_SCHEDULES[name])
-    wanted = [triples[i % len(triples)] if name == "quintic" else triples[min(i, len(triples) - 1)] for i in range(steps)]
+    wanted = [
+        triples[i % len(triples)] if name == "quintic" else triples[min(i, len(triples) - 1)] for i in range(steps)
+    ]
     exact = _plain_newton_schulz(grad, wanted)
     assert (newton_schulz(grad, steps, name) - exact).abs().max() < 1e-7  # the normalisation's eps: 1e-7 / ‖G‖
     assert (newton_schulz(grad.float(), steps, name).double() - exact).abs().max() < 1e-5
@@ -181,8 +184,11 @@ def _batch(count: int, shape: tuple[int, int], seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("rule_name", ["muon", "shampoo", "soap"])
-@pytest.mark.parametrize("blocks", [None, [[[0, 4]], [[4, 8]], [[8, 12]]], [[[0, 2], [6, 8]], [[2, 6], [8, 12]]]],
-                         ids=["whole", "contiguous-blocks", "interleaved-blocks"])
+@pytest.mark.parametrize(
+    "blocks",
+    [None, [[[0, 4]], [[4, 8]], [[8, 12]]], [[[0, 2], [6, 8]], [[2, 6], [8, 12]]]],
+    ids=["whole", "contiguous-blocks", "interleaved-blocks"],
+)
 @pytest.mark.parametrize("stack_limit", [None, 12 * 10], ids=["one-stack", "stacks-of-one"])
 def test_batched_updates_equal_single_ones_bit_for_bit(rule_name: str, blocks: Any, stack_limit: int | None) -> None:
     """k matrices updated as one batch (or in stacks of one matrix) give exactly the numbers of

@@ -14,9 +14,17 @@ from canzona.runtime.state.logical import Destination, LogicalTensor, fill_from,
 from canzona.schedules.reshard import full_runs, state_fields
 
 
-@pytest.mark.parametrize(("optimizer", "rows", "cols"), [
-    ("muon", 24, 40), ("shampoo", 40, 24), ("shampoo", 16, 16), ("soap", 24, 40), ("soap", 48, 8), ("soap", 50, 50),
-])
+@pytest.mark.parametrize(
+    ("optimizer", "rows", "cols"),
+    [
+        ("muon", 24, 40),
+        ("shampoo", 40, 24),
+        ("shampoo", 16, 16),
+        ("soap", 24, 40),
+        ("soap", 48, 8),
+        ("soap", 50, 50),
+    ],
+)
 def test_documented_fields_are_the_rules_state(optimizer: str, rows: int, cols: int) -> None:
     hp = Hyperparameters(block_size=16, precondition_frequency=1, max_precond_dim=45, ns_steps=5)
     rule = make_rule(optimizer, hp)

@@ -6,7 +6,15 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from canzona.runtime.tools.calibrate import Settings, adamw_row, calibrate, fit_alpha_beta, fit_collectives, matrix_row, median_seconds
+from canzona.runtime.tools.calibrate import (
+    Settings,
+    adamw_row,
+    calibrate,
+    fit_alpha_beta,
+    fit_collectives,
+    matrix_row,
+    median_seconds,
+)
 
 CPU = __import__("torch").device("cpu")
 
@@ -34,14 +42,26 @@ def test_adamw_row() -> None:
 
 
 def test_calibrate_returns_a_valid_profile() -> None:
-    from canzona.planner.partition.profile_cost import Profile, ProfileCost
     from canzona.planner.partition.costs import OptimizerConfig
+    from canzona.planner.partition.profile_cost import Profile, ProfileCost
 
-    data = calibrate([(8, 16), (16, 16), (8, 16)], Settings(), "cpu", repeats=1, warmup=0,
-                     optimizers={"muon": [(8, 16), (16, 16)], "soap": [(8, 8)]}, adamw_sizes=(100,), threads=1)
+    data = calibrate(
+        [(8, 16), (16, 16), (8, 16)],
+        Settings(),
+        "cpu",
+        repeats=1,
+        warmup=0,
+        optimizers={"muon": [(8, 16), (16, 16)], "soap": [(8, 8)]},
+        adamw_sizes=(100,),
+        threads=1,
+    )
     profile = Profile.model_validate(data)
     assert [(r.optimizer, r.rows, r.cols) for r in profile.rows] == [
-        ("muon", 8, 16), ("muon", 16, 16), ("soap", 8, 8), ("adamw", 100, 1)]
+        ("muon", 8, 16),
+        ("muon", 16, 16),
+        ("soap", 8, 8),
+        ("adamw", 100, 1),
+    ]
     assert profile.threads == 1 and profile.comm is None
     assert ProfileCost(profile, OptimizerConfig()).matrix_cost(16, 8) == profile.rows[0].seconds
 
@@ -80,12 +100,33 @@ def test_calibrate_command_writes_a_profile(tmp_path) -> None:
     app = typer.Typer()
     app.command()(calibrate_command)
     app.command("noop")(lambda: None)
-    result = CliRunner().invoke(app, ["calibrate", "--shapes", str(shapes), "--repeats", "1", "--warmup", "0",
-                                      "--optimizer", "muon", "--optimizer", "shampoo", "--threads", "1", "-o", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "calibrate",
+            "--shapes",
+            str(shapes),
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--optimizer",
+            "muon",
+            "--optimizer",
+            "shampoo",
+            "--threads",
+            "1",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     profile = read_profile(out)
     assert [(r.optimizer, r.rows, r.cols) for r in profile.rows if r.optimizer != "adamw"] == [
-        ("muon", 8, 16), ("muon", 16, 16), ("shampoo", 8, 16)]
+        ("muon", 8, 16),
+        ("muon", 16, 16),
+        ("shampoo", 8, 16),
+    ]
 
 
 def test_calibrate_command_bad_input(tmp_path) -> None:

@@ -19,6 +19,7 @@ from canzona.planner.sources.catalog import enumerate_params
 from canzona.planner.sources.conventions import mark_partial_norms
 from canzona.planner.sources.load import load_model, model_from_data
 from canzona.planner.spec import ModelOptions, ModelSpec
+from canzona.runtime.schedule import check_schedule
 from canzona.runtime.tools.describe import (
     DescribeError,
     ModuleDescription,
@@ -27,27 +28,64 @@ from canzona.runtime.tools.describe import (
     describe_module,
     load_factory,
 )
-from canzona.runtime.schedule import check_schedule
 
 from rt_harness import fake_world, in_child, run_ranks
 from titan_model import TitanConfig, TitanModel, parallelize_titan
 
-HF_QWEN3_MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
-                    mlp_only_layers=[0])
-TITAN_ARCH = Architecture(h=64, ffn=128, num_layers=2, num_heads=4, num_kv_groups=2, head_dim=16, vocab=256, qk_norm=True,
-                          num_experts=4, top_k=2, expert_ffn=32, dense_layers=(0,), family="qwen3_moe")
+HF_QWEN3_MOE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    mlp_only_layers=[0],
+)
+TITAN_ARCH = Architecture(
+    h=64,
+    ffn=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_groups=2,
+    head_dim=16,
+    vocab=256,
+    qk_norm=True,
+    num_experts=4,
+    top_k=2,
+    expert_ffn=32,
+    dense_layers=(0,),
+    family="qwen3_moe",
+)
 
 
 def rows(spec: ModelSpec) -> list[tuple[Any, ...]]:
     """Everything the planner reads of a model's parameters."""
-    return [(p.name, p.shape, p.dtype, p.tp_dim, p.optimizer, p.submatrices, p.row_blocks, p.parent, p.expert_index,
-             p.num_experts, p.grad_reduce) for p in spec.params]
+    return [
+        (
+            p.name,
+            p.shape,
+            p.dtype,
+            p.tp_dim,
+            p.optimizer,
+            p.submatrices,
+            p.row_blocks,
+            p.parent,
+            p.expert_index,
+            p.num_experts,
+            p.grad_reduce,
+        )
+        for p in spec.params
+    ]
 
 
 def planned(description: ModuleDescription, tp: int, **options: Any) -> ModelSpec:
-    return model_from_data(description.to_data(), description.name, "py:test:model", description.sha256, tp,
-                           ModelOptions(**options))
+    return model_from_data(
+        description.to_data(), description.name, "py:test:model", description.sha256, tp, ModelOptions(**options)
+    )
 
 
 def hf_config() -> Any:
@@ -100,8 +138,16 @@ def test_classification_of_plain_parameters() -> None:
             self.output = nn.Linear(4, 10, bias=False)
 
     described = {p.name: p.optimizer for p in describe_module(Net()).params}
-    assert described == {"embed.weight": "adamw", "proj.weight": "matrix", "proj.bias": "adamw", "norm.weight": "adamw",
-                         "norm.bias": "adamw", "conv.weight": "adamw", "conv.bias": "adamw", "output.weight": "adamw"}
+    assert described == {
+        "embed.weight": "adamw",
+        "proj.weight": "matrix",
+        "proj.bias": "adamw",
+        "norm.weight": "adamw",
+        "norm.bias": "adamw",
+        "conv.weight": "adamw",
+        "conv.bias": "adamw",
+        "output.weight": "adamw",
+    }
 
 
 def test_sequence_parallel_and_partial_patterns_mark_replicated_parameters() -> None:
@@ -109,7 +155,9 @@ def test_sequence_parallel_and_partial_patterns_mark_replicated_parameters() -> 
     sp = {p.name for p in describe_module(model, sequence_parallel=True).params if p.grad_reduce}
     assert sp == {p.name for p in describe_module(model).params if "norm" in p.name}
     qk = describe_module(model, partial_grads=["*.q_norm.weight", "*.k_norm.weight"])
-    assert {p.name for p in qk.params if p.grad_reduce} == {f"model.layers.{n}.self_attn.{w}_norm.weight" for n in (0, 1) for w in "qk"}
+    assert {p.name for p in qk.params if p.grad_reduce} == {
+        f"model.layers.{n}.self_attn.{w}_norm.weight" for n in (0, 1) for w in "qk"
+    }
     with pytest.raises(DescribeError, match="'\\*.qnorm' matches no parameter"):
         describe_module(model, partial_grads=["*.qnorm"])
 
@@ -166,8 +214,16 @@ def test_a_large_model_costs_no_memory() -> None:
     """Qwen3-30B-A3B's real widths (4 of its 48 layers: 2.4 B parameters) on the meta device."""
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(
-        "qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        "qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
         vocab_size=151936,
     )
     with torch.device("meta"):
@@ -194,16 +250,30 @@ def _hf_tp_fsdp() -> list[Any]:
     config = transformers.AutoConfig.for_model("qwen3_moe", **HF_QWEN3_MOE)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    plan: dict[str, Any] = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel()}
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(),
+    }
     for n in (0, 1):
         plan.update({f"model.layers.{n}.self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
         plan[f"model.layers.{n}.self_attn.o_proj"] = RowwiseParallel()
-    plan.update({"model.layers.0.mlp.gate_proj": ColwiseParallel(), "model.layers.0.mlp.up_proj": ColwiseParallel(),
-                 "model.layers.0.mlp.down_proj": RowwiseParallel()})
+    plan.update(
+        {
+            "model.layers.0.mlp.gate_proj": ColwiseParallel(),
+            "model.layers.0.mlp.up_proj": ColwiseParallel(),
+            "model.layers.0.mlp.down_proj": RowwiseParallel(),
+        }
+    )
     parallelize_module(model, mesh["tp"], plan)
     # transformers' own styles for the grouped experts: packed colwise (a strided shard) and rowwise.
-    apply_tensor_parallelism(model, mesh["tp"], {"model.layers.1.mlp.experts.gate_up_proj": "packed_colwise",
-                                                 "model.layers.1.mlp.experts.down_proj": "rowwise"})
+    apply_tensor_parallelism(
+        model,
+        mesh["tp"],
+        {
+            "model.layers.1.mlp.experts.gate_up_proj": "packed_colwise",
+            "model.layers.1.mlp.experts.down_proj": "rowwise",
+        },
+    )
     fully_shard(model, mesh=mesh["dp"])
     return [describe_module(model)]
 
@@ -258,8 +328,19 @@ def test_torchtitan_model_under_tp_and_fsdp2_is_the_torchtitan_convention() -> N
 
 def replace_dtype(param: Any) -> tuple[Any, ...]:
     """The convention's row with the live model's dtype (fp32; the catalog assumes bf16)."""
-    return (param.name, param.shape, "fp32", param.tp_dim, param.optimizer, param.submatrices, param.row_blocks,
-            param.parent, param.expert_index, param.num_experts, param.grad_reduce)
+    return (
+        param.name,
+        param.shape,
+        "fp32",
+        param.tp_dim,
+        param.optimizer,
+        param.submatrices,
+        param.row_blocks,
+        param.parent,
+        param.expert_index,
+        param.num_experts,
+        param.grad_reduce,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,15 +373,22 @@ def _probe_rank(rank: int, world: int) -> list[Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     model = _SequenceParallelBlock()
-    parallelize_module(model, mesh, {
-        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "up": ColwiseParallel(input_layouts=Shard(1)),
-        "down": RowwiseParallel(),
-    })
-    model.head_norm.weight = nn.Parameter(torch.distributed.tensor.distribute_tensor(model.head_norm.weight, mesh, [Replicate()]))
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(),
+        },
+    )
+    model.head_norm.weight = nn.Parameter(
+        torch.distributed.tensor.distribute_tensor(model.head_norm.weight, mesh, [Replicate()])
+    )
     model.head_norm.register_forward_pre_hook(
-        lambda module, args: tuple(torch.distributed.tensor.DTensor.from_local(a, mesh, [Replicate()]) for a in args))
+        lambda module, args: tuple(torch.distributed.tensor.DTensor.from_local(a, mesh, [Replicate()]) for a in args)
+    )
 
     def probe(m: nn.Module) -> None:
         out = m(torch.randint(0, 32, (2, 4)))
@@ -339,7 +427,9 @@ def test_describe_does_not_import_the_planner() -> None:
     import subprocess
     import sys
 
-    probe = ("import sys, torch; from canzona.runtime.tools.describe import describe_module; "
-             "describe_module(torch.nn.Linear(2, 2)); "
-             "assert not any(m.startswith('canzona.planner') or m.startswith('canzona.cli') for m in sys.modules)")
+    probe = (
+        "import sys, torch; from canzona.runtime.tools.describe import describe_module; "
+        "describe_module(torch.nn.Linear(2, 2)); "
+        "assert not any(m.startswith('canzona.planner') or m.startswith('canzona.cli') for m in sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True)
