@@ -97,17 +97,19 @@ def measure(config: str, optimizer: str) -> dict[str, float]:
 def table(rows: dict[str, dict[str, float]], cores: int) -> str:
     """The markdown table of the run."""
     lines = [
-        f"Logical optimizer state through torch.distributed.checkpoint, gloo on {cores} CPU cores, 4 ranks, local disk; "
-        f"model: Qwen3-style h {MODEL['hidden_size']}, F {MODEL['intermediate_size']}, L {MODEL['num_hidden_layers']}, "
-        f"vocab {MODEL['vocab_size']}, fp32; saved under DP 2 x TP 2 after 2 steps; median of {REPEATS} of the slowest "
-        "rank's time (ms). Loads verify every file's sha256 first (each rank a share).",
+        f"Logical optimizer state through torch.distributed.checkpoint, gloo on {cores} CPU cores, 4 ranks, local "
+        f"disk; model: Qwen3-style h {MODEL['hidden_size']}, F {MODEL['intermediate_size']}, "
+        f"L {MODEL['num_hidden_layers']}, vocab {MODEL['vocab_size']}, fp32; saved under DP 2 x TP 2 after 2 steps; "
+        f"median of {REPEATS} of the slowest rank's time (ms). Loads verify every file's sha256 first (each rank a "
+        "share).",
         "",
         "| optimizer | checkpoint MiB | save ms | load ms (same schedule) | load ms (DP 4 x TP 1) |",
         "|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         lines.append(
-            f"| {name} | {row['bytes'] / (1 << 20):.1f} | {row['save'] * 1e3:.0f} | {row['load'] * 1e3:.0f} | {row['reshard'] * 1e3:.0f} |"
+            f"| {name} | {row['bytes'] / (1 << 20):.1f} | {row['save'] * 1e3:.0f} | {row['load'] * 1e3:.0f} "
+            f"| {row['reshard'] * 1e3:.0f} |"
         )
     return "\n".join(lines)
 

@@ -71,7 +71,7 @@ def row(name: str, tp: int, dp: int, ep: int) -> list[str]:
     off, auto = cells["off"][0], cells["auto"][0]
     sims = {coop: simulate(cells[coop][0], BUILTIN["h100"]).get("canzona") for coop in cells}
     out = [name, f"tp{tp} dp{dp}" + (f" ep{ep}" if ep > 1 else ""), str(auto.metrics.tp.cooperative)]
-    for schedule, teams in ((off, False), (auto, True)):
+    for schedule in (off, auto):
         out.append(f"{schedule.metrics.tp.device_imbalance:.3f}")
     for schedule, teams in ((off, False), (auto, True)):
         out.append(f"{schedule.metrics.tp.worst_device_load / device_bound(schedule, shapes, teams):.3f}")

@@ -204,7 +204,9 @@ def _collect(results: Any, processes: list[Any]) -> dict[str, float]:
         except queue.Empty:
             failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
             if failed:
-                raise SystemExit(f"iteration.py: error: a rank exited with code {failed[0]} (its traceback is above)")
+                raise SystemExit(
+                    f"iteration.py: error: a rank exited with code {failed[0]} (its traceback is above)"
+                ) from None
 
 
 def predict(schedule: Schedule, measured_fwd_bwd: float, batch: int, seq: int) -> dict[str, float]:
@@ -256,7 +258,7 @@ def table(rows: list[tuple[str, Schedule, dict[str, float], dict[str, float]]], 
         "| layout | strategy | measured ms | predicted ms | measured ratio | predicted ratio | error |",
         "|---|---|---|---|---|---|---|",
     ]
-    for layout, schedule, measured, predicted in rows:
+    for layout, _, measured, predicted in rows:
         for name in measured:
             m_ratio, p_ratio = measured[name] / measured["canzona"], predicted[name] / predicted["canzona"]
             error = "" if name == "fwd+bwd" else f"{100 * (p_ratio / m_ratio - 1):+.0f}%"

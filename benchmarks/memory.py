@@ -8,8 +8,9 @@ What is measured, per rank: the growth of the process's peak resident memory (Vm
 through /proc/self/clear_refs) from the moment the parameters and their bf16 gradients exist
 to the end of three optimizer steps: construction, buffers, state, main copies and every
 transient of a step. glibc is told to return large freed blocks at once, so that the peak
-follows live memory rather than the allocator's retention. Divided by the number of parameters of the whole model, this is "bytes per
-parameter above params + grads", the figure the design targets are stated in.
+follows live memory rather than the allocator's retention. Divided by the number of
+parameters of the whole model, this is "bytes per parameter above params + grads", the figure
+the design targets are stated in.
 
 The floor printed beside it is what the design must hold per rank, with P_m matrix elements,
 P_a AdamW elements, D the DP size, and every element of the model packed once into the fp32

@@ -169,9 +169,9 @@ def main() -> None:
                 for name, w in rows:
                     amplification = f"{w['rt32'] / w['grad']:.0f}x" if w["grad"] else "-"
                     print(
-                        f"| {name} | {layout} | {strategy} {mode} | {w['grad']:.1e} | {w['rt64']:.1e} | {w['ref64']:.1e} "
-                        f"| {w['rt32']:.1e} | {amplification} | {w['rtol_rt32']:.1e} | {w['rtol_rt64']:.1e} "
-                        f"| {w['rtol_ref64']:.1e} |",
+                        f"| {name} | {layout} | {strategy} {mode} | {w['grad']:.1e} | {w['rt64']:.1e} "
+                        f"| {w['ref64']:.1e} | {w['rt32']:.1e} | {amplification} | {w['rtol_rt32']:.1e} "
+                        f"| {w['rtol_rt64']:.1e} | {w['rtol_ref64']:.1e} |",
                         flush=True,
                     )
 

@@ -250,7 +250,8 @@ def device_table() -> None:
         print(
             f"| {name} | tp{tp} dp{dp} | {off.tp.worst_device_load:.3e} | {on.tp.worst_device_load:.3e} | "
             f"{on.tp.worst_device_load / off.tp.worst_device_load:.3f} | {off.dp.gap:.2%} | {on.dp.gap:.2%} | "
-            f"{on.tp.device_gap:.2%} | {off_step * 1e3:.1f} | {on_step * 1e3:.1f} | {off_it * 1e3:.1f} | {on_it * 1e3:.1f} |"
+            f"{on.tp.device_gap:.2%} | {off_step * 1e3:.1f} | {on_step * 1e3:.1f} | {off_it * 1e3:.1f} | "
+            f"{on_it * 1e3:.1f} |"
         )
     print()
 

@@ -137,7 +137,8 @@ def summary(results: dict[str, Gaps], prefix: str = "") -> None:
         worst = sorted(gaps.items(), key=lambda item: (-item[1], item[0]))[:3]
         worst_text = "; ".join(f"{key} {gap:.1%}" for key, gap in worst)
         print(
-            f"| {alpha:g} | {len(gaps)} | {at_bound / len(gaps):.1%} | {sum(gaps.values()) / len(gaps):.2%} | {worst_text} |"
+            f"| {alpha:g} | {len(gaps)} | {at_bound / len(gaps):.1%} | {sum(gaps.values()) / len(gaps):.2%} "
+            f"| {worst_text} |"
         )
     bad = {key: row for key, row in results.items() if violations(row, prefix)}
     print(f"\nmonotonicity violations (a larger alpha worse than a smaller one): {len(bad)} of {len(results)} layouts")

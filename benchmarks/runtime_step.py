@@ -181,23 +181,24 @@ def run_layout(schedule: Schedule, warmup: int, steps: int) -> dict[str, float]:
 def table(rows: list[tuple[str, str, int, str, int, dict[str, float]]], optimizer: str, cores: int) -> str:
     """The markdown table of the run."""
     lines = [
-        f"Optimizer step latency, {optimizer}, gloo on {cores} CPU cores, one thread per rank; dense model: Qwen3-style "
-        f"h {MODEL['hidden_size']}, F {MODEL['intermediate_size']}, L {MODEL['num_hidden_layers']}, vocab {MODEL['vocab_size']}; "
+        f"Optimizer step latency, {optimizer}, gloo on {cores} CPU cores, one thread per rank; dense model: "
+        f"Qwen3-style h {MODEL['hidden_size']}, F {MODEL['intermediate_size']}, L {MODEL['num_hidden_layers']}, "
+        f"vocab {MODEL['vocab_size']}; "
         f"MoE model: the same with {MOE_MODEL['num_experts']} experts of F {MOE_MODEL['moe_intermediate_size']} "
         f"(top-{MOE_MODEL['num_experts_per_tok']}) in layers 1-3; "
         "median of the slowest rank's step() (ms). With 4 ranks on 2 cores the ranks share cores, so times "
         "there count total CPU work. Absolute times move with machine load; the ratios (steps interleaved) are "
         "the stable part.",
         "",
-        "| model | params | ranks | layout | micro-groups/rank | canzona ms | canzona all_to_all ms | TP-SC ms | DP-SC ms "
-        "| DP-SC / canzona | TP-SC / canzona | all_to_all / canzona |",
+        "| model | params | ranks | layout | micro-groups/rank | canzona ms | canzona all_to_all ms | TP-SC ms "
+        "| DP-SC ms | DP-SC / canzona | TP-SC / canzona | all_to_all / canzona |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, dtype, world, layout, groups, medians in rows:
         c, r, t, d = (medians[k] * 1e3 for k in ("canzona", "canzona-a2a", "tp-sc", "dp-sc"))
         lines.append(
-            f"| {model} | {dtype} | {world} | {layout} | {groups} | {c:.1f} | {r:.1f} | {t:.1f} | {d:.1f} | {d / c:.2f}x "
-            f"| {t / c:.2f}x | {r / c:.2f}x |"
+            f"| {model} | {dtype} | {world} | {layout} | {groups} | {c:.1f} | {r:.1f} | {t:.1f} | {d:.1f} "
+            f"| {d / c:.2f}x | {t / c:.2f}x | {r / c:.2f}x |"
         )
     return "\n".join(lines)
 

@@ -13,7 +13,8 @@ Run:  python benchmarks/simulate_bench.py --paper        Qwen3 1.7B-32B at 256 G
 
 Every figure comes from plans built in this run, with the simulator's defaults unless a column
 says otherwise: each bucket's DP collective as the schedule records it, gradient reduction
-overlapped with backward and no gather overlap for every strategy, global batch 256 x 4096 tokens, one sequence per micro-batch. --cpu needs torch.
+overlapped with backward and no gather overlap for every strategy, global batch 256 x 4096
+tokens, one sequence per micro-batch. --cpu needs torch.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def paper_table() -> None:
     print("### Qwen3 at 256 GPUs, H100 model, Muon, `canzona plan` and `canzona simulate` defaults\n")
     print(
         "Cells: baseline / canzona for the optimizer step (nothing overlapped), then for the training "
-        "iteration (every strategy's DP collectives overlapped alike: reductions with backward, gathers not). The paper "
-        "(arXiv 2602.06079): 5.8x optimizer step, 1.57x iteration at 32B.\n"
+        "iteration (every strategy's DP collectives overlapped alike: reductions with backward, gathers not). "
+        "The paper (arXiv 2602.06079): 5.8x optimizer step, 1.57x iteration at 32B.\n"
     )
     _header(["model", "layout", "canzona step ms", "canzona iteration ms", *BASELINES, "ddp-adamw (ref.)"])
     for name in PAPER_MODELS:

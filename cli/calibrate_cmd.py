@@ -60,12 +60,13 @@ def read_shapes(path: Path) -> dict[str, list[tuple[int, int]]]:
             shape, names = (item.get("rows"), item.get("cols")), item.get("optimizers", list(OPTIMIZERS))
         else:
             shape, names = tuple(item) if isinstance(item, list) else (None, None), list(OPTIMIZERS)
-        if len(shape) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape):
+        sides = [v for v in shape if isinstance(v, int) and not isinstance(v, bool) and v >= 1]
+        if len(shape) != 2 or len(sides) != 2:
             raise PlanError(f"{path}: entry {index} is not a shape of two positive integers")
         if not isinstance(names, list) or any(name not in OPTIMIZERS for name in names):
             raise PlanError(f"{path}: entry {index}: optimizers must be a list from {', '.join(OPTIMIZERS)}")
         for name in names:
-            plan[name].append((int(shape[0]), int(shape[1])))
+            plan[name].append((sides[0], sides[1]))
     return {name: shapes for name, shapes in plan.items() if shapes}
 
 
@@ -122,7 +123,10 @@ def calibrate(
         bool,
         typer.Option(
             "--quick",
-            help="A rough profile in seconds: one timed call per kernel after one warm-up, every shape at most 512 on a side (a model's or a shapes file's scaled down, aspect kept).",
+            help=(
+                "A rough profile in seconds: one timed call per kernel after one warm-up, every shape at most 512 on "
+                "a side (a model's or a shapes file's scaled down, aspect kept)."
+            ),
         ),
     ] = False,
     repeats: Annotated[int, typer.Option(help="Timed repeats per kernel (median).")] = 5,
@@ -134,7 +138,10 @@ def calibrate(
     train_tokens: Annotated[
         int,
         typer.Option(
-            help="Also time training forward+backward on this many tokens (0: no): one matmul per 2-D weight of --model, else per timed shape."
+            help=(
+                "Also time training forward+backward on this many tokens (0: no): one matmul per 2-D weight of "
+                "--model, else per timed shape."
+            )
         ),
     ] = 0,
     max_side: Annotated[

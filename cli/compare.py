@@ -418,7 +418,10 @@ def library_rows(files: list[Path], root: Path) -> list[dict[str, Any]]:
 def library_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of `library_rows`."""
     lines = [
-        "| schedule | model | layout | optimizer | alpha | DP imbalance | gap | padding | TP efficiency | groups | max state GiB/device |",
+        (
+            "| schedule | model | layout | optimizer | alpha | DP imbalance | gap | padding | TP efficiency | groups "
+            "| max state GiB/device |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -426,9 +429,9 @@ def library_table(rows: list[dict[str, Any]]) -> str:
         if r["sharding"] == "fsdp":
             layout += " fsdp" if r["dp_replicate"] == 1 else f" hsdp{r['dp_replicate']}"
         lines.append(
-            f"| `{r['schedule']}` | {r['model']} | {layout} | {r['optimizer']} | {r['alpha']:g} | {r['dp_imbalance']:.4f} "
-            f"| {percent(r['gap'])} | {r['padding_overhead']:.2f}x | {r['tp_efficiency']:.3f} "
-            f"| {r['num_groups']} | {r['max_state_gib']:.2f} |"
+            f"| `{r['schedule']}` | {r['model']} | {layout} | {r['optimizer']} | {r['alpha']:g} "
+            f"| {r['dp_imbalance']:.4f} | {percent(r['gap'])} | {r['padding_overhead']:.2f}x "
+            f"| {r['tp_efficiency']:.3f} | {r['num_groups']} | {r['max_state_gib']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -496,7 +499,11 @@ def check(
         bool,
         typer.Option(
             "--allow-code",
-            help="Regenerate schedules of live models (py:MODULE:FACTORY) by importing and calling their factory: this RUNS the code the file names. Only for your own files; the module must lie inside a checked folder or the current directory.",
+            help=(
+                "Regenerate schedules of live models (py:MODULE:FACTORY) by importing and calling their factory: "
+                "this RUNS the code the file names. Only for your own files; the module must lie inside a checked "
+                "folder or the current directory."
+            ),
         ),
     ] = False,
     as_json: Annotated[

@@ -30,7 +30,9 @@ from canzona.schedules.files import OutputError
 try:  # typer >= 0.20 vendors click
     from typer._click.exceptions import ClickException
 except ImportError:  # pragma: no cover - older typer depends on click
-    from click.exceptions import ClickException
+    # click's own ClickException, which mypy, reading the vendored copy installed here, takes
+    # for another one
+    from click.exceptions import ClickException  # type: ignore[assignment]
 
 EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2

@@ -20,8 +20,10 @@ try:  # typer >= 0.20 vendors click
     from typer._click.core import ParameterSource
     from typer._click.globals import get_current_context
 except ImportError:  # pragma: no cover - older typer depends on click
-    from click.core import ParameterSource
-    from click.globals import get_current_context
+    # click's own ParameterSource and get_current_context, which mypy, reading the vendored
+    # copy installed here, takes for other ones
+    from click.core import ParameterSource  # type: ignore[assignment]
+    from click.globals import get_current_context  # type: ignore[no-redef]
 
 if TYPE_CHECKING:
     from canzona.schedules.format import Schedule

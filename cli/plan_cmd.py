@@ -8,7 +8,7 @@ import json
 import math
 import time
 from dataclasses import replace
-from enum import Enum
+from enum import Enum, EnumMeta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -65,15 +65,34 @@ def choices(name: str, values: tuple[str, ...]) -> Any:
     return Enum(name, [(value, value) for value in values], type=str)
 
 
-Optimizer = choices("Optimizer", MATRIX_OPTIMIZERS)
-QkvSplit = choices("QkvSplit", QKV_SPLITS)
-NsCoefficients = choices("NsCoefficients", NS_COEFFICIENT_NAMES)
-TpMode = choices("TpMode", TP_MODES)
-Coop = choices("Coop", COOP_MODES)
-Solver = choices("Solver", SOLVERS)
-Order = choices("Order", ORDERS)
-RouterOptimizer = choices("RouterOptimizer", (MATRIX, ADAMW))
-Names = choices("Names", ("auto", *NAMING_CONVENTIONS))
+if TYPE_CHECKING:
+    # mypy cannot follow Enums built at run time: it sees each vocabulary as `Choice`, an Enum
+    # of str whose members it takes on trust.
+    class _AnyMembers(EnumMeta):
+        def __getattr__(cls, name: str) -> Any: ...
+
+    class Choice(str, Enum, metaclass=_AnyMembers):
+        """A vocabulary's Enum, as `choices` builds it."""
+
+    Optimizer = Choice
+    QkvSplit = Choice
+    NsCoefficients = Choice
+    TpMode = Choice
+    Coop = Choice
+    Solver = Choice
+    Order = Choice
+    RouterOptimizer = Choice
+    Names = Choice
+else:
+    Optimizer = choices("Optimizer", MATRIX_OPTIMIZERS)
+    QkvSplit = choices("QkvSplit", QKV_SPLITS)
+    NsCoefficients = choices("NsCoefficients", NS_COEFFICIENT_NAMES)
+    TpMode = choices("TpMode", TP_MODES)
+    Coop = choices("Coop", COOP_MODES)
+    Solver = choices("Solver", SOLVERS)
+    Order = choices("Order", ORDERS)
+    RouterOptimizer = choices("RouterOptimizer", (MATRIX, ADAMW))
+    Names = choices("Names", ("auto", *NAMING_CONVENTIONS))
 
 
 def plan(
@@ -111,20 +130,29 @@ def plan(
     names: Annotated[
         Names,
         typer.Option(
-            help="Parameter names of a preset or HF config: megatron, hf (transformers), torchtitan; auto: hf for a config.json, megatron for a preset."
+            help=(
+                "Parameter names of a preset or HF config: megatron, hf (transformers), torchtitan; auto: hf for a "
+                "config.json, megatron for a preset."
+            )
         ),
     ] = Names.auto,
     sequence_parallel: Annotated[
         bool,
         typer.Option(
             "--sequence-parallel",
-            help="Every norm's gradient is a partial sum over TP, which the optimizer sums (leave off if the model reduces them itself).",
+            help=(
+                "Every norm's gradient is a partial sum over TP, which the optimizer sums (leave off if the model "
+                "reduces them itself)."
+            ),
         ),
     ] = False,
     dtype: Annotated[
         Dtype | None,
         typer.Option(
-            help="Dtype of every parameter, over the source's own (a config.json's dtype / torch_dtype, bf16 for a preset or a config without one, each entry's for a parameter list or live model).",
+            help=(
+                "Dtype of every parameter, over the source's own (a config.json's dtype / torch_dtype, bf16 for a "
+                "preset or a config without one, each entry's for a parameter list or live model)."
+            ),
             show_default=False,
         ),
     ] = None,
@@ -132,7 +160,10 @@ def plan(
     ns_coefficients: Annotated[
         NsCoefficients,
         typer.Option(
-            help="Muon's Newton-Schulz coefficients per iteration: simple (one triple), quintic (Megatron-core's default), polar_express."
+            help=(
+                "Muon's Newton-Schulz coefficients per iteration: simple (one triple), quintic (Megatron-core's "
+                "default), polar_express."
+            )
         ),
     ] = NsCoefficients.simple,
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
@@ -147,7 +178,10 @@ def plan(
     coop: Annotated[
         Coop,
         typer.Option(
-            help="Cooperative hosting (Muon): auto hosts a dominant matrix on several TP ranks where that shortens the busiest device; force: every eligible matrix on all TP ranks (tests); off."
+            help=(
+                "Cooperative hosting (Muon): auto hosts a dominant matrix on several TP ranks where that shortens "
+                "the busiest device; force: every eligible matrix on all TP ranks (tests); off."
+            )
         ),
     ] = Coop.auto,
     ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
@@ -164,7 +198,11 @@ def plan(
     order: Annotated[
         Order | None,
         typer.Option(
-            help="Parameter order inside a bucket: free (the planner's; canzona's runtime owns its exchange buffer) or registration (Megatron's fixed gradient buffer). Default: free, or registration with --solver ilp.",
+            help=(
+                "Parameter order inside a bucket: free (the planner's; canzona's runtime owns its exchange buffer) "
+                "or registration (Megatron's fixed gradient buffer). Default: free, or registration with "
+                "--solver ilp."
+            ),
             show_default=False,
         ),
     ] = None,

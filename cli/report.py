@@ -150,7 +150,8 @@ def summary_text(summary: dict[str, Any]) -> str:
     ]
     if summary.get("sharding") == "fsdp":
         lines[1] = (
-            f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  cost {summary['cost']}"
+            f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  "
+            f"cost {summary['cost']}"
         )
         lines[2] = f"{plural(summary['num_matrix_params'], 'matrix parameter')}, " + _fsdp_layout(
             summary["tp"], summary["dp"], summary["dp_replicate"]
@@ -340,7 +341,7 @@ def rank_part(schedule: Schedule, rank: int) -> dict[str, Any]:
     device = schedule.metrics.device[rank]
     if req.sharding == "fsdp":  # one plan for every replica; hosts are fragment ranks (shard · tp + tp rank)
         host = (dp_rank % (req.dp // req.dp_replicate)) * req.tp + tp_rank
-        groups = [
+        groups: list[dict[str, Any]] = [
             {
                 "index": g.index,
                 "tasks": len(g.params),

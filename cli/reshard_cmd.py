@@ -77,7 +77,8 @@ def _table(title: str, rows: list[dict[str, int]], keys: tuple[str, str], header
     lines = [f"{title:>8}  {'dp':>4}  {'tp':>3}  {headers[0]:>11}  {headers[1]:>16}"]
     for row in rows:
         lines.append(
-            f"{row['rank']:>8}  {row['dp_rank']:>4}  {row['tp_rank']:>3}  {human_bytes(row[keys[0]]):>11}  {human_bytes(row[keys[1]]):>16}"
+            f"{row['rank']:>8}  {row['dp_rank']:>4}  {row['tp_rank']:>3}  "
+            f"{human_bytes(row[keys[0]]):>11}  {human_bytes(row[keys[1]]):>16}"
         )
     return lines
 

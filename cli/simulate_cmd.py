@@ -130,8 +130,9 @@ def _header(sim: Simulation) -> list[str]:
     if sim.training is not None:
         tr, canzona = sim.training, sim.iteration("canzona")
         lines.append(
-            f"training: global batch {tr.global_batch} x {tr.seq_len} tokens, {tr.validate(sim.dp)} micro-batches per DP "
-            f"rank; forward+backward {hw.training_flops() / 1e12:.3g} TFLOP/s per device (6 x params x tokens)"
+            f"training: global batch {tr.global_batch} x {tr.seq_len} tokens, {tr.validate(sim.dp)} micro-batches "
+            f"per DP rank; forward+backward {hw.training_flops() / 1e12:.3g} TFLOP/s per device "
+            "(6 x params x tokens)"
         )
         lines.append(
             "overlap, the same for every strategy that has such collectives: gradient reduction "
@@ -305,7 +306,10 @@ def simulate(
     dp_collectives: Annotated[
         str,
         typer.Option(
-            help="canzona's matrix buckets: schedule (each bucket's recorded collective, the runtime's default), or ring, rooted or all_to_all for every bucket."
+            help=(
+                "canzona's matrix buckets: schedule (each bucket's recorded collective, the runtime's default), or "
+                "ring, rooted or all_to_all for every bucket."
+            )
         ),
     ] = AS_SCHEDULED,
     global_batch: Annotated[
@@ -321,7 +325,9 @@ def simulate(
     overlap_param_gather: Annotated[
         bool,
         typer.Option(
-            help="Every strategy with per-bucket parameter gathers runs them during the next forward (a runtime option)."
+            help=(
+                "Every strategy with per-bucket parameter gathers runs them during the next forward (a runtime option)."
+            )
         ),
     ] = False,
     train_tflops: Annotated[

@@ -41,6 +41,7 @@ CONFIG: dict[str, Any] = dict(
     tie_word_embeddings=False,
     max_position_embeddings=64,
 )
+CPU = torch.device("cpu")
 
 
 def make_model() -> nn.Module:
@@ -110,9 +111,7 @@ def counting_batch(batch: int, seq: int, seed: int) -> torch.Tensor:
     return (starts + torch.arange(seq)) % CONFIG["vocab_size"]
 
 
-def train(
-    schedule: str, steps: int, batch: int = 4, seq: int = 16, device: torch.device = torch.device("cpu")
-) -> list[float]:
+def train(schedule: str, steps: int, batch: int = 4, seq: int = 16, device: torch.device = CPU) -> list[float]:
     """Train on this rank (inside an initialised process group, on `device`); the DP-mean loss
     of every step."""
     from torch.distributed.device_mesh import init_device_mesh

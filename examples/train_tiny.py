@@ -160,14 +160,15 @@ def main(argv: list[str] | None = None) -> None:
         first = mean if first is None else first
         if dist.get_rank() == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(
-                f"step {step:3d}  loss {mean:.4f}  grad norm {float(norm):.3f}  lr {optimizer.param_groups[0]['lr']:.4f}  "
-                f"iteration {times[-1] * 1e3:.1f} ms",
+                f"step {step:3d}  loss {mean:.4f}  grad norm {float(norm):.3f}  "
+                f"lr {optimizer.param_groups[0]['lr']:.4f}  iteration {times[-1] * 1e3:.1f} ms",
                 flush=True,
             )
     optimizer.finish_gather()  # before using the parameters outside the model's forward
     if dist.get_rank() == 0:
         print(
-            f"{args.strategy}: loss {first:.4f} -> {mean:.4f}; median iteration {statistics.median(times) * 1e3:.1f} ms",
+            f"{args.strategy}: loss {first:.4f} -> {mean:.4f}; "
+            f"median iteration {statistics.median(times) * 1e3:.1f} ms",
             flush=True,
         )
     dist.destroy_process_group()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from canzona.planner.buffers import BufferPlan
 from canzona.planner.devices import device_figures, tp_score
@@ -231,11 +231,18 @@ def _tp_metrics(plan: Plan) -> TpMetrics:
     )
 
 
-def _searches(search: AutoSearch | None) -> dict[str, object]:
+class _Searches(TypedDict, total=False):
+    """`Metrics`' fields of the automatic searches (absent: no search)."""
+
+    alpha_search: list[AlphaTrial]
+    bucket_search: BucketSearch
+
+
+def _searches(search: AutoSearch | None) -> _Searches:
     """The metrics of the automatic searches that chose α and the bucket size."""
+    out: _Searches = {}
     if search is None:
-        return {}
-    out: dict[str, object] = {}
+        return out
     if search.alpha:
         out["alpha_search"] = [
             AlphaTrial(alpha=t.value, predicted_step_s=t.step_s, predicted_iteration_s=t.iteration_s)

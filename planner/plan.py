@@ -435,6 +435,7 @@ def expert_tasks(
         for entry in bucket.entries:
             for param in by_slot[entry.param]:
                 spec = model.params[param]
+                assert spec.expert_index is not None  # `slots` holds expert parameters only
                 ep_rank = spec.expert_index // (spec.num_experts // request.ep)
                 tasks[expert.owners[entry.param] * request.ep + ep_rank].append(param_task(model, costs, param))
     return tuple(tuple(rank) for rank in tasks)

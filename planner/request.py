@@ -71,6 +71,9 @@ class TrainingSetup:
         return count
 
 
+DEFAULT_TRAINING = TrainingSetup()  # one instance serves every default: TrainingSetup is frozen
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     """What the user asked for; recorded in the schedule so it can be regenerated. Only the
@@ -162,7 +165,9 @@ class PlanRequest:
         settings = {key: value for key, value in vars(self.optimizer).items() if key != "name"}
         return Request(
             model=ModelSource(name=model.name, source=model.source, sha256=model.source_sha256),
-            optimizer=OptimizerSettings(name=self.optimizer.name, **recorded_settings(self.optimizer.name, settings)),
+            optimizer=OptimizerSettings.model_validate(
+                {"name": self.optimizer.name, **recorded_settings(self.optimizer.name, settings)}
+            ),
             training=self._training_settings(),
             canzona_version=canzona_version(),
             **vars(self.options),

@@ -221,6 +221,9 @@ class ModelOptions:
     dtype: str | None = None
 
 
+DEFAULT_MODEL_OPTIONS = ModelOptions()  # one instance serves every default: ModelOptions is frozen
+
+
 def _validate_row_blocks(param: ParamSpec) -> None:
     """Row blocks must match the submatrices and cover every row exactly once."""
     if len(param.row_blocks) != len(param.submatrices):

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -184,6 +184,14 @@ def placement_problems(entry: ParamEntry, tensor: Tensor, tp: int) -> list[str]:
             f"{entry.tp_dim}); a different TP plan?"
         )
     return problems
+
+
+@overload
+def local_grad(bound: Bound, grad: Tensor) -> Tensor: ...
+
+
+@overload
+def local_grad(bound: Bound, grad: None) -> None: ...
 
 
 def local_grad(bound: Bound, grad: Tensor | None) -> Tensor | None:

@@ -25,7 +25,7 @@ and transients bounded by the micro-group capacity. No stage copies the optimize
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -351,7 +351,7 @@ class Engine:
                 "refreshing the main copies",
                 "",
                 self.plan.device,
-                flags=torch.tensor([int(self.state.main.stale)]),
+                flags=torch.tensor([int(self.state.main.stale)], device=self.plan.device),
             ).tolist()
             if stale[0]:
                 precision.rebuild(self.plan, self.state.main, self.gather_full, self.state.main.stale)
@@ -441,7 +441,7 @@ class Engine:
         """Wait for every parameter gather still in flight."""
         self.wait_gather(self.plan.layout.gather_order)
 
-    def wait_gather(self, buckets: list[int]) -> None:
+    def wait_gather(self, buckets: Iterable[int]) -> None:
         """Wait for the gathers of `buckets` (a module's forward pre-hook calls this)."""
         if self.gather is not None:
             with self.collectives():

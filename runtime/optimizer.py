@@ -128,6 +128,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self.engine = Engine(
             self.plan, Groups(dp, tp, expert_dp), GradSource(grad_attr, check_finite), dp_collectives, timeout_delta
         )
+        # torch.optim types `state` as its own defaultdict; here it is a read-only view of the sharded state
         self.state = StateView(self.plan, self.engine.state)  # type: ignore[assignment]
         self._pre_hooks: OrderedDict[int, PreHook] = OrderedDict()  # RemovableHandle needs a weak reference
         self._grad_hooks: list[RemovableHandle] = []
@@ -268,7 +269,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return self.engine.clip(max_norm, float(norm_type))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step of every parameter (collective: every rank must call it); returns
         the closure's loss (the closure runs with gradients enabled, after the pre-hooks).
         Under `torch.amp.GradScaler` (`scaler.step(optimizer)`) the reduced gradients are
@@ -349,7 +350,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         state dicts and checkpoints do it themselves). Collective only in that it waits."""
         self.engine.finish_gather()
 
-    def wait_gather(self, buckets: list[int]) -> None:
+    def wait_gather(self, buckets: Iterable[int]) -> None:
         """Wait for the gathers of `buckets` (a module's forward pre-hook calls this)."""
         self.engine.wait_gather(buckets)
 
@@ -421,7 +422,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         """The TP and DP groups (every rank of the grid)."""
         return self.engine.safe_groups
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state in logical form (`canzona.runtime.state.logical`): full-shape,
         schedule-independent tensors (the chunks this rank holds, fp32 main copies included),
         the step counts, every group's hyperparameters, the model's state layout and the
@@ -432,7 +433,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             {**self.logical_record(), "tensors": self.export_logical(writers_only=False, clone=True)}
         )
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore logical state (one `state_dict()`, or several merged with
         `canzona.runtime.state.checkpoint.merge_state_dicts`) saved under any schedule of the same
         model, and the groups' hyperparameters (the groups must list the same parameters).

@@ -88,12 +88,9 @@ def tensor_problems(entry: ParamEntry, tensor: Tensor, tp: int, tp_rank: int = 0
         flag = next((name for name, dtype in DTYPES.items() if dtype == tensor.dtype), None)
         fix = f" (plan with --dtype {flag})" if flag else ""
         problems.append(f"{entry.name}: dtype {tensor.dtype}, schedule says {entry.dtype}{fix}")
-    if (
-        getattr(tensor, "tensor_model_parallel", False)
-        and tp > 1
-        and getattr(tensor, "partition_dim", entry.tp_dim) != entry.tp_dim
-    ):
-        problems.append(f"{entry.name}: split along dim {tensor.partition_dim}, schedule says tp_dim {entry.tp_dim}")
+    partition_dim = getattr(tensor, "partition_dim", entry.tp_dim)  # Megatron's mark of a TP-split tensor
+    if getattr(tensor, "tensor_model_parallel", False) and tp > 1 and partition_dim != entry.tp_dim:
+        problems.append(f"{entry.name}: split along dim {partition_dim}, schedule says tp_dim {entry.tp_dim}")
     if not tensor.is_contiguous():
         problems.append(f"{entry.name}: the runtime needs contiguous parameters")
     return problems
@@ -111,7 +108,10 @@ def summary(schedule: Schedule) -> str:
     """A short description of the plan, for error messages."""
     req = schedule.request
     ep = f" (EP {req.ep})" if req.ep > 1 else ""
-    return f"model {req.model.name}, DP {req.dp}{ep} x TP {req.tp}, {req.optimizer.name}, alpha {req.alpha:g}, buckets {req.bucket_size}"
+    return (
+        f"model {req.model.name}, DP {req.dp}{ep} x TP {req.tp}, {req.optimizer.name}, "
+        f"alpha {req.alpha:g}, buckets {req.bucket_size}"
+    )
 
 
 @dataclass(frozen=True)
@@ -159,9 +159,9 @@ def agree(verdict: Verdict, dp_group: dist.ProcessGroup, tp_group: dist.ProcessG
     ranks hold different schedules, or the groups are not a DP × TP grid."""
     tp_verdicts: list[Verdict | None] = [None] * dist.get_world_size(tp_group)
     dist.all_gather_object(tp_verdicts, verdict, group=tp_group)
-    grid: list[list[Verdict] | None] = [None] * dist.get_world_size(dp_group)
+    grid: list[Any] = [None] * dist.get_world_size(dp_group)  # filled: every DP peer's TP verdicts
     dist.all_gather_object(grid, tp_verdicts, group=dp_group)
-    raise_disagreement(grid)  # type: ignore[arg-type]
+    raise_disagreement(grid)
 
 
 def _ranks(verdicts: list[Verdict]) -> str:

@@ -6,10 +6,11 @@ blocks are updated together (`matrix_update_batch`: Muon orthogonalises each sub
 position of the batch as one batched product, stacked at most `stack_limit` elements
 at a time); a team-hosted matrix is computed with its team (`canzona.runtime.rules.cooperative`).
 A matrix's gradient (its place in the bucket buffer, or the matrix the TP gather assembled) is
-the scratch its update is computed in: no stage copies the gradients of a whole batch. A host's result is the fp32 update of an fp32
-parameter, or the new value (its fp32 main copy, updated here) of a bf16/fp16 one; `apply`
-writes a rank's shard of it into the parameter. AdamW runs on this rank's slices of the bucket
-buffer, on the main copies of low-precision parameters and on fp32 parameters themselves.
+the scratch its update is computed in: no stage copies the gradients of a whole batch. A host's
+result is the fp32 update of an fp32 parameter, or the new value (its fp32 main copy, updated
+here) of a bf16/fp16 one; `apply` writes a rank's shard of it into the parameter. AdamW runs on
+this rank's slices of the bucket buffer, on the main copies of low-precision parameters and on
+fp32 parameters themselves.
 
 A failure inside a host's computation or AdamW (an out-of-memory error, a bad value) is
 recorded in the step's `StepContext` and the stage goes on with neutral results (the current
@@ -190,7 +191,8 @@ class Updater:
         AdamW elements: adjacent low-precision pieces (updated on the contiguous main copy)
         that share a group and a step count merge; an fp32 piece (updated in its parameter)
         is a run of its own (piece = its position in `plan.adamw`, -1 for a merged run)."""
-        plan, runs = self.plan, []
+        plan = self.plan
+        runs: list[list[int]] = []
         for number, piece in enumerate(plan.adamw):
             if not (ctx.active[piece.param] and plan.optimized(piece.param)):
                 continue

@@ -24,13 +24,19 @@ MAIN_COPY_BYTES_PER_ELEMENT = 4  # the runtime's fp32 main copy of a bf16/fp16 p
 
 class Settings(Protocol):
     """The matrix optimizer's settings a cost or state size depends on (the planner's
-    `OptimizerConfig` and a schedule's `request.optimizer` both have them)."""
+    `OptimizerConfig` and a schedule's `request.optimizer` both have them, read-only: both
+    are frozen)."""
 
-    name: str
-    ns_steps: int
-    block_size: int
-    precondition_frequency: int
-    max_precond_dim: int
+    @property
+    def name(self) -> str: ...
+    @property
+    def ns_steps(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def precondition_frequency(self) -> int: ...
+    @property
+    def max_precond_dim(self) -> int: ...
 
 
 def muon_flops(rows: int, cols: int, ns_steps: int) -> float:

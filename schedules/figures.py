@@ -4,8 +4,8 @@ planner writes them by and the schedule validator recomputes them with. Pure, an
 what it is given: no per-parameter work grows with the number of ranks.
 
 Traffic: the DP reduction (fp32 gradients) and gather (parameters) of every bucket, in the
-collective the schedule records for it, plus the TP micro-group all-to-alls (fp32 gradients in, fp32 updates out; a matrix replicated
-over TP needs no gather, only the scatter).
+collective the schedule records for it, plus the TP micro-group all-to-alls (fp32 gradients in,
+fp32 updates out; a matrix replicated over TP needs no gather, only the scatter).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def task_moves(size: int, team_size: int, replicated: bool, tp: int) -> tuple[tu
     peers = tp - 1
     if replicated:
         return (part * peers, 0), (0, part)
-    return (part * peers // tp,) * 2, (part // tp,) * 2  # type: ignore[return-value]
+    return (part * peers // tp,) * 2, (part // tp,) * 2
 
 
 def micro_group_traffic(parts: Iterable[tuple[int, int, int, bool]], tp: int) -> list[tuple[int, int]]:

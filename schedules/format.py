@@ -135,7 +135,8 @@ def check_version(version: Any, origin: str) -> None:
         )
     if version is None:
         raise ScheduleError(
-            f"{origin}: not a canzona schedule (it has no schema_version; make one with `canzona plan`)"
+            f"{origin}: not a canzona schedule: it has no schema_version (this canzona reads "
+            f"{SCHEMA_VERSION}; make one with `canzona plan`)"
         )
     raise ScheduleError(f"{origin}: schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
 

@@ -21,12 +21,13 @@ gathers in the order the next forward needs them (the reverse).
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from math import prod
 
 from canzona.schedules.checks import dp_rank_of
-from canzona.schedules.format import ParamEntry, Schedule
+from canzona.schedules.format import AdamwBucketEntry, BucketEntry, ParamEntry, Schedule
 from canzona.schedules.geometry import chunk_bounds, tp_shard_shape
 from canzona.schedules.limits import ADAMW, DEFAULT_BUCKET_COLLECTIVE, MATRIX
 
@@ -191,7 +192,11 @@ def _buckets(
 ) -> tuple[tuple[DpBucket, ...], tuple[int, ...], tuple[int, ...]]:
     """Every DP bucket in buffer order, each parameter's start in the bucket buffer and the
     position of its bucket (0 for another EP rank's experts, which are not in the layout)."""
-    buffers = {MATRIX: schedule.dp.buckets, EXPERT: schedule.dp.expert_buckets, ADAMW: schedule.dp.adamw_buckets}
+    buffers: dict[str, Sequence[BucketEntry | AdamwBucketEntry]] = {
+        MATRIX: schedule.dp.buckets,
+        EXPERT: schedule.dp.expert_buckets,
+        ADAMW: schedule.dp.adamw_buckets,
+    }
     params: dict[tuple[str, int], list[int]] = {}
     for entry in entries:
         params.setdefault((buffer_of(entry), entry.bucket), []).append(entry.index)
@@ -199,7 +204,9 @@ def _buckets(
     for entry in schedule.params:
         if entry.ep_rank == 0:
             leads[entry.bucket] = min(leads.get(entry.bucket, entry.index), entry.index)
-    out, base, position = [], 0, {}
+    out: list[DpBucket] = []
+    base = 0
+    position: dict[tuple[str, int], int] = {}
     for kind in (MATRIX, EXPERT, ADAMW):
         ranks = group_dp_ranks(schedule, kind, ep_rank)
         for index, bucket in enumerate(buffers[kind]):
@@ -213,7 +220,7 @@ def _buckets(
                     tuple(sorted(params.get((kind, index), []))),
                     ranks,
                     leads.get(index) if kind == EXPERT else None,
-                    "ring" if kind == ADAMW else bucket.collective,
+                    bucket.collective if isinstance(bucket, BucketEntry) else "ring",
                 )
             )
             base += bucket.cuts[-1]

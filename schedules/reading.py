@@ -234,9 +234,8 @@ class _Scanner:
     def __init__(self, allow_aliases: bool) -> None:
         self.allow_aliases = allow_aliases
         self.canonical = not allow_aliases  # schedules: numbers, booleans and null as canzona writes them
-        self.frames: list[
-            list[Any]
-        ] = []  # [is mapping, expecting a key, keys, expanded count at start, anchor, last key]
+        # one per open collection: [is mapping, expecting a key, keys, expanded count at start, anchor, last key]
+        self.frames: list[list[Any]] = []
         self.anchors: dict[str, int] = {}
         self.expanded = 0
 

@@ -233,9 +233,15 @@ def _param_problem(old: StateLayout, new: StateLayout, a: ParamState, b: ParamSt
     if a.kind != MATRIX:
         return None
     if a.submatrices != b.submatrices:
-        return f"{a.name}: updated as submatrices {[list(s) for s in a.submatrices]} before, {[list(s) for s in b.submatrices]} now (split_qkv / split_fc1 differ)"
+        return (
+            f"{a.name}: updated as submatrices {[list(s) for s in a.submatrices]} before, "
+            f"{[list(s) for s in b.submatrices]} now (split_qkv / split_fc1 differ)"
+        )
     if old.fields(a) != new.fields(b):
-        return f"{a.name}: its {old.optimizer} state has a different shape (block_size {old.block_size} vs {new.block_size}, max_precond_dim {old.max_precond_dim} vs {new.max_precond_dim})"
+        return (
+            f"{a.name}: its {old.optimizer} state has a different shape (block_size {old.block_size} vs "
+            f"{new.block_size}, max_precond_dim {old.max_precond_dim} vs {new.max_precond_dim})"
+        )
     return None
 
 

@@ -201,7 +201,7 @@ def derived_problem(
         cache[key] = _derived(kind, shape[0], blocks, tp, split_qkv, split_fc1)
     problem, query_rows = cache[key]
     if problem or not query_rows:
-        return problem  # type: ignore[no-any-return]
+        return problem
     qkv, proj = _QKV[names]
     output = shape_of(name[: -len(qkv)] + proj)
     if output is not None and (len(output) != 2 or output[1] != query_rows):

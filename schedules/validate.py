@@ -54,7 +54,6 @@ from canzona.schedules.limits import (
 )
 from canzona.schedules.models import BucketEntry, ParamEntry, Schedule
 from canzona.schedules.splits import (
-    Blocks,
     as_blocks,
     derived_problem,
     expanded_by_canzona,
@@ -210,15 +209,17 @@ def _check_row_blocks(schedule: Schedule) -> None:
     req = schedule.request
     derived = expanded_by_canzona(req.model.source, req.model.sha256, req.names)
     shapes = {e.name: e.shape for e in schedule.params}
-    tiled: set[tuple[int, Blocks]] = set()
+    # keyed by the ranges as written (any length), as they are not checked yet
+    tiled: set[tuple[int, tuple[tuple[tuple[int, ...], ...], ...]]] = set()
     verdicts: dict[tuple[Any, ...], Any] = {}
     for e in schedule.params:
-        blocks: Blocks = tuple(tuple(tuple(r) for r in block) for block in e.row_blocks) if e.row_blocks else ()
-        if e.row_blocks is not None and (e.shape[0], blocks) not in tiled:
+        written = tuple(tuple(tuple(r) for r in block) for block in e.row_blocks) if e.row_blocks else ()
+        if e.row_blocks is not None and (e.shape[0], written) not in tiled:
             _row_blocks_problem(f"parameter {e.name!r}", e.row_blocks, e.shape[0])
-            tiled.add((e.shape[0], blocks))
+            tiled.add((e.shape[0], written))
         if e.optimizer != MATRIX:
             continue
+        blocks = as_blocks(e.row_blocks)
         if derived:
             problem = derived_problem(
                 e.name, e.shape, blocks, req.tp, req.names, req.split_qkv, req.split_fc1, shapes.get, verdicts
@@ -378,7 +379,8 @@ def _check_buffer(
         if kind == "AdamW":
             if list(bucket.cuts) != list(equal_cuts(bucket.numel, num_ranks)):
                 fail(
-                    f"{kind} bucket {position}: cuts must be the stock equal split of {bucket.numel} over {num_ranks} ranks"
+                    f"{kind} bucket {position}: cuts must be the stock equal split of {bucket.numel} over "
+                    f"{num_ranks} ranks"
                 )
         else:
             _check_cuts(kind, position, bucket, bucket_members, num_ranks)
@@ -403,7 +405,8 @@ def _check_packing(kind: str, position: int, bucket: Any, members: list[ParamEnt
         expected = round_up(end, PARAM_ALIGNMENT)
         if e.offset != expected:
             fail(
-                f"parameter {e.name!r}: offset {e.offset} in {kind} bucket {position}, but packing puts it at {expected}"
+                f"parameter {e.name!r}: offset {e.offset} in {kind} bucket {position}, but packing puts it at "
+                f"{expected}"
             )
         end = e.offset + e.numel
     padded = padded_bucket_numel(end, num_ranks)
@@ -428,7 +431,8 @@ def _check_cuts(kind: str, position: int, bucket: BucketEntry, members: list[Par
         holder = slice_owner(cuts, e.offset)
         if e.owner != holder:
             fail(
-                f"parameter {e.name!r}: its shard is not inside its owner's slice (owner {e.owner}, slice of rank {holder})"
+                f"parameter {e.name!r}: its shard is not inside its owner's slice (owner {e.owner}, slice of rank "
+                f"{holder})"
             )
     slices = slice_sizes(cuts)
     if list(bucket.slice_bytes) != [GRAD_BYTES_PER_ELEMENT * s for s in slices]:

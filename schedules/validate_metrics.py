@@ -269,8 +269,8 @@ def check_modes(schedule: Schedule, chosen: dict[str, float]) -> None:
             or not 0 <= score.efficiency <= 1 + REL_TOL
         ):
             fail(
-                f"metrics.tp.modes.{mode}: times, loads and saturation must be >= 0, device_imbalance >= 1 and efficiency "
-                "in [0, 1]"
+                f"metrics.tp.modes.{mode}: times, loads and saturation must be >= 0, device_imbalance >= 1 and "
+                "efficiency in [0, 1]"
             )
 
 
@@ -396,7 +396,8 @@ def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[lis
         legacy = device_traffic(schedule, legacy=True)
         if all((d.bytes_sent, d.bytes_received) == legacy[d.rank] for d in devices):
             traffic = legacy
-    sizes = [b.numel for b in (*schedule.dp.buckets, *schedule.dp.expert_buckets, *schedule.dp.adamw_buckets)]
+    sizes = [b.numel for b in (*schedule.dp.buckets, *schedule.dp.expert_buckets)]
+    sizes += [b.numel for b in schedule.dp.adamw_buckets]
     buffer, largest = sum(sizes), max(sizes, default=0)
     for d in devices:
         if req.cost in BUILT_IN_COSTS:
@@ -434,18 +435,20 @@ def _largest_piece(schedule: Schedule) -> float:
     )
 
 
-def _device_figures(schedule: Schedule, loads: list[float]) -> bool:
-    """worst_device_load and device_imbalance from the device loads; whether the file records
-    a device lower bound (device_lower_bound and device_gap come together)."""
+def _device_figures(schedule: Schedule, loads: list[float]) -> tuple[float, float] | None:
+    """worst_device_load and device_imbalance from the device loads; the file's
+    (device_lower_bound, device_gap), or None when it records no device lower bound (the two
+    come together)."""
     m = schedule.metrics.tp
     mean = sum(loads) / len(loads)
     expect("metrics.tp.worst_device_load", m.worst_device_load, max(loads), "metrics.device")
     expect("metrics.tp.device_imbalance", m.device_imbalance, max(loads) / mean if mean else 1.0, "metrics.device")
-    if m.device_lower_bound is None or m.device_gap is None:
-        if (m.device_lower_bound, m.device_gap) != (None, None):
+    bound, gap = m.device_lower_bound, m.device_gap
+    if bound is None or gap is None:
+        if (bound, gap) != (None, None):
             fail("metrics.tp: device_lower_bound and device_gap come together")
-        return False
-    return True
+        return None
+    return bound, gap
 
 
 def _check_device_bound(schedule: Schedule, loads: list[float]) -> None:
@@ -457,12 +460,13 @@ def _check_device_bound(schedule: Schedule, loads: list[float]) -> None:
     written before the plan-independent bound recorded max(mean, largest hosted piece)."""
     m, req = schedule.metrics.tp, schedule.request
     mean = sum(loads) / len(loads)
-    if not _device_figures(schedule, loads):
+    figures = _device_figures(schedule, loads)
+    if figures is None:
         return
+    bound, gap = figures
     adamw = [schedule.metrics.dp.adamw_load[d.dp_rank] / req.tp for d in schedule.metrics.device]
     work = sum(e.cost for e in schedule.params if e.optimizer == MATRIX)
     floor = max((work + sum(adamw)) / len(adamw), max(adamw)) if req.cost in BUILT_IN_COSTS else 0.0
-    bound = m.device_lower_bound
     if not floor * (1 - REL_TOL) <= bound <= m.worst_device_load * (1 + REL_TOL):
         former = max(mean, _largest_piece(schedule))
         if not close(bound, former):
@@ -472,7 +476,7 @@ def _check_device_bound(schedule: Schedule, loads: list[float]) -> None:
             )
     expect(
         "metrics.tp.device_gap",
-        m.device_gap,
+        gap,
         m.worst_device_load / bound - 1 if bound else 0.0,
         "metrics.tp.worst_device_load / device_lower_bound - 1",
     )
@@ -483,18 +487,20 @@ def check_device_balance(schedule: Schedule, loads: list[float], largest: float)
     max(mean device load, `largest` piece: a matrix, or a team member's share); device_gap."""
     m = schedule.metrics.tp
     mean = sum(loads) / len(loads)
-    if not _device_figures(schedule, loads):
+    figures = _device_figures(schedule, loads)
+    if figures is None:
         return
+    recorded_bound, gap = figures
     bound = max(mean, largest)
     expect(
         "metrics.tp.device_lower_bound",
-        m.device_lower_bound,
+        recorded_bound,
         bound,
         "max(mean of metrics.device loads, largest piece hosted in the tp section)",
     )
     expect(
         "metrics.tp.device_gap",
-        m.device_gap,
+        gap,
         m.worst_device_load / bound - 1 if bound else 0.0,
         "metrics.tp.worst_device_load / device_lower_bound - 1",
     )
@@ -538,7 +544,8 @@ def _check_alpha_search(schedule: Schedule) -> None:
         return
     if [t.alpha for t in trials] != list(DEFAULT_ALPHAS):
         fail(
-            f"metrics.alpha_search must hold the trials of alpha {', '.join(f'{a:g}' for a in DEFAULT_ALPHAS)}, in order"
+            "metrics.alpha_search must hold the trials of alpha "
+            f"{', '.join(f'{a:g}' for a in DEFAULT_ALPHAS)}, in order"
         )
     if len({t.predicted_iteration_s is None for t in trials}) > 1 or any(
         t.predicted_step_s <= 0 or (t.predicted_iteration_s or 1.0) <= 0 for t in trials

@@ -101,7 +101,7 @@ def host_loads(tasks: Sequence[Task], groups: Sequence[MicroGroup], num_hosts: i
 def _with_team(groups: list[MicroGroup], where: tuple[int, int], team: Team) -> None:
     group_index, position = where
     group = groups[group_index]
-    teams = list(group.teams) if group.teams else [None] * len(group.tasks)
+    teams: list[Team | None] = list(group.teams) if group.teams else [None] * len(group.tasks)
     teams[position] = team
     groups[group_index] = MicroGroup(group.tasks, group.hosts, tuple(teams))
 

@@ -32,7 +32,10 @@ from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS  # noqa: F4
 class CostModel(Protocol):
     """Per-step cost and state size of the optimizers, for one matrix or AdamW slice."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The model's name (a simulation reports the time model that priced its compute)."""
+        ...
 
     def matrix_cost(self, rows: int, cols: int) -> float:
         """Cost of one matrix-optimizer update of a full rows x cols matrix."""

@@ -280,8 +280,8 @@ def reown(instance: DpInstance, state: SliceState, tasks: dict[Item, Task], mode
             _improve(_Search(instance, SliceState.of(instance, caps, fresh, True), tasks, model, load_cap))
         )
     scored = []
-    for position, owners in enumerate(dict.fromkeys(candidates)):
-        evened = even_slices(instance, caps, owners, free)
+    for position, candidate in enumerate(dict.fromkeys(candidates)):
+        evened = even_slices(instance, caps, candidate, free)
         search = _Search(instance, SliceState.of(instance, caps, evened, free), tasks, model, load_cap)
         comm = model.comm(instance, evened) if model.comm else 0.0
         scored.append((max(search.times) + comm, position, evened))

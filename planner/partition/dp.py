@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from canzona.planner.spec import PlanError
@@ -81,7 +81,7 @@ def lower_bound(instance: DpInstance) -> float:
     )
 
 
-def rank_loads(instance: DpInstance, owners: tuple[tuple[int, ...], ...]) -> list[float]:
+def rank_loads(instance: DpInstance, owners: Sequence[Sequence[int]]) -> list[float]:
     """Compute load of every rank under `owners` (base loads included)."""
     loads = instance.initial_loads()
     for costs, bucket_owners in zip(instance.costs, owners):
@@ -271,6 +271,7 @@ def _place_greedy(search: _Search) -> bool:
     key_of = [(load, rank) for rank, load in enumerate(search.loads)]
     for item in items:
         low, high, target = search.interval(item)
+        candidates: Iterable[int]
         if high - low < NARROW_INTERVAL:
             candidates = sorted(range(low, high + 1), key=lambda r: (search.loads[r], abs(r - target), r))
         else:
@@ -398,7 +399,7 @@ def _segment_dp(
         cost_prefix.append(cost_prefix[-1] + cost)
         span_prefix.append(span_prefix[-1] + span)
     table = [[-inf if limit is None else 0.0] + [inf] * k]
-    for rank, load in enumerate(base):
+    for load in base:
         previous, row = table[-1], [inf] * (k + 1)
         for i in range(k + 1):
             for j in range(i, -1, -1):

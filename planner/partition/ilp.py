@@ -299,8 +299,8 @@ def _dp_model(
             if sum(span for _, span in rank_slice) > caps[bucket]:
                 model.Add(sum(span * term for term, span in rank_slice) <= caps[bucket])
     hint_loads = list(base)
-    for bucket, row in enumerate(owners):
-        for index, owner in enumerate(row):
+    for bucket, bucket_owners in enumerate(owners):
+        for index, owner in enumerate(bucket_owners):
             hint_loads[owner] += costs[bucket][index]
     largest = max((cost for row in costs for cost in row), default=0)
     floor = max(max(base), largest + min(base), -(-(sum(map(sum, costs)) + sum(base)) // ranks))

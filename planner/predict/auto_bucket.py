@@ -23,6 +23,7 @@ from canzona.planner.partition.costs import CostModel
 from canzona.planner.plan import Plan, PlanRequest, SearchTrial, TrainingSetup, make_plan
 from canzona.planner.predict.hardware import Hardware
 from canzona.planner.predict.trial import trial
+from canzona.planner.request import DEFAULT_TRAINING
 from canzona.planner.spec import ModelSpec, PlanError
 from canzona.schedules.searches import (  # noqa: F401 - the candidates and the rule, re-exported
     DEFAULT_BUCKET_SIZES,
@@ -45,7 +46,7 @@ def choose_bucket_size(
     request: PlanRequest,
     hardware: Hardware,
     time_model: CostModel | None = None,
-    training: TrainingSetup = TrainingSetup(),
+    training: TrainingSetup = DEFAULT_TRAINING,
     sizes: Sequence[int] = DEFAULT_BUCKET_SIZES,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[Plan, list[SearchTrial], str]:

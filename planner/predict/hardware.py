@@ -278,16 +278,28 @@ def override_network(
     latency_us: float | None = None,
 ) -> Hardware:
     """`hardware` with the given network figures replaced (None keeps the model's)."""
-    changes: dict[str, float | int] = {}
-    if intra_gbps is not None:
-        changes["intra_bandwidth"] = intra_gbps * GB
-    if inter_gbps is not None:
-        changes["inter_bandwidth"] = inter_gbps * GB
-    if gpus_per_node is not None:
-        changes["gpus_per_node"] = gpus_per_node
-    if latency_us is not None:
-        changes["latency"] = latency_us * 1e-6
+    intra = hardware.intra_bandwidth if intra_gbps is None else intra_gbps * GB
+    inter = hardware.inter_bandwidth if inter_gbps is None else inter_gbps * GB
+    per_node = hardware.gpus_per_node if gpus_per_node is None else gpus_per_node
+    latency = hardware.latency if latency_us is None else latency_us * 1e-6
+    changes = {
+        key: value
+        for key, value, given in (
+            ("intra_bandwidth", intra, intra_gbps),
+            ("inter_bandwidth", inter, inter_gbps),
+            ("gpus_per_node", per_node, gpus_per_node),
+            ("latency", latency, latency_us),
+        )
+        if given is not None
+    }
     if not changes:
         return hardware
     note = ", ".join(f"{key}={value:g}" for key, value in changes.items())
-    return replace(hardware, source=f"{hardware.source}; overridden: {note}", **changes)
+    return replace(
+        hardware,
+        intra_bandwidth=intra,
+        inter_bandwidth=inter,
+        gpus_per_node=per_node,
+        latency=latency,
+        source=f"{hardware.source}; overridden: {note}",
+    )

@@ -16,9 +16,10 @@ in fp32 (Megatron's main grads; the runtime's TP exchanges), parameters in their
 
 Compute comes from a seconds cost model (`ThroughputCost`: flops model / achieved FLOP/s, or a
 measured `ProfileCost`). The TP micro-group pipeline is simulated event by event, in the order
-`MicroGroupPipeline.run` issues it. The step model is `canzona.planner.predict.step`; baselines are in `canzona.planner.predict.sim_baselines`;
-the whole iteration (forward and backward, with every strategy's DP collectives overlapped under
-the same settings, where it has such collectives) in `canzona.planner.predict.iteration`.
+`MicroGroupPipeline.run` issues it. The step model is `canzona.planner.predict.step`; baselines
+are in `canzona.planner.predict.sim_baselines`; the whole iteration (forward and backward, with
+every strategy's DP collectives overlapped under the same settings, where it has such
+collectives) in `canzona.planner.predict.iteration`.
 """
 
 from __future__ import annotations

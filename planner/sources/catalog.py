@@ -16,6 +16,7 @@ from canzona.planner.sources.architecture import Architecture
 from canzona.planner.sources.conventions import MEGATRON_LOCAL, MEGATRON_NAMES, expand_named, num_named_entries
 from canzona.planner.spec import (
     ADAMW,
+    DEFAULT_MODEL_OPTIONS,
     MATRIX,
     NAMING_CONVENTIONS,
     OPTIMIZER_CLASSES,
@@ -108,7 +109,7 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 
 def enumerate_params(
-    name: str, arch: Architecture, tp: int, options: ModelOptions = ModelOptions()
+    name: str, arch: Architecture, tp: int, options: ModelOptions = DEFAULT_MODEL_OPTIONS
 ) -> tuple[ParamSpec, ...]:
     """The parameters of `arch` at TP size `tp` under `options.names`, in registration order.
 
@@ -136,7 +137,7 @@ def enumerate_params(
     return _expand(arch, options, tp, padded_vocab(arch.vocab, tp))
 
 
-def num_param_entries(arch: Architecture, options: ModelOptions = ModelOptions()) -> int:
+def num_param_entries(arch: Architecture, options: ModelOptions = DEFAULT_MODEL_OPTIONS) -> int:
     """How many parameters `enumerate_params` lists for `arch`, without listing them (grouped
     expert tensors count one entry per expert)."""
     if options.names not in MEGATRON_NAMES:

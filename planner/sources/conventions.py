@@ -3,10 +3,11 @@
 The catalog's own expansion (`catalog.enumerate_params`) gives Megatron-core's names. A model
 written with transformers or torchtitan (0.3.0) registers other parameters: separate Q, K, V
 (transformers) or a fused `wqkv` grouped per KV head (torchtitan), separate gate/up projections,
-per-layer norms at the end of the block, and MoE experts as grouped 3-D tensors `[E, rows, cols]`. `expand_named` lists them in `named_parameters()` order, with the TP
-dims each stack's own tensor-parallel plan shards (colwise → dim 0, rowwise → dim 1; for 3-D
-experts the same dims of each expert slice) and each grouped expert tensor as its E expert
-slices (`ParamSpec.parent`). Nothing is padded: the vocab dim must divide by TP.
+per-layer norms at the end of the block, and MoE experts as grouped 3-D tensors
+`[E, rows, cols]`. `expand_named` lists them in `named_parameters()` order, with the TP dims
+each stack's own tensor-parallel plan shards (colwise → dim 0, rowwise → dim 1; for 3-D experts
+the same dims of each expert slice) and each grouped expert tensor as its E expert slices
+(`ParamSpec.parent`). Nothing is padded: the vocab dim must divide by TP.
 
 Which gradients are partial sums over TP (`ParamSpec.grad_reduce`):
 - hf: none by default. transformers all-reduces q_norm/k_norm gradients itself

@@ -18,7 +18,15 @@ from canzona.planner.sources.catalog import PRESETS, check_tp_size, count_params
 from canzona.planner.sources.conventions import HF, MEGATRON, mark_partial_norms
 from canzona.planner.sources.hf_config import architecture_from_hf
 from canzona.planner.sources.param_file import params_from_data, read_structured_file
-from canzona.planner.spec import DTYPE_BYTES, ModelOptions, ModelSpec, ParamSpec, PlanError, validate_model
+from canzona.planner.spec import (
+    DEFAULT_MODEL_OPTIONS,
+    DTYPE_BYTES,
+    ModelOptions,
+    ModelSpec,
+    ParamSpec,
+    PlanError,
+    validate_model,
+)
 
 __all__ = [
     "NAMES_AUTO",
@@ -39,7 +47,7 @@ NAMES_AUTO = "auto"
 Hugging Face config.json, Megatron-core's for a preset."""
 
 
-def load_model(source: str, tp: int, options: ModelOptions = ModelOptions()) -> ModelSpec:
+def load_model(source: str, tp: int, options: ModelOptions = DEFAULT_MODEL_OPTIONS) -> ModelSpec:
     """The validated `ModelSpec` of `source` at TP size `tp`.
 
     `source` is a preset name, a path to a Hugging Face `config.json` (recognised by its
@@ -67,7 +75,9 @@ def load_model(source: str, tp: int, options: ModelOptions = ModelOptions()) -> 
 SPLIT_OPTIONS = {  # ModelOptions field -> what a model must have for it to change anything
     "split_qkv": "a fused QKV weight (a parameter list marks one with qkv:) or Q, K, V projections to split",
     "split_fc1": "a fused matrix to split into its parts (fc1's [gate; up], a parameter list's fused: N)",
-    "router_optimizer": "an MoE router of a preset or Hugging Face config (a parameter list gives each entry's optimizer)",
+    "router_optimizer": (
+        "an MoE router of a preset or Hugging Face config (a parameter list gives each entry's optimizer)"
+    ),
 }
 
 

@@ -73,7 +73,8 @@ class _Entry(BaseModel):
             raise ValueError("name must not be empty")
         if not self.shape or min(self.shape) < 1 or len(self.shape) > MAX_PARAM_DIMS:
             raise ValueError(
-                f"shape {self.shape[: MAX_PARAM_DIMS + 1]} must be a non-empty list of at most {MAX_PARAM_DIMS} positive sizes"
+                f"shape {self.shape[: MAX_PARAM_DIMS + 1]} must be a non-empty list of at most {MAX_PARAM_DIMS} "
+                "positive sizes"
             )
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -194,7 +195,7 @@ class _Entry(BaseModel):
                     "holds whole groups)"
                 )
             row_blocks = list(self.qkv.row_blocks(split_qkv))
-            submatrices = tuple(splits_submatrices(shape, tuple(row_blocks)))  # type: ignore[arg-type]
+            submatrices = tuple(splits_submatrices(shape, tuple(row_blocks)))
         elif len(submatrices) > 1:
             start = 0
             for rows, _ in submatrices:

@@ -196,6 +196,13 @@ def local_problems(schedule: Schedule, pairs: list[tuple[str, Tensor]], place: P
     return [problem for problem in found if problem][:4]
 
 
+def _world() -> dist.ProcessGroup:
+    """The job's default process group (FsdpOptimizer runs under an initialised torch.distributed)."""
+    world = dist.group.WORLD
+    assert world is not None, "torch.distributed is not initialised"
+    return world
+
+
 def _agree_on(schedule: Schedule | None, problem: str | None, frozen: str | None = None) -> None:
     """Every rank's verdict over the whole job; the same ScheduleMismatchError on every rank
     if any rank has a problem, or the ranks hold different schedules or freeze different
@@ -203,7 +210,7 @@ def _agree_on(schedule: Schedule | None, problem: str | None, frozen: str | None
     rank, world = dist.get_rank(), dist.get_world_size()
     tp = schedule.request.tp if schedule is not None else 1
     verdict = verdict_on(schedule, rank, rank // tp, rank % tp, problem, frozen=frozen)
-    flat = gather_objects(verdict, [dist.group.WORLD], "the FSDP schedule check")
+    flat = gather_objects(verdict, [_world()], "the FSDP schedule check")
     raise_disagreement([flat[start : start + tp] for start in range(0, world, tp)] if world % tp == 0 else [flat])
 
 
@@ -260,9 +267,9 @@ class FsdpOptimizer(torch.optim.Optimizer):
                 Task(
                     position[n],
                     h,
-                    tuple(entries[n].shape),
+                    (entries[n].shape[0], entries[n].shape[1]),
                     entries[n].tp_dim,
-                    layout.tp,  # type: ignore[arg-type]
+                    layout.tp,
                     entries[n].row_blocks,
                 )
                 for n, h in zip(group.params, group.hosts)
@@ -292,7 +299,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
     # The step
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step of every parameter with a gradient (the same ones on every rank). Hosts
         update their matrices' state in place; if a host fails, every rank raises the same
         `StepFailedError` at the end of the step, with no parameter changed, and the optimizer
@@ -310,7 +317,7 @@ class FsdpOptimizer(torch.optim.Optimizer):
         try:
             settle(
                 self._problem,
-                [dist.group.WORLD],
+                [_world()],
                 self.timeout,
                 "the end of the FSDP step",
                 "an FSDP optimizer step failed on some ranks, and no rank applied it (hosted matrices' state may "
@@ -438,13 +445,13 @@ class FsdpOptimizer(torch.optim.Optimizer):
     # -----------------------------------------------------------------------------------------
     # Checkpoints: the same layout only
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict of this device, tagged with the plan and its place."""
         out = super().state_dict()
         out["canzona_fsdp"] = {"digest": plan_digest(self.schedule), "fragment": self.place.fragment}
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict saved by the same device under the same schedule; ValueError for
         another schedule or another place (resharding FSDP optimizer state is not supported)."""
         state_dict = dict(state_dict)

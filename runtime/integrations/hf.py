@@ -8,7 +8,8 @@ everything that reads gradients before the step must see canzona's reduced ones:
   applies mixed precision and compilation), clips with `max_grad_norm` on the reduced gradient
   (`CanzonaOptimizer.clip_grad_norm_`) and logs its norm, accumulates through canzona's
   `no_sync`, and saves and resumes the optimizer through canzona's checkpoints, every rank its
-  own state, beside the Trainer's own files. It refuses an optimizer that is not canzona's.
+  own state, beside the Trainer's own files. It refuses an optimizer that is not canzona's, and
+  `FsdpOptimizer` (FSDP2 is not wired into the Trainer or accelerate yet).
 - `CanzonaOptimizerFactory`, for `Trainer(optimizer_cls_and_kwargs=(CanzonaOptimizerFactory,
   {"schedule": ..., ...}))`: builds the optimizer from the model's named parameters.
 - `prepare(accelerator, model, optimizer, ...)`: `accelerator.prepare` without the DDP wrapper,
@@ -38,20 +39,30 @@ SCHEDULER = "scheduler.pt"  # the Trainer's own name for its LR scheduler's stat
 MARKER = {"canzona": CHECKPOINT}  # what accelerate's optimizer.bin holds: the state lives in CHECKPOINT
 
 
-def canzona_optimizer(optimizer: Any) -> CanzonaOptimizer | FsdpOptimizer:
-    """The canzona optimizer inside `optimizer` (accelerate wraps it in `AcceleratedOptimizer`);
-    TypeError when there is none."""
-    inner = optimizer
-    while isinstance(inner, torch.optim.Optimizer) and not isinstance(inner, (CanzonaOptimizer, FsdpOptimizer)):
-        inner = getattr(inner, "optimizer", None)
-    if not isinstance(inner, (CanzonaOptimizer, FsdpOptimizer)):
-        inner = None
+def canzona_optimizer(optimizer: Any) -> CanzonaOptimizer:
+    """The `CanzonaOptimizer` inside `optimizer` (accelerate wraps it in `AcceleratedOptimizer`);
+    TypeError when there is none, or when it is an `FsdpOptimizer` (FSDP2 is not wired into the
+    Trainer or accelerate yet, docs/hf.md)."""
+    inner = _inner_canzona(optimizer)
     if inner is None:
         raise TypeError(
             f"the optimizer is {type(optimizer).__name__}, not canzona's: canzona takes DDP's place, so "
             "training with another optimizer here would not reduce the gradients over DP"
         )
+    if isinstance(inner, FsdpOptimizer):
+        raise TypeError(
+            "FsdpOptimizer under transformers' Trainer or accelerate is not supported yet: train an FSDP2 "
+            "model with the plain loop of examples/fsdp_qwen3.py"
+        )
     return inner
+
+
+def _inner_canzona(optimizer: Any) -> CanzonaOptimizer | FsdpOptimizer | None:
+    """The canzona optimizer `optimizer` is or wraps, if any."""
+    inner = optimizer
+    while isinstance(inner, torch.optim.Optimizer) and not isinstance(inner, (CanzonaOptimizer, FsdpOptimizer)):
+        inner = getattr(inner, "optimizer", None)
+    return inner if isinstance(inner, (CanzonaOptimizer, FsdpOptimizer)) else None
 
 
 class CanzonaOptimizerFactory:
@@ -75,18 +86,20 @@ def trainer_param_groups(model: nn.Module) -> list[dict[str, Any]]:
     """`model`'s trainable named parameters in the Trainer's two groups: those it decays, and the
     biases and norms, whose `adamw_weight_decay` is 0 (the Trainer's own rule, from the installed
     transformers: `Trainer.get_decay_parameter_names`, which reads nothing of the Trainer)."""
+    # no Trainer exists yet when the optimizer is built, and the method never reads `self`
     decayed = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
     named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
-    groups = [
+    groups: list[dict[str, Any]] = [
         {"params": [(n, p) for n, p in named if n in decayed]},
         {"params": [(n, p) for n, p in named if n not in decayed], "adamw_weight_decay": 0.0},
     ]
     return [group for group in groups if group["params"]]
 
 
-def _attach_no_sync(model: nn.Module, optimizer: CanzonaOptimizer | FsdpOptimizer) -> None:
+def _attach_no_sync(model: nn.Module, optimizer: CanzonaOptimizer) -> None:
     """accelerate's `no_sync(model)` (the Trainer's and `accumulate`'s) uses the model's own
     `no_sync` in a distributed run: make it canzona's, which holds back the reduction."""
+    # nn.Module's stubs type every attribute as a tensor or a module; a bound method is stored as usual
     model.no_sync = optimizer.no_sync  # type: ignore[assignment]
 
 
@@ -97,7 +110,7 @@ def _prepare_without_ddp(accelerator: Any, model: nn.Module) -> nn.Module:
         return model
     prepared = accelerator.prepare_model(model, evaluation_mode=True)
     prepared._is_accelerate_prepared = True
-    return prepared  # type: ignore[no-any-return]
+    return prepared
 
 
 class CanzonaTrainer(Trainer):
@@ -128,6 +141,7 @@ class CanzonaTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_checkpoint(canzona_optimizer(self.optimizer), os.path.join(output_dir, CHECKPOINT))
         if self.args.should_save:
+            assert self.lr_scheduler is not None  # the Trainer creates it with the optimizer, before any save
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -135,6 +149,7 @@ class CanzonaTrainer(Trainer):
             return
         load_checkpoint(canzona_optimizer(self.optimizer), os.path.join(checkpoint, CHECKPOINT))
         state = torch.load(os.path.join(checkpoint, SCHEDULER), map_location="cpu", weights_only=True)
+        assert self.lr_scheduler is not None  # the Trainer creates it with the optimizer, before loading them
         self.lr_scheduler.load_state_dict(state)
 
 
@@ -163,14 +178,12 @@ def prepare(accelerator: Any, *objects: Any) -> Any:
 
 
 def _is_canzona(obj: Any) -> bool:
-    try:
-        canzona_optimizer(obj)
-    except TypeError:
-        return False
-    return True
+    """Whether `obj` is or wraps a canzona optimizer (an `FsdpOptimizer` too, which
+    `canzona_optimizer` then refuses in its own words)."""
+    return _inner_canzona(obj) is not None
 
 
-def _clip_through_canzona(accelerator: Any, optimizer: CanzonaOptimizer | FsdpOptimizer) -> None:
+def _clip_through_canzona(accelerator: Any, optimizer: CanzonaOptimizer) -> None:
     """Route the accelerator's `clip_grad_norm_` of exactly the optimized parameters to canzona
     (the local, unreduced gradients would give another norm); other parameters keep accelerate's."""
     original = accelerator.clip_grad_norm_
@@ -181,12 +194,12 @@ def _clip_through_canzona(accelerator: Any, optimizer: CanzonaOptimizer | FsdpOp
         trainable = {id(p) for p in params if p.requires_grad}
         if trainable and trainable <= managed:
             return optimizer.clip_grad_norm_(max_norm, norm_type)
-        return original(params, max_norm, norm_type)  # type: ignore[no-any-return]
+        return original(params, max_norm, norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
-def _checkpoint_through_canzona(accelerator: Any, wrapped: Any, optimizer: CanzonaOptimizer | FsdpOptimizer) -> None:
+def _checkpoint_through_canzona(accelerator: Any, wrapped: Any, optimizer: CanzonaOptimizer) -> None:
     """`save_state` / `load_state` save and load canzona's checkpoint on every rank (hooks that
     run on every rank before accelerate's own files); the wrapped optimizer's state dict becomes a
     marker naming that folder, so accelerate's single optimizer file holds no rank's state."""

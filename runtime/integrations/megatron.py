@@ -187,9 +187,11 @@ def finalize_model_grads(
         config = model_config(chunk)
         for name, param in chunk.named_parameters():
             grad = _grad_of(param) if param.requires_grad else None
-            kind = _needs_tp_sum(name, param, config) if grad is not None else None
+            if grad is None:
+                continue
+            kind = _needs_tp_sum(name, param, config)
             if kind is not None:
-                sums[kind].append(grad)  # type: ignore[arg-type]
+                sums[kind].append(grad)
     size = dist.get_world_size(tp_group)
     if size > 1:
         _sum_coalesced(sums["sum"], tp_group)
@@ -349,6 +351,6 @@ def param_groups(named_params: Iterable[tuple[str, torch.Tensor]], config: Any) 
     groups: list[dict[str, Any]] = [{"params": decayed}] if decayed else []
     if skipped:
         groups.append({"params": skipped, "adamw_weight_decay": 0.0})
-    if decoupled:
+    if decoupled_lr is not None and decoupled:
         groups.append({"params": decoupled, "adamw_lr": float(decoupled_lr)})
     return groups

@@ -92,9 +92,10 @@ def spmd_tp_axis(model: nn.Module, tp_mesh_dim: str = "tp") -> Any | None:
 def spmd_placement(param: torch.Tensor, axis: Any) -> SpmdPlacement | None:
     """`param`'s place on the TP `axis` under spmd_types (None: it carries no annotation)."""
     spmd = _spmd()
-    types = spmd.get_local_type(param) if spmd is not None else {}
-    key = spmd.normalize_axis(axis) if spmd is not None else None
-    local = next((t for a, t in types.items() if spmd.normalize_axis(a) == key), None)
+    if spmd is None:
+        return None
+    key = spmd.normalize_axis(axis)
+    local = next((t for a, t in spmd.get_local_type(param).items() if spmd.normalize_axis(a) == key), None)
     if local is None:
         return None
     size = key.size()
@@ -126,10 +127,12 @@ def fused_qkv_layout(name: str, rows: int, model: nn.Module) -> dict[str, int] |
     except AttributeError:
         return None
     heads_per_kv, head_dim, r_dim = (getattr(owner, key, None) for key in ("heads_per_kv", "head_dim", "r_dim"))
-    if not all(isinstance(v, int) and v > 0 for v in (heads_per_kv, head_dim, r_dim)) or r_dim != heads_per_kv + 2:  # type: ignore[operator]
+    if not (isinstance(heads_per_kv, int) and isinstance(head_dim, int) and isinstance(r_dim, int)):
         return None
-    groups = rows // (r_dim * head_dim)  # type: ignore[operator]
-    return {"query_groups": groups, "heads": groups * heads_per_kv, "head_dim": head_dim}  # type: ignore[operator]
+    if min(heads_per_kv, head_dim, r_dim) <= 0 or r_dim != heads_per_kv + 2:
+        return None
+    groups = rows // (r_dim * head_dim)
+    return {"query_groups": groups, "heads": groups * heads_per_kv, "head_dim": head_dim}
 
 
 def spmd_problems(name: str, tensor: torch.Tensor, tp_dim: int | None, partial: bool, tp: int) -> list[str]:

@@ -24,7 +24,7 @@ applies it as ``p ← p·(1 − lr·wd) − lr·u`` (decoupled weight decay).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
@@ -45,6 +45,9 @@ UPDATE_SCALES = ("spectral", "shape", "unit_rms", "none")
 NS_DTYPES = ("auto", "bf16", "tf32", "fp32")
 SPECTRAL_FACTOR = 0.2  # Moonlight's: the spectral update then has about AdamW's RMS
 RowBlock = list[list[int]] | tuple[tuple[int, int], ...]
+RowBlocks = list[list[list[int]]]
+"""A matrix's row blocks as a schedule lists them (`ParamEntry.row_blocks`): per submatrix, its
+[start, stop) row ranges in order."""
 State = dict[str, Any]
 NsCoefficients = str | Coefficients | tuple[Coefficients, ...]
 """A coefficient schedule as the runtime takes it: a name, one triple for every iteration, or a
@@ -181,12 +184,13 @@ def coefficient_schedule(value: NsCoefficients, steps: int) -> tuple[Coefficient
     single = _triple(value)
     if single is not None:
         return (single,) * steps
-    triples = [_triple(item) for item in value] if isinstance(value, (tuple, list)) else [None]
-    if not triples or any(t is None for t in triples):
+    read = [_triple(item) for item in value] if isinstance(value, (tuple, list)) else [None]
+    triples = [t for t in read if t is not None]
+    if not triples or len(triples) != len(read):
         raise ValueError(
             f"ns_coefficients must be a schedule's name, three finite numbers or a list of such triples, got {value!r}"
         )
-    return tuple(triples[min(i, len(triples) - 1)] for i in range(steps))  # type: ignore[misc]
+    return tuple(triples[min(i, len(triples) - 1)] for i in range(steps))
 
 
 def compute_dtype(tensor: Tensor) -> torch.dtype:
@@ -459,16 +463,16 @@ def _project_back(x: Tensor, left: Tensor | None, right: Tensor | None) -> Tenso
 
 def make_rule(name: str, hp: Hyperparameters) -> MatrixRule:
     """The matrix rule called `name` (muon, shampoo, soap)."""
-    rules: dict[str, type] = {"muon": Muon, "shampoo": Shampoo, "soap": Soap}
+    rules: dict[str, Callable[[Hyperparameters], MatrixRule]] = {"muon": Muon, "shampoo": Shampoo, "soap": Soap}
     if name not in rules:
         raise ValueError(f"unknown matrix optimizer {name!r}; expected one of {', '.join(MATRIX_OPTIMIZERS)}")
-    return rules[name](hp)  # type: ignore[no-any-return]
+    return rules[name](hp)
 
 
 def init_matrix_state(
     rule: MatrixRule,
     shape: tuple[int, int],
-    row_blocks: list[RowBlock] | None,
+    row_blocks: RowBlocks | None,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
 ) -> list[State]:
@@ -501,7 +505,7 @@ def matrix_update_batch(
     rule: MatrixRule,
     states: Sequence[list[State]],
     grads: Sequence[Tensor],
-    row_blocks: list[RowBlock] | None,
+    row_blocks: RowBlocks | None,
     steps: Sequence[int],
     stack_limit: int | None = None,
 ) -> None:
@@ -530,7 +534,7 @@ def matrix_update_batch(
 
 
 def matrix_update(
-    rule: MatrixRule, states: list[State], grad: Tensor, row_blocks: list[RowBlock] | None, step: int
+    rule: MatrixRule, states: list[State], grad: Tensor, row_blocks: RowBlocks | None, step: int
 ) -> Tensor:
     """The update of a whole matrix: each submatrix (its rows gathered from `row_blocks`, in
     order) is updated on its own and the result written back to the same rows. Muon goes

@@ -54,14 +54,20 @@ DCP_METADATA = ".metadata"
 
 
 class Checkpointable(Protocol):
-    """What a checkpoint needs of an optimizer (`Checkpointable` provides it)."""
+    """What a checkpoint needs of an optimizer (`CanzonaOptimizer` provides it)."""
 
-    dp_rank: int
-    tp_rank: int
-    dp_size: int
-    tp_size: int
-    step_count: int
-    process_groups: tuple[dist.ProcessGroup, dist.ProcessGroup]
+    @property
+    def dp_rank(self) -> int: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def dp_size(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def step_count(self) -> int: ...
+    @property
+    def process_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]: ...
 
     def finish_gather(self) -> None: ...
     def state_layout(self) -> StateLayout: ...
@@ -206,7 +212,8 @@ def _check_group(opt: Checkpointable, group: dist.ProcessGroup | None) -> dist.P
     assert group is not None, "torch.distributed is not initialised"
     if dist.get_world_size(group) != opt.dp_size * opt.tp_size:
         raise ValueError(
-            f"the checkpoint process group has {dist.get_world_size(group)} ranks, the optimizer runs on DP {opt.dp_size} x TP {opt.tp_size}"
+            f"the checkpoint process group has {dist.get_world_size(group)} ranks, "
+            f"the optimizer runs on DP {opt.dp_size} x TP {opt.tp_size}"
         )
     return group
 

@@ -5,14 +5,14 @@ in `canzona.schedules.reshard`; here it meets the runtime's buffers.
 Keys: `matrix/<param>/<submatrix>/<field>` (e.g. `matrix/w/0/momentum`, `matrix/w/1/blocks/3/L`),
 `adamw/<param>/<exp_avg|exp_avg_sq>` (flattened row-major over the full shape) and, for bf16 /
 fp16 parameters, `main/<param>`: the fp32 main copy (full shape for a matrix, rows in canonical
-order: its submatrices one after the other; flattened for an AdamW parameter). Each rank holds some chunks of them (`LogicalTensor`): a hosted matrix's
-tensors whole, an AdamW parameter's runs that fall in its equal slices. Tensors are created on
-the optimizer's device.
+order: its submatrices one after the other; flattened for an AdamW parameter). Each rank holds
+some chunks of them (`LogicalTensor`): a hosted matrix's tensors whole, an AdamW parameter's
+runs that fall in its equal slices. Tensors are created on the optimizer's device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -97,10 +97,11 @@ def layout_sizes(layout: StateLayout) -> dict[str, tuple[int, ...]]:
 
 def state_leaves(node: Any, prefix: str = "") -> dict[str, Tensor | None]:
     """Every tensor (or None) of a nested state, by `/`-joined path (lists by index)."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(node, dict):
         items = node.items()
     elif isinstance(node, list):
-        items = enumerate(node)  # type: ignore[assignment]
+        items = enumerate(node)
     else:
         return {prefix: node}
     leaves: dict[str, Tensor | None] = {}
@@ -374,7 +375,8 @@ def check_groups(
     for position, (group, old) in enumerate(zip(groups, saved)):
         if members(old.get("param_names", [])) != members(group["param_names"]):
             raise ValueError(
-                f"param_groups[{position}] holds other parameters in the saved state (the groups must be built the same way)"
+                f"param_groups[{position}] holds other parameters in the saved state "
+                "(the groups must be built the same way)"
             )
         try:
             group_hyperparameters({**group, **old}, defaults, rule)
@@ -396,7 +398,7 @@ UNSUPPORTED_STATE = (
 )
 
 
-class LogicalStateDict(dict):  # type: ignore[type-arg]
+class LogicalStateDict(dict[str, Any]):
     """`state_dict()`'s result: a plain dict, except that asking it for torch.optim's keys
     ("state", "param_groups" of tensors) explains where this state goes instead."""
 

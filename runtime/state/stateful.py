@@ -39,17 +39,20 @@ class LogicalChunks(torch.Tensor):
 
     @staticmethod
     def __new__(cls, logical: LogicalTensor, written: frozenset[tuple[int, ...]]) -> LogicalChunks:
-        first = logical.chunks[0][1] if logical.chunks else torch.empty(0)
+        first = logical.chunks[0][1] if logical.chunks else torch.empty(0, device="cpu")
         made = torch.Tensor._make_wrapper_subclass(
             cls, torch.Size(logical.size), dtype=first.dtype, device=first.device
         )
         made.logical, made.written = logical, written
-        return made  # type: ignore[no-any-return]
+        return made
 
+    # torch's stubs declare Tensor.__torch_dispatch__ a plain function; subclasses override it as a
+    # classmethod, torch's documented pattern (DTensor's too)
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         raise TypeError(f"a canzona state chunk list is for checkpointing only ({func} is not supported on it)")
 
+    # mypy rejects any override of Tensor.__repr__, even one with Tensor's own signature
     def __repr__(self) -> str:  # type: ignore[override]
         return f"LogicalChunks(size={list(self.logical.size)}, chunks={len(self.logical.chunks)})"
 

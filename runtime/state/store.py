@@ -41,5 +41,6 @@ def matrix_template(plan: RankPlan, rule: MatrixRule, param: int) -> list[State]
     """Fresh submatrix states of hosted matrix `param` (a team member's: of its slice)."""
     task = plan.tasks[param]
     if task.team:  # a team member's slice (`canzona.runtime.rules.cooperative`)
-        return [rule.init_state(*held_shape(task, plan.place.tp_rank), plan.device)]
+        rows, cols = held_shape(task, plan.place.tp_rank)
+        return [rule.init_state(rows, cols, plan.device)]
     return init_matrix_state(rule, task.shape, task.row_blocks, plan.device)

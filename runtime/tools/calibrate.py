@@ -138,14 +138,20 @@ def training_fit(
             weight = torch.randn(rows, cols, requires_grad=True)
             inputs = torch.randn(tokens, cols, requires_grad=True)
             upstream = torch.randn(tokens, rows)
-
-        def forward_backward() -> None:
-            weight.grad, inputs.grad = None, None
-            (inputs @ weight.t()).backward(upstream)
-
-        seconds += median_seconds(forward_backward, device, warmup, repeats)
+        seconds += median_seconds(_forward_backward(weight, inputs, upstream), device, warmup, repeats)
         flops += 6.0 * rows * cols * tokens
     return {"tokens": tokens, "shapes": len(shapes), "flops_per_second": flops / seconds}
+
+
+def _forward_backward(weight: torch.Tensor, inputs: torch.Tensor, upstream: torch.Tensor) -> Callable[[], None]:
+    """y = x·Wᵀ and its backward from `upstream`, the gradients cleared first (so every call
+    does the same work)."""
+
+    def run() -> None:
+        weight.grad, inputs.grad = None, None
+        (inputs @ weight.t()).backward(upstream)
+
+    return run
 
 
 def device_name(device: torch.device) -> str:
@@ -273,7 +279,7 @@ def _comm_worker(rank: int, world: int, init_file: str, sizes: Sequence[int], re
     )
     results = []
     for size in sizes:
-        send, received = torch.randn(size * world), torch.empty(size * world)
+        send, received = torch.randn(size * world, device="cpu"), torch.empty(size * world, device="cpu")
         calls = max(1, min(50, (1 << 22) // max(size, 1)))  # enough calls that small sizes are measurable
         for _ in range(3):
             dist.all_to_all_single(received, send)
@@ -283,7 +289,7 @@ def _comm_worker(rank: int, world: int, init_file: str, sizes: Sequence[int], re
             started = time.perf_counter()
             for _ in range(calls):
                 dist.all_to_all_single(received, send)
-            elapsed = torch.tensor([(time.perf_counter() - started) / calls])
+            elapsed = torch.tensor([(time.perf_counter() - started) / calls], device="cpu")
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(float(elapsed))
         results.append(statistics.median(times))

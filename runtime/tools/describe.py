@@ -194,8 +194,8 @@ def describe_module(
         raise DescribeError(
             f"the model's parameters live on {tp_mesh_dim!r} mesh dims of different sizes {sorted(tp_sizes)}"
         )
-    described = _with_partial_patterns(params, list(partial_grads))
-    return ModuleDescription(name or _class_name(model), next(iter(tp_sizes), None), tuple(described))
+    patterned = _with_partial_patterns(params, list(partial_grads))
+    return ModuleDescription(name or _class_name(model), next(iter(tp_sizes), None), tuple(patterned))
 
 
 def _describe_param(name: str, param: torch.Tensor, context: _Context) -> tuple[ParamDescription, int | None]:

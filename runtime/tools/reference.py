@@ -23,7 +23,7 @@ from canzona.runtime.binding import model_entries, slices_of
 from canzona.runtime.groups import group_hyperparameters, resolve_param_groups
 from canzona.runtime.rules.optimizers import (
     Hyperparameters,
-    RowBlock,
+    RowBlocks,
     adamw_,
     apply_update,
     init_matrix_state,
@@ -48,7 +48,7 @@ class ReferenceOptimizer(torch.optim.Optimizer):
         self,
         params: Iterable[Any],
         schedule: Schedule,
-        row_blocks: Mapping[str, list[RowBlock] | None] | None = None,
+        row_blocks: Mapping[str, RowBlocks | None] | None = None,
         dtype: torch.dtype = torch.float32,
         **defaults: Any,
     ) -> None:
@@ -65,7 +65,7 @@ class ReferenceOptimizer(torch.optim.Optimizer):
         self.blocks = {name: overrides.get(name, entries[name].row_blocks) for name in entries}
         self.matrix = {name: entry.optimizer == MATRIX for name, entry in model_entries(schedule.params).items()}
         for group in self.param_groups:
-            for name, tensor in zip(group["param_names"], group["params"]):
+            for tensor in group["params"]:
                 state = self.state[tensor]
                 state["step"] = 0
                 if tensor.dtype != dtype:
@@ -98,6 +98,7 @@ class ReferenceOptimizer(torch.optim.Optimizer):
             grad.mul_(coefficient)
         return total
 
+    # the reference takes gradients by name, not torch.optim's closure
     @torch.no_grad()
     def step(self, grads: Mapping[str, Tensor] | None = None) -> None:  # type: ignore[override]
         """One step of every parameter with a gradient: `grads` by name (e.g. an fp32 DP mean

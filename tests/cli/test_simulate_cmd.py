@@ -160,9 +160,9 @@ def test_calibrate_training_throughput_feeds_the_iteration(tmp_path, capsys: pyt
 def test_a_schedule_given_as_a_profile_is_named_as_one(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run([*command, f"profile:{SMALL}"], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert (
-        err
-        == f"canzona: error: {SMALL}: this is a schedule, not a profile; give a file written by `canzona calibrate -o FILE`\n"
+    assert err == (
+        f"canzona: error: {SMALL}: this is a schedule, not a profile; give a file written by "
+        "`canzona calibrate -o FILE`\n"
     )
 
 

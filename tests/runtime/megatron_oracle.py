@@ -170,6 +170,7 @@ class MegatronMuonReference:
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_gpt.py"
 STEPS = 3
+CPU = torch.device("cpu")
 FACTORY = {1: "make_model", 2: "make_model_tp2"}
 
 
@@ -230,7 +231,7 @@ def train_against_oracle(
     overrides: dict[str, Any],
     backends: tuple[str, ...],
     reference_overrides: dict[str, Any],
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = CPU,
 ) -> Any:
     """Train the example's model STEPS steps with canzona (Megatron's config with `overrides`)
     and, on the same gradients, the oracle (with `reference_overrides` on top), on this rank of

@@ -52,6 +52,12 @@ def optimizer_groups(schedule: Schedule) -> dict[str, Any]:
     return {"dp_group": dp_group, "tp_group": tp_group, "expert_dp_group": expert_group}
 
 
+def labelled(label: str) -> Callable[[str], str]:
+    """An `assert_close` `msg` that puts `label` before torch's own message (the label is made
+    when the call is, so a loop's later values never leak into it)."""
+    return lambda message: f"{label}: {message}"
+
+
 def _to_bytes(value: Any) -> bytes:
     """Results travel as torch.save bytes: torch's queue pickling would share tensors through
     file descriptors that die with the (immediately exiting) worker."""

@@ -16,7 +16,7 @@ from canzona.runtime.schedule import DTYPES
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import ParamEntry, Schedule
 
-from rt_harness import optimizer_groups
+from rt_harness import labelled, optimizer_groups
 
 STRATEGIES = {"canzona": CanzonaOptimizer, "tp-sc": TpScOptimizer, "dp-sc": DpScOptimizer}
 
@@ -130,9 +130,7 @@ def compare(
         for entry in ordered(schedule, rank // tp):
             expected = shard(reference[entry.name], entry, tp_rank, tp)
             got = shards[entry.name]
-            torch.testing.assert_close(
-                got, expected, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank} {entry.name}: {m}"
-            )
+            torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=labelled(f"rank {rank} {entry.name}"))
 
 
 # --- Scenarios: one training recipe run by the runtime on forked ranks and by the reference ---

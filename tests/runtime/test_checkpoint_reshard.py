@@ -3,9 +3,9 @@ TP 1 x DP 4, save, load under TP 2 x DP 2 with another α and bucket size, m mor
 parameters equal an uninterrupted single-process reference run (fp32, rtol 1e-5) for Muon,
 Shampoo and SOAP (also in memory: every rank's state_dict merged, then loaded; through a plain
 `dcp.save` / `dcp.load` of a `DcpState`, as DCP-based checkpointers save it; and from the
-TP-SC baseline to the DP-SC one: the logical state does not depend on the strategy either). The model's vocab (300) pads to 384 rows at TP 1 and 512 at TP 2, so the
-AdamW embedding and output states also cross a padding change. Under one schedule, save and
-load is bit-exact."""
+TP-SC baseline to the DP-SC one: the logical state does not depend on the strategy either). The
+model's vocab (300) pads to 384 rows at TP 1 and 512 at TP 2, so the AdamW embedding and output
+states also cross a padding change. Under one schedule, save and load is bit-exact."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import ParamEntry, Schedule
 from canzona.schedules.reshard import reshard_report
 
-from rt_harness import DATA, make_groups, make_schedule, run_ranks
+from rt_harness import DATA, labelled, make_groups, make_schedule, run_ranks
 from rt_oracle import STRATEGIES, ordered, shard
 
 MODEL = DATA / "tiny_moe_v300.json"
@@ -248,7 +248,7 @@ def test_training_continues_exactly_under_another_schedule(
                 expected.to(shards[entry.name].dtype),
                 rtol=rtol,
                 atol=atol,
-                msg=lambda m: f"rank {rank} {entry.name}: {m}",
+                msg=labelled(f"rank {rank} {entry.name}"),
             )
 
 
@@ -335,5 +335,5 @@ def test_a_dcp_stateful_checkpoint_moves_between_schedules_of_one_shape(
                 expected.to(shards[entry.name].dtype),
                 rtol=rtol,
                 atol=atol,
-                msg=lambda m: f"rank {rank} {entry.name}: {m}",
+                msg=labelled(f"rank {rank} {entry.name}"),
             )

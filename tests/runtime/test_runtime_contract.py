@@ -170,23 +170,49 @@ CONSTRUCTION = {
     "negative lr": "ranks 0, 1, 2, 3: bad hyperparameters: lr must be >= 0, got -0.1",
     "negative group lr": "param_groups[0]: lr must be >= 0, got -1.0",
     "negative lr on rank 2": "schedule does not fit this run; rank 2: bad hyperparameters: lr must be >= 0",
-    "a parameter in two groups": "parameters do not match the schedule: embedding.word_embeddings.weight is in param groups 0 and 1",
+    "a parameter in two groups": (
+        "parameters do not match the schedule: embedding.word_embeddings.weight is in param groups 0 and 1"
+    ),
     "a name not in the schedule": "param group 1: not in the schedule: bogus.weight",
     "an unknown group key": "param group 0: unknown key(s) 'momentun'",
-    "a key for absent parameters": "param group 1: 'weight_decay' would apply to its matrix parameters, but it has none; AdamW parameters take adamw_lr",
+    "a key for absent parameters": (
+        "param group 1: 'weight_decay' would apply to its matrix parameters, but it has none; "
+        "AdamW parameters take adamw_lr"
+    ),
     "a betas key": "adamw_betas[1] must be in [0, 1), got 1.5",
     "a missing grad_attr": "grad_attr 'main_grad': no such attribute on embedding.word_embeddings.weight",
     "unnamed parameters": "parameters must be (name, tensor) pairs",
-    "ranks freezing differently": "ranks optimize different parameters (not optimized: none on ranks 0, 2, 3; decoder.layers.0.self_attention.linear_qkv.weight on rank 1)",
+    "ranks freezing differently": (
+        "ranks optimize different parameters (not optimized: none on ranks 0, 2, 3; "
+        "decoder.layers.0.self_attention.linear_qkv.weight on rank 1)"
+    ),
 }
 STEP = {
-    "a bad lr between steps": "StepFailedError: canzona: step 2 failed before its first collective, nothing was applied on any rank; rank 3: param_groups[1]: adamw_lr must be >= 0, got -1.0",
-    "a bad max_norm": "StepFailedError: canzona: step 2 failed before its first collective, nothing was applied on any rank; ranks 0, 1, 2, 3: clip_grad_norm_: max_norm must be a positive finite number, got 0.0",
+    "a bad lr between steps": (
+        "StepFailedError: canzona: step 2 failed before its first collective, nothing was applied on any rank; "
+        "rank 3: param_groups[1]: adamw_lr must be >= 0, got -1.0"
+    ),
+    "a bad max_norm": (
+        "StepFailedError: canzona: step 2 failed before its first collective, nothing was applied on any rank; "
+        "ranks 0, 1, 2, 3: clip_grad_norm_: max_norm must be a positive finite number, got 0.0"
+    ),
     "a closure failing on one rank": "rank 1: the closure raised ValueError: loss is nan",
-    "a closure after clipping": "failed before applying its update, nothing was applied on any rank; ranks 0, 1, 2, 3: step(closure) after clip_grad_norm_",
-    "a gradient of the wrong shape": "rank 0: the gradient of embedding.word_embeddings.weight has shape [3], the parameter [128, 32]",
-    "get_optimizer_state_dict": "NotImplementedError: canzona: CanzonaOptimizer's state is sharded by its schedule and kept in logical form; torch.distributed.checkpoint.state_dict cannot save or load it: use canzona.runtime.save_checkpoint(optimizer, path) / load_checkpoint(optimizer, path)",
-    "set_optimizer_state_dict": "ValueError: not a canzona optimizer state (format None, expected 'canzona-logical/1'); CanzonaOptimizer's state is sharded",
+    "a closure after clipping": (
+        "failed before applying its update, nothing was applied on any rank; "
+        "ranks 0, 1, 2, 3: step(closure) after clip_grad_norm_"
+    ),
+    "a gradient of the wrong shape": (
+        "rank 0: the gradient of embedding.word_embeddings.weight has shape [3], the parameter [128, 32]"
+    ),
+    "get_optimizer_state_dict": (
+        "NotImplementedError: canzona: CanzonaOptimizer's state is sharded by its schedule and kept in logical form; "
+        "torch.distributed.checkpoint.state_dict cannot save or load it: "
+        "use canzona.runtime.save_checkpoint(optimizer, path) / load_checkpoint(optimizer, path)"
+    ),
+    "set_optimizer_state_dict": (
+        "ValueError: not a canzona optimizer state (format None, expected 'canzona-logical/1'); "
+        "CanzonaOptimizer's state is sharded"
+    ),
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from rt_harness import DATA, make_schedule, reload_and_step, run_ranks
+from rt_harness import DATA, labelled, make_schedule, reload_and_step, run_ranks
 from rt_oracle import compare, reference_run, train_worker
 
 STEPS = 5
@@ -101,7 +101,7 @@ def test_team_state_moves_through_checkpoints(via: str, move: str, dtype: str, t
                 expected.to(shards[entry.name].dtype),
                 rtol=rtol,
                 atol=atol,
-                msg=lambda m: f"rank {rank} {entry.name}: {m}",
+                msg=labelled(f"rank {rank} {entry.name}"),
             )
 
 
@@ -238,7 +238,7 @@ def test_teams_with_dtensor_parameters(tmp_path: Path) -> None:
     for rank, result in enumerate(results):
         for name, value in reference_model.named_parameters():
             torch.testing.assert_close(
-                result["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+                result["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=labelled(f"rank {rank} {name}")
             )
 
 

@@ -18,7 +18,7 @@ from canzona.runtime import CanzonaOptimizer
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule
 
-from rt_harness import DATA, make_schedule, run_ranks
+from rt_harness import DATA, labelled, make_schedule, run_ranks
 from rt_oracle import full_grad, full_params, ordered
 
 MODEL = DATA / "tiny_moe.json"
@@ -68,9 +68,9 @@ def _check(result: dict[str, Any], device: str) -> None:
     assert result["devices"] == [device]
     assert result["main"], "bf16 matrices have main copies"
     for name, (got, expected) in result["main"].items():
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"main copy of {name}: {m}")
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=labelled(f"main copy of {name}"))
     for name, got, expected in result["params"]:
-        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0.0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0.0, msg=labelled(name))
     for ours, theirs in result["norms"]:
         assert ours == pytest.approx(theirs, rel=1e-5) and ours > 1.0
 

@@ -22,7 +22,7 @@ from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule
 
 import models
-from rt_harness import GROUP_TIMEOUT, run_ranks
+from rt_harness import GROUP_TIMEOUT, labelled, run_ranks
 
 STEPS = 4
 HP = {"lr": 0.02, "weight_decay": 0.01, "adamw_lr": 0.01, "adamw_weight_decay": 0.01}
@@ -99,7 +99,7 @@ def test_dtensor_gradients_in_other_placements(strategy: str, toy_tp2: Schedule)
     for rank, result in enumerate(results):
         for name, value in reference_model.named_parameters():
             torch.testing.assert_close(
-                result["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+                result["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=labelled(f"rank {rank} {name}")
             )
         assert result["unchanged"], f"rank {rank}: a failed step changed parameters"
     for bad, needle in (
@@ -164,7 +164,7 @@ def test_grouped_experts_under_expert_parallelism(tmp_path: Path) -> None:
         for name, value in reference_model.named_parameters():
             expected = value.detach()[2 * rank : 2 * rank + 2] if name == "experts" else value.detach()
             torch.testing.assert_close(
-                result[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+                result[name], expected, rtol=1e-5, atol=1e-6, msg=labelled(f"rank {rank} {name}")
             )
 
 
@@ -229,5 +229,5 @@ def test_a_checkpoint_of_grouped_experts_moves_from_ep1_to_ep2(tmp_path: Path) -
         for name, value in reference_model.named_parameters():
             expected = value.detach()[2 * rank : 2 * rank + 2] if name == "experts" else value.detach()
             torch.testing.assert_close(
-                result[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}"
+                result[name], expected, rtol=1e-5, atol=1e-6, msg=labelled(f"rank {rank} {name}")
             )

@@ -18,7 +18,7 @@ from canzona.runtime import CanzonaOptimizer
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, write_schedule
 
-from rt_harness import make_groups, make_schedule, run_ranks
+from rt_harness import labelled, make_groups, make_schedule, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -73,9 +73,7 @@ def test_tiny_model_matches_unsharded_twin() -> None:
     for dp_rank in range(2):
         full = gather_state(results[2 * dp_rank : 2 * dp_rank + 2])
         for name, expected in twin.items():
-            torch.testing.assert_close(
-                full[name], expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"dp {dp_rank} {name}: {m}"
-            )
+            torch.testing.assert_close(full[name], expected, rtol=1e-4, atol=1e-5, msg=labelled(f"dp {dp_rank} {name}"))
     changed = (
         init_full_state(CFG)["decoder.layers.0.mlp.linear_fc1.weight"] - twin["decoder.layers.0.mlp.linear_fc1.weight"]
     )
@@ -138,7 +136,7 @@ def test_overlap_modes_and_accumulation_on_the_example_model() -> None:
                 ), (rank, mode)
         for name, value in whole[rank]["off"].items():
             torch.testing.assert_close(
-                split[rank]["off"][name], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {name}: {m}"
+                split[rank]["off"][name], value, rtol=1e-5, atol=1e-5, msg=labelled(f"rank {rank} {name}")
             )
 
 
@@ -266,9 +264,7 @@ def test_tiny_moe_under_expert_parallelism_matches_unsharded_twin(tp: int, dp: i
         full = moe.gather_state(results[tp * dp_rank : tp * (dp_rank + 1)])
         assert len(full) == len(twin) - 4  # the other EP rank's two experts' fc1 and fc2
         for name, value in full.items():
-            torch.testing.assert_close(
-                value, twin[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"dp {dp_rank} {name}: {m}"
-            )
+            torch.testing.assert_close(value, twin[name], rtol=1e-4, atol=1e-5, msg=labelled(f"dp {dp_rank} {name}"))
     expert = "decoder.layers.1.mlp.experts.linear_fc1.weight3"
     assert (
         moe.init_full_state(moe.MoeConfig.from_hf(json.loads(MOE_CONFIG.read_text())))[expert] - twin[expert]

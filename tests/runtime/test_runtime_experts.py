@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from rt_harness import DATA, make_schedule, run_ranks
+from rt_harness import DATA, labelled, make_schedule, run_ranks
 from rt_oracle import (
     DP4,
     Scenario,
@@ -124,7 +124,7 @@ def _check_scenario(name: str, scenario: Scenario, results: list[dict[str, Any]]
         assert set(main) == {e.name for e in schedule.params if e.name not in scenario.frozen}
         for param, expected in reference["main"].items():
             torch.testing.assert_close(
-                main[param], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: main copy of {param}: {m}"
+                main[param], expected, rtol=1e-5, atol=1e-6, msg=labelled(f"{name}: main copy of {param}")
             )
         for rank, result in enumerate(results):
             for entry in ordered(schedule, rank // tp):
@@ -189,7 +189,7 @@ def _mismatches_then_mesh(rank: int, world: int, schedule: Any, steps: int) -> d
     params = params_of(rank)
     optimizer = CanzonaOptimizer(params, schedule, mesh=mesh, **HP)
     for step in range(steps):
-        for (name, param), entry in zip(params, ordered(schedule, rank)):
+        for (_, param), entry in zip(params, ordered(schedule, rank)):
             param.grad = full_grad(entry, step, rank)
         optimizer.step()
     return {"errors": errors, "params": {name: p.detach().clone() for name, p in params}}
@@ -203,7 +203,8 @@ def test_mismatches_fail_on_every_rank_and_a_mesh_with_an_ep_dim_works() -> None
     expected = {
         "ep size": "the schedule is for EP 2 (expert-DP 2), but the expert-DP group has 1 ranks (EP 4)",
         "no expert group": "the schedule is for expert parallelism (ep 2): pass expert_dp_group=",
-        "wrong rank": "rank 1: experts on the wrong rank: this is EP rank 1 (DP rank 1 = expert-DP rank 0 x ep 2 + EP rank 1), "
+        "wrong rank": "rank 1: experts on the wrong rank: this is EP rank 1 "
+        "(DP rank 1 = expert-DP rank 0 x ep 2 + EP rank 1), "
         "but it was given decoder.layers.1.mlp.experts.linear_fc1.weight0 (EP rank 0)",
         "frozen expert": "ranks optimize different parameters (not optimized: "
         "decoder.layers.1.mlp.experts.linear_fc1.weight2 on rank 1; none on rank 3)",

@@ -18,7 +18,7 @@ from canzona.runtime import CanzonaOptimizer, make_groups
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule
 
-from rt_harness import DATA, make_schedule
+from rt_harness import DATA, labelled, make_schedule
 from rt_oracle import compare, full_grad, full_params, ordered, reference_run, shard
 
 MODEL = DATA / "tiny_moe.json"
@@ -65,7 +65,7 @@ def test_bf16_newton_schulz_on_cuda_matches_the_reference(group_bytes: int) -> N
             result["theirs"][name].float(),
             rtol=BF16_RTOL,
             atol=BF16_RTOL / 10,
-            msg=lambda m: f"{name}: {m}",
+            msg=labelled(name),
         )
 
 

@@ -30,7 +30,7 @@ import torch
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, read_schedule
 
-from rt_harness import GROUP_TIMEOUT, run_ranks
+from rt_harness import GROUP_TIMEOUT, labelled, run_ranks
 from rt_harness import canzona_in_child as canzona
 
 pytest.importorskip("transformers")
@@ -194,7 +194,7 @@ def check(
         for name, value in result["params"].items():
             atol = adamw_atol if name in adamw else 1e-6
             torch.testing.assert_close(
-                value, expected["params"][name], rtol=1e-5, atol=atol, msg=lambda m: f"rank {rank} {name}: {m}"
+                value, expected["params"][name], rtol=1e-5, atol=atol, msg=labelled(f"rank {rank} {name}")
             )
 
 

@@ -35,7 +35,12 @@ def test_load_schedule_reads_a_planner_file(schedule: Schedule, tmp_path: Path) 
 
 
 def test_runtime_import_does_not_load_the_planner() -> None:
-    code = "import sys, canzona.runtime; bad = [m for m in sys.modules if m.split('.')[0] in ('typer', 'ortools') or m.startswith('canzona.planner') or m.startswith('canzona.cli')]; print(bad); sys.exit(bool(bad))"
+    code = (
+        "import sys, canzona.runtime; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('typer', 'ortools') "
+        "or m.startswith('canzona.planner') or m.startswith('canzona.cli')]; "
+        "print(bad); sys.exit(bool(bad))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 

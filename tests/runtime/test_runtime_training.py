@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LinearLR, OneC
 
 from canzona.schedules.format import Schedule
 
-from rt_harness import DATA, make_schedule, run_ranks
+from rt_harness import DATA, labelled, make_schedule, run_ranks
 from rt_oracle import Scenario, assemble_main, compare, ordered, scenario_reference, scenario_worker, shard
 
 MODEL = DATA / "tiny_moe.json"
@@ -153,7 +153,7 @@ def _check_bf16(name: str, scenario: Scenario, results: list[dict[str, Any]], re
     assert set(main) == {e.name for e in schedule.params if e.name not in scenario.frozen}
     for param, expected in reference["main"].items():
         torch.testing.assert_close(
-            main[param], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: main copy of {param}: {m}"
+            main[param], expected, rtol=1e-5, atol=1e-6, msg=labelled(f"{name}: main copy of {param}")
         )
     for rank, result in enumerate(results):
         for entry in ordered(schedule):
@@ -168,7 +168,7 @@ def _check_bf16(name: str, scenario: Scenario, results: list[dict[str, Any]], re
                 expected.float(),
                 rtol=2**-7,
                 atol=0.0,
-                msg=lambda m: f"{name} rank {rank} {entry.name}: {m}",
+                msg=labelled(f"{name} rank {rank} {entry.name}"),
             )
     if scenario.unit_norms:  # AdamW steps of lr 1e-3 < half a bf16 step at 1.0: only main copies move them
         norms = [e.name for e in schedule.params if len(e.shape) == 1 and e.name not in scenario.frozen]

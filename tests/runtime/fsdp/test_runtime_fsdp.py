@@ -23,7 +23,7 @@ from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, read_schedule
 
 import fsdp_models
-from rt_harness import GROUP_TIMEOUT, run_ranks, run_ranks_raw
+from rt_harness import GROUP_TIMEOUT, labelled, run_ranks, run_ranks_raw
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent.parent  # the folder of fsdp_models.py
@@ -146,7 +146,7 @@ def _train(
     rtol, atol = (1e-5, 1e-6) if schedule.params[0].dtype == "fp32" else (2**-7, 0.0)
     for name, param in model.named_parameters():
         got = param.full_tensor().detach()
-        torch.testing.assert_close(got, expected[name].detach(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, expected[name].detach(), rtol=rtol, atol=atol, msg=labelled(name))
         worst = max(worst, float(((got - expected[name]).abs() / expected[name].abs().clamp_min(1e-6)).max()))
     if schedule.params[0].dtype != "fp32":  # the main copies themselves agree in fp32
         main = {name: optimizer.state[param]["main"] for name, param in model.named_parameters()}
@@ -159,7 +159,7 @@ def _train(
                 reference_main[start : start + rows],
                 rtol=1e-5,
                 atol=1e-6,
-                msg=lambda m: f"main copy of {name}: {m}",
+                msg=labelled(f"main copy of {name}"),
             )
     return worst
 

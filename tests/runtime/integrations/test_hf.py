@@ -25,6 +25,8 @@ pytest.importorskip("accelerate", reason="accelerate is not installed (pip insta
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, read_schedule
 
+from rt_harness import labelled
+
 ROOT = Path(__file__).resolve().parents[3]
 DRIVER = ROOT / "tests" / "runtime" / "hf_stack_run.py"
 sys.path.insert(0, str(ROOT / "examples"))
@@ -121,7 +123,7 @@ def assert_matches(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor
     matrices = {entry.name for entry in schedule.params if entry.optimizer == "matrix"}
     for name, value in theirs.items():
         atol = 1e-6 if name in matrices else 2e-5
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=atol, msg=labelled(name))
 
 
 def spread(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
@@ -180,6 +182,20 @@ def test_only_canzonas_optimizer_takes_ddps_place() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(plain, lambda step: 1.0)
     with pytest.raises(TypeError):
         canzona_optimizer(scheduler)  # a scheduler holds an optimizer, but is none
+
+
+def test_fsdp_optimizer_is_refused_until_fsdp2_is_wired() -> None:
+    """FsdpOptimizer has no `clip_grad_norm_` and no canzona checkpoint: both the Trainer's path and
+    `prepare` refuse it in one line that points at the plain FSDP2 loop."""
+    from canzona.runtime import FsdpOptimizer
+    from canzona.runtime.integrations.hf import canzona_optimizer, prepare
+
+    fsdp = FsdpOptimizer.__new__(FsdpOptimizer)  # the refusal reads only its type: no process group needed
+    refusal = "FsdpOptimizer under transformers' Trainer or accelerate is not supported yet: .* examples/fsdp_qwen3.py"
+    with pytest.raises(TypeError, match=refusal):
+        canzona_optimizer(fsdp)
+    with pytest.raises(TypeError, match=refusal):
+        prepare(None, fsdp)  # refused before the accelerator is used
 
 
 def test_the_trainers_weight_decay_groups() -> None:

@@ -43,7 +43,7 @@ from canzona.runtime.tools.reference import ReferenceOptimizer  # noqa: E402
 from canzona.schedules.format import read_schedule  # noqa: E402
 
 import titan_stack_run  # noqa: E402
-from rt_harness import in_child  # noqa: E402
+from rt_harness import in_child, labelled  # noqa: E402
 
 DRIVER = ROOT / "tests" / "runtime" / "titan_stack_run.py"
 STEPS, SAVE_AT = 4, 2
@@ -231,7 +231,7 @@ def check_against_reference(run: dict[str, Any], schedule: Path) -> None:
     matrices = {e.param or e.name for e in read_schedule(schedule).params if e.optimizer == "matrix"}
     for name, value in expected.items():
         atol = MATRIX_ATOL if name in matrices else ADAMW_ATOL
-        torch.testing.assert_close(run["params"][name], value, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(run["params"][name], value, rtol=1e-5, atol=atol, msg=labelled(name))
 
 
 @pytest.mark.slow
