@@ -105,12 +105,9 @@ def _attach_no_sync(model: nn.Module, optimizer: CanzonaOptimizer) -> None:
 
 def _prepare_without_ddp(accelerator: Any, model: nn.Module) -> nn.Module:
     """accelerate's preparation of `model` but for the DDP wrapper (mixed precision, compilation,
-    device placement), marked prepared so that `accelerator.prepare` passes it through."""
-    if getattr(model, "_is_accelerate_prepared", False):
-        return model
-    prepared = accelerator.prepare_model(model, evaluation_mode=True)
-    prepared._is_accelerate_prepared = True
-    return prepared
+    device placement: its `evaluation_mode`). accelerate marks what it prepared, so the
+    `accelerator.prepare` that follows passes the model through (and so does a second call)."""
+    return accelerator.prepare_model(model, evaluation_mode=True)
 
 
 class CanzonaTrainer(Trainer):
