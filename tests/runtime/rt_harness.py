@@ -8,10 +8,12 @@ import io
 import multiprocessing
 import os
 import queue as queue_module
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -263,3 +265,12 @@ def fake_world(world: int, mesh_shape: tuple[int, ...], names: tuple[str, ...]) 
 
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
     return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+
+
+def torchrun(driver: Path, ranks: int, args: Sequence[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`torchrun --standalone --nproc-per-node RANKS DRIVER ARGS...` in a subprocess (one thread
+    per rank, warnings off); its completed process, whatever its exit code."""
+    launcher = Path(sys.executable).with_name("torchrun")
+    command = [str(launcher), "--standalone", "--nproc-per-node", str(ranks), str(driver), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)

@@ -10,8 +10,6 @@ Tolerances are the runtime's (tests/runtime/test_runtime_models.py, measured aga
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ pytest.importorskip("accelerate", reason="accelerate is not installed (pip insta
 from canzona.runtime.tools.reference import ReferenceOptimizer
 from canzona.schedules.format import Schedule, read_schedule
 
-from rt_harness import labelled
+from rt_harness import labelled, torchrun
 
 ROOT = Path(__file__).resolve().parents[3]
 DRIVER = ROOT / "tests" / "runtime" / "hf_stack_run.py"
@@ -64,30 +62,8 @@ def schedule_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def train(stack: str, schedule: Path, output: Path, *flags: str) -> dict[str, Any]:
     """One torchrun of the driver on 2 gloo ranks; what it recorded."""
     dump = output / f"dump-{len(list(output.glob('dump-*')))}.pt"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [
-        str(torchrun),
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(DRIVER),
-        stack,
-        str(schedule),
-        str(output),
-        str(dump),
-        "--steps",
-        str(STEPS),
-        "--save-at",
-        str(SAVE_AT),
-        *flags,
-    ]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
-    )
+    args = [stack, str(schedule), str(output), str(dump), "--steps", str(STEPS), "--save-at", str(SAVE_AT), *flags]
+    result = torchrun(DRIVER, 2, args, timeout=240)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     return torch.load(dump, weights_only=False)  # type: ignore[no-any-return]
 

@@ -19,8 +19,6 @@ AdamW parameters are compared with atol 5e-5."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +41,7 @@ from canzona.runtime.tools.reference import ReferenceOptimizer  # noqa: E402
 from canzona.schedules.format import read_schedule  # noqa: E402
 
 import titan_stack_run  # noqa: E402
-from rt_harness import in_child, labelled  # noqa: E402
+from rt_harness import in_child, labelled, torchrun  # noqa: E402
 
 DRIVER = ROOT / "tests" / "runtime" / "titan_stack_run.py"
 STEPS, SAVE_AT = 4, 2
@@ -170,33 +168,8 @@ def train(schedule: Path, output: Path, plan: str, *flags: str, fails: bool = Fa
     its stderr, and that it failed)."""
     dp, tp, _ = PLANS[plan]
     dump = output / f"dump-{len(list(output.glob('dump-*')))}.pt"
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [
-        str(torchrun),
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        str(DRIVER),
-        str(schedule),
-        str(output / "checkpoint"),
-        str(dump),
-        "--dp",
-        str(dp),
-        "--tp",
-        str(tp),
-        "--steps",
-        str(STEPS),
-        "--save-at",
-        str(SAVE_AT),
-        *flags,
-    ]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
-    )
+    args = [str(schedule), str(output / "checkpoint"), str(dump), "--dp", str(dp), "--tp", str(tp)]
+    result = torchrun(DRIVER, 4, [*args, "--steps", str(STEPS), "--save-at", str(SAVE_AT), *flags])
     if fails:
         assert result.returncode != 0 and not dump.exists()
         return result.stderr
