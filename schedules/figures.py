@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT, equal_cuts, slice_owner
+from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT, equal_cuts, reslice_moves, slice_owner
 
 DP_SC, ZERO1_GATHER, START_OWNER, LAYER_WISE = "dp-sc", "zero1-gather", "start-owner", "layer-wise"
 BASELINES = (DP_SC, ZERO1_GATHER, START_OWNER, LAYER_WISE)  # the strategies canzona is compared with, in order
@@ -32,7 +32,8 @@ def bucket_traffic(
     `collective` the runtime issues (`limits.BUCKET_COLLECTIVES`): "all_to_all" moves every
     other rank's slice, a native ring ("ring", or equal slices under "rooted") n - 1 slices
     padded to the largest, "rooted" chains (one per slice, from its owner's successor) every
-    slice but the rank's own out and every slice but its predecessor's in."""
+    slice but the rank's own out and every slice but its predecessor's in, "reslice" n - 1
+    equal slices plus the rank's spill-over between its equal slice and the owners' slices."""
     ranks, grad = len(cuts) - 1, GRAD_BYTES_PER_ELEMENT
     owns = [stop - start for start, stop in zip(cuts, cuts[1:])]
     per_element = grad + param_bytes
@@ -43,6 +44,12 @@ def bucket_traffic(
                 grad * (ranks - 1) * own + param_bytes * (numel - own),
             )
             for own in owns
+        ]
+    if collective == "reslice":
+        ring = (ranks - 1) * (numel // ranks)
+        return [
+            (grad * (ring + out) + param_bytes * (ring + back), grad * (ring + back) + param_bytes * (ring + out))
+            for out, back in reslice_moves(owns)
         ]
     if collective == "ring" or len(set(owns)) <= 1:
         volume = per_element * (ranks - 1) * max(owns, default=0)

@@ -48,6 +48,21 @@ def slice_sizes(cuts: Sequence[int]) -> list[int]:
     return [stop - start for start, stop in zip(cuts, cuts[1:])]
 
 
+def reslice_moves(slices: Sequence[int]) -> list[tuple[int, int]]:
+    """Per rank, (elements sent, elements received) when a bucket held in equal slices
+    (`chunk_bounds`: the bucket padded to a multiple of the ranks, as a native reduce-scatter
+    cuts it) moves to the owners' `slices` (contiguous from the bucket's start): every element
+    goes to the rank whose slice holds it. The way back swaps the two."""
+    cuts = [0]
+    for size in slices:
+        cuts.append(cuts[-1] + size)
+    moves = []
+    for rank, (start, stop) in enumerate(chunk_bounds(cuts[-1], len(slices))):
+        kept = max(0, min(cuts[rank + 1], stop) - max(cuts[rank], start))
+        moves.append((stop - start - kept, slices[rank] - kept))
+    return moves
+
+
 def slice_owner(cuts: Sequence[int], offset: int) -> int:
     """Rank whose slice [cuts[r], cuts[r + 1]) holds `offset` (the last rank for the end)."""
     return min(max(bisect.bisect_right(cuts, offset) - 1, 0), len(cuts) - 2)

@@ -23,8 +23,9 @@ COOP_MODES = ("off", "auto", "force")  # cooperative hosting of dominant Muon ma
 ORDERS = ("registration", "free")  # a bucket's parameter order: Megatron's, or the planner's
 # How one bucket of a matrix buffer is reduced and gathered over its DP group: a native ring
 # reduce-scatter / all-gather over slices padded to the largest, one rooted reduce / broadcast
-# per non-empty slice (a native ring where the slices are equal), or one all_to_all_single.
-BUCKET_COLLECTIVES = ("rooted", "ring", "all_to_all")
+# per non-empty slice (a native ring where the slices are equal), one all_to_all_single, or a
+# native ring over equal slices with one all-to-all between those and the owners' slices.
+BUCKET_COLLECTIVES = ("rooted", "ring", "all_to_all", "reslice")
 DEFAULT_BUCKET_COLLECTIVE = "rooted"  # what a bucket without the field means (files before it)
 AS_SCHEDULED = "schedule"  # a runtime or simulator option: each bucket in its schedule's collective
 DP_COLLECTIVE_MODES = (AS_SCHEDULED, *BUCKET_COLLECTIVES)

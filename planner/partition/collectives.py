@@ -17,9 +17,14 @@ A bucket of a matrix buffer is reduced (and gathered) over its DP group in one o
   and each reduce pays ⌈log2 n⌉ α. Where every slice is equal the runtime issues the native
   ring instead, and it is priced as one;
 - `all_to_all`: one `all_to_all_single` with split sizes: rank r receives (n − 1)·slice_r and
-  sends the rest of the bucket, in n − 1 steps.
+  sends the rest of the bucket, in n − 1 steps;
+- `reslice`: a native ring reduce-scatter over equal slices (stock ZeRO-1, w = bucket / n),
+  then one all-to-all moving each element of a rank's equal slice to the owner whose slice holds
+  it (`reslice_moves`); the gather runs it backwards. Every rank moves (n − 1)·w plus its own
+  spill-over; the all-to-all is one point-to-point round (one α, as the start-owner baseline's
+  spill-over fetch: the same traffic, priced the same way), none when no element moves.
 
-All three are continuous in the slice sizes (for equal slices the ring and the rooted chains
+All four are continuous in the slice sizes (for equal slices the ring and the rooted chains
 move the same bytes), so their minimum is too: `choose_collective` prices each for both
 directions (fp32 gradients in, parameters out) and keeps the cheapest. The planner chooses on
 `REFERENCE_NETWORK` (H100 nodes); the simulator prices the recorded choice on any network.
@@ -32,6 +37,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from canzona.schedules.geometry import reslice_moves
 from canzona.schedules.limits import BUCKET_COLLECTIVES
 
 GRAD_BYTES = 4  # fp32 gradients and updates on the wire
@@ -171,6 +177,18 @@ def rooted(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
     return Exchange("rooted", link, sent, received, steps)
 
 
+def resliced(link: Link, slices: Sequence[int], elem_bytes: int, gather: bool) -> Exchange:
+    """A native ring reduce-scatter over equal slices, then one point-to-point round moving each
+    element to the owner whose slice holds it (`gather`: the round back, then the ring
+    all-gather): n − 1 equal slices plus the rank's spill-over each way."""
+    n, moves = link.size, reslice_moves(slices)
+    ring = float((n - 1) * -(-sum(slices) // n) * elem_bytes)
+    out = [ring + moved * elem_bytes for moved, _ in moves]
+    back = [ring + moved * elem_bytes for _, moved in moves]
+    steps = n - 1 + (1 if any(sent or received for sent, received in moves) else 0)
+    return Exchange("reslice", link, tuple(back if gather else out), tuple(out if gather else back), steps)
+
+
 def bucket_exchange(link: Link, slices: Sequence[int], elem_bytes: int, gather: bool, collective: str) -> Exchange:
     """One bucket's reduce-scatter (gather=False) or all-gather at the given slices, in the
     form `collective` (`BUCKET_COLLECTIVES`), as the runtime issues it: equal slices are a
@@ -179,6 +197,8 @@ def bucket_exchange(link: Link, slices: Sequence[int], elem_bytes: int, gather: 
         raise ValueError(f"unknown bucket collective {collective!r}; one of {', '.join(BUCKET_COLLECTIVES)}")
     if collective == "all_to_all":
         return all_gather(link, slices, elem_bytes) if gather else reduce_scatter(link, slices, elem_bytes)
+    if collective == "reslice":
+        return resliced(link, slices, elem_bytes, gather)
     if collective == "ring" or len(set(slices)) <= 1:
         exchange = padded_ring(link, slices, elem_bytes)
         return Exchange("all-gather", link, exchange.sent, exchange.received) if gather else exchange
@@ -193,6 +213,9 @@ def bucket_seconds(link: Link, slices: Sequence[int], grad_bytes: int, param_byt
         return 0.0
     if collective == "all_to_all":
         steps, elements = n - 1, max((n - 1) * largest, total - smallest)
+    elif collective == "reslice":
+        spill = max(max(pair) for pair in reslice_moves(slices))
+        steps, elements = n - 1 + (1 if spill else 0), (n - 1) * -(-total // n) + spill
     elif collective == "ring" or largest == smallest:
         steps, elements = n - 1, (n - 1) * largest
     else:

@@ -22,11 +22,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import wait
+from canzona.schedules.geometry import chunk_bounds
 from canzona.schedules.layout import DpBucket
 from canzona.schedules.limits import AS_SCHEDULED, DP_COLLECTIVE_MODES
 
 DP_COLLECTIVES = DP_COLLECTIVE_MODES  # "schedule": each bucket as recorded (`DpBucket.collective`)
 ALL_REDUCE = "all_reduce"  # DP-SC: every rank keeps the whole mean
+RESLICE = "reslice"  # equal slices through the backend's ring, one all-to-all to and from the owners
 
 
 def bucket_mode(bucket: DpBucket, requested: str) -> str:
@@ -48,18 +50,26 @@ def native_for_equal(bucket: DpBucket, group: dist.ProcessGroup) -> bool:
 
 @dataclass
 class Pending:
-    """A bucket's collectives in flight: wait for `works` (at most `timeout`), then `land()`
-    puts the result where it belongs. `keep` holds send buffers alive until then."""
+    """A bucket's collectives in flight: wait for `works` (at most `timeout`), launch and wait
+    for the stage `then` starts, if any, then `land()` puts the result where it belongs. `keep`
+    holds send buffers alive until then.
+
+    `then` starts only once `works` are done because it reads their output: gloo may run two
+    asynchronous collectives of one group at once, so issue order alone would not do."""
 
     works: list[dist.Work]
     land: Callable[[], None] = _nothing
     keep: list[Tensor] = field(default_factory=list)
+    then: Callable[[], Pending] | None = None
 
     def wait(self, timeout: timedelta | None, what: str) -> None:
         """Block until the bucket is done, then land it (once)."""
         works, self.works = self.works, []
         for work in works:
             wait(work, timeout, what)
+        then, self.then = self.then, None
+        if then is not None:
+            then().wait(timeout, what)
         land, self.land = self.land, _nothing
         land()
         self.keep.clear()
@@ -85,7 +95,8 @@ def start_reduce(
     padded bucket); `rooted`: one reduce to each non-empty slice's owner (a native
     reduce-scatter when the slices are equal, `native_for_equal`); `all_to_all`: one
     all_to_all_single, summed here in rank order (transient: the group's copies of this rank's
-    slice); `all_reduce`: one all-reduce of the bucket."""
+    slice); `reslice`: a native reduce-scatter over equal slices, then one all_to_all_single to
+    the owners (transient: one equal slice); `all_reduce`: one all-reduce of the bucket."""
     chunk = send[bucket.base : bucket.base + bucket.numel]
     world, cuts = len(bucket.slices), bucket.cuts
     scale = divisor or world
@@ -99,8 +110,10 @@ def start_reduce(
     if mode == ALL_REDUCE:
         return Pending([dist.all_reduce(chunk, group=group, async_op=True)], scale_kept)
     mine = chunk[cuts[rank] : cuts[rank + 1]]
-    if mode == "ring":
+    if mode == "ring" or (mode == RESLICE and bucket.equal):
         return _padded_reduce(chunk, bucket, rank, group, scale)
+    if mode == RESLICE:
+        return _resliced_reduce(chunk, bucket, rank, group, scale)
     if mode == "all_to_all":
         received = torch.empty(world * mine.numel(), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(
@@ -134,13 +147,16 @@ def start_gather(
     holds this rank's values: afterwards every slice holds its owner's. `ring`: one native
     all-gather of the slices padded to the largest; `rooted`: one broadcast from each non-empty
     slice's owner (a native all-gather when the slices are equal, `native_for_equal`);
-    `all_to_all`: one all_to_all_single."""
+    `all_to_all`: one all_to_all_single; `reslice`: one all_to_all_single to the equal slices,
+    then a native all-gather of them."""
     chunk = gathered[bucket.base : bucket.base + bucket.numel]
     world, cuts = len(bucket.slices), bucket.cuts
     if world == 1:
         return Pending([])
-    if mode == "ring":
+    if mode == "ring" or (mode == RESLICE and bucket.equal):
         return _padded_gather(chunk, bucket, rank, group)
+    if mode == RESLICE:
+        return _resliced_gather(chunk, bucket, rank, group)
     if mode == "all_to_all" or native_for_equal(bucket, group):
         mine = chunk[cuts[rank] : cuts[rank + 1]].clone()  # the input may not alias the output on every backend
         if mode != "all_to_all":
@@ -188,6 +204,70 @@ def _padded_gather(chunk: Tensor, bucket: DpBucket, rank: int, group: dist.Proce
             chunk[bucket.cuts[r] : bucket.cuts[r + 1]].copy_(received[r * width : r * width + size])
 
     return Pending([work], land, [send, received])
+
+
+def reslice_splits(bucket: DpBucket, rank: int) -> tuple[list[int], list[int]]:
+    """`reslice`'s all-to-all on `rank`, from equal slices (`chunk_bounds`: what a native
+    reduce-scatter of the bucket padded to a multiple of the ranks leaves on each) to the
+    owners' slices: how many elements of its equal slice each rank's slice holds (what it sends
+    to each), and how many of its own slice each rank's equal slice holds (what it receives)."""
+    cuts = bucket.cuts
+    equal = chunk_bounds(bucket.numel, len(bucket.slices))
+
+    def overlap(start: int, stop: int, other_start: int, other_stop: int) -> int:
+        return max(0, min(stop, other_stop) - max(start, other_start))
+
+    sends = [overlap(*equal[rank], cuts[r], cuts[r + 1]) for r in range(len(equal))]
+    receives = [overlap(cuts[rank], cuts[rank + 1], *equal[r]) for r in range(len(equal))]
+    return sends, receives
+
+
+def _padded_to_ranks(chunk: Tensor, world: int) -> Tensor:
+    """`chunk`, or a copy padded with zeros to a multiple of `world` elements."""
+    width = -(-chunk.numel() // world)
+    if width * world == chunk.numel():
+        return chunk
+    padded = chunk.new_zeros(width * world)
+    padded[: chunk.numel()].copy_(chunk)
+    return padded
+
+
+def _resliced_reduce(chunk: Tensor, bucket: DpBucket, rank: int, group: dist.ProcessGroup, scale: int) -> Pending:
+    """A native reduce-scatter of `chunk` over equal slices, then one all-to-all moving every
+    summed element to the owner of its slice; the mean lands in this rank's slice."""
+    world = len(bucket.slices)
+    whole = _padded_to_ranks(chunk, world)
+    piece = chunk.new_empty(whole.numel() // world)
+    work = dist.reduce_scatter_single(piece, whole, group=group, async_op=True)
+    mine = chunk[bucket.cuts[rank] : bucket.cuts[rank + 1]]
+
+    def to_owners() -> Pending:
+        sends, receives = reslice_splits(bucket, rank)
+        moved = dist.all_to_all_single(mine, piece[: sum(sends)], receives, sends, group=group, async_op=True)
+        return Pending([moved], keep=[piece])
+
+    return Pending([work], lambda: mine.div_(scale), [whole, piece], to_owners)
+
+
+def _resliced_gather(chunk: Tensor, bucket: DpBucket, rank: int, group: dist.ProcessGroup) -> Pending:
+    """One all-to-all moving this rank's slice of `chunk` back to the equal slices, then a
+    native all-gather of those into `chunk` (through a padded copy where the slices are not
+    all full)."""
+    world = len(bucket.slices)
+    sends, receives = reslice_splits(bucket, rank)
+    width = -(-bucket.numel // world)
+    mine = chunk[bucket.cuts[rank] : bucket.cuts[rank + 1]].clone()  # the gather overwrites `chunk`
+    piece = chunk.new_zeros(width)
+    work = dist.all_to_all_single(piece[: sum(sends)], mine, sends, receives, group=group, async_op=True)
+
+    def gather() -> Pending:
+        whole = chunk if width * world == bucket.numel else chunk.new_empty(width * world)
+        gathered = dist.all_gather_single(whole, piece, group=group, async_op=True)
+        if whole is chunk:
+            return Pending([gathered], keep=[piece])
+        return Pending([gathered], lambda: chunk.copy_(whole[: bucket.numel]), [piece, whole])
+
+    return Pending([work], keep=[mine, piece], then=gather)
 
 
 @dataclass

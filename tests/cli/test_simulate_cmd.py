@@ -8,6 +8,7 @@ import json
 import pytest
 
 from canzona.cli.main import main
+from canzona.schedules.limits import BUCKET_COLLECTIVES
 
 from cli_run import run
 
@@ -46,7 +47,7 @@ def test_json_with_training_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, err
     data = json.loads(out)
     assert data["dp_collectives"] == "schedule"
-    assert {row["collective"] for row in data["buckets"]} <= {"ring", "rooted", "all_to_all"} and data["buckets"]
+    assert {row["collective"] for row in data["buckets"]} <= set(BUCKET_COLLECTIVES) and data["buckets"]
     assert data["training"] == {"global_batch": 512, "seq_len": 2048, "micro_batches": 4, "train_flops": 300e12}
     iterations = {it["name"]: it for it in data["iterations"]}
     assert iterations["canzona"]["ratio"] == 1.0 and iterations["canzona"]["overlap_param"] is True

@@ -39,7 +39,7 @@ def _collectives(rank: int, world: int, cuts: list[int], mode: str) -> tuple[lis
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("cuts", [[0, 3, 3, 8, 9], [0, 3, 6, 9, 12]], ids=["uneven", "equal"])
-@pytest.mark.parametrize("mode", ["rooted", "all_to_all", ALL_REDUCE])
+@pytest.mark.parametrize("mode", ["rooted", "all_to_all", "reslice", ALL_REDUCE])
 def test_per_bucket_reduction_and_gather(mode: str, cuts: list[int]) -> None:
     """Each form of the per-bucket collectives gives every rank the DP mean of its slice (every
     slice for all_reduce), in place in the bucket buffer, and gathers every rank's slice in

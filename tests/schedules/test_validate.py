@@ -14,7 +14,7 @@ from canzona.planner.compile import compile_schedule
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, parse_schedule, sealed
-from canzona.schedules.limits import MAX_TP
+from canzona.schedules.limits import BUCKET_COLLECTIVES, MAX_TP
 from canzona.schedules.validate import schedule_problem
 from canzona.schedules.validate_metrics import device_traffic
 
@@ -305,7 +305,7 @@ def test_each_bucket_collective_is_known_and_defaults_to_rooted() -> None:
 
         return edit
 
-    for collective in ("ring", "rooted", "all_to_all"):
+    for collective in BUCKET_COLLECTIVES:
         schedule = parse_schedule(edited(dense(), force(collective)), "forced.yaml")
         assert {b.collective for b in schedule.dp.buckets} == {collective}
     rejected(dense(), force("tree", recount=False), "matrix bucket 0 collective", "'tree'")

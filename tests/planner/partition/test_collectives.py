@@ -18,9 +18,12 @@ from canzona.planner.partition.collectives import (
     padded_ring,
     phase_seconds,
     reduce_scatter,
+    resliced,
     rooted,
 )
 from canzona.planner.predict.hardware import BUILTIN
+from canzona.schedules.geometry import reslice_moves
+from canzona.schedules.limits import BUCKET_COLLECTIVES
 
 LINK4 = Link("test", 4, bandwidth=100.0, latency=1.0)
 
@@ -107,13 +110,46 @@ def test_bucket_exchange_is_what_the_runtime_issues() -> None:
         bucket_exchange(LINK4, alone, 4, False, "tree")
 
 
+def test_reslice_moves_each_element_from_its_equal_slice_to_its_owner() -> None:
+    # Equal slices of 10; the owners' slices are [0, 40), [40, 40), [40, 40), [40, 40).
+    assert reslice_moves([40, 0, 0, 0]) == [(0, 30), (10, 0), (10, 0), (10, 0)]
+    # Owners' cuts at 0, 15, 20, 30, 40: rank 0 receives 5 from rank 1, rank 1 keeps 5.
+    assert reslice_moves([15, 5, 10, 10]) == [(0, 5), (5, 0), (0, 0), (0, 0)]
+    assert reslice_moves([10] * 4) == [(0, 0)] * 4
+    # What moves out of the equal slices is what moves into the owners' slices.
+    moves = reslice_moves([7, 0, 21, 3, 1, 0, 8, 0])
+    assert sum(sent for sent, _ in moves) == sum(received for _, received in moves)
+
+
+def test_reslice_is_the_ring_over_equal_slices_plus_one_round() -> None:
+    # [40, 0, 0, 0]: every rank moves 3 equal slices of 10 (120 bytes of 4); rank 0 also
+    # receives 30 elements, the others send 10: 240 bytes on the busiest, 3 + 1 α.
+    reduce = resliced(LINK4, [40, 0, 0, 0], 4, gather=False)
+    assert reduce.sent == (120.0, 160.0, 160.0, 160.0) and reduce.received == (240.0, 120.0, 120.0, 120.0)
+    assert reduce.seconds() == pytest.approx(4 * 1.0 + 240 / 100)
+    gather = bucket_exchange(LINK4, [40, 0, 0, 0], 4, True, "reslice")
+    assert (gather.sent, gather.received) == (reduce.received, reduce.sent)
+    # Equal slices: nothing moves, no round: the native ring.
+    assert bucket_exchange(LINK4, [10] * 4, 4, False, "reslice").seconds() == pytest.approx(3 + 1.2)
+
+
+def test_reslice_wins_on_many_uneven_slices_over_a_slow_latency_free_link() -> None:
+    """Slices of 12 and 8 over eight ranks: the padded ring moves 7 x 12, rooted chains the
+    bucket less 8 with 8 x 3 α, reslice 7 x 10 plus 2 of spill-over with 8 α."""
+    link = Link("wide", 8, bandwidth=100.0, latency=1e-3)
+    slices = [12, 8] * 4
+    costs = {c: bucket_seconds(link, slices, 4, 2, c) for c in BUCKET_COLLECTIVES}
+    assert costs["reslice"] == pytest.approx(2 * 8 * 1e-3 + 72 * 6 / 100)
+    assert choose_collective(link, slices, 2) == "reslice"
+
+
 def test_costs_are_continuous_in_the_slice_sizes() -> None:
     """No jump between exactly equal and nearly equal slices: for each form, and for the
     cheapest, moving one element between slices changes the time by about one element."""
     link = Link("wide", 4, bandwidth=1e9, latency=1e-6)
     equal, nearly = [1_000_000] * 4, [1_000_001, 999_999, 1_000_000, 1_000_000]
     one_element = 3 * 4 / 1e9  # n - 1 elements of 4 bytes, the most any form can add
-    for collective in ("ring", "rooted", "all_to_all"):
+    for collective in BUCKET_COLLECTIVES:
         for gather in (False, True):
             a = bucket_exchange(link, equal, 4, gather, collective).seconds()
             b = bucket_exchange(link, nearly, 4, gather, collective).seconds()
@@ -121,9 +157,7 @@ def test_costs_are_continuous_in_the_slice_sizes() -> None:
             assert abs(a - b) <= one_element + (8 - 3) * 1e-6
     # The cheapest form: equal slices tie the ring with rooted (which runs the native ring there),
     # and nearly equal ones take the ring, for the same price but an element.
-    cheapest = [
-        min(bucket_seconds(link, s, 4, 2, c) for c in ("ring", "rooted", "all_to_all")) for s in (equal, nearly)
-    ]
+    cheapest = [min(bucket_seconds(link, s, 4, 2, c) for c in BUCKET_COLLECTIVES) for s in (equal, nearly)]
     assert abs(cheapest[0] - cheapest[1]) <= 2 * one_element
     assert choose_collective(link, nearly, 2) == "ring"
     assert bucket_seconds(link, equal, 4, 2, choose_collective(link, equal, 2)) == pytest.approx(cheapest[0])
@@ -151,7 +185,7 @@ def test_bucket_seconds_is_both_exchanges() -> None:
         n = rng.randint(1, 9)
         slices = [rng.choice([0, rng.randint(1, 50), 20]) for _ in range(n)]
         link = Link("any", n, bandwidth=rng.uniform(1, 100), latency=rng.uniform(0, 2))
-        for collective in ("ring", "rooted", "all_to_all"):
+        for collective in BUCKET_COLLECTIVES:
             both = (
                 bucket_exchange(link, slices, 4, False, collective).seconds()
                 + bucket_exchange(link, slices, 2, True, collective).seconds()

@@ -22,6 +22,7 @@ from canzona.planner.predict.step import GroupTimes, pipeline_events, pipeline_s
 from canzona.planner.sources.load import load_model
 from canzona.planner.spec import ADAMW, MATRIX, ModelSpec, ParamSpec, PlanError
 from canzona.schedules.format import write_schedule
+from canzona.schedules.limits import BUCKET_COLLECTIVES
 
 # ---------------------------------------------------------------------------------------------
 # The micro-group pipeline
@@ -191,7 +192,7 @@ def test_options_change_only_what_they_should(qwen8b) -> None:
     fused = simulate(qwen8b, BUILTIN["h100"], fused=True)
     assert fused.get("canzona").dp_comm <= plain.get("canzona").dp_comm
     assert fused.get("canzona").optimizer_stage == pytest.approx(plain.get("canzona").optimizer_stage)
-    for collective in ("ring", "rooted", "all_to_all"):
+    for collective in BUCKET_COLLECTIVES:
         forced = simulate(qwen8b, BUILTIN["h100"], dp_collectives=collective)
         assert forced.get("dp-sc").step == pytest.approx(plain.get("dp-sc").step)
         assert forced.get("canzona").optimizer_stage == pytest.approx(plain.get("canzona").optimizer_stage)
