@@ -313,8 +313,14 @@ def simulate(
         ),
     ] = AS_SCHEDULED,
     global_batch: Annotated[
-        int, typer.Option(help="Iteration: sequences per optimizer step, over all DP ranks.")
-    ] = DEFAULT_GLOBAL_BATCH,
+        int | None,
+        typer.Option(
+            help=(
+                f"Iteration: sequences per optimizer step, over all DP ranks (default: {DEFAULT_GLOBAL_BATCH}, "
+                "rounded up to a multiple of dp)."
+            )
+        ),
+    ] = None,
     seq_len: Annotated[int, typer.Option(help="Iteration: tokens per sequence.")] = DEFAULT_SEQ_LEN,
     micro_batches: Annotated[
         int | None, typer.Option(help="Iteration: forward/backward passes per DP rank (default: global batch / dp).")
@@ -343,9 +349,12 @@ def simulate(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Predict the optimizer step and the training iteration of the schedule and of every baseline."""
+    import dataclasses
+
     from canzona.planner.plan import TrainingSetup
     from canzona.planner.predict.iteration import check_routed_fraction
     from canzona.planner.predict.simulate import simulate as run_simulation
+    from canzona.planner.request import default_global_batch
     from canzona.planner.spec import PlanError
 
     _check_network(gpus_per_node, intra_gbps, inter_gbps, latency_us, train_tflops)
@@ -365,7 +374,7 @@ def simulate(
         "--step-only predicts no training iteration",
     )
     device = device_option(device)
-    training = None if step_only else TrainingSetup(global_batch, seq_len, micro_batches)
+    training = None if step_only else TrainingSetup(global_batch or DEFAULT_GLOBAL_BATCH, seq_len, micro_batches)
     if training is not None:
         training.check_values()
     if routed_fraction is not None:
@@ -397,6 +406,8 @@ def simulate(
             bool(expert_indices(schedule)), ("routed_fraction",), f"{schedule.request.model.name} has no MoE experts"
         )
     if training is not None:
+        if global_batch is None:
+            training = dataclasses.replace(training, global_batch=default_global_batch(schedule.request.dp))
         training.validate(schedule.request.dp)
     chosen = schedule_device(schedule, device, (intra_gbps, inter_gbps, gpus_per_node, latency_us), train_tflops)
     config = optimizer_config(schedule)

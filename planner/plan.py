@@ -8,8 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from canzona.planner.buffers import BufferPlan, Partitioned, finish_buffer, param_task, partition_buffer
-from canzona.planner.partition.baselines import BaselineLoads
+from canzona.planner.buffers import (
+    BufferPlan,
+    Partitioned,
+    dp_instance,
+    finish_buffer,
+    param_task,
+    partition_buffer,
+)
+from canzona.planner.partition.baselines import BaselineLoads, baseline_owners
 from canzona.planner.partition.collectives import (
     NS_BF16_FLOPS,
     REFERENCE_NETWORK,
@@ -20,7 +27,15 @@ from canzona.planner.partition.collectives import (
 from canzona.planner.partition.cooperative import Shape, cooperate, smallest_share
 from canzona.planner.partition.costs import CostModel, make_cost_model, param_cost, param_state_bytes
 from canzona.planner.partition.device_aware import DeviceModel
-from canzona.planner.partition.dp import ALPHA_LADDER, DpInstance, Owners, lower_bound
+from canzona.planner.partition.dp import (
+    ALPHA_LADDER,
+    DpAssignment,
+    DpInstance,
+    Owners,
+    feasible,
+    lower_bound,
+    slice_caps,
+)
 from canzona.planner.partition.layout import BufferLayout, adamw_loads, build_buffer, param_bytes
 from canzona.planner.partition.tp import MODES, MicroGroup, Task, schedule_tasks
 
@@ -152,6 +167,54 @@ def make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = 
     slots = _expert_slots(model, request.ep) if request.ep > 1 else {}
     parts = _best_parts(model, request, seeds, costs, slots, {})
     return _finish(model, request, parts, costs, slots, cost_model)
+
+
+def make_baseline_plan(model: ModelSpec, request: PlanRequest, rule: str) -> Plan | None:
+    """The plan whose DP owners a baseline's rule sets (`baseline_owners`: start-owner,
+    zero1-gather's slicing with whole-matrix owners, layer-wise), then finished as any plan
+    (the device stage may move matrices from there, the slices are evened out); its `method`
+    names the rule. None where the request cannot express them: α's slice caps forbid them,
+    or layer-wise owners in registration order (they ignore the buffer order)."""
+    request.validate()
+    validate_model(model, request.tp)
+    validate_expert_parallel(model, request)
+    cost_model = make_cost_model(request.cost, request.optimizer)
+    costs = tuple(param_cost(param, cost_model) for param in model.params)
+    slots = _expert_slots(model, request.ep) if request.ep > 1 else {}
+    ep, tp, dp = request.ep, request.tp, request.dp
+    expert: Partitioned | None = None
+    if ep > 1:
+        layout = build_buffer(model, MATRIX, tp, dp // ep, request.bucket_size, lambda i: slots.get(i) == i)
+        expert = _ruled(model, layout, costs, dp // ep, request, (), rule)
+        if expert is None:
+            return None
+    base = _combine((0.0,) * dp, expert.loads, ep) if expert else ()
+    dense_layout = build_buffer(model, MATRIX, tp, dp, request.bucket_size, lambda i: i not in slots)
+    dense = _ruled(model, dense_layout, costs, dp, request, base, rule)
+    if dense is None:
+        return None
+    loads = _combine(dense.loads, expert.loads if expert else (), ep)
+    parts = _Parts(dense, expert, loads, lower_bound(dense.instance))
+    return _finish(model, request, parts, costs, slots, cost_model)
+
+
+def _ruled(
+    model: ModelSpec,
+    layout: BufferLayout,
+    costs: tuple[float, ...],
+    ranks: int,
+    request: PlanRequest,
+    base: tuple[float, ...],
+    rule: str,
+) -> Partitioned | None:
+    """One buffer partitioned by a baseline's owner rule, or None where the request forbids it."""
+    instance = dp_instance(layout, model, costs, ranks, base)
+    names = tuple(param.name for param in model.params)
+    owners = baseline_owners(layout, costs, names, ranks, rule)
+    free = request.order == "free"
+    if not feasible(instance, slice_caps(instance, request.alpha), owners, free):
+        return None
+    return Partitioned(layout, instance, DpAssignment(owners, f"{rule} owners"))
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,12 @@ class TrainingSetup:
         return count
 
 
+def default_global_batch(dp: int) -> int:
+    """The default global batch for `dp` ranks: `DEFAULT_GLOBAL_BATCH` sequences, rounded up to
+    a multiple of dp so that every rank gets whole sequences."""
+    return -(-DEFAULT_GLOBAL_BATCH // dp) * dp
+
+
 DEFAULT_TRAINING = TrainingSetup()  # one instance serves every default: TrainingSetup is frozen
 
 

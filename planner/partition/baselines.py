@@ -8,10 +8,24 @@ a file's baselines with.
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from canzona.planner.partition.layout import BufferLayout
-from canzona.schedules.figures import BASELINE_PADDING, BASELINES, Member, baseline_loads
+from canzona.schedules.figures import (
+    BASELINE_PADDING,
+    BASELINES,
+    LAYER_WISE,
+    START_OWNER,
+    ZERO1_GATHER,
+    Member,
+    baseline_loads,
+)
+from canzona.schedules.geometry import equal_cuts, slice_owner
+
+OWNER_RULES = (START_OWNER, ZERO1_GATHER, LAYER_WISE)
+"""The baselines whose matrix owners a schedule can express (`baseline_owners`)."""
 
 
 @dataclass(frozen=True)
@@ -37,3 +51,39 @@ def all_baselines(
     """Every DP baseline, in a fixed order."""
     loads = baseline_loads(members(layout, costs, names), dp)
     return tuple(BaselineLoads(name, tuple(loads[name]), BASELINE_PADDING[name]) for name in BASELINES)
+
+
+def baseline_owners(
+    layout: BufferLayout, costs: Sequence[float], names: Sequence[str], ranks: int, rule: str
+) -> tuple[tuple[int, ...], ...]:
+    """Each bucket entry's owner under a baseline's rule (`OWNER_RULES`), in the layout's order:
+    `start-owner`, the rank whose equal slice holds the matrix's start; `zero1-gather`, the one
+    holding most of it (the first of those on a tie); `layer-wise`, longest processing time
+    over the whole buffer by `costs` (per parameter; ties by `names`), ignoring the buffer order.
+    The first two rise along every bucket, as contiguous cuts need."""
+    if rule == LAYER_WISE:
+        entries = [(b, i, e.param) for b, bucket in enumerate(layout.buckets) for i, e in enumerate(bucket.entries)]
+        owners = [[0] * len(bucket.entries) for bucket in layout.buckets]
+        heap = [(0.0, rank) for rank in range(ranks)]
+        for b, i, param in sorted(entries, key=lambda item: (-costs[item[2]], names[item[2]])):
+            load, rank = heapq.heappop(heap)
+            owners[b][i] = rank
+            heapq.heappush(heap, (load + costs[param], rank))
+        return tuple(tuple(bucket) for bucket in owners)
+    if rule not in OWNER_RULES:
+        raise ValueError(f"unknown owner rule {rule!r}; one of {', '.join(OWNER_RULES)}")
+    out = []
+    for bucket in layout.buckets:
+        cuts = equal_cuts(bucket.numel, ranks)
+        row = []
+        for entry in bucket.entries:
+            first = slice_owner(cuts, entry.offset)
+            if rule == START_OWNER:
+                row.append(first)
+                continue
+            last = slice_owner(cuts, entry.offset + max(entry.numel, 1) - 1)
+            end = entry.offset + entry.numel
+            shares = [min(end, cuts[r + 1]) - max(entry.offset, cuts[r]) for r in range(first, last + 1)]
+            row.append(first + shares.index(max(shares)))
+        out.append(tuple(row))
+    return tuple(out)

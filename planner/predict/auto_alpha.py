@@ -25,7 +25,8 @@ from canzona.planner.fsdp import make_fsdp_plan
 from canzona.planner.partition.costs import CostModel
 from canzona.planner.plan import AutoSearch, Plan, PlanRequest, SearchTrial, TrainingSetup, make_plan
 from canzona.planner.predict.auto_bucket import choose_bucket_size
-from canzona.planner.predict.hardware import Device, Hardware, resolve_device, shared_host
+from canzona.planner.predict.hardware import Hardware
+from canzona.planner.predict.objective import best_plan, search_device
 from canzona.planner.predict.trial import trial
 from canzona.planner.spec import ModelSpec, PlanError
 from canzona.schedules.limits import FSDP
@@ -74,14 +75,6 @@ def alpha_table(tried: Sequence[SearchTrial], chosen: float) -> str:
     )
 
 
-def search_device(name: str, request: PlanRequest) -> Device:
-    """The device a search simulates on; a CPU profile is shared by every rank of the layout."""
-    device = resolve_device(name)
-    if device.profile is not None and device.profile.device == "cpu":
-        device = shared_host(device, request.tp * request.dp)  # ranks share this machine's cores
-    return device
-
-
 def search_steps(request: PlanRequest) -> int:
     """How many candidates `plan_for_request` plans and simulates for `request` (0: none)."""
     return (len(DEFAULT_BUCKET_SIZES) if request.bucket_device is not None else 0) + (
@@ -98,7 +91,7 @@ def plan_for_request(
     if request.sharding == FSDP:
         return make_fsdp_plan(model, request), None  # type: ignore[return-value]
     if request.alpha_device is None and request.bucket_device is None:
-        return make_plan(model, request), None
+        return best_plan(model, request, progress), None
     training = request.training or TrainingSetup()
     search = AutoSearch()
     plan: Plan | None = None
