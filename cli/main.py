@@ -98,6 +98,7 @@ def show(
     elif as_json:
         data = {
             "request": schedule.request.model_dump(mode="json"),
+            "predicted_step": report.predicted_step(schedule),
             "metrics": report.metrics_data(schedule),
             "collectives": report.bucket_collectives(schedule),
         }

@@ -60,10 +60,33 @@ def presets_table(rows: list[dict[str, Any]]) -> str:
     return _table(header, body)
 
 
+def predicted_step(schedule: Schedule) -> dict[str, Any] | None:
+    """The schedule's predicted step, what bounds it and its lower bound
+    (`canzona.planner.predict.headline`); None for FSDP schedules."""
+    if schedule.request.sharding == "fsdp":
+        return None
+    from dataclasses import asdict
+
+    from canzona.planner.predict.headline import step_headline
+
+    headline = step_headline(schedule)
+    return {**asdict(headline), "over_bound": headline.over_bound}
+
+
+def step_line(step: dict[str, Any]) -> str:
+    """One line: the predicted step, what bounds it, and how far above its lower bound."""
+    return (
+        f"predicted step {duration(step['step_s'])} on {step['device']}, bound by {step['bound']} "
+        f"(largest part: {step['top']}, {duration(step['top_s'])}; the critical device computes "
+        f"{duration(step['compute_s'])}); {step['over_bound']:.3f}x its lower bound {duration(step['lower_bound_s'])}"
+    )
+
+
 def plan_summary(schedule: Schedule, path: str, seconds: float, written: bool = True) -> dict[str, Any]:
     """Headline figures of a plan just made; `written`: False when its file already held it."""
     req, dp = schedule.request, schedule.metrics.dp
     return {
+        "predicted_step": predicted_step(schedule),
         "output": path,
         "written": written,
         "model": req.model.name,
@@ -132,6 +155,7 @@ def summary_text(summary: dict[str, Any]) -> str:
         else f"unchanged {summary['output']} (it held this plan)",
         f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  "
         f"cost {summary['cost']}  alpha {summary['alpha']:g}",
+        *([step_line(summary["predicted_step"])] if summary.get("predicted_step") else []),
         f"{plural(summary['num_matrix_params'], 'matrix parameter')} in {plural(summary['num_buckets'], 'bucket')}, "
         f"method {summary['method']}",
         f"DP imbalance {summary['imbalance']:.4f}  gap {percent(summary['gap'])} above the lower bound  "
@@ -156,12 +180,13 @@ def summary_text(summary: dict[str, Any]) -> str:
         lines[2] = f"{plural(summary['num_matrix_params'], 'matrix parameter')}, " + _fsdp_layout(
             summary["tp"], summary["dp"], summary["dp_replicate"]
         )
+    after_step = 3 if summary.get("predicted_step") else 2  # the searches' lines follow the headline
     if summary["alpha_search"]:
         objective = "iteration" if summary["alpha_search"][0].get("predicted_iteration_s") is not None else "step"
         tried = [(f"{t['alpha']:g}", t[f"predicted_{objective}_s"]) for t in summary["alpha_search"]]
         chosen = next(i for i, t in enumerate(summary["alpha_search"]) if t["alpha"] == summary["alpha"])
         lines.insert(
-            2,
+            after_step,
             f"alpha chosen by the simulator on {summary['alpha_device']}: predicted {objective} "
             f"{search_candidates(tried, chosen, 'alpha ')} (equal times go to the larger alpha)",
         )
@@ -172,7 +197,7 @@ def summary_text(summary: dict[str, Any]) -> str:
         tried = [(size_label(t["bucket_size"]), t["predicted_iteration_s"]) for t in search["trials"]]
         chosen = next(i for i, t in enumerate(search["trials"]) if t["bucket_size"] == summary["bucket_size"])
         lines.insert(
-            2,
+            after_step,
             f"bucket size chosen by the simulator on {summary['bucket_device']}: {search['reason']} "
             f"(predicted iteration {search_candidates(tried, chosen)})",
         )
@@ -261,7 +286,8 @@ def show_text(schedule: Schedule) -> str:
         header = f"{req.model.name}  tp {req.tp} x dp {req.dp}  {req.optimizer.name}  cost {req.cost}  " + _fsdp_layout(
             req.tp, req.dp, req.dp_replicate
         )
-    lines = [header, "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
+    step = predicted_step(schedule)
+    lines = [header, *([step_line(step)] if step else []), "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
     lines += [
         "",
         f"imbalance {dp.imbalance:.4f}  gap {percent(dp.gap)} above the lower bound {dp.lower_bound:.4g} "

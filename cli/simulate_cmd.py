@@ -374,7 +374,11 @@ def simulate(
         "--step-only predicts no training iteration",
     )
     device = device_option(device)
-    training = None if step_only else TrainingSetup(global_batch or DEFAULT_GLOBAL_BATCH, seq_len, micro_batches)
+    training = (
+        None
+        if step_only
+        else TrainingSetup(DEFAULT_GLOBAL_BATCH if global_batch is None else global_batch, seq_len, micro_batches)
+    )
     if training is not None:
         training.check_values()
     if routed_fraction is not None:

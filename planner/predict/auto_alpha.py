@@ -96,7 +96,7 @@ def plan_for_request(
     search = AutoSearch()
     plan: Plan | None = None
     if request.bucket_device is not None:
-        device = search_device(request.bucket_device, request)
+        device = search_device(request.bucket_device, request.tp * request.dp)
         start = replace(request, alpha=1.0) if request.alpha_device is not None else request
         plan, trials, reason = choose_bucket_size(
             model, start, device.hardware, device.time_model(request.optimizer), training, progress=progress
@@ -104,7 +104,7 @@ def plan_for_request(
         request = replace(request, bucket_size=plan.request.bucket_size)
         search = replace(search, bucket=tuple(trials), bucket_reason=reason)
     if request.alpha_device is not None:
-        device = search_device(request.alpha_device, request)
+        device = search_device(request.alpha_device, request.tp * request.dp)
         plan, alphas = choose_alpha(
             model,
             request,

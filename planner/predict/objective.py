@@ -60,18 +60,19 @@ class Objective:
         return self.bytes_sent < other.bytes_sent
 
 
-def search_device(name: str, request: PlanRequest) -> Device:
-    """The device a plan is scored on; a CPU profile is shared by every rank of the layout."""
+def search_device(name: str, num_devices: int) -> Device:
+    """The device a plan of `num_devices` (tp x dp) is scored on; a CPU profile is shared by
+    all of them."""
     device = resolve_device(name)
     if device.profile is not None and device.profile.device == "cpu":
-        device = shared_host(device, request.tp * request.dp)  # ranks share this machine's cores
+        device = shared_host(device, num_devices)  # ranks share this machine's cores
     return device
 
 
 def objective_device(request: PlanRequest) -> Device:
     """The device the request's plans are scored on: the one its searches simulate on, else
     the reference."""
-    return search_device(request.alpha_device or request.bucket_device or REFERENCE_DEVICE, request)
+    return search_device(request.alpha_device or request.bucket_device or REFERENCE_DEVICE, request.tp * request.dp)
 
 
 def score(plan: Plan, device: Device) -> Objective:
@@ -128,5 +129,5 @@ def _as_requested(best: Scored, request: PlanRequest) -> Plan:
     plan = replace(best.plan, request=request)
     if not best.origin or best.origin.endswith("owners"):
         return plan  # the search's own method, or the owner rule's (already in it)
-    method = f"{plan.dense.method} ({best.origin}: predicted no slower)"
+    method = f"{plan.dense.method} ({best.origin} predicted no slower)"
     return replace(plan, dense=replace(plan.dense, method=method))
