@@ -312,18 +312,18 @@ def write_plan(request: PlanRequest, output: str | None, force: bool, as_json: b
     if problem:
         raise OutputError(problem)
     schedule = _solve(spec, request)
-    text = dump_schedule(schedule)
-    written = not _holds(path, text)
+    payload = dump_schedule(schedule).encode()
+    written = not _holds(path, payload)
     if written:  # the same bytes already there: nothing to write (nor to say it was written)
-        write_output(path, text)
+        write_output(path, payload)
     summary = report.plan_summary(schedule, str(path), time.perf_counter() - started, written)
     echo(json.dumps(summary, indent=2) if as_json else report.summary_text(summary))
 
 
-def _holds(path: Path, text: str) -> bool:
-    """Whether the regular file at `path` already holds exactly `text` (UTF-8)."""
+def _holds(path: Path, payload: bytes) -> bool:
+    """Whether the regular file at `path` already holds exactly `payload`."""
     try:
-        return path.is_file() and path.stat().st_size == len(text.encode()) and path.read_bytes() == text.encode()
+        return path.is_file() and path.stat().st_size == len(payload) and path.read_bytes() == payload
     except OSError:
         return False
 

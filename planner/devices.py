@@ -50,14 +50,13 @@ def _dp_traffic(
     """(sent, received) bytes of one buffer's reduction (fp32) and gather (parameter dtype) over
     a data-parallel group of `group` ranks, per rank of that group, each bucket in its
     collective (`collectives`; none given: equal cuts, a native ring)."""
-    traffic = [(0, 0)] * group
+    sent, received = [0] * group, [0] * group
     for position, (bucket, cuts) in enumerate(zip(layout.buckets, cuts_of)):
         collective = collectives[position] if collectives else "ring"
-        for rank, (sent, received) in enumerate(
-            bucket_traffic(bucket.numel, cuts, param_bytes(plan.model, bucket), collective)
-        ):
-            traffic[rank] = (traffic[rank][0] + sent, traffic[rank][1] + received)
-    return traffic
+        moved = bucket_traffic(bucket.numel, cuts, param_bytes(plan.model, bucket), collective)
+        sent = [total + out for total, (out, _) in zip(sent, moved)]
+        received = [total + into for total, (_, into) in zip(received, moved)]
+    return list(zip(sent, received))
 
 
 def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[tuple[int, int], tuple[int, int]]:

@@ -159,14 +159,52 @@ def make_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = 
     partitions of this request too: tighter caps, and any order is a free order) replace them
     when their largest load is lower. Then (`finish_buffer`) the device stage, the even slices
     and the layout."""
+    return finish_plan(model, partition_plan(model, request, seeds))
+
+
+@dataclass(frozen=True)
+class Partitions:
+    """A request's DP partitions before the device stage (`partition_plan`): what
+    `finish_plan` turns into its plan."""
+
+    request: PlanRequest
+    costs: tuple[float, ...]
+    slots: dict[int, int]
+    parts: _Parts
+
+    def same_owners(self, other: Partitions) -> bool:
+        """Whether both partitions give every matrix the same owner in the same buffers."""
+        mine, theirs = self.parts, other.parts
+        return (
+            mine.dense.layout == theirs.dense.layout
+            and mine.dense.assignment.owners == theirs.dense.assignment.owners
+            and (
+                (mine.expert is None and theirs.expert is None)
+                or (
+                    mine.expert is not None
+                    and theirs.expert is not None
+                    and mine.expert.assignment.owners == theirs.expert.assignment.owners
+                )
+            )
+        )
+
+
+def partition_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = ()) -> Partitions:
+    """The first half of `make_plan`: the request checked and its DP partitions solved."""
     request.validate()
     validate_model(model, request.tp)
     validate_expert_parallel(model, request)
     cost_model = make_cost_model(request.cost, request.optimizer)
     costs = tuple(param_cost(param, cost_model) for param in model.params)
     slots = _expert_slots(model, request.ep) if request.ep > 1 else {}
-    parts = _best_parts(model, request, seeds, costs, slots, {})
-    return _finish(model, request, parts, costs, slots, cost_model)
+    return Partitions(request, costs, slots, _best_parts(model, request, seeds, costs, slots, {}))
+
+
+def finish_plan(model: ModelSpec, partitions: Partitions) -> Plan:
+    """The second half of `make_plan`: the plan of `partition_plan`'s partitions."""
+    request = partitions.request
+    cost_model = make_cost_model(request.cost, request.optimizer)
+    return _finish(model, request, partitions.parts, partitions.costs, partitions.slots, cost_model)
 
 
 def make_baseline_plan(model: ModelSpec, request: PlanRequest, rule: str) -> Plan | None:

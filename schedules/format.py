@@ -9,17 +9,16 @@ The format is described in docs/schedule-format.md.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
 from canzona.schedules import reading, validate
+from canzona.schedules.collector import collector_paused
 from canzona.schedules.errors import ScheduleError
 from canzona.schedules.files import OutputError, write_atomic
 from canzona.schedules.limits import MAX_SCHEDULE_BYTES
@@ -144,22 +143,8 @@ def check_version(version: Any, origin: str) -> None:
 def parse_schedule(text: str, origin: str = "<text>") -> Schedule:
     """Validate YAML text as a schedule: structure (pydantic), fingerprint, digest, and every
     semantic invariant (`validate.schedule_problem`). ScheduleError with one line on any problem."""
-    with _collector_paused():
+    with collector_paused():
         return _parse(text, origin)
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Reading a large schedule builds millions of small objects that hold no reference cycles;
-    Python's cyclic collector would scan them again and again (doubling the reading time of a
-    10 MB file), so it waits until the file is read."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _parse(text: str, origin: str) -> Schedule:

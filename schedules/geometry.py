@@ -53,13 +53,15 @@ def reslice_moves(slices: Sequence[int]) -> list[tuple[int, int]]:
     (`chunk_bounds`: the bucket padded to a multiple of the ranks, as a native reduce-scatter
     cuts it) moves to the owners' `slices` (contiguous from the bucket's start): every element
     goes to the rank whose slice holds it. The way back swaps the two."""
-    cuts = [0]
-    for size in slices:
-        cuts.append(cuts[-1] + size)
-    moves = []
-    for rank, (start, stop) in enumerate(chunk_bounds(cuts[-1], len(slices))):
-        kept = max(0, min(cuts[rank + 1], stop) - max(cuts[rank], start))
-        moves.append((stop - start - kept, slices[rank] - kept))
+    total = sum(slices)
+    width = -(-total // max(len(slices), 1))
+    moves, start = [], 0
+    for rank, size in enumerate(slices):
+        equal_start, stop = min(total, rank * width), start + size
+        equal_stop = min(total, equal_start + width)
+        kept = max(0, min(stop, equal_stop) - max(start, equal_start))
+        moves.append((equal_stop - equal_start - kept, size - kept))
+        start = stop
     return moves
 
 

@@ -130,8 +130,8 @@ def reduce_scatter(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchan
     return Exchange(
         "reduce-scatter",
         link,
-        tuple(float((total - s) * elem_bytes) for s in slices),
-        tuple(float((n - 1) * s * elem_bytes) for s in slices),
+        tuple([float((total - s) * elem_bytes) for s in slices]),
+        tuple([float((n - 1) * s * elem_bytes) for s in slices]),
     )
 
 
@@ -141,8 +141,8 @@ def all_gather(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
     return Exchange(
         "all-gather",
         link,
-        tuple(float((n - 1) * s * elem_bytes) for s in slices),
-        tuple(float((total - s) * elem_bytes) for s in slices),
+        tuple([float((n - 1) * s * elem_bytes) for s in slices]),
+        tuple([float((total - s) * elem_bytes) for s in slices]),
     )
 
 
@@ -172,8 +172,8 @@ def rooted(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
     slice."""
     n, total = link.size, sum(slices)
     steps = sum(1 for s in slices if s) * math.ceil(math.log2(n)) if n > 1 else 0
-    sent = tuple(float((total - s) * elem_bytes) for s in slices)
-    received = tuple(float((total - slices[r - 1]) * elem_bytes) for r in range(len(slices)))
+    sent = tuple([float((total - s) * elem_bytes) for s in slices])
+    received = sent[-1:] + sent[:-1]  # every slice but its predecessor's
     return Exchange("rooted", link, sent, received, steps)
 
 
@@ -223,16 +223,32 @@ def bucket_seconds(link: Link, slices: Sequence[int], grad_bytes: int, param_byt
     return 2 * steps * link.latency + elements * (grad_bytes + param_bytes) / link.bandwidth
 
 
+def _cheapest(link: Link, slices: Sequence[int], param_bytes: int, grad_bytes: int) -> tuple[float, int]:
+    """(seconds, index in `BUCKET_COLLECTIVES`) of the cheapest form (ties: the first). The
+    ring over equal slices alone bounds `reslice` from below: where another form is no dearer,
+    its spill-over (a pass over the ranks) is not worked out."""
+    n = link.size
+    floor = (
+        2 * (n - 1) * link.latency
+        + (n - 1) * -(-sum(slices) // max(n, 1)) * (grad_bytes + param_bytes) / link.bandwidth
+    )
+    best = (math.inf, 0)
+    for index, collective in enumerate(BUCKET_COLLECTIVES):
+        if collective == "reslice" and best[0] <= floor:
+            continue
+        best = min(best, (bucket_seconds(link, slices, grad_bytes, param_bytes, collective), index))
+    return best
+
+
 def cheapest_seconds(link: Link, slices: Sequence[int], param_bytes: int, grad_bytes: int = GRAD_BYTES) -> float:
     """`bucket_seconds` of a bucket's cheapest form (`choose_collective`'s)."""
-    return min(bucket_seconds(link, slices, grad_bytes, param_bytes, c) for c in BUCKET_COLLECTIVES)
+    return _cheapest(link, slices, param_bytes, grad_bytes)[0]
 
 
 def choose_collective(link: Link, slices: Sequence[int], param_bytes: int, grad_bytes: int = GRAD_BYTES) -> str:
     """The cheapest form of a bucket's reduction plus gather on `link` (ties: the first of
     `BUCKET_COLLECTIVES`, so a group of one keeps the default)."""
-    costs = [(bucket_seconds(link, slices, grad_bytes, param_bytes, c), i) for i, c in enumerate(BUCKET_COLLECTIVES)]
-    return BUCKET_COLLECTIVES[min(costs)[1]]
+    return BUCKET_COLLECTIVES[_cheapest(link, slices, param_bytes, grad_bytes)[1]]
 
 
 def phase_seconds(exchanges: Sequence[Exchange], fused: bool = False) -> float:

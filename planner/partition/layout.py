@@ -127,8 +127,10 @@ def build_layouts(model: ModelSpec, tp: int, dp: int, bucket_size: int) -> dict[
 def adamw_elements(layout: BufferLayout, dp: int) -> list[int]:
     """Per DP rank, the elements of its equal slices of the AdamW buffer `layout` (on each of
     its devices: TP shards)."""
-    cuts = [equal_cuts(bucket.numel, dp) for bucket in layout.buckets]
-    return [sum(slice_sizes(bucket_cuts)[r] for bucket_cuts in cuts) for r in range(dp)]
+    elements = [0] * dp
+    for bucket in layout.buckets:
+        elements = [total + size for total, size in zip(elements, slice_sizes(equal_cuts(bucket.numel, dp)))]
+    return elements
 
 
 def param_bytes(model: ModelSpec, bucket: Bucket) -> int:

@@ -29,11 +29,19 @@ from dataclasses import dataclass, replace
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.baselines import OWNER_RULES
+from canzona.planner.partition.collectives import (
+    GRAD_BYTES,
+    all_gather,
+    bucket_seconds,
+    layout_links,
+    reduce_scatter,
+)
 from canzona.planner.partition.dp import ALPHA_LADDER
-from canzona.planner.plan import Plan, PlanRequest, make_baseline_plan, make_plan
+from canzona.planner.partition.layout import adamw_elements, equal_cuts, param_bytes, slice_sizes
+from canzona.planner.plan import Partitions, Plan, PlanRequest, finish_plan, make_baseline_plan, partition_plan
 from canzona.planner.predict.hardware import Device, resolve_device, shared_host
 from canzona.planner.predict.step import build_instance, canzona_time
-from canzona.planner.spec import ModelSpec
+from canzona.planner.spec import ModelSpec, ParamSpec
 from canzona.schedules.limits import AS_SCHEDULED
 
 REFERENCE_DEVICE = "h100"  # the network `choose_collective` prices buckets on
@@ -93,35 +101,120 @@ class Scored:
     origin: str = ""
 
 
+def comm_floor(plan: Plan, device: Device) -> float:
+    """The seconds the plan's DP collectives take on `device` as the simulator prices them:
+    every matrix bucket reduced and gathered in its collective, the AdamW buffer's equal
+    reduce-scatter and all-gather. A part of its predicted step, so a floor under it."""
+    req = plan.request
+    dp_link, expert_link, _ = layout_links(device.hardware.network, req.tp, req.dp, req.ep)
+    buffers = [(plan.dense, dp_link)] + ([(plan.expert, expert_link)] if plan.expert else [])
+    seconds = sum(
+        bucket_seconds(link, slice_sizes(cuts), GRAD_BYTES, param_bytes(plan.model, bucket), collective)
+        for buffer, link in buffers
+        for bucket, cuts, collective in zip(buffer.layout.buckets, buffer.cuts, buffer.collectives)
+    )
+    adamw = plan.adamw_layout.buckets
+    gathered = param_bytes(plan.model, adamw[0]) if adamw else GRAD_BYTES  # the simulator's: the first one's
+    for bucket in adamw:
+        slices = slice_sizes(equal_cuts(bucket.numel, req.dp))
+        seconds += (
+            reduce_scatter(dp_link, slices, GRAD_BYTES).seconds() + all_gather(dp_link, slices, gathered).seconds()
+        )
+    return seconds
+
+
+def local_floor(plan: Plan, device: Device) -> float:
+    """The least the plan's local stage can take on `device`: on the DP rank where it is
+    largest, the rank's matrix updates spread evenly over its TP devices (a team member does at
+    least its share) plus each device's AdamW."""
+    req = plan.request
+    time_model = device.time_model(req.optimizer)
+    index_of = {param.name: index for index, param in enumerate(plan.model.params)}
+    elements = adamw_elements(plan.adamw_layout, req.dp)
+    seconds_of: dict[str, float] = {}
+    worst = 0.0
+    for rank, tasks in enumerate(plan.tasks):
+        updates = 0.0
+        for task in tasks:
+            if task.name not in seconds_of:
+                param = plan.model.params[index_of[task.name]]
+                seconds_of[task.name] = sum(time_model.matrix_cost(rows, cols) for rows, cols in _pieces(param))
+            updates += seconds_of[task.name]
+        worst = max(worst, updates / req.tp + time_model.adamw_cost(elements[rank]))
+    return worst
+
+
+def _pieces(param: ParamSpec) -> list[tuple[int, int]]:
+    """The shapes the simulator prices one matrix parameter's update as (its row blocks, or itself)."""
+    if not param.row_blocks:
+        return [(param.shape[0], param.shape[1])]
+    return [(sum(stop - start for start, stop in block), param.shape[1]) for block in param.row_blocks]
+
+
+def same_plan(one: Plan, other: Plan) -> bool:
+    """Whether two plans of a request (at any α) would compile to the same schedule but for
+    the request: the same owners, buffers, cuts, collectives and micro-groups."""
+    return (
+        one.owners == other.owners
+        and one.dense.layout == other.dense.layout
+        and one.dense.cuts == other.dense.cuts
+        and one.dense.collectives == other.dense.collectives
+        and one.expert == other.expert
+        and one.chosen_groups == other.chosen_groups
+    )
+
+
+def _contender(plan: Plan, best: Scored | None, device: Device, origin: str = "") -> Scored | None:
+    """The plan scored, or None where it cannot beat `best`: the same plan, or a floor of its
+    step (its DP collectives plus the least its local stage can take) above `best`'s step."""
+    if best is not None:
+        if same_plan(plan, best.plan):
+            return None
+        if comm_floor(plan, device) + local_floor(plan, device) > best.objective.step_s * (1 + TIE):
+            return None
+    return Scored(plan, score(plan, device), origin)
+
+
 def best_plan(model: ModelSpec, request: PlanRequest, progress: Callable[[str], None] | None = None) -> Plan:
     """The request's plan: the best on the `Objective` of the searched plan, the best plan at
-    the next smaller ladder α, and the baseline-owner plans (see the module docstring).
-    `progress` hears of each α finished."""
+    the next smaller ladder α, and the baseline-owner plans (see the module docstring); on a
+    tie the search at the larger α. `progress` hears of each α finished."""
     device = objective_device(request)
     ladder = [alpha for alpha in ALPHA_LADDER if alpha < request.alpha] + [request.alpha]
     tried_rules: set[str] = set()
     best: Scored | None = None
+    previous: Partitions | None = None
     for alpha in ladder:
         at = replace(request, alpha=alpha)
-        searched = make_plan(model, at)
-        candidates = [Scored(searched, score(searched, device))]
-        if best is not None:
-            candidates.append(replace(best, origin=best.origin or f"alpha {best.plan.request.alpha:g} plan"))
+        partitions = partition_plan(model, at)
+        if best is None or previous is None or not partitions.same_owners(previous):
+            # Where the DP owners are those of the smaller α, the plan chosen there stands.
+            best = _searched(finish_plan(model, partitions), best, device)
+        previous = partitions
         for rule in OWNER_RULES:
-            if rule in tried_rules:
+            ruled = None if rule in tried_rules else make_baseline_plan(model, at, rule)
+            if ruled is None:
                 continue
-            ruled = make_baseline_plan(model, at, rule)
-            if ruled is not None:
-                tried_rules.add(rule)
-                candidates.append(Scored(ruled, score(ruled, device), f"{rule} owners"))
-        best = candidates[0]
-        for candidate in candidates[1:]:
-            if candidate.objective.better_than(best.objective):
-                best = candidate
+            tried_rules.add(rule)
+            found = _contender(ruled, best, device, f"{rule} owners")
+            if found is not None and best is not None and found.objective.better_than(best.objective):
+                best = found
         if progress:
             progress(f"alpha {alpha:g}")
     assert best is not None
     return _as_requested(best, request)
+
+
+def _searched(searched: Plan, best: Scored | None, device: Device) -> Scored:
+    """The better of the search at an α and `best`, the plan chosen at the smaller α (ties: the
+    search)."""
+    if best is not None and same_plan(searched, best.plan):
+        return Scored(searched, best.objective)  # found again: no need to score it
+    found = _contender(searched, best, device)
+    if found is not None and (best is None or not best.objective.better_than(found.objective)):
+        return found
+    assert best is not None  # `_contender` scores every plan when there is nothing to beat
+    return best if best.origin else replace(best, origin=f"alpha {best.plan.request.alpha:g} plan")
 
 
 def _as_requested(best: Scored, request: PlanRequest) -> Plan:

@@ -246,7 +246,10 @@ def _resliced_reduce(chunk: Tensor, bucket: DpBucket, rank: int, group: dist.Pro
         moved = dist.all_to_all_single(mine, piece[: sum(sends)], receives, sends, group=group, async_op=True)
         return Pending([moved], keep=[piece])
 
-    return Pending([work], lambda: mine.div_(scale), [whole, piece], to_owners)
+    def land_mean() -> None:
+        mine.div_(scale)
+
+    return Pending([work], land_mean, [whole, piece], to_owners)
 
 
 def _resliced_gather(chunk: Tensor, bucket: DpBucket, rank: int, group: dist.ProcessGroup) -> Pending:
@@ -265,7 +268,11 @@ def _resliced_gather(chunk: Tensor, bucket: DpBucket, rank: int, group: dist.Pro
         gathered = dist.all_gather_single(whole, piece, group=group, async_op=True)
         if whole is chunk:
             return Pending([gathered], keep=[piece])
-        return Pending([gathered], lambda: chunk.copy_(whole[: bucket.numel]), [piece, whole])
+
+        def unpad() -> None:
+            chunk.copy_(whole[: bucket.numel])
+
+        return Pending([gathered], unpad, [piece, whole])
 
     return Pending([work], keep=[mine, piece], then=gather)
 

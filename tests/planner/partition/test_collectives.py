@@ -14,6 +14,7 @@ from canzona.planner.partition.collectives import (
     broadcast,
     bucket_exchange,
     bucket_seconds,
+    cheapest_seconds,
     choose_collective,
     padded_ring,
     phase_seconds,
@@ -198,3 +199,18 @@ def test_the_reference_device_is_the_h100_model() -> None:
     h100 = BUILTIN["h100"]
     assert h100.network == REFERENCE_NETWORK
     assert h100.matrix_flops == NS_BF16_FLOPS
+
+
+def test_the_choice_is_the_argmin_of_every_form() -> None:
+    """Skipping `reslice` where the ring over equal slices alone is no cheaper than another
+    form never changes the choice or the price."""
+    import random
+
+    rng = random.Random(35)
+    for _ in range(400):
+        n = rng.randint(1, 12)
+        slices = [rng.choice([0, rng.randint(1, 80), 16]) for _ in range(n)]
+        link = Link("any", n, bandwidth=rng.uniform(1, 100), latency=rng.choice([0.0, rng.uniform(0, 2)]))
+        costs = [bucket_seconds(link, slices, 4, 2, c) for c in BUCKET_COLLECTIVES]
+        assert choose_collective(link, slices, 2) == BUCKET_COLLECTIVES[costs.index(min(costs))]
+        assert cheapest_seconds(link, slices, 2) == min(costs)
