@@ -149,10 +149,16 @@ PROBE = """
 import json, resource, sys, time
 started, cpu = time.perf_counter(), time.process_time()
 from canzona.planner.compile import compile_schedule
-from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.plan import PlanRequest
+from canzona.planner.predict.auto_alpha import plan_for_request
+from canzona.planner.predict.headline import step_headline
 from canzona.planner.sources.load import load_model
+from canzona.schedules.writing import dump_schedule
 name, tp, dp, ep, alpha = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-schedule = compile_schedule(make_plan(load_model(name, tp), PlanRequest(name, tp, dp, ep=ep, alpha=alpha)))
+plan, _ = plan_for_request(load_model(name, tp), PlanRequest(name, tp, dp, ep=ep, alpha=alpha))
+schedule = compile_schedule(plan)
+step_headline(schedule)
+dump_schedule(schedule)
 print(json.dumps({"wall": time.perf_counter() - started, "cpu": time.process_time() - cpu,
                   "mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "gap": schedule.metrics.dp.gap,
                   "device_gap": schedule.metrics.tp.device_gap}))
@@ -160,8 +166,12 @@ print(json.dumps({"wall": time.perf_counter() - started, "cpu": time.process_tim
 
 
 def scale_table() -> None:
-    """Load + plan + compile of every 1024-device preset, each in a fresh process."""
-    print(f"## Planning at 1024 devices (load + plan + compile, a fresh process each; budget {BUDGET_S:.0f} s)\n")
+    """What `canzona plan` does (load, plan with every candidate of the objective, compile, the
+    headline, the file's text) for every 1024-device preset, each in a fresh process."""
+    print(
+        "## Planning at 1024 devices (load, plan, compile, headline, YAML text; a fresh process each; "
+        f"budget {BUDGET_S:.0f} s)\n"
+    )
     header = ["preset", "layout", "alpha", "wall s", "CPU s", "wall / budget", "peak MiB", "DP gap", "device gap"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
@@ -46,9 +47,13 @@ def _ratio(numerator: float, denominator: float, empty: float) -> float:
     return numerator / denominator if denominator else empty
 
 
-def _entry(plan: Plan, param_index: int, bucket: int, offset: int, numel: int, ep_rank: int | None) -> ParamEntry:
+def _entry(
+    plan: Plan, param_index: int, bucket: int, offset: int, numel: int, ep_rank: int | None, checked: bool = True
+) -> ParamEntry:
+    """One parameter's row; `checked=False` builds it without pydantic's checks (a schedule
+    only simulated, from the planner's own values: the longest part of compiling at scale)."""
     param = plan.model.params[param_index]
-    return ParamEntry(
+    return (ParamEntry if checked else ParamEntry.model_construct)(
         name=param.name,
         index=param_index,
         shape=list(param.shape),
@@ -60,7 +65,7 @@ def _entry(plan: Plan, param_index: int, bucket: int, offset: int, numel: int, e
         numel=numel,
         owner=plan.owners.get(param_index) if param.optimizer == MATRIX else None,
         cost=plan.costs[param_index],
-        row_blocks=[[list(r) for r in block] for block in param.row_blocks] or None,
+        row_blocks=_row_blocks(param.row_blocks),
         ep_rank=ep_rank,
         param=param.parent,
         slice=param.expert_index if param.parent is not None else None,
@@ -69,10 +74,18 @@ def _entry(plan: Plan, param_index: int, bucket: int, offset: int, numel: int, e
     )
 
 
-def _param_entries(plan: Plan) -> list[ParamEntry]:
-    """Dense matrix buffer, then the expert buffer of each EP rank, then AdamW; buffer order."""
+@functools.lru_cache(maxsize=256)
+def _row_blocks(blocks: tuple[tuple[tuple[int, int], ...], ...]) -> list[list[list[int]]] | None:
+    """A parameter's row blocks as the file lists them (experts of a layer share theirs; the
+    model copies the lists it validates)."""
+    return [[list(r) for r in block] for block in blocks] or None
+
+
+def _param_entries(plan: Plan, checked: bool = True) -> list[ParamEntry]:
+    """Dense matrix buffer, then the expert buffer of each EP rank, then AdamW; buffer order
+    (`checked`: as `_entry`)."""
     entries = [
-        _entry(plan, e.param, bucket.index, e.offset, e.numel, None)
+        _entry(plan, e.param, bucket.index, e.offset, e.numel, None, checked)
         for layout in (plan.dense.layout,)
         for bucket in layout.buckets
         for e in bucket.entries
@@ -86,9 +99,10 @@ def _param_entries(plan: Plan) -> list[ParamEntry]:
         for ep_rank in range(plan.request.ep):
             for bucket in plan.expert.layout.buckets:
                 for e in bucket.entries:
-                    entries.append(_entry(plan, by_slot[(e.param, ep_rank)], bucket.index, e.offset, e.numel, ep_rank))
+                    entry = _entry(plan, by_slot[(e.param, ep_rank)], bucket.index, e.offset, e.numel, ep_rank, checked)
+                    entries.append(entry)
     entries += [
-        _entry(plan, e.param, bucket.index, e.offset, e.numel, None)
+        _entry(plan, e.param, bucket.index, e.offset, e.numel, None, checked)
         for bucket in plan.adamw_layout.buckets
         for e in bucket.entries
     ]
@@ -264,9 +278,11 @@ def _searches(search: AutoSearch | None) -> _Searches:
     return out
 
 
-def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) -> Schedule:
+def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None, *, figures: bool = True) -> Schedule:
     """The schedule file of a plan (deterministic); `search`: what `--alpha auto` and
-    `--bucket-size auto` tried."""
+    `--bucket-size auto` tried. `figures=False` leaves out every device's figures and the
+    parameter rows' checks (the longest parts to work out at scale), and the digest: a
+    schedule to simulate, never one to write."""
     if isinstance(plan, FsdpPlan):
         return compile_fsdp(plan)
     buckets = _buckets(plan.dense)
@@ -283,18 +299,18 @@ def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) ->
         request=plan.request.to_request(plan.model),
         fingerprint=fingerprint,
         digest="",
-        params=_param_entries(plan),
+        params=_param_entries(plan, checked=figures),
         dp=DpSection(buckets=buckets, expert_buckets=expert_buckets, adamw_buckets=adamw_buckets),
         tp=_tp_section(plan),
         metrics=Metrics(
             dp=_dp_metrics(plan, buckets, expert_buckets),
             tp=_tp_metrics(plan),
-            device=_device_metrics(plan, [*buckets, *expert_buckets, *adamw_buckets]),
+            device=_device_metrics(plan, [*buckets, *expert_buckets, *adamw_buckets]) if figures else [],
             solver=SolverMetrics(**vars(plan.solver)) if plan.solver else None,
             **_searches(search),
         ),
     )
-    return sealed(schedule)
+    return sealed(schedule) if figures else schedule  # a schedule to simulate needs no digest
 
 
 def _device_metrics(plan: Plan, buckets: list[Any]) -> list[DeviceMetrics]:

@@ -7,6 +7,7 @@ function of a `ModelSpec` and a request.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from math import prod
 
@@ -80,9 +81,9 @@ class ParamSpec:
         """Whether this is a MoE expert weight."""
         return self.expert_index is not None
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
-        """Number of elements of the full parameter."""
+        """Number of elements of the full parameter (worked out once: layouts ask often)."""
         return prod(self.shape)
 
     def local_numel(self, tp: int) -> int:

@@ -10,6 +10,7 @@ is cut over. A bucket is cut into D contiguous slices; slice r is [cuts[r], cuts
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from math import lcm
 
@@ -38,6 +39,7 @@ def packed_fill(sizes: Sequence[int]) -> int:
     return fill
 
 
+@functools.lru_cache(maxsize=4096)
 def equal_cuts(bucket_numel: int, num_ranks: int) -> tuple[int, ...]:
     """Stock ZeRO-1 cuts: D equal contiguous slices (bucket size is a multiple of D)."""
     return tuple([rank * bucket_numel // num_ranks for rank in range(num_ranks + 1)])
@@ -45,7 +47,14 @@ def equal_cuts(bucket_numel: int, num_ranks: int) -> tuple[int, ...]:
 
 def slice_sizes(cuts: Sequence[int]) -> list[int]:
     """Elements of each rank's slice, from D + 1 cuts."""
+    if type(cuts) is tuple:  # a plan's cuts, priced again by every stage: remembered
+        return list(_tuple_slices(cuts))
     return [stop - start for start, stop in zip(cuts, cuts[1:])]
+
+
+@functools.lru_cache(maxsize=65536)
+def _tuple_slices(cuts: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple([stop - start for start, stop in zip(cuts, cuts[1:])])
 
 
 def reslice_moves(slices: Sequence[int]) -> list[tuple[int, int]]:

@@ -8,6 +8,7 @@ a file's baselines with.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +50,14 @@ def all_baselines(
     layout: BufferLayout, costs: dict[int, float], names: dict[int, str], dp: int
 ) -> tuple[BaselineLoads, ...]:
     """Every DP baseline, in a fixed order."""
-    loads = baseline_loads(members(layout, costs, names), dp)
+    return _scored(tuple((numel, tuple(rows)) for numel, rows in members(layout, costs, names)), dp)
+
+
+@functools.lru_cache(maxsize=16)
+def _scored(buckets: tuple[tuple[int, tuple[Member, ...]], ...], dp: int) -> tuple[BaselineLoads, ...]:
+    """`all_baselines` of the buffer's members, remembered: every candidate plan of a request
+    (each α, each owner rule) scores the same registration-order buffer."""
+    loads = baseline_loads(buckets, dp)
     return tuple(BaselineLoads(name, tuple(loads[name]), BASELINE_PADDING[name]) for name in BASELINES)
 
 

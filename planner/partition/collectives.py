@@ -171,7 +171,7 @@ def rooted(link: Link, slices: Sequence[int], elem_bytes: int) -> Exchange:
     every slice but its own and receives every slice but its predecessor's; ⌈log2 n⌉ α per
     slice."""
     n, total = link.size, sum(slices)
-    steps = sum(1 for s in slices if s) * math.ceil(math.log2(n)) if n > 1 else 0
+    steps = (len(slices) - list(slices).count(0)) * math.ceil(math.log2(n)) if n > 1 else 0
     sent = tuple([float((total - s) * elem_bytes) for s in slices])
     received = sent[-1:] + sent[:-1]  # every slice but its predecessor's
     return Exchange("rooted", link, sent, received, steps)
@@ -208,9 +208,16 @@ def bucket_exchange(link: Link, slices: Sequence[int], elem_bytes: int, gather: 
 def bucket_seconds(link: Link, slices: Sequence[int], grad_bytes: int, param_bytes: int, collective: str) -> float:
     """Seconds of a bucket's reduction (`grad_bytes` per element) and gather (`param_bytes`):
     what `bucket_exchange` prices both ways, from the busiest rank's elements alone."""
-    n, total, largest, smallest = link.size, sum(slices), max(slices, default=0), min(slices, default=0)
+    steps, elements = bucket_load(link.size, slices, collective)
+    return 2 * steps * link.latency + elements * (grad_bytes + param_bytes) / link.bandwidth
+
+
+def bucket_load(n: int, slices: Sequence[int], collective: str) -> tuple[int, int]:
+    """(α steps, elements) on the busiest rank of a group of `n` in one direction (the
+    reduction or the gather) of a bucket cut into `slices`, in the form `collective`."""
+    total, largest, smallest = sum(slices), max(slices, default=0), min(slices, default=0)
     if n <= 1 or total <= 0:
-        return 0.0
+        return 0, 0
     if collective == "all_to_all":
         steps, elements = n - 1, max((n - 1) * largest, total - smallest)
     elif collective == "reslice":
@@ -219,8 +226,8 @@ def bucket_seconds(link: Link, slices: Sequence[int], grad_bytes: int, param_byt
     elif collective == "ring" or largest == smallest:
         steps, elements = n - 1, (n - 1) * largest
     else:
-        steps, elements = sum(1 for s in slices if s) * math.ceil(math.log2(n)), total - smallest
-    return 2 * steps * link.latency + elements * (grad_bytes + param_bytes) / link.bandwidth
+        steps, elements = (len(slices) - list(slices).count(0)) * math.ceil(math.log2(n)), total - smallest
+    return steps, elements
 
 
 def _cheapest(link: Link, slices: Sequence[int], param_bytes: int, grad_bytes: int) -> tuple[float, int]:

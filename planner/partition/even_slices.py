@@ -15,7 +15,8 @@ busiest rank moves in the cheaper of a padded ring ((n − 1) · largest slice) 
 (bucket − smallest slice), hardware-free. Swaps keep every slice under α's cap, and in
 registration order keep owners non-decreasing along every bucket. Only buckets with at least n
 items can gain (otherwise some rank's slice is empty and both forms move the whole bucket).
-Deterministic; each swap lowers an integer total, and the work is bounded.
+Deterministic; each swap lowers an integer total, and the work is bounded: accepted swaps per
+item, and swaps weighed per call (`MAX_EVALUATIONS`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from canzona.planner.partition.dp import DpInstance, Owners
 
 LOW_RANKS = 4  # the emptiest ranks of a bucket tried, in turn, to take an item from its fullest
 MAX_SWAPS_PER_ITEM = 4  # accepted swaps, in total, per item of the buffer
+# Swaps weighed per call: owners scattered over every bucket (layer-wise's, in free order) can
+# offer millions, each a small gain; the planner's own partitions stop far below this.
+MAX_EVALUATIONS = 200_000
 
 
 def proxy(fills: list[int], total: int) -> int:
@@ -47,6 +51,7 @@ class SliceState:
     owners: list[list[int]]
     fills: list[list[int]]
     totals: list[int]
+    evaluations: int = 0  # swaps weighed by `gain` so far
 
     @classmethod
     def of(cls, instance: DpInstance, caps: tuple[int, ...], owners: Owners, free: bool) -> SliceState:
@@ -79,14 +84,19 @@ class SliceState:
     def gain(self, x: tuple[int, int], y: tuple[int, int]) -> int:
         """How much swapping the owners of x and y lowers the proxy total (negative: raises it;
         a swap that breaks a cap or the order gains nothing)."""
+        self.evaluations += 1
         (bx, ix), (by, iy) = x, y
         rx, ry = self.owners[bx][ix], self.owners[by][iy]
         sx, sy = self.instance.spans[bx][ix], self.instance.spans[by][iy]
-        touched = sorted({bx, by})
-        before = sum(proxy(self.fills[b], self.totals[b]) for b in touched)
+        touched = (bx,) if bx == by else (bx, by)
+        before = 0
+        for b in touched:
+            before += proxy(self.fills[b], self.totals[b])
         self._apply(x, y, rx, ry, sx, sy)
-        valid = all(self.bucket_valid(b) for b in touched)
-        after = sum(proxy(self.fills[b], self.totals[b]) for b in touched)
+        valid, after = True, 0
+        for b in touched:
+            valid = valid and self.bucket_valid(b)
+            after += proxy(self.fills[b], self.totals[b])
         self._apply(x, y, ry, rx, sx, sy)
         return before - after if valid else 0
 
@@ -195,7 +205,7 @@ def even_slices(instance: DpInstance, caps: tuple[int, ...], owners: Owners, fre
     held = _held(state, eligible)
     budget = MAX_SWAPS_PER_ITEM * sum(len(instance.costs[b]) for b in eligible)
     stuck: set[int] = set()
-    while budget > 0:
+    while budget > 0 and state.evaluations < MAX_EVALUATIONS:
         todo = [b for b in eligible if b not in stuck and _excess(state, b) > 0]
         if not todo:
             break

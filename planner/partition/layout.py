@@ -10,6 +10,7 @@ Every DP rank updates equal slices of the AdamW buffer (`adamw_elements`, `adamw
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -146,12 +147,7 @@ def adamw_loads(layout: BufferLayout, dp: int, cost: CostModel) -> list[float]:
 def owners_to_cuts(
     owners: tuple[int, ...], offsets: tuple[int, ...], bucket_numel: int, num_ranks: int
 ) -> tuple[int, ...]:
-    """Cut offsets (D + 1 of them) of one bucket from its items' owners."""
-    cuts = [0]
-    index = 0
-    for rank in range(1, num_ranks):
-        while index < len(owners) and owners[index] < rank:
-            index += 1
-        cuts.append(offsets[index] if index < len(owners) else bucket_numel)
-    cuts.append(bucket_numel)
-    return tuple(cuts)
+    """Cut offsets (D + 1 of them) of one bucket from its items' owners (non-decreasing): rank
+    r's slice starts at its first item, or where the next rank's does."""
+    starts = (*offsets, bucket_numel)
+    return (0, *[starts[bisect.bisect_left(owners, rank)] for rank in range(1, num_ranks)], bucket_numel)

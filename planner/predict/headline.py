@@ -12,7 +12,8 @@ The lower bound holds for every plan of the schedule's buckets on that device:
 
 - each matrix bucket of n ranks: whatever its cuts, some rank sends (and some receives) at
   least the bucket less an equal slice, (n − 1)/n of it, once as fp32 gradients and once as
-  parameters, with at least one α each way (every form the runtime has moves that much);
+  parameters, with at least one α each way (every form the runtime has moves that much); the
+  expert buffers of the EP ranks travel at once, over their own groups: one counts;
 - the AdamW buffer's equal reduce-scatter and all-gather, which every plan runs alike;
 - the local stage: the busiest device does at least the mean of all matrix updates over
   the tp x dp devices, and at least 1/tp of the largest one (a team of tp hosts shares it at
@@ -23,20 +24,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canzona.planner.partition.collectives import GRAD_BYTES
+from canzona.planner.partition.collectives import GRAD_BYTES, bucket_seconds
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.predict.hardware import BUILTIN, Device
 from canzona.planner.predict.objective import REFERENCE_DEVICE, search_device
 from canzona.planner.predict.step import (
-    ADAMW_BUFFER,
+    DENSE,
+    EXPERT,
     Buffer,
     Instance,
-    StrategyTime,
     adamw_sync,
     build_instance,
-    canzona_time,
+    canzona_locals,
 )
 from canzona.schedules.format import Schedule
+from canzona.schedules.geometry import slice_sizes
 from canzona.schedules.limits import AS_SCHEDULED
 from canzona.schedules.models import Request
 
@@ -78,21 +80,31 @@ def step_headline(schedule: Schedule) -> StepHeadline:
     instance = build_instance(
         schedule, device.hardware, device.time_model(config), False, None, AS_SCHEDULED, True, False
     )
-    step = canzona_time(instance, schedule)
-    top, top_s = _largest_part(step)
-    bound = "communication" if step.exposed_comm > step.compute else "compute"
-    return StepHeadline(device.hardware.name, step.step, step.compute, bound, top, top_s, _lower_bound(instance))
+    # `canzona_time`'s step (DP collectives, the critical device's local stage), its
+    # collectives priced per bucket without listing every rank's bytes.
+    parts = _collective_parts(instance)
+    local = max(canzona_locals(instance, schedule), key=lambda stage: (stage.seconds, max(stage.compute)))
+    parts[LOCAL_STAGE] = max(local.seconds, 0.0)
+    step, compute = sum(parts.values()), max(max(local.compute), 0.0)
+    top = max(parts, key=lambda key: (parts[key], key))
+    bound = "communication" if step - compute > compute else "compute"
+    return StepHeadline(device.hardware.name, step, compute, bound, top, parts[top], _lower_bound(instance))
 
 
-def _largest_part(step: StrategyTime) -> tuple[str, float]:
-    """The largest of the step's parts: each buffer's buckets by collective (reduce plus gather),
-    the AdamW buffer, and the critical device's local stage."""
-    parts: dict[str, float] = {LOCAL_STAGE: step.step - step.dp_comm}
-    for sync in (*step.phases.reduce, *step.phases.gather):
-        name = "AdamW buffer" if sync.buffer == ADAMW_BUFFER else f"{sync.buffer} buckets, {sync.collective}"
-        parts[name] = parts.get(name, 0.0) + sync.exchange.seconds()
-    name = max(parts, key=lambda key: (parts[key], key))
-    return name, parts[name]
+def _collective_parts(instance: Instance) -> dict[str, float]:
+    """Seconds of the step's DP collectives: each matrix buffer's buckets by collective form
+    (reduce plus gather), and the AdamW buffer."""
+    parts: dict[str, float] = {}
+    buffers = [(DENSE, instance.dense)] + ([(EXPERT, instance.experts[0])] if instance.experts else [])
+    for name, buffer in buffers:
+        for cuts, param_bytes, collective in zip(buffer.cuts, buffer.param_bytes, buffer.collectives):
+            key = f"{name} buckets, {collective}"
+            seconds = bucket_seconds(
+                buffer.link, slice_sizes(cuts), GRAD_BYTES, instance.gather_bytes(param_bytes), collective
+            )
+            parts[key] = parts.get(key, 0.0) + seconds
+    parts["AdamW buffer"] = sum(s.exchange.seconds() for gather in (False, True) for s in adamw_sync(instance, gather))
+    return parts
 
 
 def _bucket_bound(buffer: Buffer, instance: Instance) -> float:
@@ -109,7 +121,7 @@ def _bucket_bound(buffer: Buffer, instance: Instance) -> float:
 
 def _lower_bound(instance: Instance) -> float:
     """A lower bound of the step of any plan of these buckets (see the module docstring)."""
-    comm = sum(_bucket_bound(buffer, instance) for buffer in (instance.dense, *instance.experts))
+    comm = sum(_bucket_bound(buffer, instance) for buffer in (instance.dense, *instance.experts[:1]))
     comm += sum(s.exchange.seconds() for gather in (False, True) for s in adamw_sync(instance, gather))
     seconds = [matrix.seconds for matrix in instance.matrices.values()]
     devices = instance.tp * instance.dp

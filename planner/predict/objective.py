@@ -32,6 +32,7 @@ from canzona.planner.partition.baselines import OWNER_RULES
 from canzona.planner.partition.collectives import (
     GRAD_BYTES,
     all_gather,
+    bucket_load,
     bucket_seconds,
     layout_links,
     reduce_scatter,
@@ -40,7 +41,7 @@ from canzona.planner.partition.dp import ALPHA_LADDER
 from canzona.planner.partition.layout import adamw_elements, equal_cuts, param_bytes, slice_sizes
 from canzona.planner.plan import Partitions, Plan, PlanRequest, finish_plan, make_baseline_plan, partition_plan
 from canzona.planner.predict.hardware import Device, resolve_device, shared_host
-from canzona.planner.predict.step import build_instance, canzona_time
+from canzona.planner.predict.step import build_instance, canzona_locals
 from canzona.planner.spec import ModelSpec, ParamSpec
 from canzona.schedules.limits import AS_SCHEDULED
 
@@ -50,12 +51,12 @@ TIE = 1e-9  # relative: predicted seconds this close are a tie
 
 @dataclass(frozen=True)
 class Objective:
-    """A plan's score: predicted step seconds, then its DP max load, then the bytes every
-    device sends per step (the schedule's device figures)."""
+    """A plan's score: predicted step seconds, then its DP max load, then the bytes its matrix
+    buckets move (`dp_bytes`)."""
 
     step_s: float
     dp_max: float
-    bytes_sent: int
+    dp_bytes: int
 
     def better_than(self, other: Objective) -> bool:
         """Whether this score wins over `other`: a shorter step, or on a tie (`TIE`) a smaller
@@ -65,7 +66,7 @@ class Objective:
                 return True
             if mine > theirs * (1 + TIE):
                 return False
-        return self.bytes_sent < other.bytes_sent
+        return self.dp_bytes < other.dp_bytes
 
 
 def search_device(name: str, num_devices: int) -> Device:
@@ -85,11 +86,24 @@ def objective_device(request: PlanRequest) -> Device:
 
 def score(plan: Plan, device: Device) -> Objective:
     """The plan's `Objective` on `device` (compiled and simulated: canzona's step only)."""
-    schedule = compile_schedule(plan)
+    schedule = compile_schedule(plan, figures=False)
     time_model = device.time_model(plan.request.optimizer)
     instance = build_instance(schedule, device.hardware, time_model, False, None, AS_SCHEDULED, True, False)
-    step = canzona_time(instance, schedule).step
-    return Objective(step, max(plan.loads), sum(d.bytes_sent for d in schedule.metrics.device))
+    # canzona_time's step, its DP collectives priced without listing every rank's bytes
+    local = max((stage.seconds for stage in canzona_locals(instance, schedule)), default=0.0)
+    return Objective(comm_floor(plan, device) + max(local, 0.0), max(plan.loads), dp_bytes(plan))
+
+
+def dp_bytes(plan: Plan) -> int:
+    """The bytes the busiest rank of every matrix bucket's group moves to reduce it (fp32) and
+    gather it (its parameters' dtype) in its collective, summed over the buckets."""
+    req = plan.request
+    buffers = [(plan.dense, req.dp)] + ([(plan.expert, req.dp // req.ep)] if plan.expert else [])
+    return sum(
+        bucket_load(ranks, slice_sizes(cuts), collective)[1] * (GRAD_BYTES + param_bytes(plan.model, bucket))
+        for buffer, ranks in buffers
+        for bucket, cuts, collective in zip(buffer.layout.buckets, buffer.cuts, buffer.collectives)
+    )
 
 
 @dataclass(frozen=True)

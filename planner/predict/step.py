@@ -457,8 +457,9 @@ def schedule_phases(inst: Instance) -> DpPhases:
     )
 
 
-def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> StrategyTime:
-    """canzona as the runtime executes it; overlap=False runs each micro-group back to back."""
+def canzona_locals(inst: Instance, schedule: Schedule, overlap: bool = True) -> list[Local]:
+    """Every DP rank's local stage under canzona: its micro-groups pipelined (back to back
+    without `overlap`), then AdamW."""
     locals_ = []
     for dp_rank, rank_plan in enumerate(schedule.tp.ranks):
         compute, groups = [0.0] * inst.tp, []
@@ -470,6 +471,12 @@ def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> St
         phase = pipeline_seconds(groups, overlap)
         tp_comm = sum(g.gather + g.scatter for g in groups)
         locals_.append(Local(phase + adamw, tuple(c + adamw for c in compute), tp_comm))
+    return locals_
+
+
+def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> StrategyTime:
+    """canzona as the runtime executes it; overlap=False runs each micro-group back to back."""
+    locals_ = canzona_locals(inst, schedule, overlap)
     phases = schedule_phases(inst)
     if overlap:
         return combine(
