@@ -28,7 +28,7 @@ from library_bench import median_seconds
 
 from canzona.planner.compile import compile_schedule
 from canzona.planner.devices import tp_score
-from canzona.planner.plan import PlanRequest, make_plan
+from canzona.planner.plan import PlanRequest, make_plan, mode_groups
 from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, dump_schedule, parse_schedule
 
@@ -96,7 +96,7 @@ def tp_table(repeats: int) -> None:
         # A schedule records the chosen mode only: the others are scored on the plan itself.
         cells = [
             f"{s.efficiency:.4f}; {s.critical_time / bound:.4f}; {s.device_imbalance:.4f}; {s.num_groups} groups"
-            for s in (tp_score(plan, plan.groups[m]) for m in ("rollback", "fixed", "sorted", "heap"))
+            for s in (tp_score(plan, mode_groups(plan, m)) for m in ("rollback", "fixed", "sorted", "heap"))
         ]
         print(f"| {name} | tp{tp} dp{dp} ep{ep} | " + " | ".join(cells) + " |")
     print()

@@ -50,8 +50,8 @@ def _ratio(numerator: float, denominator: float, empty: float) -> float:
 def _entry(
     plan: Plan, param_index: int, bucket: int, offset: int, numel: int, ep_rank: int | None, checked: bool = True
 ) -> ParamEntry:
-    """One parameter's row; `checked=False` builds it without pydantic's checks (a schedule
-    only simulated, from the planner's own values: the longest part of compiling at scale)."""
+    """One parameter's row; `checked=False` builds it without pydantic's checks (for
+    `simulation_schedule`, from the planner's own values: the longest part at scale)."""
     param = plan.model.params[param_index]
     return (ParamEntry if checked else ParamEntry.model_construct)(
         name=param.name,
@@ -159,9 +159,11 @@ def _dp_metrics(plan: Plan, dense: list[BucketEntry], expert: list[BucketEntry])
     padded = sum(bucket.numel for b in buffers for bucket in b.layout.buckets)
     worst = sum(b.num_ranks * max(slice_sizes(cuts)) for b in buffers for cuts in b.cuts)
     canzona = _score(loads, total, plan.lower_bound, _ratio(worst, padded, 1.0))
-    slice_bytes = [
-        sum(b.slice_bytes[r] for b in dense) + sum(b.slice_bytes[r // ep] for b in expert) for r in range(dp)
-    ]
+    slice_bytes = [0] * dp
+    for entry in dense:
+        slice_bytes = [so_far + size for so_far, size in zip(slice_bytes, entry.slice_bytes)]
+    for entry in expert:
+        slice_bytes = [so_far + entry.slice_bytes[r // ep] for r, so_far in enumerate(slice_bytes)]
     return DpMetrics(
         method=plan.dense.method,
         load=loads,
@@ -278,19 +280,12 @@ def _searches(search: AutoSearch | None) -> _Searches:
     return out
 
 
-def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None, *, figures: bool = True) -> Schedule:
+def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None) -> Schedule:
     """The schedule file of a plan (deterministic); `search`: what `--alpha auto` and
-    `--bucket-size auto` tried. `figures=False` leaves out every device's figures and the
-    parameter rows' checks (the longest parts to work out at scale), and the digest: a
-    schedule to simulate, never one to write."""
+    `--bucket-size auto` tried."""
     if isinstance(plan, FsdpPlan):
         return compile_fsdp(plan)
-    buckets = _buckets(plan.dense)
-    expert_buckets = _buckets(plan.expert) if plan.expert is not None else []
-    adamw_buckets = [
-        AdamwBucketEntry(index=b.index, numel=b.numel, cuts=list(equal_cuts(b.numel, plan.request.dp)))
-        for b in plan.adamw_layout.buckets
-    ]
+    dp = _dp_section(plan)
     fingerprint = compute_fingerprint(
         model_parameters((p.name, p.shape, p.dtype, p.tp_dim, p.parent) for p in plan.model.params)
     )
@@ -299,18 +294,44 @@ def compile_schedule(plan: Plan | FsdpPlan, search: AutoSearch | None = None, *,
         request=plan.request.to_request(plan.model),
         fingerprint=fingerprint,
         digest="",
-        params=_param_entries(plan, checked=figures),
-        dp=DpSection(buckets=buckets, expert_buckets=expert_buckets, adamw_buckets=adamw_buckets),
+        params=_param_entries(plan),
+        dp=dp,
         tp=_tp_section(plan),
         metrics=Metrics(
-            dp=_dp_metrics(plan, buckets, expert_buckets),
+            dp=_dp_metrics(plan, dp.buckets, dp.expert_buckets),
             tp=_tp_metrics(plan),
-            device=_device_metrics(plan, [*buckets, *expert_buckets, *adamw_buckets]) if figures else [],
+            device=_device_metrics(plan, [*dp.buckets, *dp.expert_buckets, *dp.adamw_buckets]),
             solver=SolverMetrics(**vars(plan.solver)) if plan.solver else None,
             **_searches(search),
         ),
     )
-    return sealed(schedule) if figures else schedule  # a schedule to simulate needs no digest
+    return sealed(schedule)
+
+
+def simulation_schedule(plan: Plan) -> Schedule:
+    """What the simulator reads of a plan's schedule (the request, the parameters, the DP
+    buckets, the TP groups), without what a file needs besides (its metrics, pydantic's
+    checks, the fingerprint, the digest): to price candidate plans, never to write."""
+    return Schedule.model_construct(
+        schema_version=SCHEMA_VERSION,
+        request=plan.request.to_request(plan.model),
+        fingerprint="",
+        digest="",
+        params=_param_entries(plan, checked=False),
+        dp=_dp_section(plan),
+        tp=_tp_section(plan),
+        metrics=None,
+    )
+
+
+def _dp_section(plan: Plan) -> DpSection:
+    """Every buffer's buckets: matrices (dense, experts) with the plan's cuts, AdamW equal."""
+    adamw_buckets = [
+        AdamwBucketEntry(index=b.index, numel=b.numel, cuts=list(equal_cuts(b.numel, plan.request.dp)))
+        for b in plan.adamw_layout.buckets
+    ]
+    experts = _buckets(plan.expert) if plan.expert is not None else []
+    return DpSection(buckets=_buckets(plan.dense), expert_buckets=experts, adamw_buckets=adamw_buckets)
 
 
 def _device_metrics(plan: Plan, buckets: list[Any]) -> list[DeviceMetrics]:

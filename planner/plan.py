@@ -37,7 +37,7 @@ from canzona.planner.partition.dp import (
     slice_caps,
 )
 from canzona.planner.partition.layout import BufferLayout, adamw_loads, build_buffer, param_bytes
-from canzona.planner.partition.tp import MODES, MicroGroup, Task, schedule_tasks
+from canzona.planner.partition.tp import MicroGroup, Task, schedule_tasks
 
 # The request lives in its own module; planner code and tests name it from here too.
 from canzona.planner.request import PlanRequest, TrainingSetup  # noqa: F401
@@ -93,7 +93,8 @@ class Plan:
     the EP-rank-0 expert at the same buffer position (itself when ep = 1 or not an expert).
     `lower_bound`: the DP load no plan of this model and layout can go below
     (`canzona.schedules.bounds.dp_lower_bound` over every matrix); `device_lower_bound`: the
-    busiest device no plan can go below (`device_bound`).
+    busiest device no plan can go below (`device_bound`). `groups`: every DP rank's
+    micro-groups under the requested TP mode, by mode (`mode_groups` schedules the others).
     """
 
     request: PlanRequest
@@ -210,9 +211,10 @@ def finish_plan(model: ModelSpec, partitions: Partitions) -> Plan:
 def make_baseline_plan(model: ModelSpec, request: PlanRequest, rule: str) -> Plan | None:
     """The plan whose DP owners a baseline's rule sets (`baseline_owners`: start-owner,
     zero1-gather's slicing with whole-matrix owners, layer-wise), then finished as any plan
-    (the device stage may move matrices from there, the slices are evened out); its `method`
-    names the rule. None where the request cannot express them: α's slice caps forbid them,
-    or layer-wise owners in registration order (they ignore the buffer order)."""
+    but for the device stage (the rule's loads stand; equal-cost matrices may still swap owners
+    to even the slices out); its `method` names the rule. None where the request cannot
+    express them: α's slice caps forbid them, or layer-wise owners in registration order
+    (they ignore the buffer order)."""
     request.validate()
     validate_model(model, request.tp)
     validate_expert_parallel(model, request)
@@ -233,7 +235,7 @@ def make_baseline_plan(model: ModelSpec, request: PlanRequest, rule: str) -> Pla
         return None
     loads = _combine(dense.loads, expert.loads if expert else (), ep)
     parts = _Parts(dense, expert, loads, lower_bound(dense.instance))
-    return _finish(model, request, parts, costs, slots, cost_model)
+    return _finish(model, request, parts, costs, slots, cost_model, device_stage=False)
 
 
 def _ruled(
@@ -319,9 +321,10 @@ def _finish(
     costs: tuple[float, ...],
     slots: dict[int, int],
     cost_model: CostModel,
+    device_stage: bool = True,
 ) -> Plan:
-    """The plan of the chosen partitions: the device stage (TP > 1), even slices, layouts, TP
-    micro-groups and teams, bounds and baselines."""
+    """The plan of the chosen partitions: the device stage (TP > 1, unless `device_stage` is
+    False), even slices, layouts, TP micro-groups and teams, bounds and baselines."""
     ep, tp, dp = request.ep, request.tp, request.dp
     dp_link, expert_link, _ = layout_links(REFERENCE_NETWORK, tp, dp, ep)
     expert = finish_buffer(model, parts.expert, costs, request, expert_link) if parts.expert else None
@@ -331,7 +334,9 @@ def _finish(
     device_bound = layout_device_bound(model, request, costs, bound, adamw)
     experts = expert_tasks(model, expert, slots, costs, request)  # per DP rank
     device = None
-    if tp > 1 and request.cost == "flops":  # FLOPs price the collectives too (at the reference throughput)
+    if (
+        device_stage and tp > 1 and request.cost == "flops"
+    ):  # FLOPs price the collectives too (at the reference throughput)
         device = _device_model(
             model, request, experts, adamw, tp * device_bound, _comm_cost(model, parts.dense.layout, dp_link)
         )
@@ -340,7 +345,8 @@ def _finish(
     if expert is not None:
         owners.update({param: expert.owners[slot] for param, slot in slots.items()})
     tasks = rank_tasks(model, dense, experts, costs, request.dp)
-    groups = {mode: tuple(schedule_tasks(rank, tp, request.group_bytes, mode) for rank in tasks) for mode in MODES}
+    mode = request.tp_mode  # the file records this mode only; `mode_groups` makes the others
+    groups = {mode: tuple(schedule_tasks(rank, tp, request.group_bytes, mode) for rank in tasks)}
     summary = None
     if request.solver == "ilp":
         refined, num_refined, num_improved = refine_groups(tasks, groups[request.tp_mode], request)
@@ -370,6 +376,14 @@ def _finish(
         groups=groups,
         solver=summary,
     )
+
+
+def mode_groups(plan: Plan, mode: str) -> tuple[tuple[MicroGroup, ...], ...]:
+    """Every DP rank's micro-groups under TP `mode`: the plan's own for its mode (teams
+    included), else that mode's scheduler on the same tasks."""
+    if mode == plan.request.tp_mode:
+        return plan.chosen_groups
+    return tuple(schedule_tasks(rank, plan.request.tp, plan.request.group_bytes, mode) for rank in plan.tasks)
 
 
 def team_shapes(model: ModelSpec, request: PlanRequest) -> dict[str, Shape]:

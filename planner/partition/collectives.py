@@ -215,35 +215,52 @@ def bucket_seconds(link: Link, slices: Sequence[int], grad_bytes: int, param_byt
 def bucket_load(n: int, slices: Sequence[int], collective: str) -> tuple[int, int]:
     """(α steps, elements) on the busiest rank of a group of `n` in one direction (the
     reduction or the gather) of a bucket cut into `slices`, in the form `collective`."""
-    total, largest, smallest = sum(slices), max(slices, default=0), min(slices, default=0)
+    return _load(n, slices, _SliceFigures.of(slices), collective)
+
+
+@dataclass(frozen=True)
+class _SliceFigures:
+    """What every form but `reslice` prices a bucket's slices by."""
+
+    total: int
+    largest: int
+    smallest: int
+    nonempty: int
+
+    @classmethod
+    def of(cls, slices: Sequence[int]) -> _SliceFigures:
+        """The figures of `slices`."""
+        listed = list(slices)
+        return cls(sum(listed), max(listed, default=0), min(listed, default=0), len(listed) - listed.count(0))
+
+
+def _load(n: int, slices: Sequence[int], figures: _SliceFigures, collective: str) -> tuple[int, int]:
+    """`bucket_load`, from the slices' `figures` (worked out once per bucket)."""
+    total, largest, smallest = figures.total, figures.largest, figures.smallest
     if n <= 1 or total <= 0:
         return 0, 0
     if collective == "all_to_all":
-        steps, elements = n - 1, max((n - 1) * largest, total - smallest)
-    elif collective == "reslice":
+        return n - 1, max((n - 1) * largest, total - smallest)
+    if collective == "reslice":
         spill = max(max(pair) for pair in reslice_moves(slices))
-        steps, elements = n - 1 + (1 if spill else 0), (n - 1) * -(-total // n) + spill
-    elif collective == "ring" or largest == smallest:
-        steps, elements = n - 1, (n - 1) * largest
-    else:
-        steps, elements = (len(slices) - list(slices).count(0)) * math.ceil(math.log2(n)), total - smallest
-    return steps, elements
+        return n - 1 + (1 if spill else 0), (n - 1) * -(-total // n) + spill
+    if collective == "ring" or largest == smallest:
+        return n - 1, (n - 1) * largest
+    return figures.nonempty * math.ceil(math.log2(n)), total - smallest
 
 
 def _cheapest(link: Link, slices: Sequence[int], param_bytes: int, grad_bytes: int) -> tuple[float, int]:
     """(seconds, index in `BUCKET_COLLECTIVES`) of the cheapest form (ties: the first). The
     ring over equal slices alone bounds `reslice` from below: where another form is no dearer,
     its spill-over (a pass over the ranks) is not worked out."""
-    n = link.size
-    floor = (
-        2 * (n - 1) * link.latency
-        + (n - 1) * -(-sum(slices) // max(n, 1)) * (grad_bytes + param_bytes) / link.bandwidth
-    )
+    n, figures, moved = link.size, _SliceFigures.of(slices), grad_bytes + param_bytes
+    floor = 2 * (n - 1) * link.latency + (n - 1) * -(-figures.total // max(n, 1)) * moved / link.bandwidth
     best = (math.inf, 0)
     for index, collective in enumerate(BUCKET_COLLECTIVES):
         if collective == "reslice" and best[0] <= floor:
             continue
-        best = min(best, (bucket_seconds(link, slices, grad_bytes, param_bytes, collective), index))
+        steps, elements = _load(n, slices, figures, collective)
+        best = min(best, (2 * steps * link.latency + elements * moved / link.bandwidth, index))  # as bucket_seconds
     return best
 
 

@@ -16,8 +16,8 @@ sent by all devices.
   the objective than at any smaller ladder α, by construction;
 - the plans whose owners follow a baseline's rule (`make_baseline_plan`: start-owner,
   zero1-gather's slicing with whole-matrix owners, layer-wise), each first tried at the
-  smallest α whose caps allow it, and finished as any plan (with canzona's collectives,
-  including `reslice`, which moves what start-owner moves).
+  smallest α whose caps allow it, and finished as any plan but for the device stage (with
+  canzona's collectives, including `reslice`, which moves what start-owner moves).
 
 The winner's `method` says where it came from when it is not the search at the request's α.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from canzona.planner.compile import compile_schedule
+from canzona.planner.compile import simulation_schedule
 from canzona.planner.partition.baselines import OWNER_RULES
 from canzona.planner.partition.collectives import (
     GRAD_BYTES,
@@ -86,7 +86,7 @@ def objective_device(request: PlanRequest) -> Device:
 
 def score(plan: Plan, device: Device) -> Objective:
     """The plan's `Objective` on `device` (compiled and simulated: canzona's step only)."""
-    schedule = compile_schedule(plan, figures=False)
+    schedule = simulation_schedule(plan)
     time_model = device.time_model(plan.request.optimizer)
     instance = build_instance(schedule, device.hardware, time_model, False, None, AS_SCHEDULED, True, False)
     # canzona_time's step, its DP collectives priced without listing every rank's bytes
