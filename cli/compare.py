@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from canzona.cli.options import SCHEDULE_HELP, library_hint, load_schedule, write_output
-from canzona.cli.wording import echo, percent, plural
+from canzona.cli.report import predicted_step
+from canzona.cli.wording import duration, echo, percent, plural
 from canzona.schedules.errors import ScheduleError
 from canzona.schedules.library import resolve_schedule
 from canzona.schedules.limits import MAX_SCHEDULE_BYTES, PROFILE_PREFIX
@@ -408,6 +409,7 @@ def library_rows(files: list[Path], root: Path) -> list[dict[str, Any]]:
                 "tp_efficiency": s.metrics.tp.efficiency,
                 "num_groups": s.metrics.tp.num_groups,
                 "max_state_gib": _max_device(s, "state_bytes") / GIB,
+                "predicted_step": predicted_step(s),
                 "sharding": r.sharding,
                 "dp_replicate": r.dp_replicate,
             }
@@ -419,17 +421,19 @@ def library_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of `library_rows`."""
     lines = [
         (
-            "| schedule | model | layout | optimizer | alpha | DP imbalance | gap | padding | TP efficiency | groups "
-            "| max state GiB/device |"
+            "| schedule | model | layout | optimizer | alpha | predicted step (h100) | step / its bound "
+            "| DP imbalance | gap | padding | TP efficiency | groups | max state GiB/device |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         layout = f"tp{r['tp']} dp{r['dp']}" + (f" ep{r['ep']}" if r["ep"] > 1 else "")
         if r["sharding"] == "fsdp":
             layout += " fsdp" if r["dp_replicate"] == 1 else f" hsdp{r['dp_replicate']}"
+        step = r["predicted_step"]
+        predicted = f"{duration(step['step_s'])} | {step['over_bound']:.3f}x" if step else "- | -"
         lines.append(
-            f"| `{r['schedule']}` | {r['model']} | {layout} | {r['optimizer']} | {r['alpha']:g} "
+            f"| `{r['schedule']}` | {r['model']} | {layout} | {r['optimizer']} | {r['alpha']:g} | {predicted} "
             f"| {r['dp_imbalance']:.4f} | {percent(r['gap'])} | {r['padding_overhead']:.2f}x "
             f"| {r['tp_efficiency']:.3f} | {r['num_groups']} | {r['max_state_gib']:.2f} |"
         )
