@@ -23,10 +23,10 @@ from dataclasses import replace
 
 from canzona.planner.fsdp import make_fsdp_plan
 from canzona.planner.partition.costs import CostModel
-from canzona.planner.plan import AutoSearch, Plan, PlanRequest, SearchTrial, TrainingSetup, make_plan
+from canzona.planner.plan import AutoSearch, Plan, PlanRequest, SearchTrial, TrainingSetup
 from canzona.planner.predict.auto_bucket import choose_bucket_size
 from canzona.planner.predict.hardware import Hardware
-from canzona.planner.predict.objective import best_plan, search_device
+from canzona.planner.predict.objective import best_plan, best_plans, search_device
 from canzona.planner.predict.trial import trial
 from canzona.planner.spec import ModelSpec, PlanError
 from canzona.schedules.limits import FSDP
@@ -53,11 +53,9 @@ def choose_alpha(
         if not 0.0 <= alpha <= 1.0:
             raise PlanError(f"alpha must be in [0, 1], got {alpha}")
     tried: dict[float, SearchTrial] = {}
-    planned: list[Plan] = []
-    for alpha in candidates:
-        # Every coarser plan seeds this one: a larger α is never worse in max load.
-        plan = make_plan(model, replace(request, alpha=alpha), seeds=tuple(planned))
-        planned.append(plan)
+    # One pass up the ladder: each α's plan is the objective's best, never worse than a smaller α's.
+    planned = best_plans(model, request, candidates)
+    for alpha, plan in zip(candidates, planned):
         tried[alpha] = trial(plan, alpha, hardware, time_model, training)
         if progress:
             progress(f"alpha {alpha:g}")

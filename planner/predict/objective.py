@@ -24,7 +24,7 @@ The winner's `method` says where it came from when it is not the search at the r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from canzona.planner.compile import simulation_schedule
@@ -193,8 +193,22 @@ def best_plan(model: ModelSpec, request: PlanRequest, progress: Callable[[str], 
     """The request's plan: the best on the `Objective` of the searched plan, the best plan at
     the next smaller ladder α, and the baseline-owner plans (see the module docstring); on a
     tie the search at the larger α. `progress` hears of each α finished."""
+    return best_plans(model, request, (request.alpha,), progress)[0]
+
+
+def best_plans(
+    model: ModelSpec,
+    request: PlanRequest,
+    alphas: Sequence[float],
+    progress: Callable[[str], None] | None = None,
+) -> list[Plan]:
+    """`best_plan` of the request at each of `alphas` (in that order), in one pass up the
+    ladder: each plan is never worse on the objective than those at smaller α. `progress`
+    hears of each α finished."""
     device = objective_device(request)
-    ladder = [alpha for alpha in ALPHA_LADDER if alpha < request.alpha] + [request.alpha]
+    wanted = set(alphas)
+    ladder = sorted({alpha for alpha in ALPHA_LADDER if alpha < max(wanted)} | wanted)
+    chosen: dict[float, Plan] = {}
     tried_rules: set[str] = set()
     best: Scored | None = None
     previous: Partitions | None = None
@@ -213,10 +227,12 @@ def best_plan(model: ModelSpec, request: PlanRequest, progress: Callable[[str], 
             found = _contender(ruled, best, device, f"{rule} owners")
             if found is not None and best is not None and found.objective.better_than(best.objective):
                 best = found
+        assert best is not None
+        if alpha in wanted:
+            chosen[alpha] = _as_requested(best, at)
         if progress:
             progress(f"alpha {alpha:g}")
-    assert best is not None
-    return _as_requested(best, request)
+    return [chosen[alpha] for alpha in alphas]
 
 
 def _searched(searched: Plan, best: Scored | None, device: Device) -> Scored:
