@@ -5,9 +5,9 @@ Run:  python benchmarks/objective_sweep.py                (the subsample below, 
       python benchmarks/objective_sweep.py --workers N    (layouts in N processes; same output)
       python benchmarks/objective_sweep.py --save FILE    (also write one CSV row per layout and α)
 
-For each layout it plans at every α of the ladder {0, 0.25, 0.5, 0.75, 1} (as `canzona plan
---alpha A` does: `plan_for_request`, then `compile_schedule`), simulates each schedule on the
-built-in h100 model (`simulate`), and counts:
+For each layout it plans at every α of the ladder {0, 0.25, 0.5, 0.75, 1} (what `canzona plan
+--alpha A` writes at each A: `best_plans`, one pass up the ladder, then `compile_schedule`),
+simulates each schedule on the built-in h100 model (`simulate`), and counts:
 (a) α violations on the objective: a larger α whose predicted canzona optimizer step is larger
     than the step at some smaller α of the same layout (relative tolerance 1e-9); one per
     larger α, listed against the smaller α with the smallest step;
@@ -52,8 +52,8 @@ from functools import cache
 from canzona.planner.compile import compile_schedule
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import PlanRequest
-from canzona.planner.predict.auto_alpha import plan_for_request
 from canzona.planner.predict.hardware import Hardware, resolve_device
+from canzona.planner.predict.objective import best_plans
 from canzona.planner.predict.sim_baselines import REFERENCES
 from canzona.planner.predict.simulate import Simulation, simulate
 from canzona.planner.request import TrainingSetup
@@ -206,11 +206,9 @@ def sweep_layout(layout: Layout) -> Outcome:
         points: list[AlphaPoint] = []
         iteration = 0.0
         baselines: tuple[BaselinePoint, ...] = ()
-        for alpha in ALPHAS:
-            request = PlanRequest(
-                layout.model, layout.tp, layout.dp, optimizer=OptimizerConfig(name=layout.optimizer), alpha=alpha
-            )
-            plan, _ = plan_for_request(model, request)
+        request = PlanRequest(layout.model, layout.tp, layout.dp, optimizer=OptimizerConfig(name=layout.optimizer))
+        # What `canzona plan --alpha A` writes at every A, in one pass up the ladder.
+        for alpha, plan in zip(ALPHAS, best_plans(model, request, ALPHAS)):
             schedule = compile_schedule(plan)
             if alpha == DEFAULT_ALPHA:
                 training = TrainingSetup(global_batch=global_batch(layout.dp), seq_len=SEQ_LEN)
