@@ -192,13 +192,19 @@ class Partitions:
 
 def partition_plan(model: ModelSpec, request: PlanRequest, seeds: tuple[Plan, ...] = ()) -> Partitions:
     """The first half of `make_plan`: the request checked and its DP partitions solved."""
+    _, costs, slots = _prepared(model, request)
+    return Partitions(request, costs, slots, _best_parts(model, request, seeds, costs, slots, {}))
+
+
+def _prepared(model: ModelSpec, request: PlanRequest) -> tuple[CostModel, tuple[float, ...], dict[int, int]]:
+    """The request checked against the model; its cost model, every parameter's cost, and
+    under expert parallelism each expert's slot (`_expert_slots`)."""
     request.validate()
     validate_model(model, request.tp)
     validate_expert_parallel(model, request)
     cost_model = make_cost_model(request.cost, request.optimizer)
     costs = tuple(param_cost(param, cost_model) for param in model.params)
-    slots = _expert_slots(model, request.ep) if request.ep > 1 else {}
-    return Partitions(request, costs, slots, _best_parts(model, request, seeds, costs, slots, {}))
+    return cost_model, costs, _expert_slots(model, request.ep) if request.ep > 1 else {}
 
 
 def finish_plan(model: ModelSpec, partitions: Partitions) -> Plan:
@@ -215,12 +221,7 @@ def make_baseline_plan(model: ModelSpec, request: PlanRequest, rule: str) -> Pla
     to even the slices out); its `method` names the rule. None where the request cannot
     express them: α's slice caps forbid them, or layer-wise owners in registration order
     (they ignore the buffer order)."""
-    request.validate()
-    validate_model(model, request.tp)
-    validate_expert_parallel(model, request)
-    cost_model = make_cost_model(request.cost, request.optimizer)
-    costs = tuple(param_cost(param, cost_model) for param in model.params)
-    slots = _expert_slots(model, request.ep) if request.ep > 1 else {}
+    cost_model, costs, slots = _prepared(model, request)
     ep, tp, dp = request.ep, request.tp, request.dp
     expert: Partitioned | None = None
     if ep > 1:
