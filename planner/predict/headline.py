@@ -24,21 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canzona.planner.partition.collectives import GRAD_BYTES, bucket_seconds
+from canzona.planner.partition.collectives import GRAD_BYTES
 from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.predict.hardware import BUILTIN, Device
 from canzona.planner.predict.objective import REFERENCE_DEVICE, search_device
-from canzona.planner.predict.step import (
-    DENSE,
-    EXPERT,
-    Buffer,
-    Instance,
-    adamw_sync,
-    build_instance,
-    canzona_locals,
-)
+from canzona.planner.predict.step import Buffer, Instance, adamw_sync, build_instance, canzona_parts
 from canzona.schedules.format import Schedule
-from canzona.schedules.geometry import slice_sizes
 from canzona.schedules.limits import AS_SCHEDULED
 from canzona.schedules.models import Request
 
@@ -80,31 +71,12 @@ def step_headline(schedule: Schedule) -> StepHeadline:
     instance = build_instance(
         schedule, device.hardware, device.time_model(config), False, None, AS_SCHEDULED, True, False
     )
-    # `canzona_time`'s step (DP collectives, the critical device's local stage), its
-    # collectives priced per bucket without listing every rank's bytes.
-    parts = _collective_parts(instance)
-    local = max(canzona_locals(instance, schedule), key=lambda stage: (stage.seconds, max(stage.compute)))
+    parts, local = canzona_parts(instance, schedule)
     parts[LOCAL_STAGE] = max(local.seconds, 0.0)
     step, compute = sum(parts.values()), max(max(local.compute), 0.0)
     top = max(parts, key=lambda key: (parts[key], key))
     bound = "communication" if step - compute > compute else "compute"
     return StepHeadline(device.hardware.name, step, compute, bound, top, parts[top], _lower_bound(instance))
-
-
-def _collective_parts(instance: Instance) -> dict[str, float]:
-    """Seconds of the step's DP collectives: each matrix buffer's buckets by collective form
-    (reduce plus gather), and the AdamW buffer."""
-    parts: dict[str, float] = {}
-    buffers = [(DENSE, instance.dense)] + ([(EXPERT, instance.experts[0])] if instance.experts else [])
-    for name, buffer in buffers:
-        for cuts, param_bytes, collective in zip(buffer.cuts, buffer.param_bytes, buffer.collectives):
-            key = f"{name} buckets, {collective}"
-            seconds = bucket_seconds(
-                buffer.link, slice_sizes(cuts), GRAD_BYTES, instance.gather_bytes(param_bytes), collective
-            )
-            parts[key] = parts.get(key, 0.0) + seconds
-    parts["AdamW buffer"] = sum(s.exchange.seconds() for gather in (False, True) for s in adamw_sync(instance, gather))
-    return parts
 
 
 def _bucket_bound(buffer: Buffer, instance: Instance) -> float:

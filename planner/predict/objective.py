@@ -6,11 +6,11 @@ critical device's compute and the exposed TP collectives together. `Objective` i
 the simulator predicts it (`canzona_time`, with the runtime's default overlap) on the request's
 device (`--alpha auto`'s or `--bucket-size auto`'s, else the H100 reference the planner prices
 collectives on); ties, within a relative 1e-9, go to the smaller DP max, then to fewer bytes
-sent by all devices.
+moved by the buckets' busiest ranks (`dp_bytes`).
 
 `best_plan` makes a request's plan the best of every candidate on that objective:
 
-- the searched plan at the request's α (`make_plan`);
+- the searched plan at the request's α (`partition_plan`, then `finish_plan`);
 - the plan chosen the same way at the next smaller α of the ladder (0, 0.25, 0.5, 0.75): valid
   at any larger α (its slices are within the tighter caps), so the plan at α is never worse on
   the objective than at any smaller ladder α, by construction;
@@ -41,8 +41,8 @@ from canzona.planner.partition.dp import ALPHA_LADDER
 from canzona.planner.partition.layout import adamw_elements, equal_cuts, param_bytes, slice_sizes
 from canzona.planner.plan import Partitions, Plan, PlanRequest, finish_plan, make_baseline_plan, partition_plan
 from canzona.planner.predict.hardware import Device, resolve_device, shared_host
-from canzona.planner.predict.step import build_instance, canzona_locals
-from canzona.planner.spec import ModelSpec, ParamSpec
+from canzona.planner.predict.step import build_instance, canzona_parts, submatrices
+from canzona.planner.spec import ModelSpec
 from canzona.schedules.limits import AS_SCHEDULED
 
 REFERENCE_DEVICE = "h100"  # the network `choose_collective` prices buckets on
@@ -89,9 +89,8 @@ def score(plan: Plan, device: Device) -> Objective:
     schedule = simulation_schedule(plan)
     time_model = device.time_model(plan.request.optimizer)
     instance = build_instance(schedule, device.hardware, time_model, False, None, AS_SCHEDULED, True, False)
-    # canzona_time's step, its DP collectives priced without listing every rank's bytes
-    local = max((stage.seconds for stage in canzona_locals(instance, schedule)), default=0.0)
-    return Objective(comm_floor(plan, device) + max(local, 0.0), max(plan.loads), dp_bytes(plan))
+    parts, local = canzona_parts(instance, schedule)
+    return Objective(sum(parts.values()) + max(local.seconds, 0.0), max(plan.loads), dp_bytes(plan))
 
 
 def dp_bytes(plan: Plan) -> int:
@@ -152,17 +151,12 @@ def local_floor(plan: Plan, device: Device) -> float:
         for task in tasks:
             if task.name not in seconds_of:
                 param = plan.model.params[index_of[task.name]]
-                seconds_of[task.name] = sum(time_model.matrix_cost(rows, cols) for rows, cols in _pieces(param))
+                seconds_of[task.name] = sum(
+                    time_model.matrix_cost(rows, cols) for rows, cols in submatrices(param.shape, param.row_blocks)
+                )
             updates += seconds_of[task.name]
         worst = max(worst, updates / req.tp + time_model.adamw_cost(elements[rank]))
     return worst
-
-
-def _pieces(param: ParamSpec) -> list[tuple[int, int]]:
-    """The shapes the simulator prices one matrix parameter's update as (its row blocks, or itself)."""
-    if not param.row_blocks:
-        return [(param.shape[0], param.shape[1])]
-    return [(sum(stop - start for start, stop in block), param.shape[1]) for block in param.row_blocks]
 
 
 def same_plan(one: Plan, other: Plan) -> bool:

@@ -56,7 +56,7 @@ class FsdpSimulation:
 
 
 def _seconds(entry: ParamEntry, time_model: CostModel) -> float:
-    return sum(time_model.matrix_cost(rows, cols) for rows, cols in submatrices(entry))
+    return sum(time_model.matrix_cost(rows, cols) for rows, cols in submatrices(entry.shape, entry.row_blocks))
 
 
 def _exchange(pieces: list[tuple[int, int, int]], link: Link, hosts: int) -> Exchange:

@@ -20,6 +20,7 @@ from canzona.planner.partition.collectives import (
     all_gather,
     all_reduce,
     bucket_exchange,
+    bucket_seconds,
     layout_links,
     phase_seconds,
     reduce_scatter,
@@ -166,18 +167,19 @@ class Instance:
         return self.publish_bytes or param_bytes
 
 
-def submatrices(entry: ParamEntry) -> list[tuple[int, int]]:
-    """Shapes the matrix optimizer updates one parameter as (its row blocks, or itself)."""
-    if not entry.row_blocks:
-        return [(entry.shape[0], entry.shape[1])]
-    return [(sum(stop - start for start, stop in block), entry.shape[1]) for block in entry.row_blocks]
+def submatrices(shape: Sequence[int], row_blocks: Sequence[Sequence[Sequence[int]]] | None) -> list[tuple[int, int]]:
+    """Shapes the matrix optimizer updates one parameter of `shape` as (its row blocks, or
+    itself): a schedule's entry and a model's parameter alike."""
+    if not row_blocks:
+        return [(shape[0], shape[1])]
+    return [(sum(stop - start for start, stop in block), shape[1]) for block in row_blocks]
 
 
 def _matrix(entry: ParamEntry, time_model: CostModel) -> Matrix:
     full = math.prod(entry.shape)
     return Matrix(
         name=entry.name,
-        seconds=sum(time_model.matrix_cost(rows, cols) for rows, cols in submatrices(entry)),
+        seconds=sum(time_model.matrix_cost(rows, cols) for rows, cols in submatrices(entry.shape, entry.row_blocks)),
         shard_bytes=GRAD_BYTES * entry.numel,
         full_bytes=GRAD_BYTES * full,
         replicated=entry.tp_dim is None,
@@ -472,6 +474,25 @@ def canzona_locals(inst: Instance, schedule: Schedule, overlap: bool = True) -> 
         tp_comm = sum(g.gather + g.scatter for g in groups)
         locals_.append(Local(phase + adamw, tuple(c + adamw for c in compute), tp_comm))
     return locals_
+
+
+def canzona_parts(inst: Instance, schedule: Schedule) -> tuple[dict[str, float], Local]:
+    """`canzona_time`'s step in parts, each bucket priced without listing every rank's bytes:
+    the seconds of each matrix buffer's buckets by collective form (reduce plus gather, keyed
+    "<buffer> buckets, <form>"), of the AdamW buffer ("AdamW buffer"), and the critical DP
+    rank's local stage. The step is the parts' sum plus that stage's seconds."""
+    parts: dict[str, float] = {}
+    buffers = [(DENSE, inst.dense)] + ([(EXPERT, inst.experts[0])] if inst.experts else [])
+    for name, buffer in buffers:
+        for cuts, param_bytes, collective in zip(buffer.cuts, buffer.param_bytes, buffer.collectives):
+            key = f"{name} buckets, {collective}"
+            seconds = bucket_seconds(
+                buffer.link, slice_sizes(cuts), GRAD_BYTES, inst.gather_bytes(param_bytes), collective
+            )
+            parts[key] = parts.get(key, 0.0) + seconds
+    parts["AdamW buffer"] = sum(s.exchange.seconds() for gather in (False, True) for s in adamw_sync(inst, gather))
+    local = max(canzona_locals(inst, schedule), key=lambda stage: (stage.seconds, max(stage.compute)))
+    return parts, local
 
 
 def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> StrategyTime:
