@@ -45,6 +45,7 @@ from canzona.schedules.limits import (
     REPLICATED,
     SOLVERS,
     TP_MODES,
+    TP_UPDATE_REQUESTS,
 )
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
     NsCoefficients = Choice
     TpMode = Choice
     Coop = Choice
+    TpUpdate = Choice
     Solver = Choice
     Order = Choice
     RouterOptimizer = Choice
@@ -89,6 +91,7 @@ else:
     NsCoefficients = choices("NsCoefficients", NS_COEFFICIENT_NAMES)
     TpMode = choices("TpMode", TP_MODES)
     Coop = choices("Coop", COOP_MODES)
+    TpUpdate = choices("TpUpdate", TP_UPDATE_REQUESTS)
     Solver = choices("Solver", SOLVERS)
     Order = choices("Order", ORDERS)
     RouterOptimizer = choices("RouterOptimizer", (MATRIX, ADAMW))
@@ -184,6 +187,16 @@ def plan(
             )
         ),
     ] = Coop.auto,
+    tp_update: Annotated[
+        TpUpdate,
+        typer.Option(
+            help=(
+                "How TP updates a DP rank's matrices: hosted (each on one TP rank of a micro-group, the update "
+                "scattered back), replicated (all-gathered, every TP rank updates every matrix: no scatter, P "
+                "times the matrix state), or auto: the one predicted faster."
+            )
+        ),
+    ] = TpUpdate.auto,
     ep: Annotated[int, typer.Option(help="Expert-parallel size (MoE models).")] = 1,
     fsdp: Annotated[
         bool,
@@ -262,6 +275,7 @@ def plan(
         sharding=FSDP if fsdp else REPLICATED,
         dp_replicate=dp_replicate,
         coop=coop.value,
+        tp_update=tp_update.value,
         order=None if order is None else order.value,
     )
     request.validate()
@@ -286,6 +300,7 @@ def _refuse_options_without_effect(
         ("coop",),
         "cooperative hosting applies to Muon with tp > 1, without --fsdp",
     )
+    refuse_unless(tp > 1 and not fsdp, ("tp_update",), "the TP update applies with tp > 1, without --fsdp")
     refuse_unused_settings([optimizer])
     return device_option(device) if searching else None
 

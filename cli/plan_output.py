@@ -150,6 +150,7 @@ def _scheduler_parts(request: PlanRequest) -> Iterator[str]:
         whole = request.group_bytes % MIB == 0
         yield f"group{request.group_bytes // MIB}mb" if whole else f"group{request.group_bytes}b"
     yield "" if request.coop == default.coop else f"coop-{request.coop}"
+    yield "" if request.tp_update == default.tp_update else f"tp-update-{request.tp_update}"
     yield "" if request.solver == "greedy" else file_part(request.solver)
     yield "" if request.time_limit == default.time_limit else f"limit{_number(request.time_limit)}s"
     yield "" if request.seed == default.seed else f"seed{request.seed}"

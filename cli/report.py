@@ -104,6 +104,7 @@ def plan_summary(schedule: Schedule, path: str, seconds: float, written: bool = 
         "padding_overhead": dp.padding_overhead,
         "baselines": {name: {"imbalance": s.imbalance, "gap": s.gap} for name, s in dp.baselines.items()},
         "tp_mode": schedule.metrics.tp.mode,
+        "tp_update": schedule.tp.update,
         "num_groups": schedule.metrics.tp.num_groups,
         "tp_efficiency": schedule.metrics.tp.efficiency,
         "device_imbalance": schedule.metrics.tp.device_imbalance,
@@ -170,6 +171,7 @@ def summary_text(summary: dict[str, Any]) -> str:
             else ""
         )
         + _device_gap_text(summary["device_gap"]),
+        *([REPLICATED_TEXT] if summary.get("tp_update") == "replicated" else []),
         f"planned in {duration(summary['seconds'])}",
     ]
     if summary.get("sharding") == "fsdp":
@@ -314,12 +316,19 @@ def show_text(schedule: Schedule) -> str:
     return "\n".join(lines + [""] + _tp_lines(schedule))
 
 
+REPLICATED_TEXT = (
+    "TP update replicated: every TP rank all-gathers and updates every matrix its DP rank owns (no update "
+    "scattered back; each holds those matrices' full state), the micro-groups unused"
+)
+
+
 def _tp_lines(schedule: Schedule) -> list[str]:
     tp, devices = schedule.metrics.tp, schedule.metrics.device
     lines = [
         f"TP micro-groups ({tp.mode}, capacity {schedule.tp.group_bytes / (1 << 20):.0f} MiB per host): "
         f"critical path {tp.critical_time:.4g} vs lower bound {tp.critical_lower_bound:.4g}"
         + (f"; {plural(tp.cooperative, 'matrix', 'matrices')} hosted cooperatively" if tp.cooperative else ""),
+        *([REPLICATED_TEXT] if schedule.tp.update == "replicated" else []),
     ]
     s = tp.modes[tp.mode]  # older files also hold other modes' scores, which nothing re-checks: not shown
     rows = [

@@ -15,7 +15,7 @@ from canzona.planner.partition.layout import GRAD_BYTES_PER_ELEMENT, equal_cuts,
 from canzona.planner.partition.tp import MicroGroup, Task, group_stats
 from canzona.planner.plan import AutoSearch, Plan
 from canzona.planner.spec import MATRIX
-from canzona.schedules.costs import predicted_peak_bytes
+from canzona.schedules.costs import predicted_peak_bytes, tp_transient_bytes
 from canzona.schedules.format import (
     SCHEMA_VERSION,
     AdamwBucketEntry,
@@ -210,7 +210,7 @@ def _tp_section(plan: Plan) -> TpSection:
                 )
             )
         ranks.append(TpRankPlan(dp_rank=dp_rank, groups=entries))
-    return TpSection(mode=req.tp_mode, group_bytes=req.group_bytes, ranks=ranks)
+    return TpSection(mode=req.tp_mode, group_bytes=req.group_bytes, ranks=ranks, update=plan.tp_update)
 
 
 def _pieces_of(tasks: Sequence[Task], groups: Sequence[MicroGroup]) -> list[float]:
@@ -338,11 +338,16 @@ def _device_metrics(plan: Plan, buckets: list[Any]) -> list[DeviceMetrics]:
     """Every device's figures, with its predicted peak memory (the bucket buffer holds every
     bucket whole on every device)."""
     buffer, largest = sum(b.numel for b in buckets), max((b.numel for b in buckets), default=0)
+    owned = [sum(task.size for task in tasks) // GRAD_BYTES_PER_ELEMENT for tasks in plan.tasks]
     return [
         DeviceMetrics(
             **vars(figure),
             peak_bytes=predicted_peak_bytes(
-                figure.state_bytes, buffer, largest, plan.request.group_bytes, plan.request.dp
+                figure.state_bytes,
+                buffer,
+                largest,
+                tp_transient_bytes(plan.tp_update, plan.request.group_bytes, owned[figure.dp_rank]),
+                plan.request.dp,
             ),
         )
         for figure in device_figures(plan, plan.chosen_groups)

@@ -16,7 +16,8 @@ from canzona.planner.partition.costs import adamw_slice_bytes_per_element, make_
 from canzona.planner.partition.layout import BufferLayout, adamw_elements, adamw_loads, equal_cuts, param_bytes
 from canzona.planner.partition.tp import MicroGroup, group_stats
 from canzona.planner.plan import Plan
-from canzona.schedules.figures import bucket_traffic, micro_group_traffic
+from canzona.schedules.figures import bucket_traffic, micro_group_traffic, replicated_update_traffic
+from canzona.schedules.limits import HOSTED
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,16 @@ def _dp_traffic(
 
 
 def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[tuple[int, int], tuple[int, int]]:
-    """(sent, received) bytes of the micro-group all-to-alls, per (dp_rank, tp_rank)."""
+    """(sent, received) bytes of the TP update, per (dp_rank, tp_rank): the micro-group
+    all-to-alls, or a replicated update's all-gather."""
     tp = plan.request.tp
     traffic = {}
     for dp_rank, rank_groups in enumerate(groups):
         tasks = plan.tasks[dp_rank]
+        if plan.tp_update != HOSTED:
+            moved = replicated_update_traffic(((task.size, task.replicated) for task in tasks), tp)
+            traffic.update(((dp_rank, tp_rank), pair) for tp_rank, pair in enumerate(moved))
+            continue
         parts = [
             (member, tasks[index].size, len(team.hosts) if team else 1, tasks[index].replicated)
             for group in rank_groups
@@ -80,9 +86,14 @@ def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[
 def _hosted(
     plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...], dp_rank: int, index_of: dict[str, int]
 ) -> tuple[list[float], list[float]]:
-    """Per TP rank of one DP rank, the cost and optimizer state of what it hosts (a team member
-    its share); `index_of`: each parameter's index by name."""
+    """Per TP rank of one DP rank, the cost and optimizer state of what it updates (a team
+    member its share; under a replicated update, every matrix of the DP rank); `index_of`: each
+    parameter's index by name."""
     tp = plan.request.tp
+    if plan.tp_update != HOSTED:
+        tasks = plan.tasks[dp_rank]
+        cost, state = sum(t.cost for t in tasks), sum(plan.state_bytes[index_of[t.name]] for t in tasks)
+        return [cost] * tp, [state] * tp
     hosted_cost, hosted_state = [0.0] * tp, [0.0] * tp
     for group in groups[dp_rank]:
         for position, (index, host) in enumerate(zip(group.tasks, group.hosts)):

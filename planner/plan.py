@@ -49,6 +49,7 @@ from canzona.planner.spec import (
     validate_model,
 )
 from canzona.schedules.bounds import device_lower_bound, dp_lower_bound
+from canzona.schedules.limits import HOSTED, REPLICATED_UPDATE
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class Plan:
     (`canzona.schedules.bounds.dp_lower_bound` over every matrix); `device_lower_bound`: the
     busiest device no plan can go below (`device_bound`). `groups`: every DP rank's
     micro-groups under the requested TP mode, by mode (`mode_groups` schedules the others).
+    `tp_update`: whether they run ("hosted") or every TP rank updates every matrix of its DP
+    rank ("replicated"; `canzona.schedules.limits.TP_UPDATES`), which the objective picks.
     """
 
     request: PlanRequest
@@ -113,6 +116,7 @@ class Plan:
     tasks: tuple[tuple[Task, ...], ...]
     groups: dict[str, tuple[tuple[MicroGroup, ...], ...]]
     solver: SolverSummary | None = None
+    tp_update: str = HOSTED
 
     @property
     def chosen_groups(self) -> tuple[tuple[MicroGroup, ...], ...]:
@@ -376,6 +380,7 @@ def _finish(
         tasks=tasks,
         groups=groups,
         solver=summary,
+        tp_update=REPLICATED_UPDATE if request.tp_update == REPLICATED_UPDATE else HOSTED,
     )
 
 

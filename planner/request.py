@@ -19,6 +19,8 @@ from canzona.schedules.limits import (
     DEFAULT_GROUP_MB,
     FSDP,
     REPLICATED,
+    TP_UPDATE_REQUESTS,
+    choice_problem,
     recorded_settings,
     request_problem,
     settings_problem,
@@ -110,6 +112,9 @@ class PlanRequest:
     # schedule); "registration": Megatron's fixed gradient buffer. None resolves to free, or to
     # registration under --solver ilp (CP-SAT refines registration-order plans only).
     order: str | None = None
+    # How the TP group updates a DP rank's matrices (`canzona.schedules.limits.TP_UPDATES`):
+    # "auto" lets the objective pick hosted micro-groups or the replicated (TP-SC) update.
+    tp_update: str = "auto"
 
     def __post_init__(self) -> None:
         if self.order is None:
@@ -147,6 +152,9 @@ class PlanRequest:
             raise PlanError(problem)
         if self.coop not in COOP_MODES:
             raise PlanError(f"unknown cooperative hosting mode {self.coop!r}; choose one of {', '.join(COOP_MODES)}")
+        problem = choice_problem("TP update", self.tp_update, TP_UPDATE_REQUESTS)
+        if problem:
+            raise PlanError(problem)
         if self.searching:
             (self.training or TrainingSetup()).validate(self.dp)
 
@@ -162,6 +170,8 @@ class PlanRequest:
             return "--solver ilp is not supported with --fsdp (FSDP plans use the greedy micro-group scheduler)"
         if self.coop == "force":
             return "--coop force is not supported with --fsdp (FSDP plans host every matrix on one device)"
+        if self.tp_update == "replicated":
+            return "--tp-update replicated is not supported with --fsdp (FSDP plans host every matrix on one device)"
         return None
 
     def to_request(self, model: ModelSpec) -> Request:

@@ -42,7 +42,7 @@ from canzona.runtime.exchange.reduction import GradSource
 from canzona.runtime.faults import as_timedelta, first_line
 from canzona.runtime.fsdp.checks import fsdp_mismatch
 from canzona.runtime.groups import ResolvedGroups, group_hyperparameters, listed, resolve_param_groups
-from canzona.runtime.plan import CANZONA, Place, RankPlan, Strategy, build_rank_plan
+from canzona.runtime.plan import CANZONA, Place, RankPlan, Strategy, build_rank_plan, strategy_for
 from canzona.runtime.process_groups import resolve_process_groups
 from canzona.runtime.rules.optimizers import Hyperparameters, MatrixRule, make_rule
 from canzona.runtime.schedule import agree, layout_problem, load_schedule, plan_digest, summary, verdict_on
@@ -124,6 +124,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self._ready = False
         super().__init__(resolved.groups, {"lr": hp.lr, "weight_decay": hp.weight_decay})
         place = Place(place.dp_rank, place.dp_size, place.tp_rank, place.tp_size, loaded.request.ep)
+        self.strategy = strategy_for(type(self).strategy, loaded)
         self.plan: RankPlan = build_rank_plan(loaded, self.param_groups, place, self.strategy)
         self.engine = Engine(
             self.plan, Groups(dp, tp, expert_dp), GradSource(grad_attr, check_finite), dp_collectives, timeout_delta

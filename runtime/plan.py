@@ -39,7 +39,7 @@ from canzona.schedules.layout import (
     micro_groups,
     owned_tasks,
 )
-from canzona.schedules.limits import ADAMW
+from canzona.schedules.limits import ADAMW, REPLICATED_UPDATE
 
 Span = tuple[int, int]  # [start, stop) of the bucket buffer
 
@@ -57,8 +57,17 @@ class Strategy:
 
 
 CANZONA = Strategy("canzona")
+CANZONA_REPLICATED = Strategy("canzona-replicated", tp_replicated=True)  # a schedule's replicated TP update
 TP_SC = Strategy("tp-sc", tp_replicated=True)
 DP_SC = Strategy("dp-sc", tp_replicated=True, all_dp=True)
+
+
+def strategy_for(default: Strategy, schedule: Schedule) -> Strategy:
+    """The strategy a rank runs: canzona's follows its schedule's TP update (replicated: every
+    TP rank updates every matrix its DP rank owns, as TP-SC does); a baseline's is its own."""
+    if default == CANZONA and schedule.tp.update == REPLICATED_UPDATE:
+        return CANZONA_REPLICATED
+    return default
 
 
 @dataclass(frozen=True)

@@ -132,13 +132,21 @@ REDUCTION_BYTES_PER_ELEMENT = 4  # the runtime reduces gradients in an fp32 buck
 
 
 def predicted_peak_bytes(
-    state_bytes: float, buffer_elements: int, largest_bucket: int, group_bytes: int, dp: int
+    state_bytes: float, buffer_elements: int, largest_bucket: int, tp_transient: int, dp: int
 ) -> float:
     """A device's predicted peak optimizer memory above its parameters and gradients under
     `CanzonaOptimizer`: the fp32 bucket buffer (every DP bucket whole, `buffer_elements`), its
-    optimizer state (`state_bytes`: hosted matrices' state and main copies, its AdamW slices'),
-    and a step's transients: a micro-group's gathered gradients and Newton-Schulz workspace,
-    bounded by the micro-group capacity `group_bytes`, and over DP one bucket's collective
-    buffer (fp32). `benchmarks/memory.py` compares it with the measured peak."""
+    optimizer state (`state_bytes`: updated matrices' state and main copies, its AdamW slices'),
+    and a step's transients: the TP update's (`tp_transient`, see `tp_transient_bytes`), and
+    over DP one bucket's collective buffer (fp32). `benchmarks/memory.py` compares it with the
+    measured peak."""
     collective = REDUCTION_BYTES_PER_ELEMENT * largest_bucket if dp > 1 else 0
-    return float(REDUCTION_BYTES_PER_ELEMENT * buffer_elements + state_bytes + group_bytes + collective)
+    return float(REDUCTION_BYTES_PER_ELEMENT * buffer_elements + state_bytes + tp_transient + collective)
+
+
+def tp_transient_bytes(update: str, group_bytes: int, owned_elements: int) -> int:
+    """The TP update's transient memory on a device: a hosted update's micro-group (gathered
+    gradients and Newton-Schulz workspace), bounded by the capacity `group_bytes`; a replicated
+    update's three fp32 copies of every matrix its DP rank owns (`owned_elements` in all: the
+    all-gathered shards, the assembled matrices, their updates)."""
+    return group_bytes if update == "hosted" else 3 * REDUCTION_BYTES_PER_ELEMENT * owned_elements

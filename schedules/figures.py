@@ -81,6 +81,14 @@ def micro_group_traffic(parts: Iterable[tuple[int, int, int, bool]], tp: int) ->
     return [(s + every_sent, r + every_received) for s, r in zip(sent, received)]
 
 
+def replicated_update_traffic(sizes: Iterable[tuple[int, bool]], tp: int) -> list[tuple[int, int]]:
+    """Per TP rank of one DP rank, (sent, received) bytes of a replicated update's fused
+    all-gather: `sizes` holds every owned matrix as (gathered fp32 bytes, replicated over TP);
+    a sharded one's shard goes to every other TP rank, a replicated one moves nothing."""
+    moved = sum((size // tp) * (tp - 1) for size, replicated in sizes if not replicated)
+    return [(moved, moved)] * tp
+
+
 def start_owner(buckets: Sequence[tuple[int, Sequence[Member]]], ranks: int) -> list[float]:
     """Equal slices; a rank owns every matrix that starts in its slice (atomic, unbalanced).
     `buckets`: (padded size, members in registration-order layout) of each bucket."""

@@ -20,6 +20,12 @@ COST_MODELS = ("numel", "flops")
 PROFILE_PREFIX = "profile:"
 TP_MODES = ("rollback", "fixed", "sorted", "heap")
 COOP_MODES = ("off", "auto", "force")  # cooperative hosting of dominant Muon matrices
+# How a DP rank's TP group updates the matrices it owns: each on one host TP rank (or team), which
+# gathers it and scatters the update back ("hosted", the micro-groups), or on every TP rank after
+# one fused all-gather, nothing scattered ("replicated", TP-SC's synchronous update).
+HOSTED, REPLICATED_UPDATE = "hosted", "replicated"
+TP_UPDATES = (HOSTED, REPLICATED_UPDATE)
+TP_UPDATE_REQUESTS = ("auto", *TP_UPDATES)  # auto: the planner's objective picks one
 ORDERS = ("registration", "free")  # a bucket's parameter order: Megatron's, or the planner's
 # How one bucket of a matrix buffer is reduced and gathered over its DP group: a native ring
 # reduce-scatter / all-gather over slices padded to the largest, one rooted reduce / broadcast

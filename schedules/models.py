@@ -66,7 +66,8 @@ class Request(_Strict):
     the source's own). `sharding` is how parameters lie over DP: "replicated" (ZeRO-1, the DP section's
     buckets and owners) or "fsdp" (FSDP2 `fully_shard`: every parameter is sharded over the DP
     shard dim, the matrices' micro-groups span DP shard x TP); `dp_replicate` > 1 is HSDP, dp =
-    dp_replicate x shard ranks. `coop` is the cooperative hosting mode (off, auto, force)."""
+    dp_replicate x shard ranks. `coop` is the cooperative hosting mode (off, auto, force);
+    `tp_update` how the TP update was asked for (auto, hosted, replicated: `TpSection.update`)."""
 
     model: ModelSource
     tp: int = Field(ge=1, le=MAX_FILE_INT)
@@ -94,6 +95,7 @@ class Request(_Strict):
     dp_replicate: int = Field(default=1, ge=1, le=MAX_FILE_INT)
     coop: str = "off"
     order: str = "registration"
+    tp_update: str = "auto"
     canzona_version: str
 
 
@@ -197,11 +199,15 @@ class TpRankPlan(_Strict):
 
 
 class TpSection(_Strict):
-    """TP micro-group schedule: the mode that built it and the per-host byte capacity."""
+    """TP micro-group schedule: the mode that built it and the per-host byte capacity, and how
+    the update runs: "hosted" (each matrix on its micro-group's host, as `ranks` say) or
+    "replicated" (every TP rank all-gathers and updates every matrix its DP rank owns, the
+    micro-groups unused)."""
 
     mode: str
     group_bytes: Count
     ranks: list[TpRankPlan]
+    update: str = "hosted"
 
 
 class StrategyScore(_Strict):

@@ -45,6 +45,8 @@ from canzona.schedules.limits import (
     NAMING_CONVENTIONS,
     OPTIMIZER_CLASSES,
     QKV_SPLITS,
+    TP_UPDATE_REQUESTS,
+    TP_UPDATES,
     choice_problem,
     cost_problem,
     request_problem,
@@ -111,6 +113,7 @@ def _check_request(schedule: Schedule) -> None:
         or choice_problem("names", req.names, NAMING_CONVENTIONS)
         or sharding_problem(req.sharding, req.dp, req.dp_replicate, req.ep)
         or choice_problem("coop", req.coop, COOP_MODES)
+        or choice_problem("tp_update", req.tp_update, TP_UPDATE_REQUESTS)
     )
     if problem:
         fail(f"request: {problem}")
@@ -452,6 +455,11 @@ def _check_tp_section(schedule: Schedule) -> None:
     req, section = schedule.request, schedule.tp
     if section.mode != req.tp_mode or section.group_bytes != req.group_bytes:
         fail("the tp section's mode and group_bytes must be the request's tp_mode and group_bytes")
+    problem = choice_problem("tp section update", section.update, TP_UPDATES)
+    if problem:
+        fail(problem)
+    if req.tp_update in TP_UPDATES and section.update != req.tp_update:
+        fail(f"the tp section's update is {section.update}, but the request asked for {req.tp_update}")
     if [plan.dp_rank for plan in section.ranks] != list(range(req.dp)):
         fail(f"the tp section must list DP ranks 0..{req.dp - 1} in order")
     owned: list[set[str]] = [set() for _ in range(req.dp)]

@@ -57,6 +57,8 @@ def _check_groups(schedule: Schedule, layout: FsdpLayout) -> dict[str, int]:
     req, ranks = schedule.request, schedule.tp.ranks
     if schedule.tp.mode != req.tp_mode or schedule.tp.group_bytes != req.group_bytes:
         fail("the tp section's mode and group_bytes must be the request's tp_mode and group_bytes")
+    if schedule.tp.update != "hosted" or req.tp_update == "replicated":
+        fail("FSDP plans host every matrix on one device: the tp update must be hosted")
     if [plan.dp_rank for plan in ranks] != [0]:
         fail("the tp section of an FSDP schedule holds one plan (dp_rank 0) for every fragmentation group")
     entries = {e.name: e for e in schedule.params if e.optimizer == MATRIX}

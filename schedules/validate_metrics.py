@@ -20,8 +20,16 @@ from canzona.schedules.costs import (
     adamw_cost,
     param_state_bytes,
     predicted_peak_bytes,
+    tp_transient_bytes,
 )
-from canzona.schedules.figures import BASELINE_PADDING, Member, baseline_loads, bucket_traffic, micro_group_traffic
+from canzona.schedules.figures import (
+    BASELINE_PADDING,
+    Member,
+    baseline_loads,
+    bucket_traffic,
+    micro_group_traffic,
+    replicated_update_traffic,
+)
 from canzona.schedules.geometry import (
     DTYPE_BYTES,
     GRAD_BYTES_PER_ELEMENT,
@@ -30,7 +38,7 @@ from canzona.schedules.geometry import (
     round_up,
     slice_sizes,
 )
-from canzona.schedules.limits import ADAMW, MATRIX, TP_MODES
+from canzona.schedules.limits import ADAMW, HOSTED, MATRIX, TP_MODES
 from canzona.schedules.models import ParamEntry, Schedule, StrategyScore
 from canzona.schedules.searches import DEFAULT_ALPHAS, DEFAULT_BUCKET_SIZES, alpha_winner, bucket_winner
 from canzona.schedules.splits import as_blocks, submatrices
@@ -309,11 +317,26 @@ def _check_tp_metrics(schedule: Schedule) -> None:
     )
 
 
+def _owned(schedule: Schedule) -> list[list[ParamEntry]]:
+    """Per DP rank, the matrices it owns (its micro-groups' or its replicated update's)."""
+    owned: list[list[ParamEntry]] = [[] for _ in range(schedule.request.dp)]
+    for e in schedule.params:
+        if e.optimizer == MATRIX:
+            owned[dp_rank_of(e, schedule.request.ep)].append(e)
+    return owned
+
+
 def _hosted(schedule: Schedule, states: dict[str, float]) -> tuple[list[float], list[float]]:
-    """Per device (dp_rank · tp + tp_rank): the summed load and state of the matrices it hosts
-    (a team member: its share)."""
+    """Per device (dp_rank · tp + tp_rank): the summed load and state of the matrices it
+    updates (a team member: its share; under a replicated update, every matrix of its DP rank)."""
     tp = schedule.request.tp
     load, state = [0.0] * (tp * schedule.request.dp), [0.0] * (tp * schedule.request.dp)
+    if schedule.tp.update != HOSTED:
+        for dp_rank, entries in enumerate(_owned(schedule)):
+            for device in range(dp_rank * tp, (dp_rank + 1) * tp):
+                load[device] = sum(e.cost for e in entries)
+                state[device] = sum(states[e.name] for e in entries)
+        return load, state
     for plan in schedule.tp.ranks:
         for group in plan.groups:
             for host, value in enumerate(group.host_loads):
@@ -328,7 +351,7 @@ def _hosted(schedule: Schedule, states: dict[str, float]) -> tuple[list[float], 
 
 def device_traffic(schedule: Schedule, legacy: bool = False) -> list[tuple[int, int]]:
     """Every device's (sent, received) bytes per step: its DP rank's share of every bucket's
-    reduction and gather, and its TP rank's part of the micro-group all-to-alls. `legacy`: a
+    reduction and gather, and its TP rank's part of the TP update (`_tp_traffic`). `legacy`: a
     bucket that records no collective is counted as files from before per-bucket collectives
     counted every bucket (`_collective`)."""
     req, section = schedule.request, schedule.dp
@@ -351,6 +374,23 @@ def device_traffic(schedule: Schedule, legacy: bool = False) -> list[tuple[int, 
                 pairs = [pairs[rank // req.ep] for rank in range(req.dp)]
             sent = [a + b for a, (b, _) in zip(sent, pairs)]
             received = [a + b for a, (_, b) in zip(received, pairs)]
+    out = []
+    for dp_rank, moved in enumerate(_tp_traffic(schedule)):
+        out += [(sent[dp_rank] + s, received[dp_rank] + r) for s, r in moved]
+    return out
+
+
+def _tp_traffic(schedule: Schedule) -> list[list[tuple[int, int]]]:
+    """Per DP rank, each TP rank's (sent, received) bytes of the TP update: the micro-group
+    all-to-alls, or a replicated update's all-gather."""
+    req = schedule.request
+    if schedule.tp.update != HOSTED:
+        return [
+            replicated_update_traffic(
+                ((GRAD_BYTES_PER_ELEMENT * prod(e.shape), e.tp_dim is None) for e in owned), req.tp
+            )
+            for owned in _owned(schedule)
+        ]
     shapes = {e.name: (prod(e.shape), e.tp_dim is None) for e in schedule.params}
     out = []
     for plan in schedule.tp.ranks:
@@ -363,8 +403,7 @@ def device_traffic(schedule: Schedule, legacy: bool = False) -> list[tuple[int, 
                     (member, GRAD_BYTES_PER_ELEMENT * shapes[name][0], len(members), shapes[name][1])
                     for member in members
                 ]
-        base = sent[plan.dp_rank], received[plan.dp_rank]
-        out += [(base[0] + s, base[1] + r) for s, r in micro_group_traffic(parts, req.tp)]
+        out.append(micro_group_traffic(parts, req.tp))
     return out
 
 
@@ -399,6 +438,7 @@ def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[lis
     sizes = [b.numel for b in (*schedule.dp.buckets, *schedule.dp.expert_buckets)]
     sizes += [b.numel for b in schedule.dp.adamw_buckets]
     buffer, largest = sum(sizes), max(sizes, default=0)
+    owned = [sum(prod(e.shape) for e in entries) for entries in _owned(schedule)]
     for d in devices:
         if req.cost in BUILT_IN_COSTS:
             expect(
@@ -411,13 +451,19 @@ def _check_devices(schedule: Schedule, states: dict[str, float], adamw: list[lis
             f"metrics.device[{d.rank}].state_bytes",
             d.state_bytes,
             held[d.rank] + per_element * elements[d.dp_rank],
-            "the state of its hosted matrices (a team member: its share) and of its AdamW slice",
+            "the state of the matrices it updates (a team member: its share) and of its AdamW slice",
         )
         if d.peak_bytes is not None:
             expect(
                 f"metrics.device[{d.rank}].peak_bytes",
                 d.peak_bytes,
-                predicted_peak_bytes(d.state_bytes, buffer, largest, req.group_bytes, req.dp),
+                predicted_peak_bytes(
+                    d.state_bytes,
+                    buffer,
+                    largest,
+                    tp_transient_bytes(schedule.tp.update, req.group_bytes, owned[d.dp_rank]),
+                    req.dp,
+                ),
                 "the bucket buffer, its state and a step's transients",
             )
         if (d.bytes_sent, d.bytes_received) != traffic[d.rank]:

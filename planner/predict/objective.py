@@ -19,7 +19,11 @@ moved by the buckets' busiest ranks (`dp_bytes`).
   smallest α whose caps allow it, and finished as any plan but for the device stage (with
   canzona's collectives, including `reslice`, which moves what start-owner moves).
 
-The winner's `method` says where it came from when it is not the search at the request's α.
+Each candidate is scored under each TP update the request allows (`--tp-update`; auto: the
+hosted micro-groups and the replicated update, TP-SC's, which moves no update back but
+computes every matrix on every TP rank); it keeps the faster, on a tie the hosted one (1/P of
+the state). The winner's `method` says where it came from when it is not the search at the
+request's α, and when its update is replicated.
 """
 
 from __future__ import annotations
@@ -41,9 +45,15 @@ from canzona.planner.partition.dp import ALPHA_LADDER
 from canzona.planner.partition.layout import adamw_elements, equal_cuts, param_bytes, slice_sizes
 from canzona.planner.plan import Partitions, Plan, PlanRequest, finish_plan, make_baseline_plan, partition_plan
 from canzona.planner.predict.hardware import Device, resolve_device, shared_host
-from canzona.planner.predict.step import build_instance, canzona_parts, submatrices
+from canzona.planner.predict.step import (
+    build_instance,
+    canzona_parts,
+    critical_local,
+    replicated_locals,
+    submatrices,
+)
 from canzona.planner.spec import ModelSpec
-from canzona.schedules.limits import AS_SCHEDULED
+from canzona.schedules.limits import AS_SCHEDULED, HOSTED, REPLICATED_UPDATE, TP_UPDATES
 
 REFERENCE_DEVICE = "h100"  # the network `choose_collective` prices buckets on
 TIE = 1e-9  # relative: predicted seconds this close are a tie
@@ -52,11 +62,12 @@ TIE = 1e-9  # relative: predicted seconds this close are a tie
 @dataclass(frozen=True)
 class Objective:
     """A plan's score: predicted step seconds, then its DP max load, then the bytes its matrix
-    buckets move (`dp_bytes`)."""
+    buckets move (`dp_bytes`); `tp_update`, the TP update the step was predicted for."""
 
     step_s: float
     dp_max: float
     dp_bytes: int
+    tp_update: str = HOSTED
 
     def better_than(self, other: Objective) -> bool:
         """Whether this score wins over `other`: a shorter step, or on a tie (`TIE`) a smaller
@@ -84,13 +95,31 @@ def objective_device(request: PlanRequest) -> Device:
     return search_device(request.alpha_device or request.bucket_device or REFERENCE_DEVICE, request.tp * request.dp)
 
 
+def tp_updates(request: PlanRequest) -> tuple[str, ...]:
+    """The TP updates a request's plans may run: the one it names, else both where TP > 1
+    (at TP 1 they are the same update)."""
+    if request.tp_update in TP_UPDATES:
+        return (request.tp_update,)
+    return (HOSTED, REPLICATED_UPDATE) if request.tp > 1 else (HOSTED,)
+
+
 def score(plan: Plan, device: Device) -> Objective:
-    """The plan's `Objective` on `device` (compiled and simulated: canzona's step only)."""
-    schedule = simulation_schedule(plan)
+    """The plan's `Objective` on `device` (compiled and simulated: canzona's step only) under
+    the faster of the TP updates its request allows (ties: hosted)."""
+    schedule = simulation_schedule(replace(plan, tp_update=HOSTED))
     time_model = device.time_model(plan.request.optimizer)
     instance = build_instance(schedule, device.hardware, time_model, False, None, AS_SCHEDULED, True, False)
-    parts, local = canzona_parts(instance, schedule)
-    return Objective(sum(parts.values()) + max(local.seconds, 0.0), max(plan.loads), dp_bytes(plan))
+    parts, hosted = canzona_parts(instance, schedule)
+    comm, tie_break = sum(parts.values()), (max(plan.loads), dp_bytes(plan))
+    scores = []
+    for update in tp_updates(plan.request):
+        local = hosted if update == HOSTED else critical_local(replicated_locals(instance))
+        scores.append(Objective(comm + max(local.seconds, 0.0), *tie_break, update))
+    best = scores[0]
+    for other in scores[1:]:
+        if other.better_than(best):
+            best = other
+    return best
 
 
 def dp_bytes(plan: Plan) -> int:
@@ -242,9 +271,14 @@ def _searched(searched: Plan, best: Scored | None, device: Device) -> Scored:
 
 
 def _as_requested(best: Scored, request: PlanRequest) -> Plan:
-    """The winning plan under the user's request, its method saying where it came from."""
-    plan = replace(best.plan, request=request)
-    if not best.origin or best.origin.endswith("owners"):
-        return plan  # the search's own method, or the owner rule's (already in it)
-    method = f"{plan.dense.method} ({best.origin} predicted no slower)"
+    """The winning plan under the user's request and its TP update, its method saying where it
+    came from (the search's own method, or the owner rule's, is already in it) and, when the
+    objective chose it, that the update is replicated."""
+    plan = replace(best.plan, request=request, tp_update=best.objective.tp_update)
+    notes = [] if not best.origin or best.origin.endswith("owners") else [f"{best.origin} predicted no slower"]
+    if plan.tp_update != HOSTED and request.tp_update not in TP_UPDATES:
+        notes.append("replicated tp update predicted faster")
+    if not notes:
+        return plan
+    method = f"{plan.dense.method} ({' and '.join(notes)})"
     return replace(plan, dense=replace(plan.dense, method=method))

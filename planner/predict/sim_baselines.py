@@ -29,9 +29,9 @@ A point-to-point round costs one α: every pair talks at once and only neighbour
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from canzona.planner.partition.collectives import GRAD_BYTES, Exchange, all_gather, all_reduce, broadcast
+from canzona.planner.partition.collectives import GRAD_BYTES, Exchange, all_reduce, broadcast
 from canzona.planner.partition.layout import equal_cuts, slice_owner
 from canzona.planner.predict.step import (
     ADAMW_BUFFER,
@@ -44,28 +44,18 @@ from canzona.planner.predict.step import (
     Local,
     Matrix,
     StrategyTime,
+    Work,
     adamw_sync,
     combine,
     dp_sync,
+    matrix_work,
+    replicated_locals,
     schedule_phases,
+    synchronous_locals,
 )
 
-Work = tuple[float, int]  # (update seconds, sharded fp32 bytes to all-gather over TP)
 Owners = Callable[[Buffer, int], list[list[Matrix]]]
 REFERENCES = ("ddp-adamw",)  # strategies that are not matrix-optimizer baselines
-
-
-def _work(matrices: Sequence[Matrix]) -> Work:
-    return sum(m.seconds for m in matrices), sum(m.shard_bytes for m in matrices if not m.replicated)
-
-
-def by_schedule(buffer: Buffer, n: int) -> list[list[Matrix]]:
-    """Owners as the schedule says."""
-    ranks: list[list[Matrix]] = [[] for _ in range(n)]
-    for bucket in buffer.entries:
-        for matrix in bucket:
-            ranks[matrix.owner].append(matrix)
-    return ranks
 
 
 def by_touch(buffer: Buffer, n: int) -> list[list[Matrix]]:
@@ -126,26 +116,9 @@ def spill(buffer: Buffer, n: int, everyone: bool, back: bool = False, elem_bytes
     return out
 
 
-def sc_locals(
-    inst: Instance, dense: Sequence[Work], experts: Sequence[Sequence[Work]], adamw: Callable[[int], int]
-) -> list[Local]:
-    """Every DP rank's local stage under TP-SC: one fused TP all-gather, every matrix on every
-    TP rank, then AdamW."""
-    locals_ = []
-    for rank in range(inst.dp):
-        seconds, shard = dense[rank]
-        if experts:
-            extra = experts[rank % inst.ep][rank // inst.ep]
-            seconds, shard = seconds + extra[0], shard + extra[1]
-        gather = all_gather(inst.tp_link, [shard] * inst.tp, 1).seconds()
-        compute = seconds + inst.time_model.adamw_cost(adamw(rank))
-        locals_.append(Local(gather + compute, (compute,) * inst.tp, gather))
-    return locals_
-
-
 def _per_buffer(inst: Instance, owners: Owners) -> tuple[list[Work], list[list[Work]]]:
-    dense = [_work(ms) for ms in owners(inst.dense, inst.dp)]
-    experts = [[_work(ms) for ms in owners(buffer, inst.dp // inst.ep)] for buffer in inst.experts]
+    dense = [matrix_work(ms) for ms in owners(inst.dense, inst.dp)]
+    experts = [[matrix_work(ms) for ms in owners(buffer, inst.dp // inst.ep)] for buffer in inst.experts]
     return dense, experts
 
 
@@ -178,15 +151,13 @@ def _all_reduces(inst: Instance, adamw: bool) -> list[BucketSync]:
 
 def tp_sc(inst: Instance) -> StrategyTime:
     """canzona's DP partition with a synchronous (duplicated) TP update."""
-    dense, experts = _per_buffer(inst, by_schedule)
-    locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
     return combine(
         "tp-sc",
         "canzona's DP cuts; every TP rank all-gathers each owned matrix (one fused "
         "all-gather) and updates it redundantly",
         inst.tp,
         schedule_phases(inst),
-        locals_,
+        replicated_locals(inst),
         inst.fused,
     )
 
@@ -195,12 +166,12 @@ def dp_sc(inst: Instance) -> StrategyTime:
     """Plain data parallelism: all-reduce, everything updated everywhere."""
 
     def everything(buffer: Buffer, n: int) -> list[Work]:
-        return [_work([m for bucket in buffer.entries for m in bucket])] * n
+        return [matrix_work([m for bucket in buffer.entries for m in bucket])] * n
 
     dense = everything(inst.dense, inst.dp)
     experts = [everything(buffer, inst.dp // inst.ep) for buffer in inst.experts]
     total_adamw = sum(inst.adamw_numel)
-    locals_ = sc_locals(inst, dense, experts, lambda rank: total_adamw)
+    locals_ = synchronous_locals(inst, dense, experts, lambda rank: total_adamw)
     phases = DpPhases(reduce=tuple(_all_reduces(inst, adamw=True)), overlap_grad=inst.overlap_grad)
     return combine(
         "dp-sc",
@@ -216,7 +187,7 @@ def dp_sc(inst: Instance) -> StrategyTime:
 def zero1_gather(inst: Instance) -> StrategyTime:
     """Equal slices; every matrix touching a slice is fetched whole and updated there."""
     dense, experts = _per_buffer(inst, by_touch)
-    locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
+    locals_ = synchronous_locals(inst, dense, experts, inst.adamw_elements)
     fetch = tuple(ex for _, b in _buffers(inst) for ex in spill(b, b.link.size, everyone=True))
     phases = DpPhases(
         reduce=tuple(_equal_sync(inst, gather=False)),
@@ -239,7 +210,7 @@ def zero1_gather(inst: Instance) -> StrategyTime:
 def start_owner(inst: Instance) -> StrategyTime:
     """Equal slices; a matrix is updated by the rank where it starts."""
     dense, experts = _per_buffer(inst, by_start)
-    locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
+    locals_ = synchronous_locals(inst, dense, experts, inst.adamw_elements)
     fetch = tuple(ex for _, b in _buffers(inst) for ex in spill(b, b.link.size, everyone=False))
     back = tuple(
         ex
@@ -274,7 +245,7 @@ def start_owner(inst: Instance) -> StrategyTime:
 def layer_wise(inst: Instance) -> StrategyTime:
     """Whole matrices balanced by LPT; all-reduce, then a broadcast per matrix."""
     dense, experts = _per_buffer(inst, by_lpt)
-    locals_ = sc_locals(inst, dense, experts, inst.adamw_elements)
+    locals_ = synchronous_locals(inst, dense, experts, inst.adamw_elements)
     casts = tuple(
         broadcast(b.link, m.numel * inst.gather_bytes(m.param_bytes))
         for _, b in _buffers(inst)

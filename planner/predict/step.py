@@ -10,7 +10,7 @@ simulator sees it (`Instance`), each strategy's DP collectives and predicted ste
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from canzona.planner.partition.collectives import (
@@ -31,7 +31,7 @@ from canzona.planner.partition.layout import slice_sizes
 from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.spec import DTYPE_BYTES, PlanError
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule, TeamEntry
-from canzona.schedules.limits import AS_SCHEDULED, DP_COLLECTIVE_MODES, MATRIX
+from canzona.schedules.limits import AS_SCHEDULED, DP_COLLECTIVE_MODES, HOSTED, MATRIX
 
 DENSE, EXPERT, ADAMW_BUFFER = "dense", "expert", "adamw"  # the DP buffers, as bucket keys name them
 
@@ -459,9 +459,60 @@ def schedule_phases(inst: Instance) -> DpPhases:
     )
 
 
+# --------------------------------------------------------------------------------------------
+# The replicated (synchronous, TP-SC) update: every TP rank updates every matrix of its DP rank
+
+Work = tuple[float, int]  # (update seconds, sharded fp32 bytes to all-gather over TP)
+
+
+def matrix_work(matrices: Sequence[Matrix]) -> Work:
+    """The update seconds of `matrices` and the fp32 bytes a TP all-gather moves for them."""
+    return sum(m.seconds for m in matrices), sum(m.shard_bytes for m in matrices if not m.replicated)
+
+
+def by_schedule(buffer: Buffer, n: int) -> list[list[Matrix]]:
+    """Each of `n` ranks' matrices of `buffer`, as the schedule's owners say."""
+    ranks: list[list[Matrix]] = [[] for _ in range(n)]
+    for bucket in buffer.entries:
+        for matrix in bucket:
+            ranks[matrix.owner].append(matrix)
+    return ranks
+
+
+def synchronous_locals(
+    inst: Instance,
+    dense: Sequence[Work],
+    experts: Sequence[Sequence[Work]],
+    adamw: Callable[[int], int] | None = None,
+) -> list[Local]:
+    """Every DP rank's local stage when every TP rank updates every matrix the rank has
+    (`dense[rank]`, and its EP rank's `experts`): one fused TP all-gather, the updates, then
+    AdamW on `adamw(rank)` elements (default: the rank's equal slices)."""
+    elements = adamw or inst.adamw_elements
+    locals_ = []
+    for rank in range(inst.dp):
+        seconds, shard = dense[rank]
+        if experts:
+            extra = experts[rank % inst.ep][rank // inst.ep]
+            seconds, shard = seconds + extra[0], shard + extra[1]
+        gather = all_gather(inst.tp_link, [shard] * inst.tp, 1).seconds()
+        compute = seconds + inst.time_model.adamw_cost(elements(rank))
+        locals_.append(Local(gather + compute, (compute,) * inst.tp, gather))
+    return locals_
+
+
+def replicated_locals(inst: Instance) -> list[Local]:
+    """Every DP rank's local stage under a replicated TP update of the schedule's owners."""
+    dense = [matrix_work(ms) for ms in by_schedule(inst.dense, inst.dp)]
+    experts = [[matrix_work(ms) for ms in by_schedule(buffer, inst.dp // inst.ep)] for buffer in inst.experts]
+    return synchronous_locals(inst, dense, experts)
+
+
 def canzona_locals(inst: Instance, schedule: Schedule, overlap: bool = True) -> list[Local]:
     """Every DP rank's local stage under canzona: its micro-groups pipelined (back to back
-    without `overlap`), then AdamW."""
+    without `overlap`), then AdamW; under a replicated TP update, `replicated_locals`."""
+    if schedule.tp.update != HOSTED:
+        return replicated_locals(inst)
     locals_ = []
     for dp_rank, rank_plan in enumerate(schedule.tp.ranks):
         compute, groups = [0.0] * inst.tp, []
@@ -491,14 +542,29 @@ def canzona_parts(inst: Instance, schedule: Schedule) -> tuple[dict[str, float],
             )
             parts[key] = parts.get(key, 0.0) + seconds
     parts["AdamW buffer"] = sum(s.exchange.seconds() for gather in (False, True) for s in adamw_sync(inst, gather))
-    local = max(canzona_locals(inst, schedule), key=lambda stage: (stage.seconds, max(stage.compute)))
-    return parts, local
+    return parts, critical_local(canzona_locals(inst, schedule))
+
+
+def critical_local(locals_: Sequence[Local]) -> Local:
+    """The DP rank's local stage that sets the step: the longest (ties: the busiest device)."""
+    return max(locals_, key=lambda stage: (stage.seconds, max(stage.compute)))
 
 
 def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> StrategyTime:
     """canzona as the runtime executes it; overlap=False runs each micro-group back to back."""
     locals_ = canzona_locals(inst, schedule, overlap)
     phases = schedule_phases(inst)
+    if schedule.tp.update != HOSTED:
+        return combine(
+            "canzona" if overlap else "canzona-no-overlap",
+            "uneven reduce-scatter at the schedule's cuts; replicated TP update (one fused "
+            "all-gather, every TP rank updates every owned matrix); AdamW on equal slices; "
+            "uneven all-gather",
+            inst.tp,
+            phases,
+            locals_,
+            inst.fused,
+        )
     if overlap:
         return combine(
             "canzona",

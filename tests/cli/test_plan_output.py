@@ -55,6 +55,7 @@ TOP: dict[str, list[dict[str, Any]]] = {
     "sharding": [{"sharding": "fsdp"}],
     "dp_replicate": [{"sharding": "fsdp", "dp_replicate": 2}],
     "coop": [{"coop": "off"}, {"coop": "force"}],
+    "tp_update": [{"tp_update": "hosted"}, {"tp_update": "replicated"}],
     "order": [{"order": "registration"}],
 }
 

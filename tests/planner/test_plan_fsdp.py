@@ -112,6 +112,7 @@ def test_shard_shape_and_traffic() -> None:
         ({"dp_replicate": 3}, "does not divide dp 4"),
         ({"sharding": "zero3"}, "sharding"),
         ({"alpha_device": "h100"}, "--alpha auto"),
+        ({"tp_update": "replicated"}, "--tp-update replicated is not supported"),
     ],
 )
 def test_refusals(request_args: dict[str, Any], needle: str) -> None:
@@ -141,6 +142,7 @@ def test_validator_fsdp_rules() -> None:
     rejected(schedule, lambda d: d["metrics"]["dp"]["slice_bytes"].__setitem__(0, 4), "slice_bytes")
     rejected(schedule, lambda d: d["request"].__setitem__("dp_replicate", 3), "does not divide dp 4")
     rejected(schedule, lambda d: d["request"].__setitem__("sharding", "replicated"), "bucket 0 does not exist")
+    rejected(schedule, lambda d: d["tp"].__setitem__("update", "replicated"), "the tp update must be hosted")
 
     def drop(d: dict[str, Any]) -> None:
         group = _first_group(d)

@@ -176,12 +176,13 @@ def make_schedule(
     ep: int = 1,
     coop: str = "auto",
     order: str = "registration",
+    tp_update: str = "auto",
     **settings: Any,
 ) -> Schedule:
     """A planner-made schedule for `model` (a file), with small buckets and micro-groups,
     its parameters' dtype set to `dtype` (`ep`: expert parallelism; `coop`: cooperative
     hosting, `force` to team every eligible matrix; `order`: a bucket's parameter order,
-    registration or free)."""
+    registration or free; `tp_update`: replicated for every TP rank to update every matrix)."""
     from canzona.planner.compile import compile_schedule
     from canzona.planner.partition.costs import OptimizerConfig
     from canzona.planner.plan import PlanRequest, make_plan
@@ -203,6 +204,7 @@ def make_schedule(
         ep=ep,
         coop=coop,
         order=order,
+        tp_update=tp_update,
     )
     return compile_schedule(make_plan(spec, request))
 

@@ -341,6 +341,7 @@ def _scenario_rank(scenario: Scenario, rank: int) -> dict[str, Any]:
         "param_steps": state["param_steps"],
         "rounds": rounds,  # per step, the reduction backward launched: (by its hooks, in all, closed)
         "gathers": gathers,  # per step, bucket gathers still in flight when step() returned
+        "strategy": optimizer.strategy.name,
     }
 
 

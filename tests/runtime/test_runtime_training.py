@@ -124,6 +124,16 @@ def scenarios(tp: int, dp: int) -> dict[str, Scenario]:
         ),
     }
     if meta:
+        # canzona's own optimizer on a schedule whose TP update is replicated (every TP rank
+        # updates every matrix its DP rank owns)
+        out["replicated-tp-update-gaps"] = Scenario(
+            make_schedule(MODEL, tp, dp, optimizer="shampoo", tp_update="replicated", **SETTINGS["shampoo"]),
+            steps=4,
+            hp=HP,
+            groups=decay_groups,
+            has_grad=gradient_gaps,
+            meta=True,
+        )
         for strategy in ("tp-sc", "dp-sc"):
             # Muon: clipping scales by a norm summed in another order than the reference's,
             # which SOAP's eigenbases amplify past rtol 1e-5 (2.5e-5 measured after 3 steps).
@@ -182,7 +192,9 @@ def _check(layout: str, name: str, scenario: Scenario, results: list[dict[str, A
     reference = scenario_reference(scenario)
     dtype = scenario.schedule.params[0].dtype
     (_check_bf16 if dtype == "bf16" else _check_fp32)(name, scenario, results, reference)
+    expected = "canzona-replicated" if scenario.schedule.tp.update == "replicated" else scenario.strategy
     for rank, result in enumerate(results):
+        assert result["strategy"] == expected, name
         assert result["groups"] == reference["groups"] == len(scenario.groups([]) if scenario.groups else [0]), name
         assert result["lrs"] == reference["lrs"], f"{name} rank {rank}: group learning rates"
         assert result["frozen_changed"] == [] and result["skipped_changed"] == [], f"{name} rank {rank}: {result}"

@@ -3,6 +3,7 @@ a tool or a careful hand would), so only the validator stands between it and a r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -16,6 +17,7 @@ from canzona.planner.sources.load import load_model
 from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, parse_schedule, sealed
 from canzona.schedules.limits import BUCKET_COLLECTIVES, MAX_TP
 from canzona.schedules.validate import schedule_problem
+from canzona.schedules.figures import micro_group_traffic
 from canzona.schedules.validate_metrics import device_traffic
 
 TINY_MOE = Path(__file__).resolve().parents[1] / "runtime" / "data" / "tiny_moe.json"
@@ -365,3 +367,59 @@ def test_predicted_peak_memory_is_recomputed() -> None:
             device.pop("peak_bytes")
 
     assert parse_schedule(edited(schedule, without_peaks), "plan.yaml").metrics.device[0].peak_bytes is None
+
+
+@cache
+def replicated() -> Schedule:
+    """`dense()`'s plan with a replicated TP update: every TP rank updates every matrix its DP
+    rank owns."""
+    request = PlanRequest("qwen3-8b", 2, 4, tp_update="replicated")
+    return compile_schedule(make_plan(load_model("qwen3-8b", 2), request))
+
+
+def test_a_replicated_tp_update_counts_every_matrix_on_every_tp_rank() -> None:
+    """A device's load and state are all of its DP rank's matrices, its traffic the all-gather
+    of their shards (nothing scattered back), its peak three fp32 copies of them."""
+    hosted, schedule = dense(), replicated()
+    assert schedule.tp.update == "replicated" and schedule_problem(schedule) is None
+    assert [b.cuts for b in schedule.dp.buckets] == [b.cuts for b in hosted.dp.buckets]
+    entries = {e.name: e for e in schedule.params}
+    owned: list[list[Any]] = [[] for _ in range(4)]
+    for e in schedule.params:
+        if e.optimizer == "matrix":
+            owned[e.owner].append(e)
+    for mine, theirs in zip(schedule.metrics.device, hosted.metrics.device):
+        matrices = owned[mine.dp_rank]
+        hosted_pair = hosted.metrics.device[mine.dp_rank * 2 + 1 - mine.tp_rank]
+        assert mine.load == pytest.approx(
+            theirs.load + hosted_pair.load - hosted.metrics.dp.adamw_load[mine.dp_rank] / 2
+        )
+        assert mine.load == pytest.approx(
+            sum(e.cost for e in matrices) + schedule.metrics.dp.adamw_load[mine.dp_rank] / 2
+        )
+        # the all-gather: each sharded matrix's other half in, this half out; DP traffic as hosted
+        sharded = sum(4 * e.shape[0] * e.shape[-1] // 2 for e in matrices if e.tp_dim is not None)
+        micro_groups = micro_group_traffic(
+            (
+                (host, 4 * math.prod(entries[name].shape), 1, entries[name].tp_dim is None)
+                for group in hosted.tp.ranks[mine.dp_rank].groups
+                for name, host in zip(group.params, group.hosts)
+            ),
+            2,
+        )[mine.tp_rank]
+        assert mine.bytes_sent - sharded == theirs.bytes_sent - micro_groups[0]
+        assert mine.bytes_received - sharded == theirs.bytes_received - micro_groups[1]
+        assert mine.peak_bytes is not None and theirs.peak_bytes is not None
+        full = 4 * sum(e.shape[0] * e.shape[-1] for e in matrices)
+        assert mine.peak_bytes - mine.state_bytes == pytest.approx(
+            theirs.peak_bytes - theirs.state_bytes - schedule.request.group_bytes + 3 * full
+        )
+
+
+def test_the_tp_update_is_known_and_is_the_one_asked_for() -> None:
+    rejected(dense(), lambda d: d["tp"].update(update="synchronous"), "tp section update", "synchronous")
+    rejected(dense(), lambda d: d["request"].update(tp_update="sometimes"), "tp_update", "sometimes")
+    rejected(replicated(), lambda d: d["tp"].update(update="hosted"), "asked for replicated")
+    # flipped with its figures left as they were: the device figures give it away
+    rejected(dense(), lambda d: d["tp"].update(update="replicated"), "metrics.device[0]")
+    assert parse_schedule(dump_schedule(dense())).request.tp_update == "auto"  # the default, not written

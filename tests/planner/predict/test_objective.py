@@ -97,7 +97,31 @@ def test_the_floors_that_skip_a_candidate_never_exceed_its_step(layout: tuple[st
         step = sim.get("canzona")
         assert comm_floor(plan, device) == pytest.approx(step.dp_comm, rel=1e-12)
         assert comm_floor(plan, device) + local_floor(plan, device) <= step.step * (1 + 1e-12)
-        assert score(plan, device).step_s == pytest.approx(step.step, rel=1e-12)
+        found = score(plan, device)  # the faster TP update: the hosted step, or TP-SC's (its replicated update)
+        steps = {"hosted": step.step, "replicated": sim.get("tp-sc").step}
+        assert found.step_s == pytest.approx(steps[found.tp_update], rel=1e-12)
+        assert found.step_s <= min(steps.values()) * (1 + 1e-12)
+
+
+def test_a_replicated_tp_update_is_chosen_where_faster_and_can_be_refused() -> None:
+    """qwen3-1.7b tp 4 dp 64 with Shampoo: a DP rank owns about one matrix, whose host would
+    scatter its update back, which a replicated update never does, so auto picks it and says
+    so; hosted and replicated, asked for, are what the file holds."""
+    model, request = load_model("qwen3-1.7b", 4), _request("qwen3-1.7b", 4, 64, 1, "shampoo")
+    device = objective_device(request)
+    plan = best_plan(model, request)
+    assert plan.tp_update == "replicated" and "replicated tp update predicted faster" in plan.dense.method
+    schedule = parse_schedule(dump_schedule(compile_schedule(plan)), "replicated.yaml")
+    assert schedule.tp.update == "replicated" and schedule.request.tp_update == "auto"
+    sim = simulate(schedule, device.hardware, device.time_model(request.optimizer))
+    assert sim.get("canzona").step == pytest.approx(sim.get("tp-sc").step, rel=1e-12)
+    hosted = best_plan(model, replace(request, tp_update="hosted"))
+    assert hosted.tp_update == "hosted" and "replicated" not in hosted.dense.method
+    hosted_sim = simulate(compile_schedule(hosted), device.hardware, device.time_model(request.optimizer))
+    assert hosted_sim.get("canzona").step > sim.get("canzona").step
+    forced = best_plan(model, replace(request, alpha=0.0, tp_update="replicated"))
+    assert forced.tp_update == "replicated" and "predicted faster" not in forced.dense.method
+    assert compile_schedule(forced).tp.update == "replicated"
 
 
 def test_an_owner_rule_the_request_cannot_express_is_no_candidate() -> None:
