@@ -64,12 +64,12 @@ def _tp_traffic(plan: Plan, groups: tuple[tuple[MicroGroup, ...], ...]) -> dict[
     """(sent, received) bytes of the TP update, per (dp_rank, tp_rank): the micro-group
     all-to-alls, or a replicated update's all-gather."""
     tp = plan.request.tp
-    traffic = {}
+    traffic: dict[tuple[int, int], tuple[int, int]] = {}
     for dp_rank, rank_groups in enumerate(groups):
         tasks = plan.tasks[dp_rank]
         if plan.tp_update != HOSTED:
-            moved = replicated_update_traffic(((task.size, task.replicated) for task in tasks), tp)
-            traffic.update(((dp_rank, tp_rank), pair) for tp_rank, pair in enumerate(moved))
+            gathered = replicated_update_traffic(((task.size, task.replicated) for task in tasks), tp)
+            traffic.update(((dp_rank, tp_rank), pair) for tp_rank, pair in enumerate(gathered))
             continue
         parts = [
             (member, tasks[index].size, len(team.hosts) if team else 1, tasks[index].replicated)

@@ -5,8 +5,9 @@ Small buckets start reducing early in backward (more of the reduction hides behi
 more collective latency (every bucket pays its collective's α: n − 1 ring steps, or a rooted
 reduce and broadcast per non-empty slice);
 large buckets pay less latency but reduce later, and a single bucket hides nothing. Every
-candidate is planned, compiled and simulated on the given hardware and training setup. The
-choice:
+candidate is planned as `canzona plan` plans one size (`objective.best_plan`: the best
+predicted step of the searches, smaller α and baseline owners, and TP updates, on the search's
+device), compiled and simulated on the given hardware and training setup. The choice:
 
 1. only sizes that keep at least two buckets in the matrix buffer, so backward overlap exists
    (every size, if none does: the model is small);
@@ -20,8 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from canzona.planner.partition.costs import CostModel
-from canzona.planner.plan import Plan, PlanRequest, SearchTrial, TrainingSetup, make_plan
+from canzona.planner.plan import Plan, PlanRequest, SearchTrial, TrainingSetup
 from canzona.planner.predict.hardware import Hardware
+from canzona.planner.predict.objective import best_plan
 from canzona.planner.predict.trial import trial
 from canzona.planner.request import DEFAULT_TRAINING
 from canzona.planner.spec import ModelSpec, PlanError
@@ -60,9 +62,9 @@ def choose_bucket_size(
         raise PlanError(f"bucket size must be >= 1, got {min(candidates)}")
     trials = []
     for size in candidates:
-        trials.append(trial(make_plan(model, replace(request, bucket_size=size)), size, hardware, time_model, training))
+        trials.append(trial(best_plan(model, replace(request, bucket_size=size)), size, hardware, time_model, training))
         if progress:
             progress(f"bucket size {size_label(size)}")
     chosen, reason = pick(trials)
     # Planning is deterministic: plan the winner again rather than hold every candidate's plan.
-    return make_plan(model, replace(request, bucket_size=int(chosen.value))), trials, reason
+    return best_plan(model, replace(request, bucket_size=int(chosen.value))), trials, reason

@@ -14,10 +14,10 @@ import pytest
 from canzona.planner.compile import compile_schedule
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
+from canzona.schedules.figures import micro_group_traffic
 from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, parse_schedule, sealed
 from canzona.schedules.limits import BUCKET_COLLECTIVES, MAX_TP
 from canzona.schedules.validate import schedule_problem
-from canzona.schedules.figures import micro_group_traffic
 from canzona.schedules.validate_metrics import device_traffic
 
 TINY_MOE = Path(__file__).resolve().parents[1] / "runtime" / "data" / "tiny_moe.json"
