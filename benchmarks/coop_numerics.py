@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))  # the tests' forked-rank harness
 
 from canzona.runtime.rules.cooperative import team_newton_schulz  # noqa: E402
-from canzona.runtime.rules.optimizers import newton_schulz  # noqa: E402
+from canzona.runtime.rules.newton_schulz import newton_schulz  # noqa: E402
 
 from rt_harness import run_ranks  # noqa: E402
 

@@ -127,7 +127,7 @@ def _name_of(params: list[tuple[str, Any]], tensor: Any) -> str:
 
 
 def _ns_floor(shapes: list[tuple[int, int]]) -> Callable[[], None]:
-    from canzona.runtime.rules.optimizers import orthogonalize_
+    from canzona.runtime.rules.newton_schulz import orthogonalize_
 
     by_shape: dict[tuple[int, int], int] = {}
     for shape in shapes:

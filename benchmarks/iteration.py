@@ -217,9 +217,7 @@ def predict(schedule: Schedule, measured_fwd_bwd: float, batch: int, seq: int) -
     tokens = batch * (seq - 1)  # per DP rank: every position predicts the next token
     hardware = replace(device.hardware, train_flops=6.0 * local * tokens / measured_fwd_bwd)
     opt = schedule.request.optimizer
-    time_model = device.time_model(
-        OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
-    )
+    time_model = device.time_model(OptimizerConfig(**opt.model_dump()))
     training = TrainingSetup(global_batch=batch * dp, seq_len=seq - 1, micro_batches=1)
     out: dict[str, float] = {"fwd+bwd": measured_fwd_bwd}
     runs = (

@@ -301,7 +301,7 @@ def cpu_predictions(schedule: Schedule) -> dict[str, float]:
     world = schedule.request.dp * schedule.request.tp
     device = shared_host(resolve_device("cpu"), world)
     opt = schedule.request.optimizer
-    config = OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+    config = OptimizerConfig(**opt.model_dump())
     sim = simulate(schedule, device.hardware, device.time_model(config), publish_bytes=4)
     return {name: sim.get(name).step for name in ("canzona", "tp-sc", "dp-sc")}
 

@@ -33,12 +33,15 @@ from canzona.schedules.files import OutputError, check_output
 from canzona.schedules.geometry import DEFAULT_BUCKET_SIZE
 from canzona.schedules.limits import (
     COOP_MODES,
+    DEFAULT_GRAM_RESTART,
     DEFAULT_GROUP_MB,
     FSDP,
     MATRIX_OPTIMIZERS,
     MAX_GROUP_BYTES,
     NAMING_CONVENTIONS,
     NS_COEFFICIENT_NAMES,
+    NS_DTYPES,
+    NS_METHODS,
     ORDERS,
     PROFILE_PREFIX,
     QKV_SPLITS,
@@ -78,6 +81,8 @@ if TYPE_CHECKING:
     Optimizer = Choice
     QkvSplit = Choice
     NsCoefficients = Choice
+    NsMethod = Choice
+    NsDtype = Choice
     TpMode = Choice
     Coop = Choice
     TpUpdate = Choice
@@ -89,6 +94,8 @@ else:
     Optimizer = choices("Optimizer", MATRIX_OPTIMIZERS)
     QkvSplit = choices("QkvSplit", QKV_SPLITS)
     NsCoefficients = choices("NsCoefficients", NS_COEFFICIENT_NAMES)
+    NsMethod = choices("NsMethod", NS_METHODS)
+    NsDtype = choices("NsDtype", NS_DTYPES)
     TpMode = choices("TpMode", TP_MODES)
     Coop = choices("Coop", COOP_MODES)
     TpUpdate = choices("TpUpdate", TP_UPDATE_REQUESTS)
@@ -169,6 +176,22 @@ def plan(
             )
         ),
     ] = NsCoefficients.simple,
+    ns_method: Annotated[
+        NsMethod,
+        typer.Option(
+            help=(
+                "Muon's Newton-Schulz: standard, or gram (iterates on the Gram matrix; a matrix at most twice as "
+                "long as wide falls back to standard)."
+            )
+        ),
+    ] = NsMethod.standard,
+    gram_restart: Annotated[
+        int, typer.Option(help="--ns-method gram: restart after this many iterations (0: never).")
+    ] = DEFAULT_GRAM_RESTART,
+    ns_dtype: Annotated[
+        NsDtype,
+        typer.Option(help="Muon's Newton-Schulz precision (auto: bf16 on CUDA); the simulator prices it."),
+    ] = NsDtype.auto,
     block_size: Annotated[int, typer.Option(help="Shampoo block size.")] = 1024,
     precondition_frequency: Annotated[
         int, typer.Option(help="Shampoo/SOAP preconditioner refresh every N steps.")
@@ -234,7 +257,7 @@ def plan(
     _check_group_mb(group_mb)
     searched_alpha, size = alpha.strip().lower() == "auto", _bucket_size(bucket_size)
     searched_on = _refuse_options_without_effect(
-        searched_alpha or size is None, device, solver.value, fsdp, optimizer.value, tp
+        searched_alpha or size is None, device, solver.value, fsdp, optimizer.value, tp, ns_method.value
     )
     request = PlanRequest(
         model,
@@ -247,6 +270,9 @@ def plan(
             precondition_frequency=precondition_frequency,
             max_precond_dim=max_precond_dim,
             ns_coefficients=ns_coefficients.value,
+            ns_method=ns_method.value,
+            gram_restart=gram_restart,
+            ns_dtype=ns_dtype.value,
         ),
         cost=cost,
         alpha=1.0 if searched_alpha else _alpha(alpha),
@@ -283,7 +309,7 @@ def plan(
 
 
 def _refuse_options_without_effect(
-    searching: bool, device: str, solver: str, fsdp: bool, optimizer: str, tp: int
+    searching: bool, device: str, solver: str, fsdp: bool, optimizer: str, tp: int, ns_method: str
 ) -> str | None:
     """Refuse every option the other options make pointless; the device the automatic searches
     simulate on (None: no search)."""
@@ -300,6 +326,7 @@ def _refuse_options_without_effect(
         ("coop",),
         "cooperative hosting applies to Muon with tp > 1, without --fsdp",
     )
+    refuse_unless(optimizer == "muon" and ns_method == "gram", ("gram_restart",), "it applies to --ns-method gram")
     refuse_unless(tp > 1 and not fsdp, ("tp_update",), "the TP update applies with tp > 1, without --fsdp")
     refuse_unused_settings([optimizer])
     return device_option(device) if searching else None

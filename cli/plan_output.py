@@ -33,6 +33,9 @@ SETTING_LABELS = {
     "precondition_frequency": "every",
     "max_precond_dim": "maxdim",
     "ns_coefficients": "ns-",
+    "ns_method": "ns-",
+    "gram_restart": "restart",
+    "ns_dtype": "ns-",
 }
 
 

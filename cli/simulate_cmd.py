@@ -286,7 +286,7 @@ def optimizer_config(schedule: Schedule) -> OptimizerConfig:
     from canzona.planner.partition.costs import OptimizerConfig
 
     opt = schedule.request.optimizer
-    return OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+    return OptimizerConfig(**opt.model_dump())
 
 
 def simulate(

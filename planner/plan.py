@@ -18,11 +18,11 @@ from canzona.planner.buffers import (
 )
 from canzona.planner.partition.baselines import BaselineLoads, baseline_owners
 from canzona.planner.partition.collectives import (
-    NS_BF16_FLOPS,
     REFERENCE_NETWORK,
     Link,
     cheapest_seconds,
     layout_links,
+    reference_rate,
 )
 from canzona.planner.partition.cooperative import Shape, cooperate, smallest_share
 from canzona.planner.partition.costs import CostModel, make_cost_model, param_cost, param_state_bytes
@@ -49,6 +49,7 @@ from canzona.planner.spec import (
     validate_model,
 )
 from canzona.schedules.bounds import device_lower_bound, dp_lower_bound
+from canzona.schedules.costs import update_precision
 from canzona.schedules.limits import HOSTED, REPLICATED_UPDATE
 
 
@@ -342,8 +343,14 @@ def _finish(
     if (
         device_stage and tp > 1 and request.cost == "flops"
     ):  # FLOPs price the collectives too (at the reference throughput)
+        rate = reference_rate(update_precision(request.optimizer))
         device = _device_model(
-            model, request, experts, adamw, tp * device_bound, _comm_cost(model, parts.dense.layout, dp_link)
+            model,
+            request,
+            experts,
+            adamw,
+            tp * device_bound,
+            _comm_cost(model, parts.dense.layout, dp_link, rate),
         )
     dense = finish_buffer(model, parts.dense, costs, request, dp_link, device)
     owners = dict(dense.owners)
@@ -525,9 +532,12 @@ def _device_model(
     )
 
 
-def _comm_cost(model: ModelSpec, layout: BufferLayout, link: Link) -> Callable[[DpInstance, Owners], float]:
+def _comm_cost(
+    model: ModelSpec, layout: BufferLayout, link: Link, rate: float
+) -> Callable[[DpInstance, Owners], float]:
     """A partition's collectives on `link` in FLOPs: every bucket's reduction and gather at its
-    cheapest collective, at the reference throughput (each rank's slice: its matrices' spans)."""
+    cheapest collective, at `rate` FLOP/s (the reference device's, in the precision the updates
+    run in; each rank's slice: its matrices' spans)."""
     per_bucket = [param_bytes(model, bucket) for bucket in layout.buckets]
 
     def cost(instance: DpInstance, owners: Owners) -> float:
@@ -537,7 +547,7 @@ def _comm_cost(model: ModelSpec, layout: BufferLayout, link: Link) -> Callable[[
             for span, owner in zip(spans, bucket_owners):
                 slices[owner] += span
             seconds += cheapest_seconds(link, slices, elem_bytes)
-        return seconds * NS_BF16_FLOPS
+        return seconds * rate
 
     return cost
 

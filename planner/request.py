@@ -143,7 +143,15 @@ class PlanRequest:
             seed=self.seed,
             order=self.order,
         ) or settings_problem(
-            opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim, opt.ns_coefficients
+            opt.name,
+            opt.ns_steps,
+            opt.block_size,
+            opt.precondition_frequency,
+            opt.max_precond_dim,
+            opt.ns_coefficients,
+            ns_method=opt.ns_method,
+            gram_restart=opt.gram_restart,
+            ns_dtype=opt.ns_dtype,
         )
         problem = (
             problem or sharding_problem(self.sharding, self.dp, self.dp_replicate, self.ep) or self._fsdp_problem()

@@ -15,6 +15,7 @@ from canzona.schedules.geometry import DTYPE_BYTES, tp_slot_shape  # noqa: F401 
 from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedule file is checked against
     ADAMW,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_GRAM_RESTART,
     DEFAULT_MAX_PRECOND_DIM,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
@@ -23,8 +24,11 @@ from canzona.schedules.limits import (  # noqa: F401 - the vocabularies a schedu
     MATRIX,
     NAMING_CONVENTIONS,
     NS_COEFFICIENT_NAMES,
+    NS_DTYPES,
+    NS_METHODS,
     OPTIMIZER_CLASSES,
     QKV_SPLITS,
+    STANDARD_NS,
     choice_problem,
 )
 from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
@@ -178,8 +182,9 @@ def _validate_slices(params: tuple[ParamSpec, ...]) -> None:
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The matrix optimizer and its settings: those its cost depends on, and Muon's
-    Newton–Schulz coefficient schedule (`canzona.schedules.coefficients`), which the runtime
-    executes and the schedule's digest covers."""
+    Newton–Schulz coefficient schedule (`canzona.schedules.coefficients`), method (`standard`,
+    `gram`: `canzona.schedules.costs.ns_flops`), Gram restart and precision (`ns_dtype`), which
+    the runtime executes and the schedule's digest covers."""
 
     name: str = "muon"
     ns_steps: int = DEFAULT_NS_STEPS
@@ -187,6 +192,9 @@ class OptimizerConfig:
     precondition_frequency: int = DEFAULT_PRECONDITION_FREQUENCY
     max_precond_dim: int = DEFAULT_MAX_PRECOND_DIM
     ns_coefficients: str = DEFAULT_NS_COEFFICIENTS
+    ns_method: str = STANDARD_NS
+    gram_restart: int = DEFAULT_GRAM_RESTART
+    ns_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -194,7 +202,13 @@ class OptimizerConfig:
         for field in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim"):
             if getattr(self, field) < 1:
                 raise PlanError(f"optimizer setting {field} must be >= 1")
-        problem = choice_problem("ns_coefficients", self.ns_coefficients, NS_COEFFICIENT_NAMES)
+        if self.gram_restart < 0:
+            raise PlanError("optimizer setting gram_restart must be >= 0 (0: never)")
+        problem = (
+            choice_problem("ns_coefficients", self.ns_coefficients, NS_COEFFICIENT_NAMES)
+            or choice_problem("ns_method", self.ns_method, NS_METHODS)
+            or choice_problem("ns_dtype", self.ns_dtype, NS_DTYPES)
+        )
         if problem:
             raise PlanError(problem)
 

@@ -41,13 +41,23 @@ from canzona.schedules.format import ParamEntry
 from canzona.schedules.limits import ADAMW, MATRIX
 
 MATRIX_KNOBS: dict[str, tuple[str, ...]] = {
-    "muon": ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_dtype", "update_scale", "update_scale_factor"),
+    "muon": (
+        "momentum",
+        "nesterov",
+        "ns_steps",
+        "ns_coefficients",
+        "ns_dtype",
+        "ns_method",
+        "gram_restart",
+        "update_scale",
+        "update_scale_factor",
+    ),
     "shampoo": ("momentum", "nesterov", "precondition_frequency", "shampoo_beta2", "graft_rms", "matrix_eps"),
     "soap": ("soap_betas", "soap_shampoo_beta", "soap_eps", "precondition_frequency"),
 }
 ADAMW_KEYS = ("adamw_lr", "adamw_weight_decay", "adamw_betas", "adamw_eps")  # a group's keys, Hyperparameters' fields
 TUPLE_KNOBS = ("ns_coefficients", "soap_betas", "adamw_betas")
-INT_KNOBS = ("ns_steps", "precondition_frequency")
+INT_KNOBS = ("ns_steps", "precondition_frequency", "gram_restart")
 MAX_LISTED = 3
 
 
@@ -139,7 +149,7 @@ def _value(key: str, value: Any) -> Any:
         return tuple(float(v) for v in value) if isinstance(value, (tuple, list)) else value
     if (
         key in INT_KNOBS
-        or key in ("nesterov", "update_scale", "ns_dtype")
+        or key in ("nesterov", "update_scale", "ns_dtype", "ns_method")
         or (key == "update_scale_factor" and value is None)
     ):
         return value

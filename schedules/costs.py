@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from canzona.schedules.limits import DEFAULT_GRAM_RESTART, GRAM_MIN_ASPECT, GRAM_NS, STANDARD_NS
+
 NUMEL, FLOPS = "numel", "flops"
 BUILT_IN_COSTS = (NUMEL, FLOPS)  # cost models whose figures a schedule file holds enough to recompute
 ADAMW_FLOPS_PER_ELEMENT = 10
@@ -37,12 +39,65 @@ class Settings(Protocol):
     def precondition_frequency(self) -> int: ...
     @property
     def max_precond_dim(self) -> int: ...
+    @property
+    def ns_method(self) -> str: ...
+    @property
+    def gram_restart(self) -> int: ...
 
 
-def muon_flops(rows: int, cols: int, ns_steps: int) -> float:
-    """Newton–Schulz: T·(4r²c + 2r³) with r = min, c = max, plus elementwise work."""
+def update_precision(settings: Settings, gpu: bool = True) -> str:
+    """The precision the runtime's matrix products run in for `settings`: Muon's `ns_dtype`
+    ("auto": bf16 on a GPU, fp32 elsewhere; "tf32" is fp32 off a GPU); Shampoo and SOAP fp32."""
+    if settings.name != "muon":
+        return "fp32"
+    dtype = getattr(settings, "ns_dtype", "auto")
+    if dtype == "auto":
+        return "bf16" if gpu else "fp32"
+    return dtype if gpu or dtype != "tf32" else "fp32"
+
+
+def runs_gram(rows: int, cols: int, method: str) -> bool:
+    """Whether a rows x cols matrix runs Gram Newton–Schulz under `method`: "gram" does where
+    the long side is more than `GRAM_MIN_ASPECT` times the short one; a squarer matrix falls
+    back to the standard iteration (Gram's n x n products would cost it more)."""
+    return method == GRAM_NS and max(rows, cols) > GRAM_MIN_ASPECT * min(rows, cols)
+
+
+def standard_ns_flops(r: int, c: int, steps: int) -> float:
+    """The standard iteration on an r x c matrix (r <= c): per step X·Xᵀ (2r²c), the
+    polynomial's square (2r³) and its product with X (2r²c)."""
+    return float(steps * (4 * r * r * c + 2 * r**3))
+
+
+def gram_ns_flops(r: int, c: int, steps: int, restart: int) -> float:
+    """Gram Newton–Schulz on an r x c matrix (r <= c), as the runtime runs it: R = X·Xᵀ
+    (2r²c); per step Z = b·R + c·R² (2r³), Q ← Q·(a + Z) (2r³, none on a fresh Q) and, unless
+    the next step restarts or this is the last, R ← (a + Z)·R·(a + Z) (two products, 4r³); a
+    restart after `restart` steps forms X ← Q·X and R = X·Xᵀ again (4r²c); the end X ← Q·X
+    (2r²c)."""
+    restarts = 0 < restart < steps
+    total = 2 * r * r * c * (2 + 2 * restarts)
+    for step in range(steps):
+        fresh = step == 0 or (restarts and step == restart)
+        updates_gram = step < steps - 1 and not (restarts and step + 1 == restart)
+        total += 2 * r**3 * (1 + (not fresh) + 2 * updates_gram)
+    return float(total)
+
+
+def ns_flops(rows: int, cols: int, steps: int, method: str = STANDARD_NS, restart: int = DEFAULT_GRAM_RESTART) -> float:
+    """The Newton–Schulz products of one rows x cols matrix under `method` (`runs_gram`
+    decides the fallback), in dense-GEMM FLOPs."""
     r, c = min(rows, cols), max(rows, cols)
-    return float(ns_steps * (4 * r * r * c + 2 * r**3) + ELEMENTWISE_FLOPS_PER_ELEMENT * rows * cols)
+    if runs_gram(rows, cols, method):
+        return gram_ns_flops(r, c, steps, restart)
+    return standard_ns_flops(r, c, steps)
+
+
+def muon_flops(
+    rows: int, cols: int, ns_steps: int, method: str = STANDARD_NS, restart: int = DEFAULT_GRAM_RESTART
+) -> float:
+    """Muon: its Newton–Schulz products (`ns_flops`) plus elementwise work."""
+    return ns_flops(rows, cols, ns_steps, method, restart) + ELEMENTWISE_FLOPS_PER_ELEMENT * rows * cols
 
 
 def _blocks(size: int, block: int) -> list[tuple[int, int]]:
@@ -74,7 +129,7 @@ def soap_flops(rows: int, cols: int, frequency: int, max_precond_dim: int) -> fl
 def matrix_flops(rows: int, cols: int, settings: Settings) -> float:
     """FLOPs of one update of a full rows x cols matrix by the configured optimizer."""
     if settings.name == "muon":
-        return muon_flops(rows, cols, settings.ns_steps)
+        return muon_flops(rows, cols, settings.ns_steps, settings.ns_method, settings.gram_restart)
     if settings.name == "shampoo":
         return shampoo_flops(rows, cols, settings.block_size, settings.precondition_frequency)
     return soap_flops(rows, cols, settings.precondition_frequency, settings.max_precond_dim)

@@ -57,6 +57,16 @@ DEFAULT_GROUP_MB = 2048  # MiB of gathered fp32 gradients a host holds per micro
 MAX_TIME_LIMIT = 300.0  # CP-SAT deterministic seconds (for the DP cuts, and again for all TP groups)
 MAX_SEED = (1 << 31) - 1
 MAX_NS_STEPS = 100
+# How Muon's Newton–Schulz runs: the standard iteration on the n x m matrix, or Gram
+# Newton–Schulz on the n x n Gram matrix (schedules/costs.py; the runtime's kernels), which a
+# matrix no more than GRAM_MIN_ASPECT times as long as wide falls back from to the standard one.
+STANDARD_NS, GRAM_NS = "standard", "gram"
+NS_METHODS = (STANDARD_NS, GRAM_NS)
+GRAM_MIN_ASPECT = 2
+DEFAULT_GRAM_RESTART = 2  # Gram Newton–Schulz restarts after this many iterations (0: never)
+# The precision Muon's Newton–Schulz products run in: bf16 operands (fp32 accumulation), TF32
+# products of fp32 operands (CUDA; fp32 elsewhere), fp32; auto: bf16 on CUDA, fp32 elsewhere.
+NS_DTYPES = ("auto", "bf16", "tf32", "fp32")
 MAX_PRECONDITION_FREQUENCY = 1_000_000
 MAX_BLOCK_SIZE = 1 << 20  # Shampoo block side, and SOAP's max_precond_dim
 MAX_SCHEDULE_BYTES = 64 << 20
@@ -131,6 +141,10 @@ def settings_problem(
     precondition_frequency: object,
     max_precond_dim: object,
     ns_coefficients: object = DEFAULT_NS_COEFFICIENTS,
+    *,
+    ns_method: object = STANDARD_NS,
+    gram_restart: object = DEFAULT_GRAM_RESTART,
+    ns_dtype: object = "auto",
 ) -> str | None:
     """A known matrix optimizer with settings in range."""
     if name not in MATRIX_OPTIMIZERS:
@@ -138,6 +152,9 @@ def settings_problem(
     return (
         bounded_int_problem("ns_steps", ns_steps, MAX_NS_STEPS, "Newton-Schulz steps")
         or choice_problem("ns_coefficients", ns_coefficients, NS_COEFFICIENT_NAMES)
+        or choice_problem("ns_method", ns_method, NS_METHODS)
+        or bounded_int_problem("gram_restart", gram_restart, MAX_NS_STEPS, "Newton-Schulz steps", minimum=0)
+        or choice_problem("ns_dtype", ns_dtype, NS_DTYPES)
         or bounded_int_problem("block_size", block_size, MAX_BLOCK_SIZE, "(Shampoo block side)")
         or bounded_int_problem("precondition_frequency", precondition_frequency, MAX_PRECONDITION_FREQUENCY, "steps")
         or bounded_int_problem("max_precond_dim", max_precond_dim, MAX_BLOCK_SIZE, "(preconditioner side)")
@@ -151,10 +168,16 @@ SETTING_DEFAULTS: dict[str, object] = {
     "precondition_frequency": DEFAULT_PRECONDITION_FREQUENCY,
     "max_precond_dim": DEFAULT_MAX_PRECOND_DIM,
     "ns_coefficients": DEFAULT_NS_COEFFICIENTS,
+    "ns_method": STANDARD_NS,
+    "gram_restart": DEFAULT_GRAM_RESTART,
+    "ns_dtype": "auto",
 }
 SETTING_USERS = {  # setting -> the matrix optimizers it changes
     "ns_steps": ("muon",),
     "ns_coefficients": ("muon",),
+    "ns_method": ("muon",),
+    "gram_restart": ("muon",),
+    "ns_dtype": ("muon",),
     "block_size": ("shampoo",),
     "precondition_frequency": ("shampoo", "soap"),
     "max_precond_dim": ("soap",),

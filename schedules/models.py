@@ -10,7 +10,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from canzona.schedules.limits import DEFAULT_BUCKET_COLLECTIVE, DEFAULT_NS_COEFFICIENTS, MAX_FILE_INT
+from canzona.schedules.limits import (
+    DEFAULT_BUCKET_COLLECTIVE,
+    DEFAULT_GRAM_RESTART,
+    DEFAULT_NS_COEFFICIENTS,
+    MAX_FILE_INT,
+    STANDARD_NS,
+)
 
 SCHEMA_VERSION = 2
 
@@ -38,7 +44,9 @@ class ModelSource(_Strict):
 class OptimizerSettings(_Strict):
     """The matrix optimizer and its settings: those its cost model used, and Muon's Newton–Schulz
     coefficient schedule (a name of `canzona.schedules.coefficients`; files written before the
-    field hold none: "simple", the one schedule there was)."""
+    field hold none: "simple", the one schedule there was), method (`standard` or `gram`, with
+    the iteration `gram_restart` restarts after) and precision (`ns_dtype`); files written
+    before those hold none: the standard iteration in the runtime's default precision."""
 
     name: str
     ns_steps: Count
@@ -46,6 +54,9 @@ class OptimizerSettings(_Strict):
     precondition_frequency: Count
     max_precond_dim: Count
     ns_coefficients: str = DEFAULT_NS_COEFFICIENTS
+    ns_method: str = STANDARD_NS
+    gram_restart: Count = DEFAULT_GRAM_RESTART
+    ns_dtype: str = "auto"
 
 
 class TrainingSettings(_Strict):

@@ -104,7 +104,15 @@ def _check_request(schedule: Schedule) -> None:
             order=req.order,
         )
         or settings_problem(
-            opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim, opt.ns_coefficients
+            opt.name,
+            opt.ns_steps,
+            opt.block_size,
+            opt.precondition_frequency,
+            opt.max_precond_dim,
+            opt.ns_coefficients,
+            ns_method=opt.ns_method,
+            gram_restart=opt.gram_restart,
+            ns_dtype=opt.ns_dtype,
         )
         or unused_settings_problem(opt.name, opt.model_dump(exclude={"name"}))
         or cost_problem(req.cost)

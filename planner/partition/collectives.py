@@ -76,6 +76,21 @@ operands, fp32 accumulation, the fused `baddbmm` form) measured on one H200: 575
 qwen3-1.7b's matrices one at a time (586 stacked by shape). The `h100` and `h200` hardware models
 run at it, and cooperative hosting turns seconds of communication into FLOPs at it."""
 
+FP32_SHARE = 48e12 / NS_BF16_FLOPS
+"""The reference device's fp32 matrix rate relative to its bf16 one: Newton–Schulz with
+`ns_dtype="fp32"` measured 48 TFLOP/s on the same H200 (CUDA cores: 72% of the datasheet's 67
+TFLOP/s FP32)."""
+TF32_SHARE = 0.58 * 494.7e12 / NS_BF16_FLOPS
+"""The reference device's TF32 matrix rate relative to its bf16 one: not measured (no GPU since
+TF32 was added); the bf16 kernel's measured share of its peak (58%) of the datasheet's 494.7
+TFLOP/s dense TF32, an assumption."""
+PRECISION_SHARES = {"bf16": 1.0, "tf32": TF32_SHARE, "fp32": FP32_SHARE}
+
+
+def reference_rate(precision: str) -> float:
+    """The reference device's matrix FLOP/s in `precision` (bf16, tf32, fp32)."""
+    return NS_BF16_FLOPS * PRECISION_SHARES[precision]
+
 
 @dataclass(frozen=True)
 class Exchange:

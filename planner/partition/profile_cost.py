@@ -14,7 +14,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import yaml
@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from canzona.planner.spec import OptimizerConfig, PlanError
 from canzona.schedules.costs import matrix_flops
+from canzona.schedules.limits import DEFAULT_GRAM_RESTART, MAX_MODEL_FILE_BYTES, STANDARD_NS
 from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
-from canzona.schedules.limits import MAX_MODEL_FILE_BYTES
 from canzona.schedules.reading import UnsafeDocument, read_text, safe_load
 
 PROFILE_FORMAT = "canzona-profile/1"
@@ -42,15 +42,18 @@ class ProfileSettings(_Strict):
     block_size: int = Field(ge=1)
     precondition_frequency: int = Field(ge=1)
     max_precond_dim: int = Field(ge=1)
+    gram_restart: int = Field(default=DEFAULT_GRAM_RESTART, ge=0)
 
 
 class ProfileRow(_Strict):
     """One timed kernel: a rows x cols matrix update (AdamW: `rows` elements, `cols` = 1).
 
     `seconds` is the median per-step time; for Shampoo and SOAP it is amortised over the
-    refresh period: `step_seconds` + (`refresh_seconds` - `step_seconds`) / frequency."""
+    refresh period: `step_seconds` + (`refresh_seconds` - `step_seconds`) / frequency. A Muon
+    row's `method` is the Newton–Schulz it timed (profiles written before hold standard rows)."""
 
     optimizer: Literal["muon", "shampoo", "soap", "adamw"]
+    method: Literal["standard", "gram"] = "standard"
     rows: int = Field(ge=1)
     cols: int = Field(ge=1)
     seconds: float = Field(gt=0)
@@ -127,9 +130,16 @@ def _side_key(rows: int, cols: int) -> tuple[float, float]:
     return math.log(min(rows, cols)), math.log(max(rows, cols))
 
 
-def _config(settings: ProfileSettings, name: str) -> OptimizerConfig:
+def _config(settings: ProfileSettings, name: str, method: str = STANDARD_NS) -> OptimizerConfig:
+    """The settings a profile's rows of `name` (and Newton–Schulz `method`) were timed with."""
     return OptimizerConfig(
-        name, settings.ns_steps, settings.block_size, settings.precondition_frequency, settings.max_precond_dim
+        name,
+        settings.ns_steps,
+        settings.block_size,
+        settings.precondition_frequency,
+        settings.max_precond_dim,
+        ns_method=method,
+        gram_restart=settings.gram_restart,
     )
 
 
@@ -150,8 +160,19 @@ class ProfileCost:
     def _rows(self, optimizer: str) -> list[ProfileRow]:
         return [row for row in self.profile.rows if row.optimizer == optimizer]
 
-    def _same_settings(self) -> bool:
-        return _config(self.profile.settings, self.optimizer.name) == self.optimizer
+    def _matrix_rows(self) -> list[ProfileRow]:
+        """The rows that time this configuration's kernels: its Newton–Schulz method's where the
+        profile has them (else the standard ones, scaled by FLOPs like any unmeasured shape)."""
+        rows = self._rows(self.optimizer.name)
+        own = [row for row in rows if row.method == self.optimizer.ns_method]
+        return own or [row for row in rows if row.method == STANDARD_NS]
+
+    def _measured(self, row: ProfileRow) -> OptimizerConfig:
+        return _config(self.profile.settings, row.optimizer, row.method)
+
+    def _same_settings(self, row: ProfileRow) -> bool:
+        # the precision is the profile's own (`Profile.dtype`), whatever the request names
+        return replace(self._measured(row), ns_dtype=self.optimizer.ns_dtype) == self.optimizer
 
     def matrix_cost(self, rows: int, cols: int) -> float:
         """Seconds of one update of a full rows x cols matrix."""
@@ -161,14 +182,13 @@ class ProfileCost:
         return self._cache[key]
 
     def _matrix_seconds(self, rows: int, cols: int) -> float:
-        candidates = self._rows(self.optimizer.name)
-        if self._same_settings():
-            for row in candidates:
-                if (min(row.rows, row.cols), max(row.rows, row.cols)) == (rows, cols):
-                    return row.seconds
+        candidates = self._matrix_rows()
+        for row in candidates:
+            if (min(row.rows, row.cols), max(row.rows, row.cols)) == (rows, cols) and self._same_settings(row):
+                return row.seconds
         target = _side_key(rows, cols)
         nearest = min(candidates, key=lambda row: math.dist(_side_key(row.rows, row.cols), target))
-        measured = matrix_flops(nearest.rows, nearest.cols, _config(self.profile.settings, self.optimizer.name))
+        measured = matrix_flops(nearest.rows, nearest.cols, self._measured(nearest))
         wanted = matrix_flops(rows, cols, self.optimizer)
         return wanted * nearest.seconds / measured
 
@@ -182,8 +202,7 @@ class ProfileCost:
     def achieved_flops(self) -> float:
         """Median achieved FLOP/s over this optimizer's rows (flops model / measured seconds)."""
         rates = sorted(
-            matrix_flops(row.rows, row.cols, _config(self.profile.settings, self.optimizer.name)) / row.seconds
-            for row in self._rows(self.optimizer.name)
+            matrix_flops(row.rows, row.cols, self._measured(row)) / row.seconds for row in self._matrix_rows()
         )
         return _median(rates)
 

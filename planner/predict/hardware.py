@@ -13,10 +13,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import canzona.schedules
-from canzona.planner.partition.collectives import NS_BF16_FLOPS, REFERENCE_NETWORK, Network
+from canzona.planner.partition.collectives import (
+    FP32_SHARE,
+    NS_BF16_FLOPS,
+    REFERENCE_NETWORK,
+    TF32_SHARE,
+    Network,
+)
 from canzona.planner.partition.costs import CostModel, FlopsCost, OptimizerConfig
 from canzona.planner.partition.profile_cost import Profile, ProfileCost, read_profile
 from canzona.planner.spec import PlanError
+from canzona.schedules.costs import update_precision
 from canzona.schedules.limits import PROFILE_PREFIX
 
 ADAMW_BYTES_PER_ELEMENT = 28  # fp32 param, grad, m, v read (16) and param, m, v written (12)
@@ -29,8 +36,10 @@ CPU_GPUS_PER_NODE = 1 << 20  # every rank of a CPU run is on this one host
 class Hardware:
     """One device type and its network. Rates are per device; bandwidths per direction
     (links are full duplex). `latency` is seconds per collective step (one ring step or one
-    pairwise exchange round). `train_flops`: achieved model FLOP/s of training forward and
-    backward (6·N·tokens convention); None: not known, the matrix optimizer's rate stands in."""
+    pairwise exchange round). `matrix_flops` is the rate of bf16 products; `fp32_share` and
+    `tf32_share` scale it for fp32 and TF32 ones (1: one measured rate for every precision, as
+    a profile has). `train_flops`: achieved model FLOP/s of training forward and backward
+    (6·N·tokens convention); None: not known, the matrix optimizer's rate stands in."""
 
     name: str
     matrix_flops: float
@@ -41,6 +50,9 @@ class Hardware:
     gpus_per_node: int
     source: str
     train_flops: float | None = None
+    fp32_share: float = 1.0
+    tf32_share: float = 1.0
+    gpu: bool = True
 
     def __post_init__(self) -> None:
         for key in ("matrix_flops", "memory_bandwidth", "intra_bandwidth", "inter_bandwidth"):
@@ -52,6 +64,10 @@ class Hardware:
             raise PlanError(f"hardware {self.name!r}: latency must be >= 0")
         if self.gpus_per_node < 1:
             raise PlanError(f"hardware {self.name!r}: gpus per node must be >= 1")
+
+    def rate(self, precision: str) -> float:
+        """Achieved matrix FLOP/s of products in `precision` (bf16, tf32, fp32)."""
+        return self.matrix_flops * {"bf16": 1.0, "tf32": self.tf32_share, "fp32": self.fp32_share}[precision]
 
     def training_flops(self) -> float:
         """Achieved FLOP/s of training forward and backward (the matrix rate if unknown)."""
@@ -65,16 +81,23 @@ class Hardware:
 
 @dataclass(frozen=True)
 class ThroughputCost:
-    """`CostModel` in seconds from a hardware model: flops-model FLOPs / achieved FLOP/s for
-    matrices, bytes moved / achieved bandwidth for AdamW."""
+    """`CostModel` in seconds from a hardware model: flops-model FLOPs (of the configured
+    Newton–Schulz method) / achieved FLOP/s in the precision the runtime's products run in
+    (`update_precision`: Muon's `ns_dtype`, fp32 for Shampoo and SOAP) for matrices, bytes
+    moved / achieved bandwidth for AdamW."""
 
     hardware: Hardware
     optimizer: OptimizerConfig
     name: str = "throughput"
 
+    @property
+    def precision(self) -> str:
+        """The precision the matrix updates are priced at."""
+        return update_precision(self.optimizer, self.hardware.gpu)
+
     def matrix_cost(self, rows: int, cols: int) -> float:
         """Seconds of one update of a full rows x cols matrix."""
-        return FlopsCost(self.optimizer).matrix_cost(rows, cols) / self.hardware.matrix_flops
+        return FlopsCost(self.optimizer).matrix_cost(rows, cols) / self.hardware.rate(self.precision)
 
     def adamw_cost(self, numel: int) -> float:
         """Seconds of an AdamW update of `numel` elements."""
@@ -85,6 +108,10 @@ NS_BF16_SHARE = NS_BF16_FLOPS / 989e12  # of the H200's dense BF16 peak
 _NS = (
     "575 TFLOP/s, the runtime's default bf16 Newton-Schulz (bf16 operands, fp32 accumulation, fused "
     "baddbmm form) measured on one H200 over qwen3-1.7b's matrices (586 TFLOP/s stacked by shape; 58% of peak)"
+)
+_PRECISIONS = (
+    "fp32 products (Shampoo, SOAP, Muon with ns_dtype fp32) at 48 TFLOP/s, measured on the H200 with ns_dtype "
+    "fp32; TF32 products at 58% of the 494.7 TFLOP/s dense TF32 peak (assumed, not measured)"
 )
 _NCCL = "NCCL α ≈ 5 µs per ring step (order of magnitude of published NCCL latencies)"
 TRAIN_MFU = 0.4
@@ -103,12 +130,15 @@ BUILTIN: dict[str, Hardware] = {
         inter_bandwidth=REFERENCE_NETWORK.inter_bandwidth,
         gpus_per_node=REFERENCE_NETWORK.gpus_per_node,
         source=(
-            f"matrix optimizer at {_NS}; the H100 SXM5 has the H200's tensor cores and clocks (989 TFLOP/s "
-            "dense BF16 on both datasheets), so the H200's measured rate is assumed; HBM3 3.35 TB/s at 90%; "
+            f"matrix optimizer at {_NS}; {_PRECISIONS}; the H100 SXM5 has the H200's tensor cores and clocks "
+            "(989 TFLOP/s dense BF16 on both datasheets), so the H200's measured rates are assumed; HBM3 3.35 TB/s "
+            "at 90%; "
             "NVLink 4 900 GB/s bidirectional = 450 GB/s per direction; "
             f"InfiniBand NDR 400 Gb/s per GPU = 50 GB/s; 8 GPUs per node; {_NCCL}; {_TRAIN}"
         ),
         train_flops=TRAIN_MFU * 989e12,
+        fp32_share=FP32_SHARE,
+        tf32_share=TF32_SHARE,
     ),
     "h200": Hardware(
         name="h200",
@@ -119,11 +149,14 @@ BUILTIN: dict[str, Hardware] = {
         inter_bandwidth=REFERENCE_NETWORK.inter_bandwidth,
         gpus_per_node=REFERENCE_NETWORK.gpus_per_node,
         source=(
-            f"matrix optimizer at {_NS} (of the datasheet's 989 TFLOP/s dense BF16); HBM3e 4.8 TB/s at 90%; "
+            f"matrix optimizer at {_NS} (of the datasheet's 989 TFLOP/s dense BF16); {_PRECISIONS}; "
+            "HBM3e 4.8 TB/s at 90%; "
             "NVLink 4 450 GB/s per direction; "
             f"InfiniBand NDR 400 Gb/s per GPU = 50 GB/s; 8 GPUs per node; {_NCCL}; {_TRAIN}"
         ),
         train_flops=TRAIN_MFU * 989e12,
+        fp32_share=FP32_SHARE,
+        tf32_share=TF32_SHARE,
     ),
     "a100": Hardware(
         name="a100",
@@ -135,13 +168,16 @@ BUILTIN: dict[str, Hardware] = {
         gpus_per_node=8,
         source=(
             "NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense BF16, of which the runtime's bf16 "
-            "Newton-Schulz is assumed to reach the share measured on the H200 (58%, not measured on an A100); "
+            "Newton-Schulz is assumed to reach the share measured on the H200 (58%, not measured on an A100), "
+            "fp32 products 72% of its 19.5 TFLOP/s FP32 and TF32 58% of its 156 TFLOP/s (the H200's shares); "
             "HBM2e 2.04 TB/s at 90%; NVLink 3 600 GB/s bidirectional = 300 GB/s per direction; "
             f"InfiniBand HDR 200 Gb/s per GPU = 25 GB/s; 8 GPUs per node; {_NCCL}; training "
             "forward/backward at 40% of dense BF16 peak, as for H100 (Megatron-LM on A100 reported 52% "
             "hardware FLOPs utilisation including activation recomputation)"
         ),
         train_flops=TRAIN_MFU * 312e12,
+        fp32_share=0.72 * 19.5e12 / (NS_BF16_SHARE * 312e12),
+        tf32_share=0.58 * 156e12 / (NS_BF16_SHARE * 312e12),
     ),
 }
 DEVICE_NAMES = (*BUILTIN, "cpu")
@@ -211,7 +247,12 @@ def hardware_from_profile(profile: Profile, name: str, source: str, compute_shar
     cost = ProfileCost(
         profile,
         OptimizerConfig(
-            names[0], settings.ns_steps, settings.block_size, settings.precondition_frequency, settings.max_precond_dim
+            names[0],
+            settings.ns_steps,
+            settings.block_size,
+            settings.precondition_frequency,
+            settings.max_precond_dim,
+            gram_restart=settings.gram_restart,
         ),
     )
     comm = profile.comm
@@ -224,6 +265,7 @@ def hardware_from_profile(profile: Profile, name: str, source: str, compute_shar
         intra_bandwidth=comm.bandwidth if comm else 1 * GB,
         inter_bandwidth=comm.bandwidth if comm else 1 * GB,
         gpus_per_node=CPU_GPUS_PER_NODE,
+        gpu=profile.device == "cuda",  # the profile's rows are timed at its own precision: one rate for all
         source=source,
         train_flops=training.flops_per_second * compute_share if training else None,
     )

@@ -67,7 +67,7 @@ def step_headline(schedule: Schedule) -> StepHeadline:
     """The headline of a replicated (non-FSDP) schedule (see the module docstring)."""
     device = headline_device(schedule.request)
     opt = schedule.request.optimizer
-    config = OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim)
+    config = OptimizerConfig(**opt.model_dump())
     instance = build_instance(
         schedule, device.hardware, device.time_model(config), False, None, AS_SCHEDULED, True, False
     )

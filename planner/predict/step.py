@@ -589,7 +589,4 @@ def canzona_time(inst: Instance, schedule: Schedule, overlap: bool = True) -> St
 def default_time_model(schedule: Schedule, hardware: Hardware) -> CostModel:
     """Throughput-based seconds for the schedule's optimizer on `hardware`."""
     opt = schedule.request.optimizer
-    return ThroughputCost(
-        hardware,
-        OptimizerConfig(opt.name, opt.ns_steps, opt.block_size, opt.precondition_frequency, opt.max_precond_dim),
-    )
+    return ThroughputCost(hardware, OptimizerConfig(**opt.model_dump()))

@@ -31,16 +31,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from canzona.runtime.faults import wait
-from canzona.runtime.rules.optimizers import (
-    Hyperparameters,
+from canzona.runtime.rules.newton_schulz import (
     NsCoefficients,
-    State,
     coefficient_schedule,
     compute_dtype,
     matmul_precision,
-    muon_scale,
     resolve_ns_dtype,
 )
+from canzona.runtime.rules.optimizers import Hyperparameters, State, muon_scale
 from canzona.schedules.layout import Task
 from canzona.schedules.teams import long_dim
 
@@ -235,7 +233,7 @@ def team_muon(
     buf = state["momentum"]
     buf.mul_(hp.momentum).add_(grad)
     direction = grad.add(buf, alpha=hp.momentum) if hp.nesterov else buf
-    precision = resolve_ns_dtype(hp.ns_dtype, grad.device)
+    precision = resolve_ns_dtype(hp.ns_dtype or "auto", grad.device)
     schedule = hp.ns_schedule
     ortho = team_newton_schulz(
         direction, long_dim(task.shape), len(schedule), schedule, group, timeout, calls, precision=precision

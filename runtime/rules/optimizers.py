@@ -7,15 +7,17 @@ every elementwise step are fp32 (fp64 when given fp64 gradients and state, as th
 does), on the device of the tensors given (state is created on the `device`, in the `dtype`, the
 caller names).
 
-Muon's Newton–Schulz iteration takes its (a, b, c) per iteration from a coefficient schedule
-(`ns_coefficients`: a name of `canzona.schedules.coefficients`, one triple for every iteration,
-or one triple per iteration). Its products run in the precision `ns_dtype` names: "bf16" (bf16 operands,
-fp32 accumulation: tensor cores), "tf32" (fp32 operands, TF32 tensor-core products on CUDA;
-plain fp32 elsewhere) or "fp32"; "auto" is bf16 on CUDA and fp32 on every other device (bf16
-matrix products are slow on CPUs). Same-shape matrices are orthogonalised as one batched
-product (`orthogonalize_`); a single matrix is a batch of one, so the batched and the
-per-matrix results are the same numbers. Shampoo's and SOAP's eigendecompositions, inverse roots
-and preconditioner products stay in fp32: their accuracy against fp64 is what the tests measure.
+Muon's Newton–Schulz (`canzona.runtime.rules.newton_schulz`) takes its (a, b, c) per iteration
+from a coefficient schedule (`ns_coefficients`: a name of `canzona.schedules.coefficients`, one
+triple for every iteration, or one triple per iteration) and runs as the `ns_method` names
+(standard, or gram with its `gram_restart`). Its products run in the precision `ns_dtype` names:
+"bf16" (bf16 operands, fp32 accumulation: tensor cores), "tf32" (fp32 operands, TF32 tensor-core
+products on CUDA; plain fp32 elsewhere) or "fp32"; "auto" is bf16 on CUDA and fp32 on every other
+device (bf16 matrix products are slow on CPUs). All three default to the schedule's. Same-shape
+matrices are orthogonalised as one batched product (`orthogonalize_`); a single matrix is a
+batch of one, so the batched and the per-matrix results are the same numbers. Shampoo's and
+SOAP's eigendecompositions, inverse roots and preconditioner products stay in fp32: their
+accuracy against fp64 is what the tests measure.
 
 A matrix rule turns the gradient of one (sub)matrix into an update direction `u`; the caller
 applies it as ``p ← p·(1 − lr·wd) − lr·u`` (decoupled weight decay).
@@ -24,34 +26,33 @@ applies it as ``p ← p·(1 − lr·wd) − lr·u`` (decoupled weight decay).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from canzona.schedules.coefficients import (
-    DEFAULT_NS_COEFFICIENTS,
-    NS_COEFFICIENT_NAMES,
-    Coefficients,
-    coefficient_steps,
+from canzona.runtime.rules.newton_schulz import (
+    NsCoefficients,
+    coefficient_schedule,
+    compute_dtype,
+    finite_number,
+    orthogonalize_,
+    resolve_ns_dtype,
 )
+from canzona.schedules.coefficients import DEFAULT_NS_COEFFICIENTS, Coefficients
+from canzona.schedules.limits import NS_DTYPES, NS_METHODS
 from canzona.schedules.reshard import submatrix_shapes
 
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
 UPDATE_SCALES = ("spectral", "shape", "unit_rms", "none")
-NS_DTYPES = ("auto", "bf16", "tf32", "fp32")
 SPECTRAL_FACTOR = 0.2  # Moonlight's: the spectral update then has about AdamW's RMS
 RowBlock = list[list[int]] | tuple[tuple[int, int], ...]
 RowBlocks = list[list[list[int]]]
 """A matrix's row blocks as a schedule lists them (`ParamEntry.row_blocks`): per submatrix, its
 [start, stop) row ranges in order."""
 State = dict[str, Any]
-NsCoefficients = str | Coefficients | tuple[Coefficients, ...]
-"""A coefficient schedule as the runtime takes it: a name, one triple for every iteration, or a
-sequence of triples, one per iteration (the last repeats past its end)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ class Hyperparameters:
     nesterov: bool = True
     ns_steps: int | None = None
     ns_coefficients: NsCoefficients | None = None
-    ns_dtype: str = "auto"
+    ns_dtype: str | None = None
+    ns_method: str | None = None
+    gram_restart: int | None = None
     update_scale: str = "spectral"
     update_scale_factor: float | None = None
     block_size: int | None = None
@@ -86,11 +89,7 @@ class Hyperparameters:
         """Fill the `None` settings from a schedule's `OptimizerSettings` and check the rest."""
         filled = replace(
             self,
-            **{
-                name: getattr(settings, name)
-                for name in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim", "ns_coefficients")
-                if getattr(self, name) is None
-            },
+            **{name: getattr(settings, name) for name in SCHEDULE_SETTINGS if getattr(self, name) is None},
         )
         filled.check()
         return filled
@@ -99,8 +98,13 @@ class Hyperparameters:
         """Raise ValueError naming the first impossible setting."""
         if self.update_scale not in UPDATE_SCALES:
             raise ValueError(f"update_scale must be one of {', '.join(UPDATE_SCALES)}, got {self.update_scale!r}")
-        if self.ns_dtype not in NS_DTYPES:
+        if self.ns_dtype is not None and self.ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {self.ns_dtype!r}")
+        if self.ns_method is not None and self.ns_method not in NS_METHODS:
+            raise ValueError(f"ns_method must be one of {', '.join(NS_METHODS)}, got {self.ns_method!r}")
+        restart = self.gram_restart
+        if restart is not None and (isinstance(restart, bool) or not isinstance(restart, int) or restart < 0):
+            raise ValueError(f"gram_restart must be an integer >= 0 (0: never), got {restart!r}")
         for name in ("ns_steps", "block_size", "precondition_frequency", "max_precond_dim"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -137,6 +141,18 @@ class Hyperparameters:
         return cls(**kwargs)
 
 
+# Settings a schedule records (`request.optimizer`) that a None hyperparameter takes from it.
+SCHEDULE_SETTINGS = (
+    "ns_steps",
+    "block_size",
+    "precondition_frequency",
+    "max_precond_dim",
+    "ns_coefficients",
+    "ns_dtype",
+    "ns_method",
+    "gram_restart",
+)
+
 # (name, low, high, high included): every scalar knob must be a finite number in [low, high].
 _RANGES = (
     ("lr", 0.0, math.inf, False),
@@ -153,129 +169,11 @@ _RANGES = (
 )
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_range(name: str, value: Any, low: float, high: float, closed: bool) -> None:
-    inside = _finite(value) and low <= value and (value <= high if closed else value < high)
+    inside = finite_number(value) and low <= value and (value <= high if closed else value < high)
     if not inside:
         bound = f"[{low:g}, {high:g}]" if closed else (f">= {low:g}" if math.isinf(high) else f"in [{low:g}, {high:g})")
         raise ValueError(f"{name} must be {bound}, got {value!r}")
-
-
-def _triple(value: Any) -> Coefficients | None:
-    if isinstance(value, (tuple, list)) and len(value) == 3 and all(_finite(c) for c in value):
-        return (float(value[0]), float(value[1]), float(value[2]))
-    return None
-
-
-def coefficient_schedule(value: NsCoefficients, steps: int) -> tuple[Coefficients, ...]:
-    """The (a, b, c) of each of `steps` iterations that `value` names: a schedule's name (its
-    own rule past its end), one triple (every iteration) or a sequence of triples (one per
-    iteration, the last repeated). ValueError for anything else."""
-    if isinstance(value, str):
-        if value not in NS_COEFFICIENT_NAMES:
-            raise ValueError(
-                f"ns_coefficients must be one of {', '.join(NS_COEFFICIENT_NAMES)}, three numbers or a "
-                f"list of such triples, got {value!r}"
-            )
-        return coefficient_steps(value, steps)
-    single = _triple(value)
-    if single is not None:
-        return (single,) * steps
-    read = [_triple(item) for item in value] if isinstance(value, (tuple, list)) else [None]
-    triples = [t for t in read if t is not None]
-    if not triples or len(triples) != len(read):
-        raise ValueError(
-            f"ns_coefficients must be a schedule's name, three finite numbers or a list of such triples, got {value!r}"
-        )
-    return tuple(triples[min(i, len(triples) - 1)] for i in range(steps))
-
-
-def compute_dtype(tensor: Tensor) -> torch.dtype:
-    """The dtype the math runs in for `tensor`: fp32, or fp64 for fp64 input."""
-    return torch.promote_types(tensor.dtype, torch.float32)
-
-
-def resolve_ns_dtype(ns_dtype: str, device: torch.device) -> str:
-    """The Newton–Schulz precision `ns_dtype` means on `device`: "auto" is "bf16" on CUDA and
-    "fp32" elsewhere; "tf32" is "fp32" off CUDA (no TF32 products there)."""
-    if ns_dtype == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if ns_dtype == "tf32" and device.type != "cuda":
-        return "fp32"
-    return ns_dtype
-
-
-@contextmanager
-def matmul_precision(precision: str, device: torch.device) -> Iterator[None]:
-    """TF32 products for fp32 matrices inside the block ("tf32" on CUDA), restored after."""
-    if precision != "tf32" or device.type != "cuda":
-        yield
-        return
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-def _iterate(x: Tensor, schedule: Sequence[Coefficients], precision: str) -> Tensor:
-    """Muon's quintic iteration on normalised matrices `x` [k, m, n], one batched product per
-    step, with the (a, b, c) of each step from `schedule`: A = X·Xᵀ (Xᵀ·X for a tall matrix),
-    B = b·A + c·A·A and X ← a·X + B·X (X·B) in fused `baddbmm` form. Two buffers of x's size
-    alternate; returns the one holding the result."""
-    tall = x.size(-2) > x.size(-1)
-    spare = torch.empty_like(x)
-    with matmul_precision(precision, x.device):
-        for a, b, c in schedule:
-            gram = torch.bmm(x.mT, x) if tall else torch.bmm(x, x.mT)
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            if tall:
-                torch.baddbmm(x, x, poly, beta=a, alpha=1.0, out=spare)
-            else:
-                torch.baddbmm(x, poly, x, beta=a, alpha=1.0, out=spare)
-            x, spare = spare, x
-    return x
-
-
-def orthogonalize_(
-    matrices: Sequence[Tensor], steps: int, coefficients: NsCoefficients, precision: str = "fp32", eps: float = 1e-7
-) -> None:
-    """Replace each of `matrices` (same shape, fp32 or fp64) by its approximate
-    orthogonalisation (Muon's Newton–Schulz, `steps` iterations of the `coefficients`
-    schedule), in place. Each is normalised by its Frobenius norm where it lies; then all are
-    stacked in the precision the products run in (a resolved `ns_dtype`: bf16, tf32 or fp32),
-    iterated as one batch and copied back. The workspace is two stacks (of bf16 for bf16
-    products)."""
-    if not matrices:
-        return
-    matrices = list(matrices)
-    norms = torch._foreach_norm(matrices)
-    torch._foreach_add_(norms, eps)
-    torch._foreach_div_(matrices, norms)
-    first = matrices[0]
-    dtype = torch.bfloat16 if precision == "bf16" else first.dtype
-    if len(matrices) == 1 and dtype == first.dtype and first.is_contiguous():
-        x = first.unsqueeze(0)  # a lone matrix is iterated where it lies
-    else:
-        x = torch.empty((len(matrices), *first.shape), dtype=dtype, device=first.device)
-        torch._foreach_copy_(list(x.unbind(0)), matrices)
-    result = _iterate(x, coefficient_schedule(coefficients, steps), precision)
-    if result is not x or x.data_ptr() != first.data_ptr():
-        torch._foreach_copy_(matrices, list(result.unbind(0)))
-
-
-def newton_schulz(
-    grad: Tensor, steps: int, coefficients: NsCoefficients, eps: float = 1e-7, precision: str = "fp32"
-) -> Tensor:
-    """`orthogonalize_` of one matrix (the same numbers as inside a batch), in fp32 (fp64 for
-    fp64 input); `grad` is left as it is."""
-    x = grad.to(compute_dtype(grad), copy=True)
-    orthogonalize_([x], steps, coefficients, precision, eps)
-    return x
 
 
 def muon_scale(rows: int, cols: int, mode: str, factor: float | None = None) -> float:
@@ -325,9 +223,11 @@ def muon_update_(hp: Hyperparameters, momenta: Sequence[Tensor], grads: Sequence
         torch._foreach_add_(grads, momenta, alpha=hp.momentum)
     else:
         torch._foreach_copy_(grads, momenta)
-    precision = resolve_ns_dtype(hp.ns_dtype, grads[0].device)
+    precision = resolve_ns_dtype(hp.ns_dtype or "auto", grads[0].device)
     schedule = hp.ns_schedule
-    orthogonalize_(grads, len(schedule), schedule, precision)
+    orthogonalize_(
+        grads, len(schedule), schedule, precision, method=hp.ns_method or "standard", restart=hp.gram_restart or 0
+    )
     torch._foreach_mul_(
         grads, muon_scale(grads[0].size(-2), grads[0].size(-1), hp.update_scale, hp.update_scale_factor)
     )

@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from canzona.runtime.rules.newton_schulz import resolve_ns_dtype
 from canzona.runtime.rules.optimizers import (
     Hyperparameters,
     adamw_,
     init_matrix_state,
     make_rule,
     matrix_update,
-    resolve_ns_dtype,
 )
 
 PROFILE_FORMAT = "canzona-profile/1"

@@ -29,6 +29,9 @@ OPTIMIZER = {
     "precondition_frequency": {"name": "soap", "precondition_frequency": 5},
     "max_precond_dim": {"name": "soap", "max_precond_dim": 4096},
     "ns_coefficients": {"ns_coefficients": "quintic"},
+    "ns_method": {"ns_method": "gram"},
+    "gram_restart": {"ns_method": "gram", "gram_restart": 3},
+    "ns_dtype": {"ns_dtype": "fp32"},
 }
 OPTIONS = {
     "split_qkv": {"split_qkv": "head"},

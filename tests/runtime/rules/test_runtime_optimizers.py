@@ -19,8 +19,8 @@ from canzona.runtime.rules.optimizers import (
     make_rule,
     matrix_update,
     muon_scale,
-    newton_schulz,
 )
+from canzona.runtime.rules.newton_schulz import newton_schulz
 from canzona.schedules.coefficients import NS_COEFFICIENT_SCHEDULES
 
 HP = Hyperparameters(ns_steps=5, block_size=8, precondition_frequency=2, max_precond_dim=100)
@@ -153,10 +153,16 @@ def test_adamw_matches_torch() -> None:
 def test_hyperparameters_from_schedule_and_unknown_names() -> None:
     class Settings:
         ns_steps, block_size, precondition_frequency, max_precond_dim, ns_coefficients = 7, 64, 5, 99, "quintic"
+        ns_method, gram_restart, ns_dtype = "gram", 3, "bf16"
 
-    hp = Hyperparameters(ns_steps=3).resolved(Settings())
+    hp = Hyperparameters(ns_steps=3, ns_dtype="fp32").resolved(Settings())
     assert (hp.ns_steps, hp.block_size, hp.precondition_frequency, hp.max_precond_dim) == (3, 64, 5, 99)
     assert hp.ns_coefficients == "quintic" and hp.ns_schedule == NS_COEFFICIENT_SCHEDULES["quintic"][:3]
+    assert (hp.ns_method, hp.gram_restart, hp.ns_dtype) == ("gram", 3, "fp32")  # given ones stand
+    with pytest.raises(ValueError, match="ns_method"):
+        Hyperparameters(ns_method="fast").check()
+    with pytest.raises(ValueError, match="gram_restart"):
+        Hyperparameters(gram_restart=-1).check()
     with pytest.raises(TypeError, match="unknown hyperparameter"):
         Hyperparameters.from_kwargs({"learning_rate": 1.0})
     with pytest.raises(ValueError, match="update_scale"):
@@ -168,7 +174,7 @@ def test_hyperparameters_from_schedule_and_unknown_names() -> None:
 
 
 def test_ns_dtype_is_checked_and_resolved_per_device() -> None:
-    from canzona.runtime.rules.optimizers import resolve_ns_dtype
+    from canzona.runtime.rules.newton_schulz import resolve_ns_dtype
 
     with pytest.raises(ValueError, match="ns_dtype must be one of auto, bf16, tf32, fp32"):
         Hyperparameters(ns_dtype="fp8").check()
