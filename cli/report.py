@@ -6,6 +6,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from canzona.cli.wording import duration, percent, plural
+from canzona.schedules.costs import update_label
 
 if TYPE_CHECKING:  # only named: `canzona -h` loads neither
     from canzona.planner.sources.architecture import Architecture
@@ -82,6 +83,15 @@ def step_line(step: dict[str, Any]) -> str:
     )
 
 
+def _notable_update(summary: dict[str, Any]) -> bool:
+    """Whether the matrix updates run other than Muon's default (standard Newton-Schulz in the
+    device's default precision) or Shampoo's and SOAP's fp32."""
+    update = summary.get("update", "")
+    if summary["optimizer"] != "muon" or not update:
+        return False
+    return update.startswith("gram") or not update.endswith("bf16")
+
+
 def plan_summary(schedule: Schedule, path: str, seconds: float, written: bool = True) -> dict[str, Any]:
     """Headline figures of a plan just made; `written`: False when its file already held it."""
     req, dp = schedule.request, schedule.metrics.dp
@@ -93,6 +103,7 @@ def plan_summary(schedule: Schedule, path: str, seconds: float, written: bool = 
         "tp": req.tp,
         "dp": req.dp,
         "optimizer": req.optimizer.name,
+        "update": update_label(req.optimizer),
         "cost": req.cost,
         "alpha": req.alpha,
         "num_matrix_params": sum(1 for p in schedule.params if p.owner is not None),
@@ -156,6 +167,7 @@ def summary_text(summary: dict[str, Any]) -> str:
         else f"unchanged {summary['output']} (it held this plan)",
         f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  "
         f"cost {summary['cost']}  alpha {summary['alpha']:g}",
+        *([f"matrix updates: {summary['update']}"] if _notable_update(summary) else []),
         *([step_line(summary["predicted_step"])] if summary.get("predicted_step") else []),
         f"{plural(summary['num_matrix_params'], 'matrix parameter')} in {plural(summary['num_buckets'], 'bucket')}, "
         f"method {summary['method']}",
@@ -289,7 +301,9 @@ def show_text(schedule: Schedule) -> str:
             req.tp, req.dp, req.dp_replicate
         )
     step = predicted_step(schedule)
-    lines = [header, *([step_line(step)] if step else []), "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
+    update = {"optimizer": req.optimizer.name, "update": update_label(req.optimizer)}
+    lines = [header, *([f"matrix updates: {update['update']}"] if _notable_update(update) else [])]
+    lines += [*([step_line(step)] if step else []), "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
     lines += [
         "",
         f"imbalance {dp.imbalance:.4f}  gap {percent(dp.gap)} above the lower bound {dp.lower_bound:.4g} "

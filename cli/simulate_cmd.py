@@ -69,6 +69,8 @@ def simulation_dict(sim: Simulation) -> dict[str, Any]:
         "dp": sim.dp,
         "ep": sim.ep,
         "optimizer": sim.optimizer,
+        "update": sim.update,
+        "precision": sim.precision,
         "hardware": asdict(sim.hardware),
         "time_model": sim.time_model,
         "fused": sim.fused,
@@ -112,8 +114,8 @@ def _header(sim: Simulation) -> list[str]:
         f"{sim.model}  tp {sim.tp} x dp {sim.dp}"
         + (f" (ep {sim.ep})" if sim.ep > 1 else "")
         + f"  {sim.optimizer}  on {hw.name}",
-        f"compute: {_pricing(sim.time_model)}; {hw.matrix_flops / 1e12:.3g} TFLOP/s matrix, "
-        f"{hw.memory_bandwidth / 1e9:.3g} GB/s memory",
+        f"compute: {_pricing(sim.time_model)}; {sim.optimizer}: {sim.update}, "
+        f"{hw.rate(sim.precision) / 1e12:.3g} TFLOP/s matrix, {hw.memory_bandwidth / 1e9:.3g} GB/s memory",
         f"network: {hw.intra_bandwidth / 1e9:.3g} GB/s intra-node, {hw.inter_bandwidth / 1e9:.3g} GB/s inter-node "
         f"per direction, "
         + ("all on one host" if hw.gpus_per_node >= CPU_GPUS_PER_NODE else f"{hw.gpus_per_node} per node")

@@ -56,6 +56,18 @@ def update_precision(settings: Settings, gpu: bool = True) -> str:
     return dtype if gpu or dtype != "tf32" else "fp32"
 
 
+def update_label(settings: Settings, gpu: bool = True) -> str:
+    """How the matrix updates run, in words: Muon's Newton–Schulz method and the precision of
+    the products (`update_precision`)."""
+    precision = update_precision(settings, gpu)
+    if settings.name != "muon":
+        return f"{precision} products"
+    if settings.ns_method == GRAM_NS:
+        restart = f"restart after {settings.gram_restart}" if settings.gram_restart else "no restart"
+        return f"gram Newton-Schulz ({restart}; at most {GRAM_MIN_ASPECT}x as long as wide: standard), {precision}"
+    return f"standard Newton-Schulz, {precision}"
+
+
 def runs_gram(rows: int, cols: int, method: str) -> bool:
     """Whether a rows x cols matrix runs Gram Newton–Schulz under `method`: "gram" does where
     the long side is more than `GRAM_MIN_ASPECT` times the short one; a squarer matrix falls

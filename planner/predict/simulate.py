@@ -33,6 +33,7 @@ from canzona.planner.predict.hardware import Hardware
 from canzona.planner.predict.iteration import IterationTime, iteration_times
 from canzona.planner.predict.sim_baselines import baseline_times
 from canzona.planner.predict.step import StrategyTime, build_instance, canzona_time, default_time_model
+from canzona.schedules.costs import update_label, update_precision
 from canzona.schedules.format import Schedule
 from canzona.schedules.limits import AS_SCHEDULED
 
@@ -54,6 +55,8 @@ class Simulation:
     strategies: tuple[StrategyTime, ...]
     training: TrainingSetup | None = None
     iterations: tuple[IterationTime, ...] = ()
+    precision: str = "bf16"  # of the matrix products, as priced (`update_precision`)
+    update: str = ""  # how the matrix updates run, in words (`update_label`)
 
     def get(self, name: str) -> StrategyTime:
         """The strategy called `name` (KeyError if absent)."""
@@ -130,6 +133,8 @@ def simulate(
         strategies,
         training,
         iterations,
+        update_precision(req.optimizer, hardware.gpu),
+        update_label(req.optimizer, hardware.gpu),
     )
 
 

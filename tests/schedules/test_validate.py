@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from canzona.planner.compile import compile_schedule
+from canzona.planner.partition.costs import OptimizerConfig
 from canzona.planner.plan import PlanRequest, make_plan
 from canzona.planner.sources.load import load_model
 from canzona.schedules.figures import micro_group_traffic
@@ -423,3 +424,23 @@ def test_the_tp_update_is_known_and_is_the_one_asked_for() -> None:
     # flipped with its figures left as they were: the device figures give it away
     rejected(dense(), lambda d: d["tp"].update(update="replicated"), "metrics.device[0]")
     assert parse_schedule(dump_schedule(dense())).request.tp_update == "auto"  # the default, not written
+
+
+def test_the_newton_schulz_method_is_part_of_the_digest_and_of_every_cost() -> None:
+    """A gram plan records its method; its digest differs from the standard plan's; a file
+    whose method is edited (and resealed) is refused by its recomputed costs; an unknown method
+    or precision is refused by name; a file written before the fields reads as standard."""
+    model = load_model("qwen3-8b", 2)
+    gram = compile_schedule(
+        make_plan(model, PlanRequest("qwen3-8b", 2, 4, optimizer=OptimizerConfig(ns_method="gram")))
+    )
+    standard = dense()
+    assert gram.request.optimizer.ns_method == "gram" and gram.digest != standard.digest
+    assert "ns_method: gram" in dump_schedule(gram) and "ns_method" not in dump_schedule(standard)
+    rejected(gram, lambda d: d["request"]["optimizer"].update(ns_method="standard"), "cost")
+    rejected(standard, lambda d: d["request"]["optimizer"].update(ns_method="fast"), "ns_method", "fast")
+    rejected(standard, lambda d: d["request"]["optimizer"].update(ns_dtype="fp8"), "ns_dtype", "fp8")
+    rejected(standard, lambda d: d["request"]["optimizer"].update(gram_restart=1000), "gram_restart")
+    shampoo = compile_schedule(make_plan(model, PlanRequest("qwen3-8b", 2, 4, optimizer=OptimizerConfig("shampoo"))))
+    rejected(shampoo, lambda d: d["request"]["optimizer"].update(ns_method="gram"), "ns_method", "no effect")
+    assert parse_schedule(dump_schedule(standard)).request.optimizer.ns_method == "standard"
