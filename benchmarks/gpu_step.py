@@ -1,4 +1,5 @@
-"""GPU benchmark: canzona's optimizer step on one CUDA device against torch.optim.Muon + fused AdamW.
+"""GPU benchmark: canzona's optimizer step on one CUDA device, by Newton–Schulz method, against
+torch.optim.Muon + fused AdamW and (where installed) gram_newton_schulz.Muon.
 
 Run:  python benchmarks/gpu_step.py                 (qwen3-1.7b and qwen3-4b, optimizer steps, then
                                                      a transformers Qwen3ForCausalLM iteration)
@@ -11,18 +12,25 @@ benchmarks/runtime_step.py and benchmarks/memory.py for the CPU figures).
 Per model (world size 1, NCCL, TP 1 x DP 1, bf16 parameters and bf16 gradients of the preset's
 shapes, transformers' names, Muon on the matrices and AdamW on the rest), in one process:
 
-- `canzona`: `CanzonaOptimizer` with its defaults (Newton–Schulz in bf16: `ns_dtype="auto"`);
+- `canzona standard`: `CanzonaOptimizer` with its defaults (the standard Newton–Schulz in bf16:
+  `ns_dtype="auto"`);
+- `canzona gram`: the same on a schedule planned with `--ns-method gram` (Gram Newton–Schulz,
+  restart after 2; matrices at most twice as long as wide fall back; the `gram-newton-schulz`
+  kernels where the package is installed, else canzona's torch form);
 - `torch`: `torch.optim.Muon` (bf16 Newton–Schulz) on the matrices + `torch.optim.AdamW(fused=True)`
   on the rest, with the same learning rates;
-- `NS floor`: the Newton–Schulz products alone, in bf16, over the same matrices, stacked by shape
-  (the kernel canzona runs: `canzona.runtime.rules.optimizers.orthogonalize_`).
+- `gram_newton_schulz.Muon`: the package's own optimizer (Gram, its kernels, restart after 2,
+  canzona's default coefficients) with a fused AdamW as its scalar optimizer, where installed;
+- `NS floor standard` / `NS floor gram`: the Newton–Schulz products alone, in bf16, over the
+  same matrices, stacked by shape (the kernel canzona runs:
+  `canzona.runtime.rules.newton_schulz.orthogonalize_`).
 
 Each is timed over warm steps (CUDA events, median), with the peak memory the step allocates
 above the parameters and gradients (`torch.cuda.max_memory_allocated`), and the Newton–Schulz
-rate in TFLOP/s (T·(4r²c + 2r³) per r×c matrix, T = 5 steps, over the step's time). Ratios are
-canzona / torch. `--model` adds a whole iteration: a transformers `Qwen3ForCausalLM` of the
-first model's shape (bf16, 8 sequences of 2048 tokens), forward + backward + step, with each
-optimizer.
+rate in TFLOP/s (the planner's FLOPs of the method, `canzona.schedules.costs.ns_flops`, 5 steps,
+over the step's time). Ratios are against torch, in the same run. `--model` adds a whole
+iteration: a transformers `Qwen3ForCausalLM` of the first model's shape (bf16, 8 sequences of
+2048 tokens), forward + backward + step, with canzona (standard) and torch.
 """
 
 from __future__ import annotations
@@ -41,12 +49,15 @@ from bench_md import write_section
 MODELS = ("qwen3-1.7b", "qwen3-4b")
 WARMUP, STEPS = 3, 10
 LR, ADAMW_LR = 0.02, 3e-4
+RESTART = 2
+SIMPLE = (3.4445, -4.7750, 2.0315)  # canzona's default ("simple") coefficients, every iteration
 HEADING = "## GPU step (one device)"
 GIB = 1 << 30
 
 
-def _schedule(model: str) -> Any:
-    """The TP 1 x DP 1 schedule of a preset with transformers' names and bf16 parameters."""
+def _schedule(model: str, method: str = "standard") -> Any:
+    """The TP 1 x DP 1 schedule of a preset with transformers' names and bf16 parameters, its
+    Newton–Schulz by `method`."""
     from canzona.planner.compile import compile_schedule
     from canzona.planner.partition.costs import OptimizerConfig
     from canzona.planner.plan import PlanRequest, make_plan
@@ -57,7 +68,7 @@ def _schedule(model: str) -> Any:
     spec = load_model(model, 1, options)
     spec = dataclasses.replace(spec, params=tuple(dataclasses.replace(p, dtype="bf16") for p in spec.params))
     return compile_schedule(
-        make_plan(spec, PlanRequest(model, 1, 1, optimizer=OptimizerConfig("muon"), options=options))
+        make_plan(spec, PlanRequest(model, 1, 1, optimizer=OptimizerConfig("muon", ns_method=method), options=options))
     )
 
 
@@ -74,9 +85,11 @@ def _params(schedule: Any) -> list[tuple[str, torch.nn.Parameter]]:
     return out
 
 
-def ns_flops(shapes: list[tuple[int, int]], steps: int = 5) -> float:
-    """Newton–Schulz FLOPs of one step over matrices of `shapes`."""
-    return sum(steps * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+def ns_flops(shapes: list[tuple[int, int]], method: str = "standard", steps: int = 5) -> float:
+    """Newton–Schulz FLOPs of one step over matrices of `shapes` by `method` (the planner's count)."""
+    from canzona.schedules.costs import ns_flops as flops_of
+
+    return sum(flops_of(rows, cols, steps, method, RESTART) for rows, cols in shapes)
 
 
 def _timed(step: Callable[[], None]) -> tuple[float, float]:
@@ -105,13 +118,36 @@ def _canzona(params: list[tuple[str, Any]], schedule: Any) -> Any:
     return CanzonaOptimizer(params, schedule, dp_group=group, tp_group=group, lr=LR, adamw_lr=ADAMW_LR)
 
 
-def _torch_muon(params: list[tuple[str, Any]]) -> Callable[[], None]:
+def _split(params: list[tuple[str, Any]]) -> tuple[list[Any], list[Any]]:
+    """The matrices Muon updates (2-D, not the embedding or the output layer) and the rest."""
     matrices = [
         p
         for _, p in params
         if p.dim() == 2 and "embed" not in _name_of(params, p) and "lm_head" not in _name_of(params, p)
     ]
-    rest = [p for _, p in params if all(p is not m for m in matrices)]
+    return matrices, [p for _, p in params if all(p is not m for m in matrices)]
+
+
+def _gram_package(params: list[tuple[str, Any]]) -> Callable[[], None]:
+    """gram_newton_schulz.Muon (its kernels, restart after 2, canzona's coefficients) with a
+    fused AdamW on the rest."""
+    from gram_newton_schulz import Muon
+
+    matrices, rest = _split(params)
+    optimizer = Muon(
+        matrices,
+        lr=LR,
+        weight_decay=0.0,
+        ns_coefficients=[list(SIMPLE)] * 5,
+        ns_algorithm="gram_newton_schulz",
+        gram_newton_schulz_restart_iterations=[RESTART],
+        scalar_optimizer=torch.optim.AdamW(rest, lr=ADAMW_LR, weight_decay=0.0, fused=True),
+    )
+    return optimizer.step
+
+
+def _torch_muon(params: list[tuple[str, Any]]) -> Callable[[], None]:
+    matrices, rest = _split(params)
     muon = torch.optim.Muon(matrices, lr=LR, weight_decay=0.0)
     adamw = torch.optim.AdamW(rest, lr=ADAMW_LR, weight_decay=0.0, fused=True)
 
@@ -126,7 +162,7 @@ def _name_of(params: list[tuple[str, Any]], tensor: Any) -> str:
     return next(name for name, p in params if p is tensor)
 
 
-def _ns_floor(shapes: list[tuple[int, int]]) -> Callable[[], None]:
+def _ns_floor(shapes: list[tuple[int, int]], method: str) -> Callable[[], None]:
     from canzona.runtime.rules.newton_schulz import orthogonalize_
 
     by_shape: dict[tuple[int, int], int] = {}
@@ -136,29 +172,56 @@ def _ns_floor(shapes: list[tuple[int, int]]) -> Callable[[], None]:
 
     def step() -> None:
         for matrices in scratch.values():
-            orthogonalize_(matrices, 5, (3.4445, -4.7750, 2.0315), "bf16")
+            orthogonalize_(matrices, 5, SIMPLE, "bf16", method=method, restart=RESTART)
 
     return step
 
 
+VARIANTS = (
+    "canzona standard",
+    "canzona gram",
+    "torch",
+    "gram_newton_schulz.Muon",
+    "NS floor standard",
+    "NS floor gram",
+)
+
+
+def _gram_package_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("gram_newton_schulz") is not None
+
+
+def _step_of(variant: str, params: list[tuple[str, Any]], schedules: dict[str, Any], shapes: Any) -> Any:
+    """The step function of one variant (None: not available here)."""
+    if variant.startswith("canzona"):
+        return _canzona(params, schedules[variant.split()[1]]).step
+    if variant == "torch":
+        return _torch_muon(params)
+    if variant == "gram_newton_schulz.Muon":
+        return _gram_package(params) if _gram_package_installed() else None
+    return _ns_floor(shapes, variant.split()[-1])
+
+
 def measure(model: str) -> dict[str, Any]:
-    """Step time, peak memory and NS rate of canzona, torch.optim.Muon + AdamW and the NS floor."""
-    schedule = _schedule(model)
-    shapes = [tuple(e.shape) for e in schedule.params if e.optimizer == "matrix"]
-    flops = ns_flops(shapes)  # type: ignore[arg-type]
-    row: dict[str, Any] = {"model": model, "params": sum(e.numel for e in schedule.params), "flops": flops}
-    for name in ("canzona", "torch", "floor"):
-        params = _params(schedule) if name != "floor" else []
-        if name == "canzona":
-            optimizer = _canzona(params, schedule)
-            step: Callable[[], None] = optimizer.step
-        else:
-            step = _torch_muon(params) if name == "torch" else _ns_floor(shapes)  # type: ignore[arg-type]
+    """Step time, peak memory and NS rate of every variant (module docstring) on `model`."""
+    schedules = {method: _schedule(model, method) for method in ("standard", "gram")}
+    shapes = [tuple(e.shape) for e in schedules["standard"].params if e.optimizer == "matrix"]
+    params_count = sum(e.numel for e in schedules["standard"].params)
+    row: dict[str, Any] = {"model": model, "params": params_count}
+    for variant in VARIANTS:
+        params = _params(schedules["standard"]) if "floor" not in variant else []
+        step = _step_of(variant, params, schedules, shapes)
+        if step is None:
+            row[variant] = None
+            continue
+        flops = ns_flops(shapes, "gram" if "gram" in variant else "standard")  # type: ignore[arg-type]
         try:
             seconds, peak = _timed(step)
-            row[name] = {"s": seconds, "peak": peak, "tflops": flops / seconds / 1e12}
+            row[variant] = {"s": seconds, "peak": peak, "tflops": flops / seconds / 1e12}
         except torch.cuda.OutOfMemoryError:
-            row[name] = None
+            row[variant] = "out of memory"
         del params, step
         torch.cuda.empty_cache()
     return row
@@ -201,27 +264,31 @@ def measure_model(model: str, batch: int = 8, seq: int = 2048) -> dict[str, floa
 
 
 def table(rows: list[dict[str, Any]], iteration: dict[str, float] | None, device: str) -> str:
-    """The markdown table of the run."""
+    """The markdown table of the run: one row per model and variant, ratios against torch."""
     lines = [
         f"Device: {device}. One process, NCCL world size 1, TP 1 x DP 1, bf16 parameters and gradients; "
         f"median of {STEPS} steps after {WARMUP}; peak = memory the step allocates above params + grads.",
         "",
-        "| model | params | canzona s | torch.optim.Muon + fused AdamW s | NS floor s | canzona / torch "
-        "| canzona peak GiB (B/param) | torch peak GiB | canzona NS TFLOP/s | floor NS TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | params | variant | step s | step / torch | peak GiB (B/param) | peak / torch | NS TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        c, t, f = row["canzona"], row["torch"], row["floor"]
-        if c is None or t is None or f is None:
-            lines.append(
-                f"| {row['model']} | {row['params'] / 1e9:.2f}B | " + ("out of memory | " * 3) + "- | - | - | - | - |"
+        torch_row = row["torch"] if isinstance(row["torch"], dict) else None
+        for variant in VARIANTS:
+            got = row[variant]
+            head = f"| {row['model']} | {row['params'] / 1e9:.2f}B | {variant} |"
+            if not isinstance(got, dict):
+                lines.append(f"{head} {got or 'not installed'} | - | - | - | - |")
+                continue
+            versus = (
+                (f"{got['s'] / torch_row['s']:.2f}x", f"{got['peak'] / max(torch_row['peak'], 1):.2f}x")
+                if torch_row and "floor" not in variant
+                else ("-", "-")
             )
-            continue
-        lines.append(
-            f"| {row['model']} | {row['params'] / 1e9:.2f}B | {c['s']:.3f} | {t['s']:.3f} | {f['s']:.3f} "
-            f"| {c['s'] / t['s']:.2f}x | {c['peak'] / GIB:.1f} ({c['peak'] / row['params']:.1f}) "
-            f"| {t['peak'] / GIB:.1f} | {c['tflops']:.0f} | {f['tflops']:.0f} |"
-        )
+            lines.append(
+                f"{head} {got['s']:.4f} | {versus[0]} | {got['peak'] / GIB:.2f} ({got['peak'] / row['params']:.1f}) "
+                f"| {versus[1]} | {got['tflops']:.0f} |"
+            )
     if iteration:
         lines += [
             "",

@@ -237,7 +237,8 @@ def kernel_flops(plan: dict[str, list[tuple[int, int]]], settings: Settings, cal
     from dataclasses import replace
 
     from canzona.planner.partition.costs import FlopsCost, OptimizerConfig
-    from canzona.schedules.limits import MAX_PRECONDITION_FREQUENCY
+    from canzona.schedules.costs import runs_gram
+    from canzona.schedules.limits import GRAM_NS, MAX_PRECONDITION_FREQUENCY
 
     work = {}
     for name, todo in plan.items():
@@ -252,6 +253,9 @@ def kernel_flops(plan: dict[str, list[tuple[int, int]]], settings: Settings, cal
         )
         for rows, cols in dict.fromkeys(todo):
             work[f"{name} {rows}x{cols}"] = calls * sum(FlopsCost(step).matrix_cost(rows, cols) for step in steps)
+            if name == "muon" and runs_gram(rows, cols, GRAM_NS):
+                gram = replace(config, ns_method=GRAM_NS)
+                work[f"{name} {GRAM_NS} {rows}x{cols}"] = calls * FlopsCost(gram).matrix_cost(rows, cols)
     return work
 
 

@@ -276,7 +276,7 @@ def profile_cost_model(name: str, optimizer: OptimizerConfig) -> ProfileCost:
 def dump_profile(profile: Profile) -> str:
     """YAML text of a profile (one row per line, stable key order)."""
     data = profile.model_dump(mode="json", exclude_none=True)
-    rows = data.pop("rows")
+    rows = [{k: v for k, v in row.items() if (k, v) != ("method", STANDARD_NS)} for row in data.pop("rows")]
     head = yaml.safe_dump(data, sort_keys=False, width=1 << 16)
     lines = [head.rstrip("\n"), "rows:"] + [f"  - {json.dumps(row)}" for row in rows]
     return "\n".join(lines) + "\n"

@@ -42,6 +42,8 @@ from canzona.runtime.rules.optimizers import (
     make_rule,
     matrix_update,
 )
+from canzona.schedules.costs import runs_gram
+from canzona.schedules.limits import DEFAULT_GRAM_RESTART, GRAM_NS, STANDARD_NS
 
 PROFILE_FORMAT = "canzona-profile/1"
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
@@ -58,6 +60,7 @@ class Settings:
     precondition_frequency: int = 10
     max_precond_dim: int = 10000
     ns_dtype: str = "auto"
+    gram_restart: int = DEFAULT_GRAM_RESTART
 
 
 def _sync(device: torch.device) -> None:
@@ -79,27 +82,38 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, warmup: int, rep
     return statistics.median(times)
 
 
-def _hyperparameters(settings: Settings) -> Hyperparameters:
+def _hyperparameters(settings: Settings, method: str = STANDARD_NS) -> Hyperparameters:
     return Hyperparameters(
         ns_steps=settings.ns_steps,
         block_size=settings.block_size,
         precondition_frequency=settings.precondition_frequency,
         max_precond_dim=settings.max_precond_dim,
         ns_dtype=settings.ns_dtype,
+        ns_method=method,
+        gram_restart=settings.gram_restart,
     )
 
 
 def matrix_row(
-    optimizer: str, rows: int, cols: int, settings: Settings, device: torch.device, warmup: int, repeats: int
+    optimizer: str,
+    rows: int,
+    cols: int,
+    settings: Settings,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    method: str = STANDARD_NS,
 ) -> dict[str, Any]:
-    """One profile row: the per-step seconds of `optimizer` on a rows x cols matrix."""
-    rule = make_rule(optimizer, _hyperparameters(settings))
+    """One profile row: the per-step seconds of `optimizer` on a rows x cols matrix (Muon: by
+    Newton–Schulz `method`, which a gram row records)."""
+    rule = make_rule(optimizer, _hyperparameters(settings, method))
     with torch.device(device):
         states = init_matrix_state(rule, (rows, cols), None, device)
         grad = torch.randn(rows, cols)
     refresh = median_seconds(lambda: matrix_update(rule, states, grad, None, 1), device, warmup, repeats)
     if optimizer == "muon":
-        return {"optimizer": optimizer, "rows": rows, "cols": cols, "seconds": refresh, "repeats": repeats}
+        row = {"optimizer": optimizer, "rows": rows, "cols": cols, "seconds": refresh, "repeats": repeats}
+        return row if method == STANDARD_NS else {"optimizer": optimizer, "method": method, **row}
     # Step 2 refreshes nothing when the frequency is above 1 (step 1 built SOAP's basis).
     plain = median_seconds(lambda: matrix_update(rule, states, grad, None, 2), device, warmup, repeats)
     frequency = settings.precondition_frequency
@@ -113,6 +127,14 @@ def matrix_row(
         "step_seconds": plain,
         "refresh_seconds": refresh,
     }
+
+
+def timed_methods(optimizer: str, rows: int, cols: int) -> tuple[str, ...]:
+    """The Newton–Schulz methods a shape is timed with: Muon's standard one, and Gram where the
+    shape runs it (a squarer one falls back to the standard iteration, already timed)."""
+    if optimizer == "muon" and runs_gram(rows, cols, GRAM_NS):
+        return (STANDARD_NS, GRAM_NS)
+    return (STANDARD_NS,)
 
 
 def adamw_row(numel: int, device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
@@ -200,9 +222,11 @@ def calibrate(
         if name not in MATRIX_OPTIMIZERS:
             raise ValueError(f"unknown matrix optimizer {name!r}; expected one of {', '.join(MATRIX_OPTIMIZERS)}")
         for r, c in dict.fromkeys((int(a), int(b)) for a, b in todo):
-            rows.append(matrix_row(name, r, c, settings, target, warmup, repeats))
-            if progress:
-                progress(f"{name} {r}x{c}: {rows[-1]['seconds'] * 1e3:.3f} ms")
+            for method in timed_methods(name, r, c):
+                rows.append(matrix_row(name, r, c, settings, target, warmup, repeats, method))
+                if progress:
+                    label = name if method == STANDARD_NS else f"{name} {method}"
+                    progress(f"{label} {r}x{c}: {rows[-1]['seconds'] * 1e3:.3f} ms")
     for numel in adamw_sizes:
         rows.append(adamw_row(int(numel), target, warmup, repeats))
         if progress:

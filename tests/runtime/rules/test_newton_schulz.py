@@ -149,3 +149,34 @@ def test_muon_runs_the_method_its_hyperparameters_name() -> None:
 def test_the_package_kernels_are_used_only_where_they_run() -> None:
     cpu = torch.device("cpu")
     assert kernel_gram(cpu, "bf16") is None and kernel_gram(cpu, "fp32") is None
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_on_cuda_bf16_each_method_reaches_the_polar_factor(method: str) -> None:
+    """The runtime's default precision on a GPU (bf16), by method (the package's kernels where
+    installed on Hopper or newer, else the torch form), within the bf16 tolerance above."""
+    for shape in SHAPES:
+        grad = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        x = newton_schulz(grad.float().cuda(), 8, "polar_express", precision="bf16", method=method)
+        assert x.device.type == "cuda"
+        assert _distance(x.cpu(), _polar(grad)) < TOLERANCE[("bf16", method)], shape
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_package_kernels_agree_with_the_torch_gram_iteration() -> None:
+    device = torch.device("cuda")
+    kernel = kernel_gram(device, "bf16")
+    if kernel is None:
+        pytest.skip("gram-newton-schulz is not installed, or this GPU is older than Hopper")
+    schedule = coefficient_schedule("simple", 5)
+    x = torch.randn(4, 256, 1024, device=device)
+    x /= x.norm(dim=(-2, -1), keepdim=True)
+    ours = gram_iterate(x.bfloat16(), schedule, "bf16", 2).double()
+    theirs = kernel(x.bfloat16(), schedule, 2).double()
+    assert float((ours - theirs).norm() / theirs.norm()) < TOLERANCE[("bf16", "gram")]

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from canzona.runtime.rules.newton_schulz import newton_schulz
 from canzona.runtime.rules.optimizers import (
     Hyperparameters,
     Muon,
@@ -20,7 +21,6 @@ from canzona.runtime.rules.optimizers import (
     matrix_update,
     muon_scale,
 )
-from canzona.runtime.rules.newton_schulz import newton_schulz
 from canzona.schedules.coefficients import NS_COEFFICIENT_SCHEDULES
 
 HP = Hyperparameters(ns_steps=5, block_size=8, precondition_frequency=2, max_precond_dim=100)
