@@ -126,3 +126,31 @@ def test_the_same_job_twice_is_bit_identical() -> None:
     for a, b in zip(first, second):
         for index in range(len(schedules)):
             assert all(torch.equal(a[index][name], b[index][name]) for name in a[index])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["tp2xdp2", "dp2"])
+def test_gram_newton_schulz_matches_reference(layout: str) -> None:
+    """A schedule planned with `ns_method: gram` runs Gram Newton–Schulz on its MLP matrices
+    (three and six times as long as wide) and the standard iteration on the squarer ones, on
+    every rank as in the single-process reference (which reads the same settings)."""
+    from canzona.schedules.costs import runs_gram
+
+    tp, dp = LAYOUTS[layout]
+    schedules = [
+        make_schedule(DATA / "tiny_qwen3_wide.json", tp, dp, optimizer="muon", alpha=alpha, ns_method="gram")
+        for alpha in (0.0, 1.0)
+    ]
+    shapes = [(e.shape[0], e.shape[-1]) for e in schedules[0].params if e.optimizer == "matrix"]
+    assert any(runs_gram(*s, "gram") for s in shapes) and not all(runs_gram(*s, "gram") for s in shapes)
+    results = run_ranks(train_worker, tp * dp, schedules, STEPS, "canzona", HP)
+    for index, schedule in enumerate(schedules):
+        assert schedule.request.optimizer.ns_method == "gram"
+        gram = reference_run(schedule, STEPS, HP)
+        compare(schedule, [rank[index] for rank in results], gram)
+        if tp == 1:  # whole tensors on every rank: the run is the Gram reference's, not the standard one's
+            standard = reference_run(schedule, STEPS, {**HP, "ns_method": "standard"})
+            ran = results[0][index]
+            assert all(torch.equal(ran[name], value) for name, value in gram.items())
+            assert not all(torch.equal(ran[name], value) for name, value in standard.items())
