@@ -157,6 +157,8 @@ class Instance:
     overlap_grad: bool = True
     overlap_param: bool = False
     ns_steps: int = 5
+    ns_method: str = "standard"
+    gram_restart: int = 2
 
     def adamw_elements(self, dp_rank: int) -> int:
         """Elements of this DP rank's equal AdamW slices (per device: TP shards are local)."""
@@ -254,6 +256,8 @@ def build_instance(
         overlap_grad=overlap_grad,
         overlap_param=overlap_param,
         ns_steps=req.optimizer.ns_steps,
+        ns_method=req.optimizer.ns_method,
+        gram_restart=req.optimizer.gram_restart,
     )
 
 
@@ -371,7 +375,9 @@ def team_seconds(inst: Instance, matrix: Matrix, k: int) -> float:
     r x r fp32 per Newton-Schulz iteration, one norm) over k ranks of the TP link."""
     rows, cols = matrix.shape
     shape = Shape(rows, cols, None)
-    share = team_flops(shape, k, inst.ns_steps) / muon_flops(rows, cols, inst.ns_steps)
+    # a team runs its own sharded standard iteration, whatever the method the matrix is priced by
+    priced = muon_flops(rows, cols, inst.ns_steps, inst.ns_method, inst.gram_restart)
+    share = team_flops(shape, k, inst.ns_steps) / priced
     link = Link(inst.tp_link.name, k, inst.tp_link.bandwidth, inst.tp_link.latency)
     gram = all_reduce(link, min(rows, cols) ** 2, GRAD_BYTES).seconds()
     return matrix.seconds * share + inst.ns_steps * gram + all_reduce(link, 1, GRAD_BYTES).seconds()
