@@ -112,12 +112,13 @@ class Layout:
 
 @dataclass(frozen=True)
 class AlphaPoint:
-    """The plan at one α: canzona's predicted step (s), DP gap and max DP-rank load."""
+    """The plan at one α: canzona's predicted step (s), DP gap, max DP-rank load and TP update."""
 
     alpha: float
     step: float
     gap: float
     dp_max: float
+    tp_update: str = "hosted"
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ def sweep_layout(layout: Layout) -> Outcome:
             else:
                 sim = simulate(schedule, hardware())
             dp = schedule.metrics.dp
-            points.append(AlphaPoint(alpha, sim.get("canzona").step, dp.gap, dp.max))
+            points.append(AlphaPoint(alpha, sim.get("canzona").step, dp.gap, dp.max, schedule.tp.update))
     except PlanError as error:
         return Skipped(layout, str(error))
     return Planned(layout, tuple(points), iteration, tuple(baselines))
@@ -315,6 +316,9 @@ def report(command: str, swept: str, results: Sequence[Outcome]) -> None:
     for kind in KINDS:
         of_kind = [f for f in found if f.kind == kind]
         print(f"| {KIND_TITLES[kind]} | {len(of_kind)} | {len({f.layout for f in of_kind})} of {len(planned)} |")
+    replicated = [r for r in planned if any(p.alpha == DEFAULT_ALPHA and p.tp_update != "hosted" for p in r.points)]
+    by_optimizer = ", ".join(f"{name} {sum(r.layout.optimizer == name for r in replicated)}" for name in OPTIMIZERS)
+    print(f"\nplans at alpha {DEFAULT_ALPHA:g} with a replicated TP update: {len(replicated)} ({by_optimizer})")
     for kind in KINDS:
         of_kind = [f for f in found if f.kind == kind]
         print(f"\n## {KIND_TITLES[kind]}: {len(of_kind)}\n")
@@ -330,6 +334,7 @@ CSV_COLUMNS = (
     "alpha",
     "step_s",
     "dp_gap",
+    "tp_update",
     "iteration_s",
     "baseline",
     "baseline_step_s",
@@ -372,6 +377,7 @@ def save(results: Sequence[Outcome], path: str) -> None:
                         f"{point.alpha:g}",
                         repr(point.step),
                         repr(point.gap),
+                        point.tp_update,
                         *extra,
                     ]
                 )
