@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from canzona.planner.spec import OptimizerConfig, PlanError
-from canzona.schedules.costs import matrix_flops
+from canzona.schedules.costs import matrix_flops, runs_gram
 from canzona.schedules.limits import DEFAULT_GRAM_RESTART, MAX_MODEL_FILE_BYTES, STANDARD_NS
 from canzona.schedules.limits import MATRIX_OPTIMIZERS as OPTIMIZERS
 from canzona.schedules.reading import UnsafeDocument, read_text, safe_load
@@ -160,11 +160,12 @@ class ProfileCost:
     def _rows(self, optimizer: str) -> list[ProfileRow]:
         return [row for row in self.profile.rows if row.optimizer == optimizer]
 
-    def _matrix_rows(self) -> list[ProfileRow]:
-        """The rows that time this configuration's kernels: its Newton–Schulz method's where the
-        profile has them (else the standard ones, scaled by FLOPs like any unmeasured shape)."""
+    def _matrix_rows(self, method: str | None = None) -> list[ProfileRow]:
+        """The rows that time the kernel of Newton–Schulz `method` (default: the configured
+        one) where the profile has them, else the standard ones (scaled by FLOPs like any
+        unmeasured shape)."""
         rows = self._rows(self.optimizer.name)
-        own = [row for row in rows if row.method == self.optimizer.ns_method]
+        own = [row for row in rows if row.method == (method or self.optimizer.ns_method)]
         return own or [row for row in rows if row.method == STANDARD_NS]
 
     def _measured(self, row: ProfileRow) -> OptimizerConfig:
@@ -182,7 +183,9 @@ class ProfileCost:
         return self._cache[key]
 
     def _matrix_seconds(self, rows: int, cols: int) -> float:
-        candidates = self._matrix_rows()
+        # a shape that falls back from Gram runs (and is timed by) the standard kernel
+        method = self.optimizer.ns_method if runs_gram(rows, cols, self.optimizer.ns_method) else STANDARD_NS
+        candidates = self._matrix_rows(method)
         for row in candidates:
             if (min(row.rows, row.cols), max(row.rows, row.cols)) == (rows, cols) and self._same_settings(row):
                 return row.seconds

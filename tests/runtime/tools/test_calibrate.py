@@ -66,6 +66,34 @@ def test_calibrate_returns_a_valid_profile() -> None:
     assert ProfileCost(profile, OptimizerConfig()).matrix_cost(16, 8) == profile.rows[0].seconds
 
 
+def test_muon_is_timed_by_each_method_a_shape_runs_and_a_gram_plan_is_priced_by_its_rows() -> None:
+    """8 x 32 runs Gram (four times as long as wide): timed both ways; 16 x 16 falls back: timed
+    once. A gram configuration costs the gram row's seconds, a standard one the standard row's;
+    a profile without gram rows prices gram by the standard rows scaled by the two FLOP counts."""
+    from canzona.planner.partition.costs import OptimizerConfig
+    from canzona.planner.partition.profile_cost import Profile, ProfileCost, dump_profile, parse_profile
+    from canzona.schedules.costs import muon_flops
+
+    data = calibrate(
+        [], Settings(), "cpu", repeats=1, warmup=0, optimizers={"muon": [(8, 32), (16, 16)]}, adamw_sizes=(100,)
+    )
+    profile = Profile.model_validate(data)
+    assert [(r.method, r.rows, r.cols) for r in profile.rows if r.optimizer == "muon"] == [
+        ("standard", 8, 32),
+        ("gram", 8, 32),
+        ("standard", 16, 16),
+    ]
+    assert parse_profile(dump_profile(profile)) == profile and '"method": "standard"' not in dump_profile(profile)
+    standard, gram = OptimizerConfig(), OptimizerConfig(ns_method="gram")
+    assert ProfileCost(profile, standard).matrix_cost(32, 8) == profile.rows[0].seconds
+    assert ProfileCost(profile, gram).matrix_cost(32, 8) == profile.rows[1].seconds
+    assert ProfileCost(profile, gram).matrix_cost(16, 16) == profile.rows[2].seconds  # falls back: the same kernel
+    without = profile.model_copy(update={"rows": [r for r in profile.rows if r.method == "standard"]})
+    scaled = ProfileCost(without, gram).matrix_cost(32, 8)
+    expected = profile.rows[0].seconds * muon_flops(8, 32, 5, "gram", 2) / muon_flops(8, 32, 5)
+    assert scaled == pytest.approx(expected, rel=1e-12)
+
+
 def test_calibrate_rejects_unknown_optimizers_and_missing_gpus() -> None:
     with pytest.raises(ValueError, match="unknown matrix optimizer"):
         calibrate([(4, 4)], optimizers=["lion"], repeats=1, warmup=0, adamw_sizes=(10,))
