@@ -21,9 +21,9 @@ from canzona.schedules.limits import (
     REPLICATED,
     TP_UPDATE_REQUESTS,
     choice_problem,
+    optimizer_problem,
     recorded_settings,
     request_problem,
-    settings_problem,
     sharding_problem,
 )
 
@@ -142,17 +142,7 @@ class PlanRequest:
             time_limit=self.time_limit,
             seed=self.seed,
             order=self.order,
-        ) or settings_problem(
-            opt.name,
-            opt.ns_steps,
-            opt.block_size,
-            opt.precondition_frequency,
-            opt.max_precond_dim,
-            opt.ns_coefficients,
-            ns_method=opt.ns_method,
-            gram_restart=opt.gram_restart,
-            ns_dtype=opt.ns_dtype,
-        )
+        ) or optimizer_problem(opt)
         problem = (
             problem or sharding_problem(self.sharding, self.dp, self.dp_replicate, self.ep) or self._fsdp_problem()
         )

@@ -9,6 +9,7 @@ and with the number of parameters, and a schedule lists TP × DP devices.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 from canzona.schedules.coefficients import DEFAULT_NS_COEFFICIENTS, NS_COEFFICIENT_NAMES
 
@@ -158,6 +159,45 @@ def settings_problem(
         or bounded_int_problem("block_size", block_size, MAX_BLOCK_SIZE, "(Shampoo block side)")
         or bounded_int_problem("precondition_frequency", precondition_frequency, MAX_PRECONDITION_FREQUENCY, "steps")
         or bounded_int_problem("max_precond_dim", max_precond_dim, MAX_BLOCK_SIZE, "(preconditioner side)")
+    )
+
+
+class OptimizerFields(Protocol):
+    """The optimizer settings a request holds (the planner's `OptimizerConfig` and a schedule's
+    `request.optimizer` both have them)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def ns_steps(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def precondition_frequency(self) -> int: ...
+    @property
+    def max_precond_dim(self) -> int: ...
+    @property
+    def ns_coefficients(self) -> str: ...
+    @property
+    def ns_method(self) -> str: ...
+    @property
+    def gram_restart(self) -> int: ...
+    @property
+    def ns_dtype(self) -> str: ...
+
+
+def optimizer_problem(opt: OptimizerFields) -> str | None:
+    """`settings_problem` of a request's optimizer settings, given as one object."""
+    return settings_problem(
+        opt.name,
+        opt.ns_steps,
+        opt.block_size,
+        opt.precondition_frequency,
+        opt.max_precond_dim,
+        opt.ns_coefficients,
+        ns_method=opt.ns_method,
+        gram_restart=opt.gram_restart,
+        ns_dtype=opt.ns_dtype,
     )
 
 

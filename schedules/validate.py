@@ -49,8 +49,8 @@ from canzona.schedules.limits import (
     TP_UPDATES,
     choice_problem,
     cost_problem,
+    optimizer_problem,
     request_problem,
-    settings_problem,
     sharding_problem,
     unused_settings_problem,
 )
@@ -103,17 +103,7 @@ def _check_request(schedule: Schedule) -> None:
             seed=req.seed,
             order=req.order,
         )
-        or settings_problem(
-            opt.name,
-            opt.ns_steps,
-            opt.block_size,
-            opt.precondition_frequency,
-            opt.max_precond_dim,
-            opt.ns_coefficients,
-            ns_method=opt.ns_method,
-            gram_restart=opt.gram_restart,
-            ns_dtype=opt.ns_dtype,
-        )
+        or optimizer_problem(opt)
         or unused_settings_problem(opt.name, opt.model_dump(exclude={"name"}))
         or cost_problem(req.cost)
         or choice_problem("split_qkv", req.split_qkv, QKV_SPLITS)
