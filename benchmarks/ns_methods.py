@@ -83,7 +83,7 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {STEPS} steps, Gram restart after {RESTART}\n"
     )
     print(
-        "| shape | long/short | method run | GFLOP standard | GFLOP gram | gram/standard | timed shape "
+        "| shape | long/short | gram runs | GFLOP standard | GFLOP gram | gram/standard | timed shape "
         "| ms standard | ms gram | gram/standard |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
