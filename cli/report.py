@@ -6,7 +6,8 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from canzona.cli.wording import duration, percent, plural
-from canzona.schedules.costs import update_label
+from canzona.schedules.costs import runs_gram, update_label
+from canzona.schedules.splits import as_blocks, submatrices
 
 if TYPE_CHECKING:  # only named: `canzona -h` loads neither
     from canzona.planner.sources.architecture import Architecture
@@ -92,6 +93,24 @@ def _notable_update(summary: dict[str, Any]) -> bool:
     return update.startswith("gram") or not update.endswith("bf16")
 
 
+def gram_counts(schedule: Schedule) -> tuple[int, int]:
+    """(submatrices that run Gram Newton-Schulz, all Muon submatrices): the fallback the plan
+    is priced with (0 run Gram under the standard method)."""
+    method = schedule.request.optimizer.ns_method
+    pieces = [
+        piece
+        for e in schedule.params
+        if e.optimizer == "matrix"
+        for piece in submatrices((e.shape[0], e.shape[-1]), as_blocks(e.row_blocks))
+    ]
+    return sum(runs_gram(rows, cols, method) for rows, cols in pieces), len(pieces)
+
+
+def update_text(schedule: Schedule) -> str:
+    """How the matrix updates run, with the matrices that fall back from Gram counted."""
+    return update_label(schedule.request.optimizer, counts=gram_counts(schedule))
+
+
 def plan_summary(schedule: Schedule, path: str, seconds: float, written: bool = True) -> dict[str, Any]:
     """Headline figures of a plan just made; `written`: False when its file already held it."""
     req, dp = schedule.request, schedule.metrics.dp
@@ -103,7 +122,8 @@ def plan_summary(schedule: Schedule, path: str, seconds: float, written: bool = 
         "tp": req.tp,
         "dp": req.dp,
         "optimizer": req.optimizer.name,
-        "update": update_label(req.optimizer),
+        "update": update_text(schedule),
+        "gram_matrices": gram_counts(schedule)[0],
         "cost": req.cost,
         "alpha": req.alpha,
         "num_matrix_params": sum(1 for p in schedule.params if p.owner is not None),
@@ -301,7 +321,7 @@ def show_text(schedule: Schedule) -> str:
             req.tp, req.dp, req.dp_replicate
         )
     step = predicted_step(schedule)
-    update = {"optimizer": req.optimizer.name, "update": update_label(req.optimizer)}
+    update = {"optimizer": req.optimizer.name, "update": update_text(schedule)}
     lines = [header, *([f"matrix updates: {update['update']}"] if _notable_update(update) else [])]
     lines += [*([step_line(step)] if step else []), "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
     lines += [

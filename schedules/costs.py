@@ -56,16 +56,22 @@ def update_precision(settings: Settings, gpu: bool = True) -> str:
     return dtype if gpu or dtype != "tf32" else "fp32"
 
 
-def update_label(settings: Settings, gpu: bool = True) -> str:
+def update_label(settings: Settings, gpu: bool = True, counts: tuple[int, int] | None = None) -> str:
     """How the matrix updates run, in words: Muon's Newton–Schulz method and the precision of
-    the products (`update_precision`)."""
+    the products (`update_precision`); `counts`: (matrices that run Gram, all of them)."""
     precision = update_precision(settings, gpu)
     if settings.name != "muon":
         return f"{precision} products"
-    if settings.ns_method == GRAM_NS:
-        restart = f"restart after {settings.gram_restart}" if settings.gram_restart else "no restart"
-        return f"gram Newton-Schulz ({restart}; at most {GRAM_MIN_ASPECT}x as long as wide: standard), {precision}"
-    return f"standard Newton-Schulz, {precision}"
+    if settings.ns_method != GRAM_NS:
+        return f"standard Newton-Schulz, {precision}"
+    restart = f"restart after {settings.gram_restart}" if settings.gram_restart else "no restart"
+    squarer = f"at most {GRAM_MIN_ASPECT}x as long as wide"
+    where = (
+        f"on {counts[0]} of {counts[1]} matrices, the others ({squarer}) standard"
+        if counts
+        else f"(matrices {squarer}: standard)"
+    )
+    return f"gram Newton-Schulz {where}, {restart}, {precision}"
 
 
 def runs_gram(rows: int, cols: int, method: str) -> bool:
