@@ -19,10 +19,9 @@ from canzona.schedules.fsdp import (
 from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT
 from canzona.schedules.limits import ADAMW, MATRIX
 from canzona.schedules.models import ParamEntry, Schedule
+from canzona.schedules.validate_devices import adamw_bytes, check_device_balance
 from canzona.schedules.validate_metrics import (
-    adamw_bytes,
     check_baselines,
-    check_device_balance,
     check_lengths,
     check_modes,
     check_records,

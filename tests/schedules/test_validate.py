@@ -19,7 +19,7 @@ from canzona.schedules.figures import micro_group_traffic
 from canzona.schedules.format import Schedule, ScheduleError, dump_schedule, parse_schedule, sealed
 from canzona.schedules.limits import BUCKET_COLLECTIVES, MAX_TP
 from canzona.schedules.validate import schedule_problem
-from canzona.schedules.validate_metrics import device_traffic
+from canzona.schedules.validate_devices import device_traffic
 
 TINY_MOE = Path(__file__).resolve().parents[1] / "runtime" / "data" / "tiny_moe.json"
 
