@@ -11,9 +11,8 @@ file holds: the planner's `canzona.planner.partition.profile_cost` prices them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
-from canzona.schedules.limits import DEFAULT_GRAM_RESTART, GRAM_MIN_ASPECT, GRAM_NS, STANDARD_NS
+from canzona.schedules.limits import DEFAULT_GRAM_RESTART, GRAM_MIN_ASPECT, GRAM_NS, STANDARD_NS, OptimizerFields
 
 NUMEL, FLOPS = "numel", "flops"
 BUILT_IN_COSTS = (NUMEL, FLOPS)  # cost models whose figures a schedule file holds enough to recompute
@@ -24,25 +23,10 @@ MUON_STATE_BYTES_PER_ELEMENT = 4
 MAIN_COPY_BYTES_PER_ELEMENT = 4  # the runtime's fp32 main copy of a bf16/fp16 parameter
 
 
-class Settings(Protocol):
-    """The matrix optimizer's settings a cost or state size depends on (the planner's
-    `OptimizerConfig` and a schedule's `request.optimizer` both have them, read-only: both
-    are frozen)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def ns_steps(self) -> int: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def precondition_frequency(self) -> int: ...
-    @property
-    def max_precond_dim(self) -> int: ...
-    @property
-    def ns_method(self) -> str: ...
-    @property
-    def gram_restart(self) -> int: ...
+Settings = OptimizerFields
+"""The matrix optimizer's settings a cost or state size depends on (the planner's
+`OptimizerConfig` and a schedule's `request.optimizer` both have them, read-only: both are
+frozen)."""
 
 
 def update_precision(settings: Settings, gpu: bool = True) -> str:
@@ -50,7 +34,7 @@ def update_precision(settings: Settings, gpu: bool = True) -> str:
     ("auto": bf16 on a GPU, fp32 elsewhere; "tf32" is fp32 off a GPU); Shampoo and SOAP fp32."""
     if settings.name != "muon":
         return "fp32"
-    dtype = getattr(settings, "ns_dtype", "auto")
+    dtype = settings.ns_dtype
     if dtype == "auto":
         return "bf16" if gpu else "fp32"
     return dtype if gpu or dtype != "tf32" else "fp32"
