@@ -155,6 +155,20 @@ def _gram_kernels_installed() -> bool:
 GramKernel = Callable[[Tensor, Sequence[Coefficients], int], Tensor]
 
 
+@cache
+def package_kernel(schedule: tuple[Coefficients, ...], restarts: tuple[int, ...]) -> Callable[[Tensor], Tensor]:
+    """The package's Gram iteration for one schedule and restart (one instance per setting:
+    its call is compiled, and a new instance would compile again)."""
+    from gram_newton_schulz import GramNewtonSchulz
+
+    kernel: Callable[[Tensor], Tensor] = GramNewtonSchulz(
+        ns_coefficients=[list(triple) for triple in schedule],
+        gram_newton_schulz_reset_iterations=list(restarts),
+        ns_use_kernels=True,
+    )
+    return kernel
+
+
 def kernel_gram(device: torch.device, precision: str) -> GramKernel | None:
     """The `gram-newton-schulz` package's Gram iteration where it can run here (bf16
     products on a CUDA device of compute capability 9 or newer, the package installed), else
@@ -165,15 +179,8 @@ def kernel_gram(device: torch.device, precision: str) -> GramKernel | None:
         return None
 
     def run(x: Tensor, schedule: Sequence[Coefficients], restart: int) -> Tensor:
-        from gram_newton_schulz import GramNewtonSchulz
-
-        restarts = [restart] if 0 < restart < len(schedule) else []
-        kernel = GramNewtonSchulz(
-            ns_coefficients=[list(triple) for triple in schedule],
-            gram_newton_schulz_reset_iterations=restarts,
-            ns_use_kernels=True,
-        )
-        return kernel(x.float()).to(x.dtype)
+        restarts = (restart,) if 0 < restart < len(schedule) else ()
+        return package_kernel(tuple(schedule), restarts)(x.float()).to(x.dtype)
 
     return run
 

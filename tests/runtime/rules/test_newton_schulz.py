@@ -146,7 +146,7 @@ def test_muon_runs_the_method_its_hyperparameters_name() -> None:
     assert not torch.equal(results["gram"], results["standard"])
 
 
-def test_the_package_kernels_are_used_only_where_they_run() -> None:
+def test_thepackage_kernels_are_used_only_where_they_run() -> None:
     cpu = torch.device("cpu")
     assert kernel_gram(cpu, "bf16") is None and kernel_gram(cpu, "fp32") is None
 
@@ -169,7 +169,7 @@ def test_on_cuda_bf16_each_method_reaches_the_polar_factor(method: str) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_the_package_kernels_agree_with_the_torch_gram_iteration() -> None:
+def test_thepackage_kernels_agree_with_the_torch_gram_iteration() -> None:
     device = torch.device("cuda")
     kernel = kernel_gram(device, "bf16")
     if kernel is None:
@@ -180,3 +180,37 @@ def test_the_package_kernels_agree_with_the_torch_gram_iteration() -> None:
     ours = gram_iterate(x.bfloat16(), schedule, "bf16", 2).double()
     theirs = kernel(x.bfloat16(), schedule, 2).double()
     assert float((ours - theirs).norm() / theirs.norm()) < TOLERANCE[("bf16", "gram")]
+
+
+def test_thepackage_kernel_is_built_once_per_setting_with_its_documented_arguments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The adapter hands `gram_newton_schulz.GramNewtonSchulz` the schedule's triples and the
+    restart (its `gram_newton_schulz_reset_iterations`), with kernels on; its compiled call
+    is kept per setting (a stand-in module: the package needs a Hopper GPU)."""
+    import sys
+    import types
+
+    from canzona.runtime.rules import newton_schulz as ns
+
+    built: list[dict[str, object]] = []
+
+    class Stand:
+        def __init__(self, **kwargs: object) -> None:
+            built.append(kwargs)
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    monkeypatch.setitem(sys.modules, "gram_newton_schulz", types.SimpleNamespace(GramNewtonSchulz=Stand))
+    ns.package_kernel.cache_clear()
+    schedule = coefficient_schedule("simple", 5)
+    first = ns.package_kernel(tuple(schedule), (2,))
+    assert first is ns.package_kernel(tuple(schedule), (2,)) and len(built) == 1
+    assert built[0] == {
+        "ns_coefficients": [list(t) for t in schedule],
+        "gram_newton_schulz_reset_iterations": [2],
+        "ns_use_kernels": True,
+    }
+    assert torch.equal(first(torch.ones(2)), torch.full((2,), 2.0))
+    ns.package_kernel.cache_clear()
