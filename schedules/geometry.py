@@ -62,12 +62,11 @@ def reslice_moves(slices: Sequence[int]) -> list[tuple[int, int]]:
     (`chunk_bounds`: the bucket padded to a multiple of the ranks, as a native reduce-scatter
     cuts it) moves to the owners' `slices` (contiguous from the bucket's start): every element
     goes to the rank whose slice holds it. The way back swaps the two."""
-    total = sum(slices)
-    width = -(-total // max(len(slices), 1))
-    moves, start = [], 0
-    for rank, size in enumerate(slices):
-        equal_start, stop = min(total, rank * width), start + size
-        equal_stop = min(total, equal_start + width)
+    if not slices:
+        return []
+    total, moves, start = sum(slices), [], 0
+    for size, (equal_start, equal_stop) in zip(slices, chunk_bounds(total, len(slices))):
+        stop = start + size
         kept = max(0, min(stop, equal_stop) - max(start, equal_start))
         moves.append((equal_stop - equal_start - kept, size - kept))
         start = stop
