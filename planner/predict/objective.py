@@ -41,6 +41,7 @@ from canzona.planner.partition.collectives import (
     layout_links,
     reduce_scatter,
 )
+from canzona.planner.partition.costs import param_cost
 from canzona.planner.partition.dp import ALPHA_LADDER
 from canzona.planner.partition.layout import adamw_elements, equal_cuts, param_bytes, slice_sizes
 from canzona.planner.plan import Partitions, Plan, PlanRequest, finish_plan, make_baseline_plan, partition_plan
@@ -50,7 +51,6 @@ from canzona.planner.predict.step import (
     canzona_parts,
     critical_local,
     replicated_locals,
-    submatrices,
 )
 from canzona.planner.spec import ModelSpec
 from canzona.schedules.limits import AS_SCHEDULED, HOSTED, REPLICATED_UPDATE, TP_UPDATES
@@ -179,10 +179,7 @@ def local_floor(plan: Plan, device: Device) -> float:
         updates = 0.0
         for task in tasks:
             if task.name not in seconds_of:
-                param = plan.model.params[index_of[task.name]]
-                seconds_of[task.name] = sum(
-                    time_model.matrix_cost(rows, cols) for rows, cols in submatrices(param.shape, param.row_blocks)
-                )
+                seconds_of[task.name] = param_cost(plan.model.params[index_of[task.name]], time_model)
             updates += seconds_of[task.name]
         worst = max(worst, updates / req.tp + time_model.adamw_cost(elements[rank]))
     return worst

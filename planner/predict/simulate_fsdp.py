@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from canzona.planner.partition.collectives import GRAD_BYTES, Exchange, Link, all_gather, group_link
 from canzona.planner.partition.costs import CostModel
 from canzona.planner.predict.hardware import Hardware
-from canzona.planner.predict.step import GroupTimes, default_time_model, pipeline_seconds, submatrices
+from canzona.planner.predict.step import GroupTimes, default_time_model, entry_seconds, pipeline_seconds
 from canzona.schedules.format import ParamEntry, Schedule
 from canzona.schedules.fsdp import FsdpLayout, sends_to_host, shard_numel
 from canzona.schedules.limits import MATRIX
@@ -55,10 +55,6 @@ class FsdpSimulation:
         return next(s for s in self.strategies if s.name == name)
 
 
-def _seconds(entry: ParamEntry, time_model: CostModel) -> float:
-    return sum(time_model.matrix_cost(rows, cols) for rows, cols in submatrices(entry.shape, entry.row_blocks))
-
-
 def _exchange(pieces: list[tuple[int, int, int]], link: Link, hosts: int) -> Exchange:
     """An all-to-all moving (sender, receiver, elements) pieces; self-sends are free."""
     sent, received = [0.0] * hosts, [0.0] * hosts
@@ -74,7 +70,7 @@ def _group_times(
 ) -> GroupTimes:
     gather, scatter, loads = [], [], [0.0] * layout.hosts
     for entry, host in entries:
-        loads[host] += _seconds(entry, time_model)
+        loads[host] += entry_seconds(entry, time_model)
         for fragment in range(layout.hosts):
             numel = shard_numel(entry.shape, entry.tp_dim, layout, fragment)
             if sends_to_host(entry.tp_dim, fragment, host, layout.tp):
@@ -109,7 +105,7 @@ def simulate_fsdp(schedule: Schedule, hardware: Hardware, time_model: CostModel 
         pieces = [shard_numel(entry.shape, entry.tp_dim, layout, f) for f in over]
         return all_gather(Link(link.name, len(pieces), link.bandwidth, link.latency), pieces, GRAD_BYTES).seconds()
 
-    redundant = sum(gathered(e) + _seconds(e, model) for e in matrices) + adamw(others)
+    redundant = sum(gathered(e) + entry_seconds(e, model) for e in matrices) + adamw(others)
     req = schedule.request
     strategies = (
         FsdpStrategy(

@@ -32,6 +32,7 @@ from canzona.planner.predict.hardware import Hardware, ThroughputCost
 from canzona.planner.spec import DTYPE_BYTES, PlanError
 from canzona.schedules.format import BucketEntry, ParamEntry, Schedule, TeamEntry
 from canzona.schedules.limits import AS_SCHEDULED, DP_COLLECTIVE_MODES, HOSTED, MATRIX
+from canzona.schedules.splits import as_blocks, submatrices
 
 DENSE, EXPERT, ADAMW_BUFFER = "dense", "expert", "adamw"  # the DP buffers, as bucket keys name them
 
@@ -169,19 +170,19 @@ class Instance:
         return self.publish_bytes or param_bytes
 
 
-def submatrices(shape: Sequence[int], row_blocks: Sequence[Sequence[Sequence[int]]] | None) -> list[tuple[int, int]]:
-    """Shapes the matrix optimizer updates one parameter of `shape` as (its row blocks, or
-    itself): a schedule's entry and a model's parameter alike."""
-    if not row_blocks:
-        return [(shape[0], shape[1])]
-    return [(sum(stop - start for start, stop in block), shape[1]) for block in row_blocks]
+def entry_seconds(entry: ParamEntry, time_model: CostModel) -> float:
+    """Seconds of one update of a schedule's matrix, priced as the submatrices it is updated as
+    (its row blocks, or itself)."""
+    return sum(
+        time_model.matrix_cost(rows, cols) for rows, cols in submatrices(entry.shape, as_blocks(entry.row_blocks))
+    )
 
 
 def _matrix(entry: ParamEntry, time_model: CostModel) -> Matrix:
     full = math.prod(entry.shape)
     return Matrix(
         name=entry.name,
-        seconds=sum(time_model.matrix_cost(rows, cols) for rows, cols in submatrices(entry.shape, entry.row_blocks)),
+        seconds=entry_seconds(entry, time_model),
         shard_bytes=GRAD_BYTES * entry.numel,
         full_bytes=GRAD_BYTES * full,
         replicated=entry.tp_dim is None,
