@@ -29,15 +29,19 @@ Settings = OptimizerFields
 frozen)."""
 
 
+def ns_precision(ns_dtype: str, gpu: bool) -> str:
+    """The precision Newton–Schulz products run in under `ns_dtype` on a GPU or not: "auto" is
+    bf16 on a GPU and fp32 elsewhere (bf16 products are slow on CPUs); "tf32" is fp32 off a GPU
+    (no TF32 products there). The runtime resolves its setting with it too."""
+    if ns_dtype == "auto":
+        return "bf16" if gpu else "fp32"
+    return ns_dtype if gpu or ns_dtype != "tf32" else "fp32"
+
+
 def update_precision(settings: Settings, gpu: bool = True) -> str:
     """The precision the runtime's matrix products run in for `settings`: Muon's `ns_dtype`
-    ("auto": bf16 on a GPU, fp32 elsewhere; "tf32" is fp32 off a GPU); Shampoo and SOAP fp32."""
-    if settings.name != "muon":
-        return "fp32"
-    dtype = settings.ns_dtype
-    if dtype == "auto":
-        return "bf16" if gpu else "fp32"
-    return dtype if gpu or dtype != "tf32" else "fp32"
+    (`ns_precision`); Shampoo and SOAP fp32."""
+    return ns_precision(settings.ns_dtype, gpu) if settings.name == "muon" else "fp32"
 
 
 def update_label(settings: Settings, gpu: bool = True, counts: tuple[int, int] | None = None) -> str:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from canzona.schedules.coefficients import NS_COEFFICIENT_NAMES, Coefficients, coefficient_steps
-from canzona.schedules.costs import runs_gram
+from canzona.schedules.costs import ns_precision, runs_gram
 from canzona.schedules.limits import DEFAULT_GRAM_RESTART, STANDARD_NS
 
 NsCoefficients = str | Coefficients | tuple[Coefficients, ...]
@@ -78,13 +78,9 @@ def compute_dtype(tensor: Tensor) -> torch.dtype:
 
 
 def resolve_ns_dtype(ns_dtype: str, device: torch.device) -> str:
-    """The Newton–Schulz precision `ns_dtype` means on `device`: "auto" is "bf16" on CUDA and
-    "fp32" elsewhere; "tf32" is "fp32" off CUDA (no TF32 products there)."""
-    if ns_dtype == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if ns_dtype == "tf32" and device.type != "cuda":
-        return "fp32"
-    return ns_dtype
+    """The Newton–Schulz precision `ns_dtype` means on `device` (`ns_precision`, the planner's
+    rule: "auto" is "bf16" on CUDA and "fp32" elsewhere; "tf32" is "fp32" off CUDA)."""
+    return ns_precision(ns_dtype, device.type == "cuda")
 
 
 @contextmanager
