@@ -36,7 +36,6 @@ from canzona.runtime.rules.newton_schulz import (
     coefficient_schedule,
     compute_dtype,
     matmul_precision,
-    resolve_ns_dtype,
 )
 from canzona.runtime.rules.optimizers import Hyperparameters, State, muon_scale
 from canzona.schedules.layout import Task
@@ -233,7 +232,7 @@ def team_muon(
     buf = state["momentum"]
     buf.mul_(hp.momentum).add_(grad)
     direction = grad.add(buf, alpha=hp.momentum) if hp.nesterov else buf
-    precision = resolve_ns_dtype(hp.ns_dtype or "auto", grad.device)
+    precision = hp.newton_schulz_run(grad.device)[0]
     schedule = hp.ns_schedule
     ortho = team_newton_schulz(
         direction, long_dim(task.shape), len(schedule), schedule, group, timeout, calls, precision=precision

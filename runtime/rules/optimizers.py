@@ -42,7 +42,7 @@ from canzona.runtime.rules.newton_schulz import (
     resolve_ns_dtype,
 )
 from canzona.schedules.coefficients import DEFAULT_NS_COEFFICIENTS, Coefficients
-from canzona.schedules.limits import NS_DTYPES, NS_METHODS
+from canzona.schedules.limits import DEFAULT_GRAM_RESTART, NS_DTYPES, NS_METHODS, STANDARD_NS
 from canzona.schedules.reshard import submatrix_shapes
 
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
@@ -130,6 +130,13 @@ class Hyperparameters:
         unresolved coefficients are the default schedule's, as in a file that records none)."""
         assert self.ns_steps is not None
         return coefficient_schedule(self.ns_coefficients or DEFAULT_NS_COEFFICIENTS, self.ns_steps)
+
+    def newton_schulz_run(self, device: torch.device) -> tuple[str, str, int]:
+        """How Muon's Newton–Schulz runs on `device`: the products' precision (`ns_dtype`
+        resolved there), the method and the Gram restart; unresolved settings are a file's
+        defaults, as `ns_schedule`'s coefficients ("auto", standard, `DEFAULT_GRAM_RESTART`)."""
+        restart = DEFAULT_GRAM_RESTART if self.gram_restart is None else self.gram_restart
+        return resolve_ns_dtype(self.ns_dtype or "auto", device), self.ns_method or STANDARD_NS, restart
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> Hyperparameters:
@@ -223,11 +230,9 @@ def muon_update_(hp: Hyperparameters, momenta: Sequence[Tensor], grads: Sequence
         torch._foreach_add_(grads, momenta, alpha=hp.momentum)
     else:
         torch._foreach_copy_(grads, momenta)
-    precision = resolve_ns_dtype(hp.ns_dtype or "auto", grads[0].device)
+    precision, method, restart = hp.newton_schulz_run(grads[0].device)
     schedule = hp.ns_schedule
-    orthogonalize_(
-        grads, len(schedule), schedule, precision, method=hp.ns_method or "standard", restart=hp.gram_restart or 0
-    )
+    orthogonalize_(grads, len(schedule), schedule, precision, method=method, restart=restart)
     torch._foreach_mul_(
         grads, muon_scale(grads[0].size(-2), grads[0].size(-1), hp.update_scale, hp.update_scale_factor)
     )

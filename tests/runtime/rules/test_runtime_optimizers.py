@@ -159,6 +159,10 @@ def test_hyperparameters_from_schedule_and_unknown_names() -> None:
     assert (hp.ns_steps, hp.block_size, hp.precondition_frequency, hp.max_precond_dim) == (3, 64, 5, 99)
     assert hp.ns_coefficients == "quintic" and hp.ns_schedule == NS_COEFFICIENT_SCHEDULES["quintic"][:3]
     assert (hp.ns_method, hp.gram_restart, hp.ns_dtype) == ("gram", 3, "fp32")  # given ones stand
+    assert hp.newton_schulz_run(CPU) == ("fp32", "gram", 3)
+    # unresolved: a file's defaults, as for the coefficients
+    assert Hyperparameters(ns_method="gram").newton_schulz_run(CPU) == ("fp32", "gram", 2)
+    assert Hyperparameters().newton_schulz_run(torch.device("cuda")) == ("bf16", "standard", 2)
     with pytest.raises(ValueError, match="ns_method"):
         Hyperparameters(ns_method="fast").check()
     with pytest.raises(ValueError, match="gram_restart"):
