@@ -84,11 +84,10 @@ def step_line(step: dict[str, Any]) -> str:
     )
 
 
-def _notable_update(summary: dict[str, Any]) -> bool:
-    """Whether the matrix updates run other than Muon's default (standard Newton-Schulz in the
-    device's default precision) or Shampoo's and SOAP's fp32."""
-    update = summary.get("update", "")
-    if summary["optimizer"] != "muon" or not update:
+def _notable_update(optimizer: str, update: str) -> bool:
+    """Whether the matrix updates (`update_label`) run other than Muon's default (standard
+    Newton-Schulz in the device's default precision) or Shampoo's and SOAP's fp32."""
+    if optimizer != "muon" or not update:
         return False
     return update.startswith("gram") or not update.endswith("bf16")
 
@@ -101,19 +100,15 @@ def gram_counts(schedule: Schedule) -> tuple[int, int]:
         piece
         for e in schedule.params
         if e.optimizer == "matrix"
-        for piece in submatrices((e.shape[0], e.shape[-1]), as_blocks(e.row_blocks))
+        for piece in submatrices(e.shape, as_blocks(e.row_blocks))
     ]
     return sum(runs_gram(rows, cols, method) for rows, cols in pieces), len(pieces)
-
-
-def update_text(schedule: Schedule) -> str:
-    """How the matrix updates run, with the matrices that fall back from Gram counted."""
-    return update_label(schedule.request.optimizer, counts=gram_counts(schedule))
 
 
 def plan_summary(schedule: Schedule, path: str, seconds: float, written: bool = True) -> dict[str, Any]:
     """Headline figures of a plan just made; `written`: False when its file already held it."""
     req, dp = schedule.request, schedule.metrics.dp
+    counts = gram_counts(schedule)
     return {
         "predicted_step": predicted_step(schedule),
         "output": path,
@@ -122,8 +117,8 @@ def plan_summary(schedule: Schedule, path: str, seconds: float, written: bool = 
         "tp": req.tp,
         "dp": req.dp,
         "optimizer": req.optimizer.name,
-        "update": update_text(schedule),
-        "gram_matrices": gram_counts(schedule)[0],
+        "update": update_label(req.optimizer, counts=counts),
+        "gram_matrices": counts[0],
         "cost": req.cost,
         "alpha": req.alpha,
         "num_matrix_params": sum(1 for p in schedule.params if p.owner is not None),
@@ -181,13 +176,14 @@ def _fsdp_layout(tp: int, dp: int, replicate: int) -> str:
 
 def summary_text(summary: dict[str, Any]) -> str:
     """Short human summary of `plan_summary`."""
+    notable = _notable_update(summary["optimizer"], summary["update"])
     lines = [
         f"wrote {summary['output']}"
         if summary.get("written", True)
         else f"unchanged {summary['output']} (it held this plan)",
         f"{summary['model']}  tp {summary['tp']} x dp {summary['dp']}  {summary['optimizer']}  "
         f"cost {summary['cost']}  alpha {summary['alpha']:g}",
-        *([f"matrix updates: {summary['update']}"] if _notable_update(summary) else []),
+        *([f"matrix updates: {summary['update']}"] if notable else []),
         *([step_line(summary["predicted_step"])] if summary.get("predicted_step") else []),
         f"{plural(summary['num_matrix_params'], 'matrix parameter')} in {plural(summary['num_buckets'], 'bucket')}, "
         f"method {summary['method']}",
@@ -214,7 +210,7 @@ def summary_text(summary: dict[str, Any]) -> str:
         lines[2] = f"{plural(summary['num_matrix_params'], 'matrix parameter')}, " + _fsdp_layout(
             summary["tp"], summary["dp"], summary["dp_replicate"]
         )
-    after_step = 3 if summary.get("predicted_step") else 2  # the searches' lines follow the headline
+    after_step = 2 + notable + bool(summary.get("predicted_step"))  # the searches' lines follow the headline
     if summary["alpha_search"]:
         objective = "iteration" if summary["alpha_search"][0].get("predicted_iteration_s") is not None else "step"
         tried = [(f"{t['alpha']:g}", t[f"predicted_{objective}_s"]) for t in summary["alpha_search"]]
@@ -321,8 +317,8 @@ def show_text(schedule: Schedule) -> str:
             req.tp, req.dp, req.dp_replicate
         )
     step = predicted_step(schedule)
-    update = {"optimizer": req.optimizer.name, "update": update_text(schedule)}
-    lines = [header, *([f"matrix updates: {update['update']}"] if _notable_update(update) else [])]
+    update = update_label(req.optimizer, counts=gram_counts(schedule))
+    lines = [header, *([f"matrix updates: {update}"] if _notable_update(req.optimizer.name, update) else [])]
     lines += [*([step_line(step)] if step else []), "", *_bars(dp.load, dp.mean, "compute load per DP rank")]
     lines += [
         "",

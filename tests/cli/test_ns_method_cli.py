@@ -46,3 +46,13 @@ def test_gram_settings_are_refused_where_they_change_nothing(
         capsys,
         "--ns-method has no effect here",
     )
+
+
+def test_the_search_lines_follow_the_headline_under_the_method_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(["plan", *LAYOUT, "--ns-method", "gram", "--alpha", "auto", "-o", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[2].startswith("matrix updates: gram") and lines[3].startswith("predicted step")
+    assert lines[4].startswith("alpha chosen by the simulator")
