@@ -237,8 +237,8 @@ def kernel_flops(plan: dict[str, list[tuple[int, int]]], settings: Settings, cal
     from dataclasses import replace
 
     from canzona.planner.partition.costs import FlopsCost, OptimizerConfig
-    from canzona.schedules.costs import runs_gram
-    from canzona.schedules.limits import GRAM_NS, MAX_PRECONDITION_FREQUENCY
+    from canzona.schedules.costs import methods_run
+    from canzona.schedules.limits import MAX_PRECONDITION_FREQUENCY, STANDARD_NS
 
     work = {}
     for name, todo in plan.items():
@@ -252,10 +252,10 @@ def kernel_flops(plan: dict[str, list[tuple[int, int]]], settings: Settings, cal
             else [config]
         )
         for rows, cols in dict.fromkeys(todo):
-            work[f"{name} {rows}x{cols}"] = calls * sum(FlopsCost(step).matrix_cost(rows, cols) for step in steps)
-            if name == "muon" and runs_gram(rows, cols, GRAM_NS):
-                gram = replace(config, ns_method=GRAM_NS)
-                work[f"{name} {GRAM_NS} {rows}x{cols}"] = calls * FlopsCost(gram).matrix_cost(rows, cols)
+            for method in methods_run(name, rows, cols):
+                label = name if method == STANDARD_NS else f"{name} {method}"
+                flops = sum(FlopsCost(replace(step, ns_method=method)).matrix_cost(rows, cols) for step in steps)
+                work[f"{label} {rows}x{cols}"] = calls * flops
     return work
 
 

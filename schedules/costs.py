@@ -69,6 +69,16 @@ def runs_gram(rows: int, cols: int, method: str) -> bool:
     return method == GRAM_NS and max(rows, cols) > GRAM_MIN_ASPECT * min(rows, cols)
 
 
+def methods_run(optimizer: str, rows: int, cols: int) -> tuple[str, ...]:
+    """The Newton–Schulz methods a rows x cols matrix can run under `optimizer`: Muon's
+    standard one, and Gram where the shape runs it (`runs_gram`; a squarer one falls back to
+    the standard iteration); none but the standard one for Shampoo and SOAP (what `calibrate`
+    times)."""
+    if optimizer == "muon" and runs_gram(rows, cols, GRAM_NS):
+        return (STANDARD_NS, GRAM_NS)
+    return (STANDARD_NS,)
+
+
 def standard_ns_flops(r: int, c: int, steps: int) -> float:
     """The standard iteration on an r x c matrix (r <= c): per step X·Xᵀ (2r²c), the
     polynomial's square (2r³) and its product with X (2r²c)."""

@@ -42,8 +42,8 @@ from canzona.runtime.rules.optimizers import (
     make_rule,
     matrix_update,
 )
-from canzona.schedules.costs import runs_gram
-from canzona.schedules.limits import DEFAULT_GRAM_RESTART, GRAM_NS, STANDARD_NS
+from canzona.schedules.costs import methods_run
+from canzona.schedules.limits import DEFAULT_GRAM_RESTART, STANDARD_NS
 
 PROFILE_FORMAT = "canzona-profile/1"
 MATRIX_OPTIMIZERS = ("muon", "shampoo", "soap")
@@ -127,14 +127,6 @@ def matrix_row(
         "step_seconds": plain,
         "refresh_seconds": refresh,
     }
-
-
-def timed_methods(optimizer: str, rows: int, cols: int) -> tuple[str, ...]:
-    """The Newton–Schulz methods a shape is timed with: Muon's standard one, and Gram where the
-    shape runs it (a squarer one falls back to the standard iteration, already timed)."""
-    if optimizer == "muon" and runs_gram(rows, cols, GRAM_NS):
-        return (STANDARD_NS, GRAM_NS)
-    return (STANDARD_NS,)
 
 
 def adamw_row(numel: int, device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
@@ -222,7 +214,7 @@ def calibrate(
         if name not in MATRIX_OPTIMIZERS:
             raise ValueError(f"unknown matrix optimizer {name!r}; expected one of {', '.join(MATRIX_OPTIMIZERS)}")
         for r, c in dict.fromkeys((int(a), int(b)) for a, b in todo):
-            for method in timed_methods(name, r, c):
+            for method in methods_run(name, r, c):
                 rows.append(matrix_row(name, r, c, settings, target, warmup, repeats, method))
                 if progress:
                     label = name if method == STANDARD_NS else f"{name} {method}"
