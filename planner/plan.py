@@ -340,9 +340,8 @@ def _finish(
     device_bound = layout_device_bound(model, request, costs, bound, adamw)
     experts = expert_tasks(model, expert, slots, costs, request)  # per DP rank
     device = None
-    if (
-        device_stage and tp > 1 and request.cost == "flops"
-    ):  # FLOPs price the collectives too (at the reference throughput)
+    # FLOPs price the collectives too: seconds at the reference device's rate in the updates' precision
+    if device_stage and tp > 1 and request.cost == "flops":
         rate = reference_rate(update_precision(request.optimizer))
         device = _device_model(
             model,
