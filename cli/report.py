@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from canzona.cli.wording import duration, percent, plural
 from canzona.schedules.costs import runs_gram, update_label
+from canzona.schedules.limits import REPLICATED_UPDATE
 from canzona.schedules.splits import as_blocks, submatrices
 
 if TYPE_CHECKING:  # only named: `canzona -h` loads neither
@@ -199,7 +200,7 @@ def summary_text(summary: dict[str, Any]) -> str:
             else ""
         )
         + _device_gap_text(summary["device_gap"]),
-        *([REPLICATED_TEXT] if summary.get("tp_update") == "replicated" else []),
+        *([REPLICATED_TEXT] if summary.get("tp_update") == REPLICATED_UPDATE else []),
         f"planned in {duration(summary['seconds'])}",
     ]
     if summary.get("sharding") == "fsdp":
@@ -358,7 +359,7 @@ def _tp_lines(schedule: Schedule) -> list[str]:
         f"TP micro-groups ({tp.mode}, capacity {schedule.tp.group_bytes / (1 << 20):.0f} MiB per host): "
         f"critical path {tp.critical_time:.4g} vs lower bound {tp.critical_lower_bound:.4g}"
         + (f"; {plural(tp.cooperative, 'matrix', 'matrices')} hosted cooperatively" if tp.cooperative else ""),
-        *([REPLICATED_TEXT] if schedule.tp.update == "replicated" else []),
+        *([REPLICATED_TEXT] if schedule.tp.update == REPLICATED_UPDATE else []),
     ]
     s = tp.modes[tp.mode]  # older files also hold other modes' scores, which nothing re-checks: not shown
     rows = [

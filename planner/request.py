@@ -19,6 +19,7 @@ from canzona.schedules.limits import (
     DEFAULT_GROUP_MB,
     FSDP,
     REPLICATED,
+    REPLICATED_UPDATE,
     TP_UPDATE_REQUESTS,
     choice_problem,
     optimizer_problem,
@@ -168,7 +169,7 @@ class PlanRequest:
             return "--solver ilp is not supported with --fsdp (FSDP plans use the greedy micro-group scheduler)"
         if self.coop == "force":
             return "--coop force is not supported with --fsdp (FSDP plans host every matrix on one device)"
-        if self.tp_update == "replicated":
+        if self.tp_update == REPLICATED_UPDATE:
             return "--tp-update replicated is not supported with --fsdp (FSDP plans host every matrix on one device)"
         return None
 

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from canzona.schedules.limits import DEFAULT_GRAM_RESTART, GRAM_MIN_ASPECT, GRAM_NS, STANDARD_NS, OptimizerFields
+from canzona.schedules.limits import (
+    DEFAULT_GRAM_RESTART,
+    GRAM_MIN_ASPECT,
+    GRAM_NS,
+    HOSTED,
+    STANDARD_NS,
+    OptimizerFields,
+)
 
 NUMEL, FLOPS = "numel", "flops"
 BUILT_IN_COSTS = (NUMEL, FLOPS)  # cost models whose figures a schedule file holds enough to recompute
@@ -220,4 +227,4 @@ def tp_transient_bytes(update: str, group_bytes: int, owned_elements: int) -> in
     gradients and Newton-Schulz workspace), bounded by the capacity `group_bytes`; a replicated
     update's three fp32 copies of every matrix its DP rank owns (`owned_elements` in all: the
     all-gathered shards, the assembled matrices, their updates)."""
-    return group_bytes if update == "hosted" else 3 * REDUCTION_BYTES_PER_ELEMENT * owned_elements
+    return group_bytes if update == HOSTED else 3 * REDUCTION_BYTES_PER_ELEMENT * owned_elements

@@ -17,7 +17,7 @@ from canzona.schedules.fsdp import (
     shard_elements,
 )
 from canzona.schedules.geometry import GRAD_BYTES_PER_ELEMENT
-from canzona.schedules.limits import ADAMW, MATRIX
+from canzona.schedules.limits import ADAMW, HOSTED, MATRIX, REPLICATED_UPDATE
 from canzona.schedules.models import ParamEntry, Schedule
 from canzona.schedules.validate_devices import adamw_bytes, check_device_balance
 from canzona.schedules.validate_metrics import (
@@ -56,7 +56,7 @@ def _check_groups(schedule: Schedule, layout: FsdpLayout) -> dict[str, int]:
     req, ranks = schedule.request, schedule.tp.ranks
     if schedule.tp.mode != req.tp_mode or schedule.tp.group_bytes != req.group_bytes:
         fail("the tp section's mode and group_bytes must be the request's tp_mode and group_bytes")
-    if schedule.tp.update != "hosted" or req.tp_update == "replicated":
+    if schedule.tp.update != HOSTED or req.tp_update == REPLICATED_UPDATE:
         fail("FSDP plans host every matrix on one device: the tp update must be hosted")
     if [plan.dp_rank for plan in ranks] != [0]:
         fail("the tp section of an FSDP schedule holds one plan (dp_rank 0) for every fragmentation group")
